@@ -1,0 +1,196 @@
+"""Configuration: the one place environment variables are read, and the config objects.
+
+Every environment variable fdplug (or a built-in plugin) reads is declared here with its default and
+meaning, so `fdplug doctor` can list them and nothing reads ``os.environ`` behind the user's back.
+Names follow FastDeploy where the concept is the same.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from fdplug.errors import ConfigError
+
+# ---------------------------------------------------------------------------------------------------
+# environment variables
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class EnvVar:
+    """One environment variable: how to parse it and what it means."""
+
+    name: str
+    default: Any
+    parse: Callable[[str], Any]
+    help: str
+    secret: bool = False
+    as_set_by_user: bool = False
+
+
+# Variables that libraries also write (``import paddle`` sets OMP_NUM_THREADS=1 when it is unset) are
+# read as they were when fdplug was imported, so a library's write is not mistaken for the user's.
+_PADDLE_IMPORTED_FIRST = "paddle" in sys.modules
+_STARTUP_ENV = dict(os.environ)
+
+
+def _parse_bool(raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected 1/0/true/false, got {raw!r}")
+
+
+def _parse_list(raw: str) -> tuple[str, ...]:
+    return tuple(item.strip() for item in raw.split(",") if item.strip())
+
+
+def _parse_paths(raw: str) -> tuple[str, ...]:
+    return tuple(item for item in raw.split(os.pathsep) if item)
+
+
+def _parse_positive_int(raw: str) -> int:
+    value = int(raw)
+    if value < 1:
+        raise ValueError(f"must be >= 1, got {value}")
+    return value
+
+
+def _parse_positive_float(raw: str) -> float:
+    value = float(raw)
+    if value <= 0:
+        raise ValueError(f"must be > 0, got {value}")
+    return value
+
+
+ENV_VARS: dict[str, EnvVar] = {}
+
+
+def declare(name: str, default: Any, parse: Callable[[str], Any], help: str, *, secret: bool = False,
+            as_set_by_user: bool = False) -> None:
+    """Declare an environment variable. Built-in plugins declare theirs here too."""
+    ENV_VARS[name] = EnvVar(name, default, parse, help, secret, as_set_by_user)
+
+
+declare("FDPLUG_PLUGINS", None, _parse_list,
+        "Comma-separated allow-list of third-party plugins to load (unset: all installed).")
+declare("FDPLUG_DISABLE_PLUGINS", (), _parse_list,
+        "Comma-separated deny-list of plugins (built-ins included) not to load.")
+declare("FDPLUG_STRICT_PLUGINS", False, _parse_bool,
+        "1: any plugin that fails to import or register is a fatal error.")
+declare("FDPLUG_CPU_THREADS", None, _parse_positive_int,
+        "Threads for CPU compute (default: the number of usable cores).")
+declare("OMP_NUM_THREADS", None, _parse_positive_int,
+        "Honoured if set before fdplug and paddle are imported: the cpu device then uses that many threads.",
+        as_set_by_user=True)
+declare("MKL_DEBUG_CPU_TYPE", None, str,
+        "Honoured if set; otherwise the cpu device sets 5 on AMD CPUs (MKL's fast AVX2 path).",
+        as_set_by_user=True)
+declare("FDPLUG_ALLOWED_FEATURE_PATHS", (), _parse_paths,
+        "os.pathsep-separated directories that file:// feature URLs may read from (default: none).")
+declare("FDPLUG_ALLOW_PICKLE_FEATURES", False, _parse_bool,
+        "1: accept Python pickle features (FastDeploy's format). Trusted sources only.")
+declare("FDPLUG_FETCH_TIMEOUT", 30.0, _parse_positive_float,
+        "Seconds one feature fetch may take before it fails.")
+# feature storage
+declare("FD_BOS_DOWNLOAD_PARALLEL", 8, _parse_positive_int,
+        "Parallel BOS feature downloads per request (1: sequential). FastDeploy's name.")
+declare("FDPLUG_BOS_MAX_RETRIES", 3, int,
+        "Retries per BOS feature after a throttling, 5xx or connection error (0: none); never after 403/404.")
+declare("FDPLUG_BOS_RETRY_DEADLINE", 60.0, _parse_positive_float,
+        "Seconds one BOS feature may spend in retries (backoff included) before it fails.")
+declare("FDPLUG_BOS_ENDPOINT", None, str,
+        "BOS endpoint for bos:// features, e.g. bj.bcebos.com (overrides ENCODE_FEATURE_ENDPOINT).")
+declare("FDPLUG_BOS_AK", None, str, "BOS access key id (overrides ENCODE_FEATURE_BOS_AK).", secret=True)
+declare("FDPLUG_BOS_SK", None, str, "BOS secret access key (overrides ENCODE_FEATURE_BOS_SK).", secret=True)
+declare("FDPLUG_BOS_STS_TOKEN", None, str, "BOS STS session token, with temporary AK/SK.", secret=True)
+declare("ENCODE_FEATURE_ENDPOINT", None, str, "BOS endpoint for bos:// features (FastDeploy's name).")
+declare("ENCODE_FEATURE_BOS_AK", None, str, "BOS access key id (FastDeploy's name).", secret=True)
+declare("ENCODE_FEATURE_BOS_SK", None, str, "BOS secret access key (FastDeploy's name).", secret=True)
+declare("FDPLUG_HTTP_FEATURE_MAX_BYTES", 256 * 1024 * 1024, _parse_positive_int,
+        "Largest http(s):// feature accepted, in bytes (enforced while streaming).")
+declare("FDPLUG_ALLOWED_FEATURE_HOSTS", (), _parse_list,
+        "Comma-separated hosts (host, host:port or *.domain) http(s):// features may come from (default: none).")
+declare("FDPLUG_CACHE_DIR", None, str, "Directory for fdplug's generated files, e.g. the demo model (default: ~/.cache/fdplug).")
+
+
+def env(name: str) -> Any:
+    """The parsed value of a declared environment variable, or its default when unset.
+
+    A malformed value is a ConfigError naming the variable, not a crash deep in the code.
+    """
+    var = ENV_VARS[name]
+    raw = _raw(var)
+    if raw is None:
+        return var.default
+    try:
+        return var.parse(raw)
+    except ValueError as exc:
+        shown = "<hidden>" if var.secret else repr(raw)
+        raise ConfigError(f"environment variable {name}={shown} is invalid: {exc}.",
+                          fix=f"{var.help} Unset it or give a valid value.") from None
+
+
+def env_is_set(name: str) -> bool:
+    """Whether the user set a declared variable (even to an empty string)."""
+    if name not in ENV_VARS:
+        raise KeyError(f"{name} is not declared in fdplug.core.config")
+    return _raw(ENV_VARS[name]) is not None
+
+
+def _raw(var: EnvVar) -> str | None:
+    if not var.as_set_by_user:
+        return os.environ.get(var.name)
+    if _PADDLE_IMPORTED_FIRST and var.name == "OMP_NUM_THREADS":
+        return None  # paddle may have written it: its origin is unknown
+    return _STARTUP_ENV.get(var.name)
+
+
+# ---------------------------------------------------------------------------------------------------
+# config objects
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ModelTraits:
+    """What a backend needs to know about a model to say whether it supports it.
+
+    Built from the model's config when one is known; selection without a model (``fdplug explain``)
+    passes ``EngineConfig.model = None`` and backends answer for the general case.
+    """
+
+    architecture: str = ""
+    dtype: str = "float32"
+    num_attention_heads: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    num_experts: int = 0
+    moe_weight_format: str = "none"
+    mask_policy: str = "causal"
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Engine settings that backends see through ``supports(config)`` and ``fdplug_configure``.
+
+    Mutable on purpose: ``fdplug_configure`` may adjust it for the chosen backend before the
+    engine starts; after that the engine treats it as read-only.
+    """
+
+    model: ModelTraits | None = None
+    block_size: int = 16
+    allowed_feature_paths: tuple[str, ...] = field(default_factory=lambda: env("FDPLUG_ALLOWED_FEATURE_PATHS"))
+    fetch_timeout: float = field(default_factory=lambda: env("FDPLUG_FETCH_TIMEOUT"))
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}.",
+                              fix="use 16 (the default) or another power of two such as 32 or 64.")
+        if self.fetch_timeout <= 0:
+            raise ConfigError(f"fetch_timeout must be > 0 seconds, got {self.fetch_timeout}.",
+                              fix="give a positive number of seconds, e.g. 30.")

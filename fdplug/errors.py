@@ -1,0 +1,156 @@
+"""Typed errors that a user can cause.
+
+Every error here says what was wrong and how to fix it, and never carries a secret. The server maps
+them to OpenAI error objects through ``http_status``; anything not derived from ``FdplugError`` is a
+bug and becomes a 500.
+"""
+
+from __future__ import annotations
+
+
+class FdplugError(Exception):
+    """Base of every user-facing fdplug error.
+
+    ``fix`` is the one-line remedy; ``str(err)`` includes it so a log line or a CLI message is
+    complete on its own.
+    """
+
+    http_status = 400
+    error_type = "invalid_request_error"
+
+    def __init__(self, message: str, *, fix: str | None = None) -> None:
+        self.message = message
+        self.fix = fix
+        super().__init__(f"{message} Fix: {fix}" if fix else message)
+
+
+class ConfigError(FdplugError, ValueError):
+    """A setting, argument or environment variable has a value fdplug cannot use."""
+
+
+class PaddleNotInstalledError(FdplugError, ImportError):
+    """PaddlePaddle is needed for this and is not importable."""
+
+    http_status = 500
+    error_type = "server_error"
+
+
+# ---------------------------------------------------------------------------------------------------
+# plugins and selection
+# ---------------------------------------------------------------------------------------------------
+
+
+class PluginError(FdplugError):
+    """A plugin could not be loaded or registered (fatal only in strict mode)."""
+
+    http_status = 500
+    error_type = "server_error"
+
+
+class PluginVersionError(PluginError):
+    """A plugin was written for another major version of the hook API."""
+
+
+class RegistrationError(PluginError, TypeError):
+    """A plugin registered something malformed or a name that is already taken."""
+
+
+class SelectionError(FdplugError):
+    """No implementation could be chosen for a role (device, runner, attention, MoE, storage)."""
+
+    http_status = 500
+    error_type = "server_error"
+
+    def __init__(self, message: str, *, fix: str | None = None, decisions: tuple = ()) -> None:
+        super().__init__(message, fix=fix)
+        self.decisions = decisions
+
+
+class DeviceUnavailableError(SelectionError):
+    """The device asked for explicitly is known but its probe says it cannot be used here."""
+
+
+class UnknownComponentError(SelectionError):
+    """A device or component was asked for by a name no loaded plugin registered."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# feature storage
+# ---------------------------------------------------------------------------------------------------
+
+
+class StorageError(FdplugError):
+    """Fetching a multimodal feature failed. ``url`` never contains credentials."""
+
+    http_status = 502
+    error_type = "storage_error"
+
+    def __init__(self, message: str, *, url: str = "", fix: str | None = None) -> None:
+        super().__init__(message, fix=fix)
+        self.url = url
+
+
+class FeatureNotFoundError(StorageError):
+    """The object does not exist (or access is denied): retrying cannot help."""
+
+    http_status = 400
+
+
+class FeatureAccessDeniedError(StorageError):
+    """The URL is outside what the operator allowed (path root, host list) or credentials were refused."""
+
+    http_status = 400
+
+
+class StorageTimeoutError(StorageError):
+    """A fetch did not finish within its timeout."""
+
+    http_status = 504
+
+
+class FeatureFormatError(StorageError):
+    """The bytes are not a feature fdplug accepts (format, dtype or shape)."""
+
+    http_status = 400
+
+
+# ---------------------------------------------------------------------------------------------------
+# model loading
+# ---------------------------------------------------------------------------------------------------
+
+
+class ModelLoadError(FdplugError):
+    """A model directory cannot be loaded: a file is missing or a config value is unusable."""
+
+    http_status = 500
+    error_type = "server_error"
+
+
+class UnsupportedModelError(ModelLoadError):
+    """The model needs something fdplug does not implement (architecture, RoPE type, activation, ...)."""
+
+
+class WeightMismatchError(ModelLoadError):
+    """A checkpoint tensor is missing, unexpected, or has the wrong shape; ``tensor`` names it."""
+
+    def __init__(self, message: str, *, tensor: str, fix: str | None = None) -> None:
+        super().__init__(message, fix=fix)
+        self.tensor = tensor
+
+
+# ---------------------------------------------------------------------------------------------------
+# requests and scheduling
+# ---------------------------------------------------------------------------------------------------
+
+
+class InvalidRequestError(FdplugError, ValueError):
+    """A request (its prompt or its sampling parameters) cannot be served as given."""
+
+    http_status = 400
+
+
+class QueueFullError(FdplugError):
+    """The engine's waiting queue is at its limit: the request was refused, not queued."""
+
+    http_status = 503
+    error_type = "server_error"

@@ -1,0 +1,56 @@
+"""Built-in ``cpu`` plugin: the reference device, and the portable components every device can use.
+
+It registers the cpu device, the core model runner (device-agnostic, so for every device), and the
+reference attention and MoE backends (plain Paddle ops: correct anywhere, fast nowhere in particular;
+device plugins register faster ones with a higher priority).
+"""
+
+from __future__ import annotations
+
+from fdplug.core.hookspecs import hookimpl
+from fdplug.core.specs import ANY_DEVICE, AttentionBackendSpec, DeviceSpec, ModelRunnerSpec, MoEBackendSpec
+from fdplug.plugins.cpu import device
+
+FDPLUG_API_VERSION = "1.0"
+
+
+def _runner_factory(config, backend):
+    from fdplug.core.worker.model_runner import ModelRunner
+
+    return ModelRunner(config, backend)
+
+
+def _attention_factory(config):
+    from fdplug.plugins.cpu.attention import ReferenceAttention
+
+    return ReferenceAttention()
+
+
+def _moe_factory(config):
+    from fdplug.plugins.cpu.moe import ReferenceMoE
+
+    return ReferenceMoE()
+
+
+@hookimpl
+def fdplug_register_devices(register):
+    register(DeviceSpec(name="cpu", probe=device.probe, paddle_device="cpu", priority=0, setup=device.setup,
+                        description="the host CPU through paddle's CPU kernels (fp32 compute)"))
+
+
+@hookimpl
+def fdplug_register_model_runners(register):
+    register(ModelRunnerSpec(name="default", devices=(ANY_DEVICE,), factory=_runner_factory, priority=0,
+                             description="the core's device-agnostic Paddle model runner"))
+
+
+@hookimpl
+def fdplug_register_attention_backends(register):
+    register(AttentionBackendSpec(name="reference", devices=(ANY_DEVICE,), factory=_attention_factory, priority=0,
+                                  description="Paddle SDPA with a dense mask built from the mask spec"))
+
+
+@hookimpl
+def fdplug_register_moe_backends(register):
+    register(MoEBackendSpec(name="reference", devices=(ANY_DEVICE,), factory=_moe_factory, priority=0,
+                            weight_formats=("none",), description="softmax top-k routing, a loop over experts"))

@@ -1,0 +1,35 @@
+"""Built-in ``cuda`` plugin: NVIDIA GPUs through paddlepaddle-gpu.
+
+Only the device for now: on a GPU the portable reference components (cpu plugin) run through
+paddle's CUDA kernels; fused CUDA attention/MoE backends register here later with a higher priority.
+"""
+
+from __future__ import annotations
+
+from fdplug.core.device_probe import probe_accelerator
+from fdplug.core.hookspecs import hookimpl
+from fdplug.core.specs import DeviceSpec, Probe
+
+FDPLUG_API_VERSION = "1.0"
+
+INSTALL_FIX = ("install the CUDA build of paddle for your CUDA version (`pip install 'fdplug[gpu]'`, or "
+               "paddlepaddle-gpu from https://www.paddlepaddle.org.cn/install) and uninstall paddlepaddle (CPU build).")
+VISIBILITY_FIX = "check `nvidia-smi`, the NVIDIA driver and CUDA_VISIBLE_DEVICES."
+
+
+def _describe(paddle, count: int) -> dict[str, str]:
+    major, minor = paddle.device.cuda.get_device_capability(0)
+    return {"name": paddle.device.cuda.get_device_name(0), "capability": f"{major}.{minor}",
+            "cuda": str(paddle.version.cuda()), "cudnn": str(paddle.version.cudnn())}
+
+
+def probe() -> Probe:
+    return probe_accelerator("CUDA", compiled=lambda p: p.is_compiled_with_cuda(),
+                             count=lambda p: p.device.cuda.device_count(), describe=_describe,
+                             install_fix=INSTALL_FIX, visibility_fix=VISIBILITY_FIX)
+
+
+@hookimpl
+def fdplug_register_devices(register):
+    register(DeviceSpec(name="cuda", probe=probe, paddle_device="gpu", priority=100,
+                        description="NVIDIA GPUs through paddlepaddle-gpu"))

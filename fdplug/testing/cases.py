@@ -1,0 +1,229 @@
+"""Seeded random cases for checking attention and MoE backends against the CPU reference.
+
+Used by the conformance kit and by fdplug's own tests. A case is plain numpy; ``run_attention``
+plays it through a backend on a given paddle place in two steps (a context prefill, then the
+queries), so a backend must both write the cache correctly and read it back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from fdplug.core.attention import AttentionMetadata, causal_key_end
+
+
+@dataclass(slots=True)
+class SeqCase:
+    """One sequence: ``context`` tokens already cached by step 1, then ``query`` new tokens in step 2.
+
+    ``spans`` are bidirectional ranges ``[start, end)`` of positions (an image's placeholder tokens):
+    every token inside a span sees the whole span.
+    """
+
+    context: int
+    query: int
+    spans: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class AttentionCase:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    seqs: list[SeqCase]
+    seed: int
+
+    def describe(self) -> str:
+        shapes = ", ".join(f"{s.context}+{s.query}{'(bi)' if s.spans else ''}" for s in self.seqs)
+        return f"heads={self.num_heads}/{self.num_kv_heads} dim={self.head_dim} bs={self.block_size} seqs=[{shapes}]"
+
+
+def key_end_with_spans(positions: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
+    """The mask spec: causal, except that a token inside a span sees up to the span's end."""
+    key_end = causal_key_end(positions)
+    for start, end in spans:
+        inside = (positions >= start) & (positions < end)
+        key_end[inside] = np.maximum(key_end[inside], end)
+    return key_end
+
+
+def attention_cases(seed: int = 0) -> list[AttentionCase]:
+    """A fixed, seeded family: decode-only, prefill-only, mixed, GQA, bidirectional spans, odd lengths."""
+    rng = np.random.default_rng(seed)
+    layouts = [(4, 4, 16, 16), (8, 2, 32, 16), (4, 1, 64, 32), (6, 3, 8, 8)]
+    shapes = [
+        [SeqCase(0, 7)],                                   # one prefill
+        [SeqCase(5, 1), SeqCase(33, 1), SeqCase(1, 1)],    # decode batch
+        [SeqCase(16, 1), SeqCase(0, 33), SeqCase(20, 12)], # mixed, chunked prefill
+        [SeqCase(0, 100)],                                 # longer than a few blocks
+    ]
+    cases = []
+    for i, (h, kvh, d, bs) in enumerate(layouts):
+        for j, seqs in enumerate(shapes):
+            cases.append(AttentionCase(h, kvh, d, bs, [SeqCase(s.context, s.query) for s in seqs], seed * 1000 + i * 10 + j))
+        with_spans = [SeqCase(0, 24, [(3, 11)]), SeqCase(8, 16, [(10, 20)]), SeqCase(4, 1)]
+        cases.append(AttentionCase(h, kvh, d, bs, with_spans, seed * 1000 + i * 10 + 9))
+    rng.shuffle(cases)
+    return cases
+
+
+def _step_metadata(case: AttentionCase, starts: list[int], lens: list[int], block_tables: np.ndarray) -> AttentionMetadata:
+    positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lens)]).astype(np.int64)
+    key_end = np.concatenate([key_end_with_spans(np.arange(s, s + n), seq.spans)
+                              for s, n, seq in zip(starts, lens, case.seqs)]).astype(np.int64)
+    seq_of_token = np.repeat(np.arange(len(lens)), lens)
+    bs = case.block_size
+    slots = block_tables[seq_of_token, positions // bs] * bs + positions % bs
+    return AttentionMetadata(
+        query_start_loc=np.concatenate([[0], np.cumsum(lens)]).astype(np.int64),
+        seq_lens=np.array([s + n for s, n in zip(starts, lens)], dtype=np.int64),
+        positions=positions, key_end=key_end, slot_mapping=slots.astype(np.int64),
+        block_tables=block_tables, block_size=bs)
+
+
+def case_steps(case: AttentionCase) -> tuple[int, list[AttentionMetadata]]:
+    """Blocks needed and the metadata of the two steps (the first only if some sequence has context).
+
+    Block ids are shuffled, so a backend that assumes contiguous blocks fails.
+    """
+    rng = np.random.default_rng(case.seed)
+    bs = case.block_size
+    per_seq = [-(-(s.context + s.query) // bs) for s in case.seqs]
+    ids = rng.permutation(np.arange(1, sum(per_seq) + 1))
+    width = max(per_seq)
+    tables = np.zeros((len(case.seqs), width), dtype=np.int64)
+    offset = 0
+    for i, n in enumerate(per_seq):
+        tables[i, :n] = ids[offset:offset + n]
+        offset += n
+    steps = []
+    with_context = [i for i, s in enumerate(case.seqs) if s.context > 0]
+    if with_context:
+        sub = case.seqs
+        steps.append(_step_metadata(
+            AttentionCase(case.num_heads, case.num_kv_heads, case.head_dim, bs, [sub[i] for i in with_context], case.seed),
+            [0] * len(with_context), [sub[i].context for i in with_context], tables[with_context]))
+    steps.append(_step_metadata(case, [s.context for s in case.seqs], [s.query for s in case.seqs], tables))
+    return sum(per_seq) + 1, steps
+
+
+def case_tensors(case: AttentionCase, num_tokens: int, step: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng([case.seed, step])
+    q = rng.standard_normal((num_tokens, case.num_heads, case.head_dim)).astype(np.float32)
+    k = rng.standard_normal((num_tokens, case.num_kv_heads, case.head_dim)).astype(np.float32)
+    v = rng.standard_normal((num_tokens, case.num_kv_heads, case.head_dim)).astype(np.float32)
+    return q, k, v
+
+
+def run_attention(backend, case: AttentionCase, place: str = "cpu", dtype: str = "float32") -> list[np.ndarray]:
+    """Play a case through ``backend`` on ``place``; returns each step's output as float32 numpy."""
+    import paddle
+
+    num_blocks, steps = case_steps(case)
+    shape = backend.kv_cache_shape(num_blocks, case.block_size, case.num_kv_heads, case.head_dim)
+    previous = paddle.get_device()
+    paddle.set_device(place)
+    try:
+        key_cache = paddle.zeros(shape, dtype=dtype)
+        value_cache = paddle.zeros(shape, dtype=dtype)
+        outputs = []
+        for i, meta in enumerate(steps):
+            meta.validate()
+            q, k, v = (paddle.to_tensor(x).astype(dtype) for x in case_tensors(case, meta.num_tokens, i))
+            prepared = backend.prepare(meta)
+            out = backend.forward(q, k, v, key_cache, value_cache, prepared, case.head_dim ** -0.5)
+            outputs.append(out.astype("float32").numpy())
+    finally:
+        paddle.set_device(previous)
+    return outputs
+
+
+def naive_attention(case: AttentionCase) -> list[np.ndarray]:
+    """The definition, in numpy, one query token at a time: what every backend must match."""
+    num_blocks, steps = case_steps(case)
+    group = case.num_heads // case.num_kv_heads
+    keys = np.zeros((num_blocks * case.block_size, case.num_kv_heads, case.head_dim), np.float32)
+    values = np.zeros_like(keys)
+    outputs = []
+    for i, meta in enumerate(steps):
+        q, k, v = case_tensors(case, meta.num_tokens, i)
+        keys[meta.slot_mapping], values[meta.slot_mapping] = k, v
+        out = np.zeros_like(q)
+        for s in range(meta.num_seqs):
+            n = meta.seq_lens[s]
+            pos = np.arange(n)
+            slots = meta.block_tables[s, pos // case.block_size] * case.block_size + pos % case.block_size
+            ks, vs = np.repeat(keys[slots], group, axis=1), np.repeat(values[slots], group, axis=1)
+            for t in range(meta.query_start_loc[s], meta.query_start_loc[s + 1]):
+                scores = np.einsum("hd,khd->hk", q[t], ks) * case.head_dim ** -0.5
+                scores[:, meta.key_end[t]:] = -np.inf
+                p = np.exp(scores - scores.max(axis=1, keepdims=True))
+                out[t] = np.einsum("hk,khd->hd", p / p.sum(axis=1, keepdims=True), vs)
+        outputs.append(out)
+    return outputs
+
+
+# ---------------------------------------------------------------------------------------------------
+# MoE
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class MoECase:
+    num_tokens: int
+    hidden: int
+    intermediate: int
+    num_experts: int
+    top_k: int
+    renormalize: bool
+    seed: int
+
+
+def moe_cases(seed: int = 0) -> list[MoECase]:
+    return [MoECase(1, 32, 16, 4, 1, False, seed), MoECase(17, 64, 32, 8, 2, True, seed + 1),
+            MoECase(64, 32, 48, 16, 4, False, seed + 2), MoECase(5, 16, 8, 3, 3, True, seed + 3)]
+
+
+def moe_case_arrays(case: MoECase) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(case.seed)
+    e, h, i = case.num_experts, case.hidden, case.intermediate
+    return {"hidden": rng.standard_normal((case.num_tokens, h)).astype(np.float32),
+            "logits": rng.standard_normal((case.num_tokens, e)).astype(np.float32),
+            "gate": (rng.standard_normal((e, i, h)) / np.sqrt(h)).astype(np.float32),
+            "up": (rng.standard_normal((e, i, h)) / np.sqrt(h)).astype(np.float32),
+            "down": (rng.standard_normal((e, h, i)) / np.sqrt(i)).astype(np.float32)}
+
+
+def run_moe(backend, case: MoECase, place: str = "cpu") -> np.ndarray:
+    import paddle
+
+    from fdplug.core.moe import ExpertWeights
+
+    arrays = moe_case_arrays(case)
+    previous = paddle.get_device()
+    paddle.set_device(place)
+    try:
+        t = {name: paddle.to_tensor(a) for name, a in arrays.items()}
+        layer = backend.load_weights(ExpertWeights(t["gate"], t["up"], t["down"]))
+        out = backend.forward(t["hidden"], t["logits"], layer, case.top_k, case.renormalize)
+        return out.astype("float32").numpy()
+    finally:
+        paddle.set_device(previous)
+
+
+def naive_moe(case: MoECase) -> np.ndarray:
+    a = moe_case_arrays(case)
+    logits = a["logits"] - a["logits"].max(axis=1, keepdims=True)
+    probs = np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True)
+    out = np.zeros_like(a["hidden"])
+    for t in range(case.num_tokens):
+        top = np.argsort(-probs[t], kind="stable")[:case.top_k]
+        weights = probs[t, top] / (probs[t, top].sum() if case.renormalize else 1.0)
+        for e, w in zip(top, weights):
+            x = a["hidden"][t]
+            g, u = a["gate"][e] @ x, a["up"][e] @ x
+            out[t] += w * (a["down"][e] @ (g / (1 + np.exp(-g)) * u))
+    return out

@@ -1,0 +1,65 @@
+"""pytest plugin of the conformance kit: the ``--fdplug-device`` option and the fixtures.
+
+Light on purpose: it is loaded into every pytest run where fdplug is installed, so it imports
+neither paddle nor any plugin until a kit test asks for a fixture.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("fdplug", "fdplug conformance kit")
+    group.addoption("--fdplug-device", default="cpu",
+                    help="device whose backends the conformance kit checks (default: cpu)")
+    group.addoption("--fdplug-atol", type=float, default=1e-4,
+                    help="absolute tolerance against the CPU reference (default 1e-4, fp32)")
+
+
+def _components_for(config: pytest.Config, role: str) -> list[str]:
+    from fdplug.core.plugins import load_plugins
+
+    device = config.getoption("--fdplug-device")
+    registry = load_plugins().registry
+    return sorted(e.spec.name for e in registry.entries(role) if e.spec.runs_on(device))
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Parametrize kit tests over every attention/MoE backend that runs on the device under test."""
+    for fixture, role in (("attention_backend_name", "attention"), ("moe_backend_name", "moe")):
+        if fixture in metafunc.fixturenames:
+            names = _components_for(metafunc.config, role)
+            metafunc.parametrize(fixture, names or [None], ids=[f"{role}={n}" for n in names] or [f"no-{role}"])
+
+
+@pytest.fixture(scope="session")
+def fdplug_device(request: pytest.FixtureRequest) -> str:
+    return request.config.getoption("--fdplug-device")
+
+
+@pytest.fixture(scope="session")
+def fdplug_atol(request: pytest.FixtureRequest) -> float:
+    return request.config.getoption("--fdplug-atol")
+
+
+@pytest.fixture(scope="session")
+def fdplug_plugin_set():
+    from fdplug.core.plugins import load_plugins
+
+    return load_plugins()
+
+
+@pytest.fixture(scope="session")
+def fdplug_backend(fdplug_device: str, fdplug_plugin_set):
+    """The backend selected for the device under test; the device must be available here."""
+    from fdplug.core.selection import select_backend
+
+    backend = select_backend(fdplug_device, plugins=fdplug_plugin_set)
+    backend.device.setup and backend.device.setup()
+    return backend
+
+
+@pytest.fixture(scope="session")
+def fdplug_place(fdplug_backend) -> str:
+    return fdplug_backend.device.paddle_place_name(0)

@@ -1,0 +1,43 @@
+"""Attention and MoE backends of the device under test against the CPU reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fdplug.core.config import EngineConfig
+from fdplug.testing.cases import attention_cases, moe_cases, run_attention, run_moe
+
+
+def _reference(role: str):
+    from fdplug.plugins.cpu.attention import ReferenceAttention
+    from fdplug.plugins.cpu.moe import ReferenceMoE
+
+    return ReferenceAttention() if role == "attention" else ReferenceMoE()
+
+
+@pytest.mark.parametrize("case", attention_cases(seed=7), ids=lambda c: c.describe())
+def test_attention_matches_cpu_reference(case, attention_backend_name, fdplug_plugin_set, fdplug_place,
+                                         fdplug_atol, fdplug_backend):
+    if attention_backend_name is None:
+        pytest.fail("no attention backend runs on this device")
+    spec = fdplug_plugin_set.registry.get("attention", attention_backend_name).spec
+    backend = spec.factory(EngineConfig())
+    got = run_attention(backend, case, place=fdplug_place)
+    expected = run_attention(_reference("attention"), case, place="cpu")
+    for step, (g, e) in enumerate(zip(got, expected)):
+        assert g.shape == e.shape
+        np.testing.assert_allclose(g, e, atol=fdplug_atol, rtol=fdplug_atol, err_msg=f"step {step}")
+
+
+@pytest.mark.parametrize("case", moe_cases(seed=3), ids=lambda c: f"T{c.num_tokens}-E{c.num_experts}-k{c.top_k}")
+def test_moe_matches_cpu_reference(case, moe_backend_name, fdplug_plugin_set, fdplug_place, fdplug_atol,
+                                   fdplug_backend):
+    if moe_backend_name is None:
+        pytest.fail("no MoE backend runs on this device")
+    spec = fdplug_plugin_set.registry.get("moe", moe_backend_name).spec
+    if "none" not in spec.weight_formats:
+        pytest.skip(f"{moe_backend_name} runs only {spec.weight_formats}; its format has its own tests")
+    got = run_moe(spec.factory(EngineConfig()), case, place=fdplug_place)
+    expected = run_moe(_reference("moe"), case, place="cpu")
+    np.testing.assert_allclose(got, expected, atol=fdplug_atol, rtol=fdplug_atol)

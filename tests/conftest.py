@@ -1,0 +1,70 @@
+"""Shared test helpers: a clean plugin environment and throwaway installed distributions."""
+
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLE_PLUGIN = REPO / "examples" / "fdplug-example-device"
+
+
+@pytest.fixture(autouse=True)
+def _clean_plugin_env(monkeypatch):
+    """No test sees the developer's FDPLUG_* plugin settings, nor a previous test's loaded set."""
+    for name in ("FDPLUG_PLUGINS", "FDPLUG_DISABLE_PLUGINS", "FDPLUG_STRICT_PLUGINS"):
+        monkeypatch.delenv(name, raising=False)
+    from fdplug.core import plugins
+
+    plugins._cache.clear()
+    monkeypatch.setattr(plugins, "_current", None)
+    yield
+    plugins._cache.clear()
+
+
+def write_dist(site: Path, dist: str, version: str, entry_points: dict[str, str],
+               modules: dict[str, str] | None = None) -> Path:
+    """Install a distribution the way pip leaves it: a ``.dist-info`` with METADATA and entry points.
+
+    Discovery then goes through the real ``importlib.metadata`` entry-point machinery.
+    """
+    info = site / f"{dist.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+    lines = "\n".join(f"{name} = {target}" for name, target in entry_points.items())
+    (info / "entry_points.txt").write_text(f"[fdplug]\n{lines}\n")
+    for module, source in (modules or {}).items():
+        (site / f"{module}.py").write_text(textwrap.dedent(source))
+    return site
+
+
+def install_example_plugin(site: Path) -> list[str]:
+    """The example plugin as installed: its dist-info from its pyproject, its package on the path."""
+    import tomllib
+
+    meta = tomllib.loads((EXAMPLE_PLUGIN / "pyproject.toml").read_text())["project"]
+    write_dist(site, meta["name"], meta["version"], meta["entry-points"]["fdplug"])
+    return [str(site), str(EXAMPLE_PLUGIN)]
+
+
+@pytest.fixture
+def site(tmp_path, monkeypatch) -> Path:
+    """A fresh site directory at the front of sys.path."""
+    path = tmp_path / "site"
+    path.mkdir()
+    monkeypatch.syspath_prepend(str(path))
+    return path
+
+
+def subprocess_env(extra_paths: list[str] = (), **env: str) -> dict[str, str]:
+    out = {k: v for k, v in os.environ.items() if not k.startswith("FDPLUG_")}
+    out["PYTHONPATH"] = os.pathsep.join([*extra_paths, *filter(None, [out.get("PYTHONPATH")])])
+    out.update(env)
+    return out
+
+
+PYTHON = sys.executable

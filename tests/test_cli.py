@@ -1,0 +1,102 @@
+"""The CLI as a user runs it: the real console script in a subprocess, real entry points."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import fdplug
+from tests.conftest import install_example_plugin, subprocess_env, write_dist
+
+FDPLUG = str(Path(sys.executable).parent / "fdplug")  # the console script pip installed beside this python
+
+
+def run(*args: str, paths: list[str] = (), **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([FDPLUG, *args], capture_output=True, text=True, timeout=120,
+                          env=subprocess_env(list(paths), **env))
+
+
+def test_version():
+    out = run("--version")
+    assert out.returncode == 0 and fdplug.__version__ in out.stdout
+
+
+def test_plugins_lists_builtins_with_status():
+    out = run("plugins")
+    assert out.returncode == 0, out.stderr
+    lines = {line.split()[0]: line for line in out.stdout.splitlines()[2:] if line.strip()}
+    assert "loaded" in lines["cpu"] and "device: cpu" in lines["cpu"]
+    assert "loaded" in lines["cuda"] and "builtin" in lines["cuda"]
+
+
+def test_plugins_shows_the_example_and_a_broken_plugin_and_still_exits_0(tmp_path):
+    site = tmp_path / "site"
+    paths = install_example_plugin(site)
+    write_dist(site, "fdplug-broken", "0.0.1", {"broken": "fdplug_broken"},
+               {"fdplug_broken": "raise ImportError('no libbroken.so')\n"})
+    out = run("plugins", "--json", paths=paths)
+    assert out.returncode == 0, out.stderr
+    plugins = {p["name"]: p for p in json.loads(out.stdout)["plugins"]}
+    assert plugins["example"]["status"] == "loaded"
+    assert plugins["example"]["source"] == "distribution fdplug-example-device"
+    assert plugins["example"]["registered"]["attention"] == ["example_attention"]
+    assert plugins["broken"]["status"] == "failed" and "no libbroken.so" in plugins["broken"]["error"]
+    table = run("plugins", paths=paths).stdout
+    assert "broken" in table and "failed" in table and "example" in table
+
+
+def test_explain_auto_picks_cpu_and_says_why():
+    out = run("explain", "--device", "auto")
+    assert out.returncode == 0, out.stderr
+    assert "chosen   cpu" in out.stdout and "highest priority" in out.stdout
+    assert "rejected cuda" in out.stdout and "selected: device=cpu" in out.stdout
+
+
+def test_explain_xpu_fails_with_the_probes_reason_and_the_fix():
+    out = run("explain", "--device", "xpu")
+    assert out.returncode == 1
+    assert "error: device 'xpu' was asked for explicitly but is not available" in out.stderr
+    assert "not compiled with XPU support" in out.stderr and "fix: install paddle's XPU build" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_explain_example_device_selects_its_components(tmp_path):
+    out = run("explain", "--device", "example", "--json", paths=install_example_plugin(tmp_path / "site"))
+    assert out.returncode == 0, out.stderr
+    names = json.loads(out.stdout)
+    assert names["device"] == "example" and names["attention"] == "example_attention"
+    assert names["moe"] == "example_moe" and names["runner"] == "default"
+
+
+def test_explain_unknown_component_exits_nonzero():
+    out = run("explain", "--attention", "warp-speed")
+    assert out.returncode == 1 and "no attention named 'warp-speed'" in out.stderr
+
+
+def test_doctor_reports_paddle_devices_and_threads():
+    out = run("doctor", FDPLUG_CPU_THREADS="2")
+    assert out.returncode == 0, out.stderr
+    assert "paddle 3." in out.stdout and "cuda=False" in out.stdout
+    assert "cpu      available" in out.stdout and "xpu      unavailable" in out.stdout
+    assert "2 compute threads" in out.stdout and "FDPLUG_CPU_THREADS=2" in out.stdout
+
+
+def test_bad_environment_value_is_a_clear_error():
+    out = run("plugins", FDPLUG_STRICT_PLUGINS="maybe")
+    assert out.returncode == 1
+    assert "FDPLUG_STRICT_PLUGINS='maybe' is invalid" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("device", ["cpu", "example"])
+def test_conformance_kit_passes(device, tmp_path):
+    """The kit as a third-party author runs it: pytest --pyargs fdplug.testing --fdplug-device NAME."""
+    paths = install_example_plugin(tmp_path / "site") if device == "example" else []
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pyargs", "fdplug.testing",
+                          "--fdplug-device", device], capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path, env=subprocess_env(paths))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    assert " passed" in out.stdout and "failed" not in out.stdout

@@ -1,0 +1,87 @@
+"""CUDA/XPU probes through paddle's own APIs (monkeypatched: no such hardware here), and cpu setup."""
+
+from __future__ import annotations
+
+import subprocess
+
+import paddle
+import pytest
+
+from fdplug.plugins import cuda, xpu
+from tests.conftest import PYTHON, subprocess_env
+
+
+def test_cuda_probe_on_the_cpu_build_says_install_paddlepaddle_gpu():
+    probe = cuda.probe()
+    assert not probe.available
+    assert "not compiled with CUDA" in probe.reason and "paddlepaddle-gpu" in probe.fix
+
+
+def test_xpu_probe_on_the_cpu_build():
+    probe = xpu.probe()
+    assert not probe.available and "not compiled with XPU" in probe.reason and "XPU build" in probe.fix
+
+
+def test_compiled_with_cuda_but_no_device_is_unavailable(monkeypatch):
+    monkeypatch.setattr(paddle, "is_compiled_with_cuda", lambda: True)
+    monkeypatch.setattr(paddle.device.cuda, "device_count", lambda: 0)
+    probe = cuda.probe()
+    assert not probe.available
+    assert probe.reason == "paddle is compiled with CUDA but 0 devices are visible"
+    assert "CUDA_VISIBLE_DEVICES" in probe.fix
+
+
+def test_compiled_with_xpu_but_no_device_is_unavailable(monkeypatch):
+    monkeypatch.setattr(paddle, "is_compiled_with_xpu", lambda: True)
+    monkeypatch.setattr(paddle.device.xpu, "device_count", lambda: 0)
+    probe = xpu.probe()
+    assert not probe.available and "0 devices are visible" in probe.reason
+
+
+def test_device_query_failure_is_reported_not_raised(monkeypatch):
+    def broken():
+        raise RuntimeError("CUDA driver version is insufficient")
+
+    monkeypatch.setattr(paddle, "is_compiled_with_cuda", lambda: True)
+    monkeypatch.setattr(paddle.device.cuda, "device_count", broken)
+    probe = cuda.probe()
+    assert not probe.available and "driver version is insufficient" in probe.reason
+
+
+def test_cuda_available_only_when_compiled_and_devices_visible(monkeypatch):
+    monkeypatch.setattr(paddle, "is_compiled_with_cuda", lambda: True)
+    monkeypatch.setattr(paddle.device.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(paddle.device.cuda, "get_device_name", lambda i: "NVIDIA H100")
+    monkeypatch.setattr(paddle.device.cuda, "get_device_capability", lambda i: (9, 0))
+    probe = cuda.probe()
+    assert probe.available
+    assert probe.info["count"] == "2" and probe.info["capability"] == "9.0"
+    assert "NVIDIA H100" in probe.reason
+
+
+def run_setup(**env):
+    code = ("import os; from fdplug.plugins.cpu import device; device.setup(); import paddle; "
+            "print(os.environ.get('MKL_DEBUG_CPU_TYPE'), os.environ.get('OMP_NUM_THREADS'), device.cpu_threads())")
+    out = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=subprocess_env(**env), check=True)
+    return out.stdout.split()
+
+
+@pytest.fixture
+def clean_thread_env(monkeypatch):
+    for name in ("MKL_DEBUG_CPU_TYPE", "OMP_NUM_THREADS", "FDPLUG_CPU_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_cpu_setup_sets_threads_and_mkl_dispatch_before_paddle(clean_thread_env):
+    from fdplug.plugins.cpu.device import is_amd_cpu, usable_cores
+
+    mkl, omp, threads = run_setup()
+    assert mkl == ("5" if is_amd_cpu() else "None")
+    assert omp == threads == str(usable_cores())
+
+
+def test_cpu_setup_respects_the_users_settings(clean_thread_env):
+    mkl, omp, threads = run_setup(MKL_DEBUG_CPU_TYPE="2", OMP_NUM_THREADS="1")
+    assert (mkl, omp, threads) == ("2", "1", "1")
+    assert run_setup(FDPLUG_CPU_THREADS="3")[1:] == ["3", "3"]

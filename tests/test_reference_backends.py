@@ -1,0 +1,38 @@
+"""The CPU reference attention and MoE against their definitions, written out naively in numpy."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fdplug.core.moe import ExpertWeights
+from fdplug.errors import ConfigError
+from fdplug.plugins.cpu.attention import ReferenceAttention
+from fdplug.plugins.cpu.moe import ReferenceMoE
+from fdplug.testing.cases import (AttentionCase, SeqCase, attention_cases, moe_cases, naive_attention, naive_moe,
+                                  run_attention, run_moe)
+
+
+@pytest.mark.parametrize("case", attention_cases(seed=1), ids=lambda c: c.describe())
+def test_reference_attention_matches_the_definition(case):
+    for got, want in zip(run_attention(ReferenceAttention(), case), naive_attention(case)):
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+
+
+def test_bidirectional_span_changes_the_output_only_inside_the_span():
+    causal = AttentionCase(4, 2, 16, 16, [SeqCase(0, 20)], seed=5)
+    spans = AttentionCase(4, 2, 16, 16, [SeqCase(0, 20, [(4, 12)])], seed=5)
+    a, b = run_attention(ReferenceAttention(), causal)[-1], run_attention(ReferenceAttention(), spans)[-1]
+    changed = np.abs(a - b).max(axis=(1, 2)) > 1e-6
+    assert not changed[:4].any() and not changed[12:].any()
+    assert changed[4:11].all()  # the span's last token already saw the whole span causally
+
+
+@pytest.mark.parametrize("case", moe_cases(seed=2), ids=lambda c: f"T{c.num_tokens}-E{c.num_experts}-k{c.top_k}")
+def test_reference_moe_matches_the_definition(case):
+    np.testing.assert_allclose(run_moe(ReferenceMoE(), case), naive_moe(case), atol=1e-5, rtol=1e-5)
+
+
+def test_reference_moe_refuses_quantized_weights():
+    with pytest.raises(ConfigError, match="fp8_block"):
+        ReferenceMoE().load_weights(ExpertWeights(None, None, None, format="fp8_block"))

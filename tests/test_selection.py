@@ -1,0 +1,193 @@
+"""Selection: strict explicit devices, explicit > priority > name, reasons, round trip by names."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+
+import pytest
+
+from fdplug import hookimpl
+from fdplug.core.config import EngineConfig, ModelTraits
+from fdplug.core.plugins import load_plugins
+from fdplug.core.selection import select_backend
+from fdplug.core.specs import DeviceSpec, FeatureStorageSpec, MoEBackendSpec, Probe
+from fdplug.errors import DeviceUnavailableError, SelectionError, UnknownComponentError
+from tests.conftest import PYTHON, subprocess_env, write_dist
+from tests.test_plugin_loading import AttnPlugin, attention_spec
+
+
+class DevicePlugin:
+    FDPLUG_API_VERSION = "1.0"
+
+    def __init__(self, *devices):
+        self.devices = devices
+
+    @hookimpl
+    def fdplug_register_devices(self, register):
+        for spec in self.devices:
+            register(spec)
+
+
+def device(name, available=True, priority=0, probe=None):
+    return DeviceSpec(name=name, paddle_device="cpu", priority=priority,
+                      probe=probe or (lambda: Probe(available, f"{name} probe says {available}", fix=f"fix {name}")))
+
+
+def test_auto_picks_cpu_here_and_says_why_the_others_were_rejected():
+    backend = select_backend("auto")
+    assert backend.device.name == "cpu"
+    reasons = {d.name: d for d in backend.decisions if d.role == "device"}
+    assert reasons["cpu"].chosen and "highest priority" in reasons["cpu"].reason
+    assert not reasons["cuda"].chosen and "not compiled with CUDA" in reasons["cuda"].reason
+    assert not reasons["xpu"].chosen and "not compiled with XPU" in reasons["xpu"].reason
+    assert "rejected xpu" in backend.explain()
+
+
+def test_explicit_unavailable_device_is_an_error_with_reason_and_fix():
+    with pytest.raises(DeviceUnavailableError) as err:
+        select_backend("xpu")
+    assert "not compiled with XPU support" in err.value.message
+    assert "XPU build" in err.value.fix
+    assert err.value.decisions and not err.value.decisions[0].chosen
+
+
+def test_explicit_device_never_falls_back():
+    plugin_set = load_plugins(extra=[("dev", DevicePlugin(device("gone", available=False, priority=1000)))])
+    with pytest.raises(DeviceUnavailableError, match="gone"):
+        select_backend("gone", plugins=plugin_set)
+    assert select_backend("auto", plugins=plugin_set).device.name == "cpu"
+
+
+def test_auto_prefers_the_highest_priority_available_device():
+    plugin_set = load_plugins(extra=[("dev", DevicePlugin(device("fast", priority=50), device("faster", False, 60)))])
+    backend = select_backend(plugins=plugin_set)
+    assert backend.device.name == "fast"
+    cpu = next(d for d in backend.decisions if d.name == "cpu")
+    assert "priority 0 is below fast's 50" in cpu.reason
+
+
+def test_unknown_device_lists_known_ones_and_failed_plugins(site):
+    write_dist(site, "fdplug-mychip", "0.1", {"mychip": "fdplug_mychip"},
+               {"fdplug_mychip": "raise ImportError('libmychip.so: cannot open shared object file')\n"})
+    with pytest.raises(UnknownComponentError) as err:
+        select_backend("mychip")
+    message = str(err.value)
+    assert "known: cpu, cuda, xpu" in message
+    assert "libmychip.so: cannot open shared object file" in message
+
+
+def test_probe_that_raises_means_unavailable_not_a_crash():
+    def explode():
+        raise OSError("driver hung")
+
+    plugin_set = load_plugins(extra=[("dev", DevicePlugin(device("flaky", priority=99, probe=explode)))])
+    backend = select_backend(plugins=plugin_set)
+    flaky = next(d for d in backend.decisions if d.name == "flaky")
+    assert backend.device.name == "cpu" and "OSError: driver hung" in flaky.reason
+
+
+def test_priority_beats_name_and_name_breaks_ties():
+    plugin_set = load_plugins(extra=[("p", AttnPlugin(attention_spec("zeta", priority=5),
+                                                      attention_spec("alpha", priority=5),
+                                                      attention_spec("omega", priority=1)))])
+    backend = select_backend(plugins=plugin_set)
+    assert backend.attention.name == "alpha"
+    reasons = {d.name: d.reason for d in backend.decisions if d.role == "attention"}
+    assert "same priority as alpha" in reasons["zeta"]
+    assert "priority 1 is below alpha's 5" in reasons["omega"]
+
+
+def test_explicit_component_beats_priority():
+    plugin_set = load_plugins(extra=[("p", AttnPlugin(attention_spec("turbo", priority=100)))])
+    assert select_backend(plugins=plugin_set).attention.name == "turbo"
+    backend = select_backend(attention="reference", plugins=plugin_set)
+    assert backend.attention.name == "reference"
+    assert any(d.name == "turbo" and "asked for explicitly" in d.reason for d in backend.decisions)
+
+
+def test_components_for_other_devices_or_unsupported_configs_are_rejected_with_reasons():
+    no_gqa = attention_spec("mha_only", priority=50,
+                            supports=lambda c: "needs num_kv_heads == num_heads"
+                            if c.model and c.model.num_kv_heads != c.model.num_attention_heads else None)
+    plugin_set = load_plugins(extra=[("p", AttnPlugin(attention_spec("gpu_only", devices=("cuda",), priority=90),
+                                                      no_gqa))])
+    config = EngineConfig(model=ModelTraits(num_attention_heads=8, num_kv_heads=2))
+    backend = select_backend(config=config, plugins=plugin_set)
+    reasons = {d.name: d.reason for d in backend.decisions if d.role == "attention"}
+    assert backend.attention.name == "reference"
+    assert "not on the selected device 'cpu'" in reasons["gpu_only"]
+    assert reasons["mha_only"] == "needs num_kv_heads == num_heads"
+    with pytest.raises(SelectionError, match="'gpu_only' was asked for explicitly but cannot be used"):
+        select_backend(attention="gpu_only", plugins=plugin_set)
+    assert select_backend(attention="mha_only", plugins=plugin_set).attention.name == "mha_only"
+
+
+def test_supports_that_raises_is_a_rejection():
+    def boom(config):
+        raise ZeroDivisionError("bad math")
+
+    plugin_set = load_plugins(extra=[("p", AttnPlugin(attention_spec("crashy", priority=9, supports=boom)))])
+    backend = select_backend(plugins=plugin_set)
+    assert backend.attention.name == "reference"
+    assert any("ZeroDivisionError: bad math" in d.reason for d in backend.decisions if d.name == "crashy")
+
+
+def test_moe_weight_format_must_match_the_model():
+    class Fp8Plugin:
+        FDPLUG_API_VERSION = "1.0"
+
+        @hookimpl
+        def fdplug_register_moe_backends(self, register):
+            register(MoEBackendSpec(name="fp8", devices=("*",), factory=lambda c: None, priority=5,
+                                    weight_formats=("fp8_block",)))
+
+    plugin_set = load_plugins(extra=[("fp8", Fp8Plugin())])
+    plain = select_backend(config=EngineConfig(model=ModelTraits(num_experts=8)), plugins=plugin_set)
+    assert plain.moe.name == "reference"
+    quantized = select_backend(config=EngineConfig(model=ModelTraits(moe_weight_format="fp8_block")),
+                               plugins=plugin_set)
+    assert quantized.moe.name == "fp8"
+    assert any("not the model's 'fp8_block'" in d.reason for d in quantized.decisions if d.name == "reference")
+
+
+def test_no_candidate_left_is_an_error_listing_every_reason():
+    plugin_set = load_plugins(deny=["cpu"], extra=[("dev", DevicePlugin(device("solo")))])
+    with pytest.raises(SelectionError) as err:
+        select_backend(plugins=plugin_set)
+    assert "no runner can run on device 'solo'" in str(err.value)
+
+
+def test_storages_are_chosen_per_scheme_by_priority_and_explicitly():
+    class Stores:
+        FDPLUG_API_VERSION = "1.0"
+
+        @hookimpl
+        def fdplug_register_feature_storages(self, register):
+            register(FeatureStorageSpec(name="s3ish", schemes=("s3", "mem"), factory=lambda c: None, priority=1))
+            register(FeatureStorageSpec(name="memfast", schemes=("mem",), factory=lambda c: None, priority=9))
+
+    plugin_set = load_plugins(extra=[("stores", Stores())])
+    backend = select_backend(plugins=plugin_set)
+    assert backend.storages["mem"].name == "memfast" and backend.storages["s3"].name == "s3ish"
+    assert select_backend(storages={"mem": "s3ish"}, plugins=plugin_set).storages["mem"].name == "s3ish"
+    with pytest.raises(SelectionError, match="handles mem"):
+        select_backend(storages={"s3": "memfast"}, plugins=plugin_set)
+
+
+def test_backend_is_immutable():
+    backend = select_backend()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        backend.device = None
+    with pytest.raises(TypeError):
+        backend.storages["x"] = None
+
+
+def test_names_rebuild_the_same_choice_in_another_process():
+    names = select_backend(attention="reference").to_names()
+    code = ("import json, sys, fdplug; names = json.loads(sys.argv[1]); "
+            "print(json.dumps(fdplug.select_backend(**names).to_names()))")
+    out = subprocess.run([PYTHON, "-c", code, json.dumps(names)], capture_output=True, text=True, timeout=120,
+                         env=subprocess_env(), check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == names
