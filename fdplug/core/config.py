@@ -176,21 +176,51 @@ class ModelTraits:
 
 @dataclass(slots=True)
 class EngineConfig:
-    """Engine settings that backends see through ``supports(config)`` and ``fdplug_configure``.
+    """Engine settings, with vLLM's names where the concept is the same.
 
-    Mutable on purpose: ``fdplug_configure`` may adjust it for the chosen backend before the
-    engine starts; after that the engine treats it as read-only.
+    Backends see it through ``supports(config)`` and ``fdplug_configure``; it is mutable on purpose
+    so ``fdplug_configure`` may adjust it for the chosen backend before the engine starts; after
+    that the engine treats it as read-only. ``None`` means "derive it": ``max_model_len`` from the
+    model (capped by ``DEFAULT_MAX_MODEL_LEN``), ``max_num_batched_tokens`` from chunked prefill,
+    the KV cache size from ``kv_cache_memory`` (GiB) unless ``num_kv_blocks`` is given.
     """
 
     model: ModelTraits | None = None
+    model_dir: str | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None
     block_size: int = 16
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    num_kv_blocks: int | None = None
+    kv_cache_memory: float | None = None
+    max_waiting_requests: int = 1024
+    dtype: str = "auto"
+    seed: int = 0
     allowed_feature_paths: tuple[str, ...] = field(default_factory=lambda: env("FDPLUG_ALLOWED_FEATURE_PATHS"))
     fetch_timeout: float = field(default_factory=lambda: env("FDPLUG_FETCH_TIMEOUT"))
 
+    DEFAULT_MAX_MODEL_LEN = 8192
+    DEFAULT_KV_CACHE_GIB = 2.0
+    DTYPES = ("auto", "float32", "bfloat16", "float16")
+
     def __post_init__(self) -> None:
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks",
+                     "max_waiting_requests"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}.",
+                                  fix=f"give {name} an integer >= 1, or leave it unset for the default.")
+        if not isinstance(self.block_size, int) or self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}.",
                               fix="use 16 (the default) or another power of two such as 32 or 64.")
+        if self.kv_cache_memory is not None and not self.kv_cache_memory > 0:
+            raise ConfigError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}.",
+                              fix="give the KV cache size in GiB, e.g. 2, or set num_kv_blocks.")
+        if self.dtype not in self.DTYPES:
+            raise ConfigError(f"dtype must be one of {', '.join(self.DTYPES)}, got {self.dtype!r}.",
+                              fix="use auto (the device's compute dtype) or name one.")
         if self.fetch_timeout <= 0:
             raise ConfigError(f"fetch_timeout must be > 0 seconds, got {self.fetch_timeout}.",
                               fix="give a positive number of seconds, e.g. 30.")

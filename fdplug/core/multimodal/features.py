@@ -1,0 +1,155 @@
+"""Pre-encoded multimodal features: bytes from a storage -> a checked ``[num_tokens, hidden_size]`` array.
+
+Safe by default: ``.npy`` (loaded with ``allow_pickle=False``) and single-tensor ``.safetensors``
+are parsed without executing anything. Python pickle, FastDeploy's format, runs arbitrary code
+when loaded, so it is refused unless ``FDPLUG_ALLOW_PICKLE_FEATURES=1``: enable it only when every
+feature URL comes from a source you trust as much as the server itself.
+
+numpy has no bfloat16, so bf16 features come back as float32 (exact: bf16 is the top half of an
+fp32). float16 stays float16; float32 stays float32.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import struct
+from typing import Any
+
+import numpy as np
+
+from fdplug.core.config import env
+from fdplug.errors import FeatureFormatError
+
+NPY_MAGIC = b"\x93NUMPY"
+PICKLE_PROTO = 0x80  # first byte of every pickle of protocol >= 2
+MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024
+_ST_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
+_FORMAT_FIX = "store features as .npy (np.save) or .safetensors with one float32/bf16/fp16 tensor."
+
+
+def detect_format(data: bytes, url: str) -> str:
+    """``npy``, ``safetensors`` or ``pickle``, from the magic bytes first and the extension second."""
+    if data.startswith(NPY_MAGIC):
+        return "npy"
+    if _looks_like_safetensors(data):
+        return "safetensors"
+    if data[:1] == bytes([PICKLE_PROTO]):
+        return "pickle"
+    path = url.split("?", 1)[0].lower()
+    for ext, fmt in ((".npy", "npy"), (".safetensors", "safetensors"), (".pkl", "pickle"), (".pickle", "pickle")):
+        if path.endswith(ext):
+            return fmt
+    raise FeatureFormatError(f"feature {url} ({len(data)} bytes) is not .npy, .safetensors or pickle.",
+                             url=url, fix=_FORMAT_FIX)
+
+
+def decode_feature(data: bytes, url: str) -> np.ndarray:
+    """The feature array in ``data``, as float32 or float16; raises FeatureFormatError naming ``url``."""
+    fmt = detect_format(data, url)
+    try:
+        if fmt == "npy":
+            arr = np.load(io.BytesIO(data), allow_pickle=False)
+        elif fmt == "safetensors":
+            arr = _decode_safetensors(data, url)
+        else:
+            arr = _decode_pickle(data, url)
+    except FeatureFormatError:
+        raise
+    except Exception as exc:  # a corrupt file: numpy/pickle raise many types
+        raise FeatureFormatError(f"feature {url} could not be read as {fmt}: {type(exc).__name__}: {exc}.",
+                                 url=url, fix=_FORMAT_FIX) from None
+    return _as_feature_dtype(np.asarray(arr), url)
+
+
+def validate_feature(arr: np.ndarray, url: str, expected_rows: int | None, hidden_size: int) -> None:
+    """Refuse a feature whose shape does not fit its placeholder: ``[expected_rows, hidden_size]``.
+
+    ``expected_rows=None`` checks only the hidden size (the placeholder length is not known yet).
+    """
+    if arr.ndim != 2 or arr.shape[1] != hidden_size:
+        raise FeatureFormatError(
+            f"feature {url} has shape {tuple(arr.shape)}, expected [num_tokens, {hidden_size}] "
+            f"(hidden_size {hidden_size} of the model).", url=url,
+            fix="encode it with the encoder that matches this model, as a 2-D [num_tokens, hidden_size] array.")
+    if expected_rows is not None and arr.shape[0] != expected_rows:
+        raise FeatureFormatError(
+            f"feature {url} has {arr.shape[0]} rows (shape {tuple(arr.shape)}), but its placeholder "
+            f"spans {expected_rows} tokens.", url=url,
+            fix="make the number of placeholder tokens in the prompt equal the feature's rows.")
+
+
+# ---------------------------------------------------------------------------------------------------
+# formats
+# ---------------------------------------------------------------------------------------------------
+
+
+def _looks_like_safetensors(data: bytes) -> bool:
+    if len(data) < 10:
+        return False
+    (size,) = struct.unpack("<Q", data[:8])
+    return 2 <= size <= len(data) - 8 and data[8:9] == b"{"
+
+
+def _decode_safetensors(data: bytes, url: str) -> np.ndarray:
+    """Parse the safetensors layout directly: an 8-byte header size, a JSON header, raw tensor bytes."""
+    (size,) = struct.unpack("<Q", data[:8])
+    if size > min(MAX_SAFETENSORS_HEADER, len(data) - 8):
+        raise FeatureFormatError(f"feature {url}: safetensors header size {size} exceeds the file.",
+                                 url=url, fix=_FORMAT_FIX)
+    header = json.loads(data[8:8 + size])
+    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+    if len(tensors) != 1:
+        raise FeatureFormatError(f"feature {url}: safetensors file holds {len(tensors)} tensors "
+                                 f"({', '.join(sorted(tensors)) or 'none'}), expected exactly one.",
+                                 url=url, fix="save one tensor per feature file.")
+    (info,) = tensors.values()
+    dtype = _ST_DTYPES.get(info.get("dtype"))
+    if dtype is None:
+        raise FeatureFormatError(f"feature {url}: safetensors dtype {info.get('dtype')} is not supported "
+                                 "(F32, BF16, F16 are).", url=url, fix=_FORMAT_FIX)
+    start, end = (8 + size + int(o) for o in info["data_offsets"])
+    shape = tuple(int(d) for d in info["shape"])
+    if not (8 + size <= start <= end <= len(data)) or end - start != dtype.itemsize * int(np.prod(shape)):
+        raise FeatureFormatError(f"feature {url}: safetensors offsets {info['data_offsets']} do not match "
+                                 f"shape {shape} and the file size {len(data)}.", url=url, fix=_FORMAT_FIX)
+    arr = np.frombuffer(data, dtype=dtype, count=int(np.prod(shape)), offset=start).reshape(shape)
+    if info["dtype"] == "BF16":
+        return bf16_bits_to_float32(arr)
+    return arr.astype(dtype.newbyteorder("="), copy=False)
+
+
+def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 bit patterns (uint16) -> float32, exactly: bf16 is the high half of an fp32."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def _decode_pickle(data: bytes, url: str) -> np.ndarray:
+    if not env("FDPLUG_ALLOW_PICKLE_FEATURES"):
+        raise FeatureFormatError(
+            f"feature {url} is a Python pickle, which can run arbitrary code when loaded; it is refused.",
+            url=url, fix="convert it to .npy or .safetensors, or, only if every feature source is trusted, "
+                         "set FDPLUG_ALLOW_PICKLE_FEATURES=1.")
+    return _to_array(pickle.loads(data), url)  # noqa: S301 - opt-in, documented as trusted sources only
+
+
+def _to_array(obj: Any, url: str) -> np.ndarray:
+    """Pickles hold an ndarray, a framework tensor (``.numpy()``), or a dict with one of those."""
+    if isinstance(obj, dict) and len(obj) == 1:
+        obj = next(iter(obj.values()))
+    if hasattr(obj, "numpy") and not isinstance(obj, np.ndarray):
+        obj = obj.numpy()
+    if isinstance(obj, (np.ndarray, list)):
+        return np.asarray(obj)
+    raise FeatureFormatError(f"feature {url}: the pickle holds a {type(obj).__name__}, not an array.",
+                             url=url, fix="pickle a numpy array (or use .npy).")
+
+
+def _as_feature_dtype(arr: np.ndarray, url: str) -> np.ndarray:
+    if arr.dtype.kind == "f" and arr.dtype.itemsize in (2, 4):
+        return arr.astype(arr.dtype.newbyteorder("="), copy=False)
+    if arr.dtype.name == "bfloat16":  # ml_dtypes arrays from a pickle
+        return arr.astype(np.float32)
+    raise FeatureFormatError(f"feature {url} has dtype {arr.dtype}, expected float32, bfloat16 or float16.",
+                             url=url, fix="cast the feature to float32, bfloat16 or float16 before saving it.")
