@@ -1,0 +1,289 @@
+"""The token-budget scheduler: which requests run this step, and how many tokens each.
+
+No prefill or decode phases (vLLM v1): each step grants each request some tokens within
+``max_num_batched_tokens`` and ``max_num_seqs``; a prompt chunk and a decode token are the same
+thing. Running requests go first (oldest first), then waiting ones (FCFS). When blocks run out the
+newest running request is preempted by recompute: its blocks are freed (their computed part stays
+in the prefix cache), and it goes back to the front of the waiting queue.
+
+The engine's step is five lines::
+
+    out = scheduler.schedule()
+    sampled = runner.execute_model(out)           # {request_id: [token ids]}
+    results = scheduler.update_from_output(out, sampled)
+    ...stream results; scheduler.finish_requests(ids, FINISHED_STOPPED) when a stop string matched
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterable
+
+from fdplug.core.request import Request, RequestStatus
+from fdplug.core.scheduler.kv_cache_manager import KVCacheManager, cdiv
+from fdplug.core.scheduler.output import (CachedRequestData, EngineCoreOutput, NewRequestData,
+                                          SchedulerOutput, SchedulerStats)
+from fdplug.errors import ConfigError, InvalidRequestError, QueueFullError
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    """Scheduling limits. ``num_kv_blocks`` counts the null block; it comes from memory profiling."""
+
+    max_model_len: int
+    num_kv_blocks: int
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    max_waiting_requests: int = 1024
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens",
+                     "block_size", "max_waiting_requests"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}.",
+                                  fix=f"set {name} to an integer >= 1.")
+        if self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two, got {self.block_size}.",
+                              fix="use 16 (the default) or another power of two such as 32 or 64.")
+        if self.max_model_len < 2:
+            raise ConfigError(f"max_model_len must be >= 2 (a prompt token and an output token), "
+                              f"got {self.max_model_len}.", fix="raise max_model_len.")
+        needed = cdiv(self.max_model_len, self.block_size) + 1
+        if self.num_kv_blocks < needed:
+            raise ConfigError(
+                f"the KV cache has {self.num_kv_blocks} blocks of {self.block_size} tokens; one request "
+                f"of max_model_len={self.max_model_len} needs {needed} (with the null block).",
+                fix=f"lower max_model_len to at most {(self.num_kv_blocks - 1) * self.block_size} "
+                    f"or give the KV cache more memory.")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is below max_num_seqs "
+                f"({self.max_num_seqs}): the running requests could not all decode in one step.",
+                fix=f"set max_num_batched_tokens >= {self.max_num_seqs} or lower max_num_seqs.")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError(
+                f"with chunked prefill disabled, max_num_batched_tokens ({self.max_num_batched_tokens}) "
+                f"must be >= max_model_len ({self.max_model_len}), or long prompts could never run.",
+                fix=f"set max_num_batched_tokens >= {self.max_model_len}, lower max_model_len, "
+                    f"or enable chunked prefill.")
+
+
+class Scheduler:
+    """Owns the requests, the waiting queue, the running list and the KV cache manager."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.kv_cache_manager = KVCacheManager(config.num_kv_blocks, config.block_size,
+                                               config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()  # since the last schedule()
+        self.num_preemptions = 0
+
+    # -- admission --------------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request, or refuse it with a typed error before touching any state or counter."""
+        if len(self.waiting) >= self.config.max_waiting_requests:
+            raise QueueFullError(
+                f"the engine has {len(self.waiting)} requests waiting, its limit (max_waiting_requests).",
+                fix="retry later, or raise max_waiting_requests if the server has memory to spare.")
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use.",
+                                      fix="give every request a unique id.")
+        limit = self.config.max_model_len
+        if request.num_tokens >= limit:
+            raise InvalidRequestError(
+                f"the prompt has {request.num_tokens} tokens; max_model_len is {limit}, which leaves "
+                f"room for at most {limit - 1} prompt tokens.", fix="shorten the prompt.")
+        if request.status not in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_FEATURES):
+            raise InvalidRequestError(f"request {request.request_id!r} is {request.status.name}.",
+                                      fix="submit a fresh Request.")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    # -- scheduling -------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Grant tokens: running requests first (preempting the newest if blocks run out), then waiting."""
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        preempted: list[str] = []
+        budget = self._schedule_running(budget, num_scheduled, cached_reqs, preempted)
+        if not preempted:  # a step that had to preempt admits nobody new
+            self._schedule_waiting(budget, num_scheduled, new_reqs)
+        finished, self.finished_req_ids = self.finished_req_ids, set()
+        return SchedulerOutput(new_reqs, cached_reqs, num_scheduled, sum(num_scheduled.values()),
+                               preempted, finished)
+
+    def _schedule_running(self, budget: int, num_scheduled: dict[str, int],
+                          cached_reqs: list[CachedRequestData], preempted: list[str]) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:  # nothing to run (waits for update_from_output)
+                i += 1
+                continue
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+            while new_blocks is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    return budget
+                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+            num_scheduled[request.request_id] = num_new
+            cached_reqs.append(CachedRequestData(request.request_id, [b.block_id for b in new_blocks],
+                                                 request.num_computed_tokens))
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, budget: int, num_scheduled: dict[str, int],
+                          new_reqs: list[NewRequestData]) -> None:
+        skipped: list[Request] = []
+        kv = self.kv_cache_manager
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            if request.status == RequestStatus.WAITING_FOR_FEATURES:
+                skipped.append(self.waiting.popleft())
+                continue
+            hit_blocks, num_hit = kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit
+            if num_new > budget and not self.config.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            if kv.allocate_slots(request, num_new, hit_blocks) is None:
+                break
+            self.waiting.popleft()
+            resumed = request.status == RequestStatus.PREEMPTED
+            if not resumed:
+                request.num_cached_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit
+            self.running.append(request)
+            num_scheduled[request.request_id] = num_new
+            new_reqs.append(NewRequestData.from_request(
+                request, kv.get_block_ids(request.request_id), resumed))
+            budget -= num_new
+        self.waiting.extendleft(reversed(skipped))  # they keep their place in line
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # -- results ----------------------------------------------------------------------------------
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           sampled_token_ids: dict[str, list[int]]) -> list[EngineCoreOutput]:
+        """Record that the step ran: advance progress, append sampled tokens, apply stop rules.
+
+        A request still mid-prefill after this step gets nothing appended (whatever was sampled
+        for it is ignored) and no output. Requests aborted since ``schedule()`` are skipped.
+        """
+        outputs: list[EngineCoreOutput] = []
+        any_finished = False
+        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens += num_tokens
+            if request.num_computed_tokens < request.num_tokens:
+                continue
+            new_token_ids = self._append_tokens(request, sampled_token_ids)
+            if request.is_finished():
+                any_finished = True
+                self._free_request(request)
+            outputs.append(EngineCoreOutput(req_id, new_token_ids, request.is_finished(),
+                                            request.finish_reason, request.stop_reason,
+                                            request.num_cached_tokens))
+        if any_finished:
+            self.running = [r for r in self.running if not r.is_finished()]
+        return outputs
+
+    def _append_tokens(self, request: Request, sampled_token_ids: dict[str, list[int]]) -> list[int]:
+        token_ids = sampled_token_ids.get(request.request_id)
+        if not token_ids:
+            raise ValueError(f"request {request.request_id} finished its prefill this step but the runner "
+                             f"sampled no token for it")
+        appended = []
+        for token_id in token_ids:
+            request.append_output_token(token_id)
+            appended.append(token_id)
+            if self._check_stop(request):
+                break
+        return appended
+
+    def _check_stop(self, request: Request) -> bool:
+        """Stop token (after min_tokens) before length: a natural stop on the last allowed token is "stop"."""
+        params = request.sampling_params
+        last = request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last in request.eos_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last in params.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = last
+                return True
+        max_tokens = params.max_tokens
+        if request.num_tokens >= self.config.max_model_len or (
+                max_tokens is not None and request.num_output_tokens >= max_tokens):
+            request.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
+
+    # -- finishing --------------------------------------------------------------------------------
+
+    def finish_requests(self, request_ids: str | Iterable[str], finished_status: RequestStatus) -> None:
+        """Finish requests from outside (abort, stop string, error): free blocks, leave the queues.
+
+        Unknown or already finished ids are ignored: an abort may race with a normal finish.
+        """
+        if not finished_status.is_finished:
+            raise ValueError(f"{finished_status.name} is not a finished status")
+        ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
+        targets = [self.requests[i] for i in ids if i in self.requests]
+        if not targets:
+            return
+        for request in targets:
+            request.status = finished_status
+            self._free_request(request)
+        self.running = [r for r in self.running if not r.is_finished()]
+        self.waiting = deque(r for r in self.waiting if not r.is_finished())
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self.finished_req_ids.add(request.request_id)
+
+    # -- state ------------------------------------------------------------------------------------
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def make_stats(self) -> SchedulerStats:
+        stats = self.kv_cache_manager.prefix_cache_stats
+        num_feature_wait = sum(1 for r in self.waiting if r.status == RequestStatus.WAITING_FOR_FEATURES)
+        return SchedulerStats(len(self.running), len(self.waiting), num_feature_wait,
+                              self.kv_cache_manager.usage, stats.queries, stats.hits, stats.hit_rate,
+                              self.num_preemptions)
