@@ -1,0 +1,236 @@
+"""ModelConfig: the few facts about a Hugging Face checkpoint the decoder and the engine need.
+
+Parsed from ``config.json`` (transformers 4.x or 5.x keys) and ``generation_config.json``. The
+defaults for keys a config.json leaves out are transformers' own per-architecture defaults, because
+a checkpoint means whatever transformers makes of it (ERNIE-4.5 and Qwen3 default ``head_dim`` to
+128, not ``hidden_size // num_heads``; ERNIE-4.5 ties its embeddings unless told otherwise).
+No paddle here: the config can be read and checked before a device is chosen.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fdplug.core.config import ModelTraits
+from fdplug.core.model.rope import RopeConfig, parse_rope
+from fdplug.errors import ModelLoadError, UnsupportedModelError
+
+
+@dataclass(frozen=True, slots=True)
+class _Arch:
+    """How one supported architecture reads its config.json."""
+
+    default_theta: float = 10000.0
+    default_head_dim: int | None = None      # None: hidden_size // num_heads
+    default_tie: bool = False
+    default_eps: float = 1e-6
+    default_max_positions: int = 2048
+    qkv_bias: str | bool = "attention_bias"  # a config key, or fixed
+    o_bias: str | bool = "attention_bias"
+    mlp_bias: str | bool = False
+    qk_norm: bool = False
+    interleaved_rope: bool = False
+
+
+ARCHITECTURES: dict[str, _Arch] = {
+    "LlamaForCausalLM": _Arch(mlp_bias="mlp_bias"),
+    "Qwen2ForCausalLM": _Arch(qkv_bias=True, o_bias=False, default_max_positions=32768),
+    "Qwen3ForCausalLM": _Arch(default_head_dim=128, qk_norm=True, default_max_positions=32768),
+    "Ernie4_5ForCausalLM": _Arch(default_theta=500000.0, default_head_dim=128, default_tie=True,
+                                 default_eps=1e-5, default_max_positions=131072, qkv_bias="use_bias",
+                                 o_bias="use_bias", mlp_bias="use_bias", interleaved_rope=True),
+}
+
+# Names the same architecture goes by (Baidu's remote-code configs say Ernie4_5_ForCausalLM).
+ALIASES = {"Ernie4_5_ForCausalLM": "Ernie4_5ForCausalLM"}
+
+_DTYPES = {"float32": "float32", "float": "float32", "fp32": "float32", "bfloat16": "bfloat16",
+           "bf16": "bfloat16", "float16": "float16", "half": "float16", "fp16": "float16"}
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """A decoder-only checkpoint, architecture-neutral. ``dtype`` is the checkpoint's storage dtype."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool          # q/k/v projections carry a bias
+    o_proj_bias: bool
+    mlp_bias: bool
+    qk_norm: bool                 # per-head RMSNorm of q and k before RoPE (Qwen3)
+    dtype: str = "float32"
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    pad_token_id: int | None = None
+
+    @property
+    def rope_theta(self) -> float:
+        return self.rope.theta
+
+    @property
+    def rope_type(self) -> str:
+        return self.rope.type
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        """Read ``config.json`` (required) and ``generation_config.json`` (optional) from a model dir."""
+        model_dir = Path(model_dir)
+        path = model_dir / "config.json"
+        if not model_dir.is_dir():
+            raise ModelLoadError(f"model directory {str(model_dir)!r} does not exist.", fix=_DIR_FIX)
+        if not path.is_file():
+            raise ModelLoadError(f"{str(path)!r} is missing: a model directory needs its config.json.", fix=_DIR_FIX)
+        raw = _read_json(path)
+        gen_path = model_dir / "generation_config.json"
+        return cls.from_dict(raw, _read_json(gen_path) if gen_path.is_file() else None)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
+        """Build from parsed config.json (and generation_config.json) dicts."""
+        arch_name, arch = _pick_architecture(raw)
+        _check_supported(raw, arch_name)
+        hidden, heads = _need_int(raw, "hidden_size"), _need_int(raw, "num_attention_heads")
+        head_dim = raw["head_dim"] if "head_dim" in raw else arch.default_head_dim
+        head_dim = int(head_dim) if head_dim is not None else hidden // heads
+        max_pos = int(raw.get("max_position_embeddings") or arch.default_max_positions)
+        cfg = cls(
+            architecture=arch_name,
+            vocab_size=_need_int(raw, "vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=_need_int(raw, "intermediate_size"),
+            num_layers=_need_int(raw, "num_hidden_layers"),
+            num_heads=heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=head_dim,
+            rms_norm_eps=float(raw.get("rms_norm_eps", arch.default_eps)),
+            rope=parse_rope(raw, default_theta=arch.default_theta, max_position_embeddings=max_pos,
+                            interleaved=arch.interleaved_rope),
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", arch.default_tie)),
+            attention_bias=_flag(raw, arch.qkv_bias),
+            o_proj_bias=_flag(raw, arch.o_bias),
+            mlp_bias=_flag(raw, arch.mlp_bias),
+            qk_norm=arch.qk_norm,
+            dtype=_dtype(raw),
+            eos_token_ids=_eos_ids(raw, generation),
+            bos_token_id=_first_int((generation or {}).get("bos_token_id"), raw.get("bos_token_id")),
+            pad_token_id=_first_int((generation or {}).get("pad_token_id"), raw.get("pad_token_id")),
+        )
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        """Shape facts the decoder relies on; a violation is a broken config.json."""
+        if self.num_heads % self.num_kv_heads:
+            raise ModelLoadError(f"num_attention_heads={self.num_heads} is not a multiple of "
+                                 f"num_key_value_heads={self.num_kv_heads}.", fix=_CONFIG_FIX)
+        if self.head_dim % 2:
+            raise ModelLoadError(f"head_dim={self.head_dim} is odd; RoPE needs an even head_dim.", fix=_CONFIG_FIX)
+
+    def traits(self, dtype: str | None = None) -> ModelTraits:
+        """What backends see in ``supports(config)``; ``dtype`` is the compute dtype (default: the checkpoint's)."""
+        return ModelTraits(architecture=self.architecture, dtype=dtype or self.dtype,
+                           num_attention_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                           head_dim=self.head_dim, num_experts=0, moe_weight_format="none",
+                           mask_policy="causal")
+
+
+_DIR_FIX = ("pass a local Hugging Face model directory holding config.json and model.safetensors (or "
+            "model.safetensors.index.json and its shards), e.g. from `huggingface-cli download ORG/NAME "
+            "--local-dir DIR`.")
+_CONFIG_FIX = "fix the model's config.json (compare with the original checkpoint's)."
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read {str(path)!r}: {exc}.", fix=_CONFIG_FIX) from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{str(path)!r} is not a JSON object.", fix=_CONFIG_FIX)
+    return data
+
+
+def _pick_architecture(raw: dict[str, Any]) -> tuple[str, _Arch]:
+    names = raw.get("architectures") or []
+    for name in names:
+        name = ALIASES.get(name, name)
+        if name in ARCHITECTURES:
+            return name, ARCHITECTURES[name]
+    shown = ", ".join(map(str, names)) or f"none (model_type={raw.get('model_type')!r})"
+    raise UnsupportedModelError(f"model architecture {shown} is not supported; supported: "
+                                f"{', '.join(ARCHITECTURES)}.",
+                                fix="use a checkpoint of a supported architecture, or add one under "
+                                    "fdplug/core/model/.")
+
+
+def _check_supported(raw: dict[str, Any], arch: str) -> None:
+    """Refuse features the decoder does not implement rather than compute something else."""
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModelError(f"{arch} with hidden_act={act!r} is not supported (only 'silu').",
+                                    fix="use a checkpoint with a SwiGLU ('silu') MLP.")
+    if float(raw.get("compression_ratio") or 1.0) != 1.0:
+        raise UnsupportedModelError(f"{arch} with compression_ratio={raw['compression_ratio']} (compressed RoPE "
+                                    "positions) is not supported.", fix="use a checkpoint with compression_ratio 1.")
+    if _sliding_layers(raw):
+        raise UnsupportedModelError(f"{arch} with sliding-window attention is not supported.",
+                                    fix="set use_sliding_window to false in config.json if the model allows it.")
+
+
+def _sliding_layers(raw: dict[str, Any]) -> bool:
+    layer_types = raw.get("layer_types")
+    if layer_types:
+        return any(t == "sliding_attention" for t in layer_types)
+    if not raw.get("use_sliding_window") or raw.get("sliding_window") is None:
+        return False
+    return int(raw.get("num_hidden_layers", 0)) > int(raw.get("max_window_layers", 28))
+
+
+def _need_int(raw: dict[str, Any], key: str) -> int:
+    if not isinstance(raw.get(key), int) or isinstance(raw.get(key), bool):
+        raise ModelLoadError(f"config.json has no integer {key!r} (got {raw.get(key)!r}).", fix=_CONFIG_FIX)
+    return raw[key]
+
+
+def _flag(raw: dict[str, Any], rule: str | bool) -> bool:
+    return rule if isinstance(rule, bool) else bool(raw.get(rule) or False)
+
+
+def _dtype(raw: dict[str, Any]) -> str:
+    value = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+    return _DTYPES.get(str(value).removeprefix("torch."), str(value))
+
+
+def _ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def _eos_ids(raw: dict[str, Any], generation: dict[str, Any] | None) -> tuple[int, ...]:
+    """generation_config.json's eos ids first (what HF generate stops on), then config.json's."""
+    ids = _ids((generation or {}).get("eos_token_id")) + _ids(raw.get("eos_token_id"))
+    return tuple(dict.fromkeys(ids))
+
+
+def _first_int(*values: Any) -> int | None:
+    for value in values:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, list) and value:
+            return int(value[0])
+    return None

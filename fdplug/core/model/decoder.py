@@ -1,0 +1,105 @@
+"""One decoder for Llama, Qwen2, Qwen3 and ERNIE-4.5 (dense): the differences are config flags.
+
+Per layer a step is a handful of ops: RMSNorm, one fused q/k/v matmul, (Qwen3) one RMSNorm over the
+stacked q and k heads, one RoPE over them, the attention backend, the output projection, RMSNorm,
+one fused gate/up matmul, SwiGLU, the down projection. Tokens of every sequence in the step are flat
+rows; the attention backend (chosen at startup) owns the KV cache layout and the masking.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import paddle
+import paddle.nn.functional as F
+from paddle import nn
+
+from fdplug.core.model.config import ModelConfig
+from fdplug.core.model.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, empty_parameter
+
+
+class Attention(nn.Layer):
+    """GQA self-attention; q/k/v come out of one ``[hidden, (H + 2*KV) * D]`` matmul."""
+
+    def __init__(self, cfg: ModelConfig, attn_backend: Any, dtype: str) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+        self.backend = attn_backend
+        qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, qkv_out, cfg.attention_bias, dtype)
+        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_proj_bias, dtype)
+        # Qwen3: q_norm's weight on each q head, k_norm's on each k head -> one norm for both.
+        self.qk_norm = (RMSNorm([cfg.num_heads + cfg.num_kv_heads, cfg.head_dim], cfg.rms_norm_eps, dtype)
+                        if cfg.qk_norm else None)
+
+    def forward(self, x: Any, cos: Any, sin: Any, rope: RotaryEmbedding, kv_cache: tuple[Any, Any],
+                prepared: Any) -> Any:
+        qk_heads = self.num_heads + self.num_kv_heads
+        qkv = self.qkv_proj(x).reshape([0, qk_heads + self.num_kv_heads, self.head_dim])
+        qk, v = paddle.split(qkv, [qk_heads, self.num_kv_heads], axis=1)
+        if self.qk_norm is not None:
+            qk = self.qk_norm(qk)
+        q, k = paddle.split(rope(qk, cos, sin), [self.num_heads, self.num_kv_heads], axis=1)
+        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], prepared, self.scale)
+        return self.o_proj(out.reshape([0, self.num_heads * self.head_dim]))
+
+
+class DecoderLayer(nn.Layer):
+    """Pre-norm transformer block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+
+    def __init__(self, cfg: ModelConfig, attn_backend: Any, dtype: str) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, attn_backend, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype)
+
+    def forward(self, x: Any, cos: Any, sin: Any, rope: RotaryEmbedding, kv_cache: tuple[Any, Any],
+                prepared: Any) -> Any:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, rope, kv_cache, prepared)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderForCausalLM(nn.Layer):
+    """The whole model. ``forward`` gives final hidden states; ``compute_logits`` the vocab scores.
+
+    Splitting the two lets the runner compute logits only for the rows it samples from (the last
+    token of each sequence), which on a long prefill is most of the lm_head's cost saved.
+    """
+
+    def __init__(self, cfg: ModelConfig, attn_backend: Any, dtype: str = "float32",
+                 max_positions: int | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.dtype_name = dtype
+        self.embed_tokens = empty_parameter([cfg.vocab_size, cfg.hidden_size], dtype)
+        self.layers = nn.LayerList([DecoderLayer(cfg, attn_backend, dtype) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        # Stored [vocab, hidden] like the embedding, so tying is sharing one tensor.
+        self.lm_head = None if cfg.tie_word_embeddings else empty_parameter([cfg.vocab_size, cfg.hidden_size], dtype)
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions or cfg.max_position_embeddings, dtype)
+        self.eval()
+
+    def embed(self, input_ids: Any) -> Any:
+        """Token embeddings ``[T, hidden]``; multimodal code replaces rows before ``forward``."""
+        return F.embedding(input_ids, self.embed_tokens)
+
+    def forward(self, input_ids: Any, positions: Any, kv_caches: list[tuple[Any, Any]], attn_prepared: Any,
+                inputs_embeds: Any | None = None) -> Any:
+        """``input_ids [T]``, ``positions [T]`` (int64) -> final hidden states ``[T, hidden]``.
+
+        ``kv_caches[i]`` is layer ``i``'s ``(key_cache, value_cache)`` in the backend's layout;
+        ``attn_prepared`` is ``backend.prepare(meta)`` for this step.
+        """
+        h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        cos, sin = self.rotary.lookup(positions)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            h = layer(h, cos, sin, self.rotary, kv_cache, attn_prepared)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: Any) -> Any:
+        """``hidden [N, hidden]`` -> logits ``[N, vocab]`` in float32."""
+        weight = self.embed_tokens if self.lm_head is None else self.lm_head
+        logits = paddle.matmul(hidden, weight, transpose_y=True)
+        return logits if logits.dtype == paddle.float32 else logits.astype("float32")

@@ -1,0 +1,96 @@
+"""The decoder's building blocks, in plain Paddle ops so every device runs them.
+
+Tokens of all sequences of a step are flat rows ``[T, ...]`` (no batch dimension). Weights are
+stored the Paddle way, ``[in, out]``, and created without storage: the loader assigns every one of
+them, so time spent on an init (even zero-filling) would be waste.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import paddle
+import paddle.nn.functional as F
+from paddle import nn
+
+from fdplug.core.model.rope import RopeConfig, cos_sin
+
+
+def empty_parameter(shape: list[int], dtype: str) -> Any:
+    """A parameter with no storage yet: the loader assigns every one (and checks that it does)."""
+    from paddle.base.framework import EagerParamBase
+
+    p = EagerParamBase(shape=shape, dtype=dtype)
+    p.stop_gradient = True  # inference only: no autograd bookkeeping per op
+    return p
+
+
+class RMSNorm(nn.Layer):
+    """``weight * x / rms(x)``, computed in float32 and cast back before the weight (as HF does).
+
+    ``shape`` may have a leading head axis (``[heads, head_dim]``): Qwen3's q/k norms share one
+    weight per head, and stacking the q and k weights lets a single norm serve both.
+    """
+
+    def __init__(self, shape: int | list[int], eps: float, dtype: str) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = empty_parameter([shape] if isinstance(shape, int) else list(shape), dtype)
+
+    def forward(self, x: Any) -> Any:
+        h = x if x.dtype == paddle.float32 else x.astype("float32")
+        h = h * paddle.rsqrt((h * h).mean(axis=-1, keepdim=True) + self.eps)
+        return self.weight * (h if h.dtype == x.dtype else h.astype(x.dtype))
+
+
+class Linear(nn.Layer):
+    """``x @ weight (+ bias)`` with ``weight [in, out]``; fused projections are one of these."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: str) -> None:
+        super().__init__()
+        self.weight = empty_parameter([in_features, out_features], dtype)
+        self.bias = empty_parameter([out_features], dtype) if bias else None
+
+    def forward(self, x: Any) -> Any:
+        return F.linear(x, self.weight, self.bias)
+
+
+class SwiGLU(nn.Layer):
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one ``[hidden, 2*inter]`` matmul."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool, dtype: str) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias, dtype)
+        self.down_proj = Linear(intermediate, hidden, bias, dtype)
+
+    def forward(self, x: Any) -> Any:
+        return self.down_proj(F.swiglu(self.gate_up_proj(x)))  # swiglu: silu(first half) * second half
+
+
+class RotaryEmbedding(nn.Layer):
+    """NeoX-style RoPE from precomputed tables indexed by each token's position.
+
+    ``x * cos + roll(x, d/2) * sin_signed`` where ``sin_signed`` holds ``-sin`` in its first half:
+    that is ``x * cos + rotate_half(x) * sin`` in four ops. Interleaved (GPT-J) checkpoints are
+    permuted to this layout at load time (see ``loader.neox_permutation``).
+    """
+
+    def __init__(self, rope: RopeConfig, head_dim: int, num_positions: int, dtype: str) -> None:
+        super().__init__()
+        cos, sin = cos_sin(rope, head_dim, num_positions)
+        half = head_dim // 2
+        sin = np.concatenate([-sin[:, :half], sin[:, half:]], axis=-1)
+        self.half = half
+        self.num_positions = num_positions
+        self.register_buffer("cos", paddle.to_tensor(cos).astype(dtype), persistable=False)
+        self.register_buffer("sin", paddle.to_tensor(sin).astype(dtype), persistable=False)
+
+    def lookup(self, positions: Any) -> tuple[Any, Any]:
+        """``cos``, ``sin`` rows for ``positions [T]``, shaped ``[T, 1, head_dim]`` to broadcast over heads."""
+        return (paddle.gather(self.cos, positions).unsqueeze(1),
+                paddle.gather(self.sin, positions).unsqueeze(1))
+
+    def forward(self, x: Any, cos: Any, sin: Any) -> Any:
+        """Rotate ``x [T, heads, head_dim]``."""
+        return x * cos + paddle.roll(x, self.half, axis=-1) * sin
