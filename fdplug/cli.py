@@ -152,5 +152,87 @@ def explain_command(device: str, runner: str | None, attention: str | None, moe:
                f"storages={','.join(f'{s}:{spec.name}' for s, spec in backend.storages.items()) or 'none'}")
 
 
+# ---------------------------------------------------------------------------------------------------
+# generate
+# ---------------------------------------------------------------------------------------------------
+
+
+def engine_options(fn: Callable) -> Callable:
+    """The engine arguments shared by `generate` and `serve` (vLLM's names, as flags)."""
+    options = [
+        click.option("--model", default=None, help="Model directory (Hugging Face layout). Default: the demo model."),
+        click.option("--device", default="auto", show_default=True, help="cpu, cuda, xpu, a plugin's device, or auto."),
+        click.option("--attention-backend", default=None, help="Attention backend (default: by priority)."),
+        click.option("--moe-backend", default=None, help="MoE backend (default: by priority)."),
+        click.option("--max-model-len", type=int, default=None, help="Longest prompt + output, in tokens."),
+        click.option("--max-num-seqs", type=int, default=64, show_default=True, help="Most requests in one step."),
+        click.option("--max-num-batched-tokens", type=int, default=None, help="Token budget of one step."),
+        click.option("--block-size", type=int, default=16, show_default=True, help="KV cache block size in tokens."),
+        click.option("--kv-cache-memory", type=float, default=None, help="KV cache size in GiB (default 2)."),
+        click.option("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (overrides memory)."),
+        click.option("--no-prefix-caching", is_flag=True, help="Turn prefix caching off."),
+        click.option("--no-chunked-prefill", is_flag=True, help="Turn chunked prefill off."),
+        click.option("--dtype", default="auto", show_default=True, help="auto, float32, bfloat16, float16."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def engine_kwargs(kw: dict[str, Any]) -> dict[str, Any]:
+    """CLI flags -> LLM/engine keyword arguments (None means "use the default")."""
+    args = {"model": kw.pop("model"), "device": kw.pop("device"), "attention_backend": kw.pop("attention_backend"),
+            "moe_backend": kw.pop("moe_backend"), "enable_prefix_caching": not kw.pop("no_prefix_caching"),
+            "enable_chunked_prefill": not kw.pop("no_chunked_prefill")}
+    for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory",
+                 "num_kv_blocks", "dtype"):
+        value = kw.pop(name)
+        if value is not None:
+            args[name] = value
+    return args
+
+
+@main.command("generate")
+@engine_options
+@click.option("--prompt", "prompts", multiple=True, required=True, help="Prompt text (repeat for several).")
+@click.option("--chat", is_flag=True, help="Wrap each prompt as a user message in the model's chat template.")
+@click.option("--max-tokens", type=int, default=64, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True)
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--top-k", type=int, default=0, show_default=True)
+@click.option("--seed", type=int, default=None)
+@user_errors
+def generate_command(prompts: tuple[str, ...], chat: bool, max_tokens: int, temperature: float, top_p: float,
+                     top_k: int, seed: int | None, **kw: Any) -> None:
+    """Generate text offline: one prompt streams to the terminal, several show a progress bar."""
+    from fdplug.core.llm import LLM
+    from fdplug.core.request import SamplingParams
+
+    llm = LLM(**engine_kwargs(kw))
+    click.echo(f"[{llm.describe()}]", err=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    if chat:
+        texts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+        inputs: list[Any] = [{"prompt": t, "prompt_token_ids": llm.tokenizer.encode(t, add_special_tokens=False)}
+                             for t in texts]
+    else:
+        inputs = list(prompts)
+    if len(inputs) == 1:
+        for delta in llm.stream(inputs[0], params):
+            click.echo(delta.text, nl=False)
+        click.echo()
+        return
+    for prompt, output in zip(prompts, llm.generate(inputs, params)):
+        click.echo(f"--- {prompt!r} -> {output.outputs[0].finish_reason}\n{output.outputs[0].text}")
+
+
+def _register_fetch_features() -> None:
+    from fdplug.cli_fetch import fetch_features
+
+    main.add_command(fetch_features, "fetch-features")
+
+
+_register_fetch_features()
+
 if __name__ == "__main__":
     main()

@@ -176,6 +176,9 @@ def test_configure_failures_name_their_plugin():
         def fdplug_configure(self, config, backend):
             raise KeyError("oops")
 
+    from fdplug.core.config import EngineConfig
+    from fdplug.core.selection import select_backend
+
     plugin_set = load_plugins(extra=[("grumpy", Grumpy())])
     with pytest.raises(PluginError, match="'grumpy' failed in fdplug_configure"):
-        plugin_set.configure(object(), object())
+        plugin_set.configure(EngineConfig(), select_backend(plugins=plugin_set))

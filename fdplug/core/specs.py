@@ -41,6 +41,8 @@ class DeviceSpec:
     launch would fail. ``paddle_device`` is the prefix given to ``paddle.set_device`` (``cpu``,
     ``gpu``, ``xpu``, or a custom device type). ``setup`` does process-level initialisation (threads,
     env knobs) and is called once, in the process that will run the engine, before the model is built.
+    ``free_memory(index)`` returns the bytes free on that device (None: unknown); the engine uses it
+    to say, with numbers, when the model and the KV cache cannot fit.
     """
 
     name: str
@@ -49,6 +51,7 @@ class DeviceSpec:
     priority: int = 0
     setup: Callable[[], None] | None = None
     description: str = ""
+    free_memory: Callable[[int], int | None] | None = None
 
     def paddle_place_name(self, index: int = 0) -> str:
         """The string ``paddle.set_device`` takes for device ``index`` of this kind."""

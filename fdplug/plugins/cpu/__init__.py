@@ -8,6 +8,7 @@ device plugins register faster ones with a higher priority).
 from __future__ import annotations
 
 from fdplug.core.hookspecs import hookimpl
+from fdplug.errors import ConfigError
 from fdplug.core.specs import ANY_DEVICE, AttentionBackendSpec, DeviceSpec, ModelRunnerSpec, MoEBackendSpec
 from fdplug.plugins.cpu import device
 
@@ -35,6 +36,7 @@ def _moe_factory(config):
 @hookimpl
 def fdplug_register_devices(register):
     register(DeviceSpec(name="cpu", probe=device.probe, paddle_device="cpu", priority=0, setup=device.setup,
+                        free_memory=device.free_memory,
                         description="the host CPU through paddle's CPU kernels (fp32 compute)"))
 
 
@@ -54,3 +56,16 @@ def fdplug_register_attention_backends(register):
 def fdplug_register_moe_backends(register):
     register(MoEBackendSpec(name="reference", devices=(ANY_DEVICE,), factory=_moe_factory, priority=0,
                             weight_formats=("none",), description="softmax top-k routing, a loop over experts"))
+
+
+@hookimpl
+def fdplug_configure(config, backend):
+    """On the cpu device, compute is fp32: paddle's CPU build has no bf16/fp16 matmul or softmax kernels."""
+    if backend.device.name != "cpu":
+        return
+    if config.dtype == "auto":
+        config.dtype = "float32"
+    elif config.dtype != "float32":
+        raise ConfigError(f"dtype {config.dtype!r} cannot run on the cpu device: paddle's CPU kernels compute in "
+                          "float32 only (bf16/fp16 weights are cast to float32 at load time).",
+                          fix="use dtype='auto' or 'float32' on cpu.")

@@ -55,3 +55,15 @@ def setup() -> None:
     if not env_is_set("OMP_NUM_THREADS"):
         os.environ["OMP_NUM_THREADS"] = str(threads)
     import_paddle().base.core.set_num_threads(threads)
+
+
+def free_memory(index: int = 0) -> int | None:
+    """Bytes the kernel says can be allocated without swapping (MemAvailable), None if unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

@@ -23,6 +23,15 @@ def _describe(paddle, count: int) -> dict[str, str]:
             "cuda": str(paddle.version.cuda()), "cudnn": str(paddle.version.cudnn())}
 
 
+def free_memory(index: int = 0) -> int | None:
+    """Total minus what paddle's allocator holds (paddle 3.3 has no cudaMemGetInfo wrapper, so other
+    processes' use is not seen)."""
+    import paddle
+
+    total = paddle.device.cuda.get_device_properties(index).total_memory
+    return int(total - paddle.device.cuda.memory_reserved(index))
+
+
 def probe() -> Probe:
     return probe_accelerator("CUDA", compiled=lambda p: p.is_compiled_with_cuda(),
                              count=lambda p: p.device.cuda.device_count(), describe=_describe,
@@ -31,5 +40,5 @@ def probe() -> Probe:
 
 @hookimpl
 def fdplug_register_devices(register):
-    register(DeviceSpec(name="cuda", probe=probe, paddle_device="gpu", priority=100,
+    register(DeviceSpec(name="cuda", probe=probe, paddle_device="gpu", priority=100, free_memory=free_memory,
                         description="NVIDIA GPUs through paddlepaddle-gpu"))

@@ -22,6 +22,12 @@ def _describe(paddle, count: int) -> dict[str, str]:
     return {"name": "Kunlun XPU", "xpu_runtime": str(version()) if callable(version) else "unknown"}
 
 
+def free_memory(index: int = 0) -> int | None:
+    import paddle
+
+    return int(paddle.device.xpu.memory_total(index) - paddle.device.xpu.memory_used(index))
+
+
 def probe() -> Probe:
     return probe_accelerator("XPU", compiled=lambda p: p.is_compiled_with_xpu(),
                              count=lambda p: p.device.xpu.device_count(), describe=_describe,
@@ -30,5 +36,5 @@ def probe() -> Probe:
 
 @hookimpl
 def fdplug_register_devices(register):
-    register(DeviceSpec(name="xpu", probe=probe, paddle_device="xpu", priority=90,
+    register(DeviceSpec(name="xpu", probe=probe, paddle_device="xpu", priority=90, free_memory=free_memory,
                         description="Kunlun XPUs through paddle's XPU build"))

@@ -1,0 +1,171 @@
+"""Offline inference, shaped like vLLM's ``LLM`` so users can switch.
+
+    llm = fdplug.LLM("path/to/model", device="auto", max_model_len=2048)
+    outputs = llm.generate(["Hello"], fdplug.SamplingParams(temperature=0, max_tokens=32))
+
+Without a model path it runs the built-in demo model, so the first run works on a fresh machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+from typing import Any, Iterator, Mapping, Sequence
+
+from fdplug.core.config import EngineConfig
+from fdplug.core.engine import EngineCore
+from fdplug.core.outputs import RequestOutput
+from fdplug.core.processor import Delta, InputProcessor, OutputProcessor, PromptType
+from fdplug.core.request import RequestStatus, SamplingParams
+from fdplug.errors import ConfigError
+
+logger = logging.getLogger("fdplug.llm")
+
+ENGINE_ARGS = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name not in ("model", "model_dir"))
+
+
+def build_engine_config(model: str | None, engine_args: Mapping[str, Any]) -> tuple[EngineConfig, Any]:
+    """EngineConfig from vLLM-named engine args plus the model's own config; unknown args are errors."""
+    from fdplug.core.demo import ensure_demo_model
+    from fdplug.core.model.config import ModelConfig
+
+    unknown = sorted(set(engine_args) - set(ENGINE_ARGS))
+    if unknown:
+        raise ConfigError(f"unknown engine argument(s): {', '.join(unknown)}.",
+                          fix=f"use only: {', '.join(ENGINE_ARGS)}.")
+    model_dir = str(model) if model else str(ensure_demo_model())
+    model_config = ModelConfig.from_dir(model_dir)
+    config = EngineConfig(model_dir=model_dir, **engine_args)
+    if config.max_model_len is None:
+        config.max_model_len = min(model_config.max_position_embeddings, EngineConfig.DEFAULT_MAX_MODEL_LEN)
+    elif config.max_model_len > model_config.max_position_embeddings:
+        raise ConfigError(f"max_model_len {config.max_model_len} exceeds the model's max_position_embeddings "
+                          f"({model_config.max_position_embeddings}).",
+                          fix=f"set max_model_len <= {model_config.max_position_embeddings}.")
+    if config.max_num_batched_tokens is None:
+        config.max_num_batched_tokens = (max(2048, config.max_num_seqs) if config.enable_chunked_prefill
+                                         else max(config.max_model_len, config.max_num_seqs))
+    return config, model_config
+
+
+def create_engine(model: str | None, device: str = "auto", runner: str | None = None, attention: str | None = None,
+                  moe: str | None = None, **engine_args: Any) -> tuple[EngineCore, EngineConfig, Any]:
+    """Select the backend once, let plugins configure, and build the engine."""
+    from fdplug.core.plugins import load_plugins
+    from fdplug.core.selection import select_backend
+
+    config, model_config = build_engine_config(model, engine_args)
+    plugin_set = load_plugins()
+    config.model = model_config.traits(None if config.dtype == "auto" else config.dtype)
+    backend = select_backend(device, runner, attention, moe, config=config, plugins=plugin_set)
+    plugin_set.configure(config, backend)
+    if config.dtype == "auto":
+        config.dtype = model_config.dtype
+    return EngineCore(config, backend), config, model_config
+
+
+class LLM:
+    """An engine in this process: ``generate`` and ``chat`` run it to completion."""
+
+    def __init__(self, model: str | None = None, device: str = "auto", *, runner: str | None = None,
+                 attention_backend: str | None = None, moe_backend: str | None = None, **engine_args: Any) -> None:
+        from fdplug.core.model.tokenizer import Tokenizer
+
+        self.engine, self.config, self.model_config = create_engine(
+            model, device, runner, attention_backend, moe_backend, **engine_args)
+        self.tokenizer = Tokenizer.from_dir(self.config.model_dir)
+        eos = self.model_config.eos_token_ids or self.tokenizer.eos_token_ids
+        self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size,
+                                              self.config.max_model_len, eos)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+        logger.info("fdplug LLM ready: %s", self.describe())
+
+    def describe(self) -> str:
+        b, plan = self.engine.backend, self.engine.kv_plan
+        return (f"model={self.config.model_dir} ({self.model_config.architecture}) device={b.device.name} "
+                f"attention={b.attention.name} moe={b.moe.name} kv_cache={plan.describe()}")
+
+    # -- generation -------------------------------------------------------------------------------
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run prompts to completion; outputs come back in the prompts' order."""
+        if isinstance(prompts, (str, Mapping)):
+            prompts = [prompts]
+        params_list = self._params_for(len(prompts), sampling_params)
+        prepared = [(self.input_processor.tokenize(p), self.input_processor.check_params(sp))
+                    for p, sp in zip(prompts, params_list)]  # validate everything before queueing anything
+        request_ids = [self._submit(text, ids, params) for (text, ids), params in prepared]
+        self._run(request_ids, use_tqdm)
+        return [self.output_processor.pop(rid) for rid in request_ids]
+
+    def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+             chat_template: str | None = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        prompts = []
+        for conversation in conversations:
+            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                      chat_template=chat_template)
+            prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[Delta]:
+        """Generate one prompt, yielding text deltas as they are produced (``fdplug generate`` uses it)."""
+        (text, ids), params = self.input_processor.tokenize(prompt), self.input_processor.check_params(
+            sampling_params or SamplingParams())
+        request_id = self._submit(text, ids, params)
+        try:
+            while not self.output_processor.output(request_id).finished:
+                yield from (d for d in self._step() if d.request_id == request_id)
+        finally:
+            if not self.output_processor.output(request_id).finished:
+                self.engine.abort_requests(self.output_processor.child_ids(request_id))
+            self.output_processor.pop(request_id)
+
+    # -- internals --------------------------------------------------------------------------------
+
+    def _params_for(self, n: int, sampling_params: Any) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams() for _ in range(n)]
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        if len(sampling_params) != n:
+            raise ConfigError(f"got {n} prompts but {len(sampling_params)} sampling params.",
+                              fix="pass one SamplingParams for all prompts, or one per prompt.")
+        return list(sampling_params)
+
+    def _submit(self, text: str | None, ids: list[int], params: SamplingParams) -> str:
+        request_id = str(next(self._ids))
+        self.output_processor.add(request_id, text, ids, params)
+        for request in self.input_processor.make_requests(request_id, ids, params):
+            self.engine.add_request(request)
+        return request_id
+
+    def _step(self) -> list[Delta]:
+        deltas, stopped = self.output_processor.process(self.engine.step())
+        if stopped:
+            self.engine.abort_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        return deltas
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> None:
+        bar = None
+        if use_tqdm and len(request_ids) > 1:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(request_ids), desc="Generating", unit="req", dynamic_ncols=True)
+        pending = set(request_ids)
+        while pending:
+            self._step()
+            done = {rid for rid in pending if self.output_processor.output(rid).finished}
+            pending -= done
+            if bar is not None and done:
+                bar.update(len(done))
+            if pending and not self.engine.has_unfinished_requests():
+                raise RuntimeError(f"engine has no work but requests {sorted(pending)[:5]} are unfinished")
+        if bar is not None:
+            bar.close()

@@ -1,0 +1,221 @@
+"""Between users and the engine: prompts in (validated, tokenized), text out (detokenized, stopped).
+
+Shared by the offline ``LLM`` and the API server so both validate and stop the same way. ``n > 1``
+fans out into ``n`` engine requests (``<id>#<i>``); their outputs are gathered back here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from fdplug.core.model.detokenizer import IncrementalDetokenizer
+from fdplug.core.outputs import CompletionOutput, Logprob, RequestOutput
+from fdplug.core.request import MAX_LOGPROBS, Request, SamplingParams
+from fdplug.core.scheduler.output import EngineCoreOutput
+from fdplug.errors import InvalidRequestError
+
+PromptType = str | Mapping[str, Any]
+
+
+def child_id(request_id: str, index: int, n: int) -> str:
+    return request_id if n == 1 else f"{request_id}#{index}"
+
+
+class InputProcessor:
+    """Turns a prompt and sampling parameters into engine ``Request``s, or a typed 400 error."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, eos_token_ids: Sequence[int]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.eos_token_ids = tuple(eos_token_ids)
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """``"text"``, ``{"prompt": "text"}`` or ``{"prompt_token_ids": [...]}`` -> (text, ids)."""
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        elif isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
+            text, ids = prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
+        elif isinstance(prompt, Mapping) and isinstance(prompt.get("prompt"), str):
+            text, ids = prompt["prompt"], self.tokenizer.encode(prompt["prompt"], add_special_tokens=True)
+        else:
+            raise InvalidRequestError(f"a prompt must be a string, {{'prompt': str}} or {{'prompt_token_ids': [...]}}, "
+                                      f"got {type(prompt).__name__}.", fix="pass the prompt in one of those forms.")
+        self.check_length(len(ids))
+        return text, ids
+
+    def check_length(self, num_prompt_tokens: int, max_tokens: int | None = None) -> None:
+        if num_prompt_tokens == 0:
+            raise InvalidRequestError("the prompt is empty.", fix="send a prompt of at least one token.")
+        if num_prompt_tokens >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {num_prompt_tokens} tokens, but max_model_len is {self.max_model_len}, which "
+                f"leaves room for at most {self.max_model_len - 1} prompt tokens.",
+                fix="shorten the prompt, or start the engine with a larger max_model_len.")
+        if max_tokens is not None and num_prompt_tokens + max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but {num_prompt_tokens + max_tokens} "
+                f"were requested ({num_prompt_tokens} in the prompt, {max_tokens} for the completion).",
+                fix=f"lower max_tokens to at most {self.max_model_len - num_prompt_tokens}, or shorten the prompt.")
+
+    def check_params(self, params: SamplingParams) -> SamplingParams:
+        params.validate()
+        if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
+            raise InvalidRequestError(f"logprobs must be at most {MAX_LOGPROBS}, got {params.logprobs}.",
+                                      fix=f"ask for {MAX_LOGPROBS} or fewer alternatives.")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"stop_token_ids {bad} are outside the vocabulary [0, {self.vocab_size}).",
+                                      fix="use token ids of this model's tokenizer.")
+        return params
+
+    def make_requests(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                      cache_salt: str | None = None, mm_positions: Sequence = ()) -> list[Request]:
+        """One engine request per output sequence; with a seed, sequence ``i`` uses ``seed + i``."""
+        requests = []
+        for i in range(params.n):
+            child = params if params.n == 1 else dataclasses.replace(
+                params, n=1, seed=None if params.seed is None else params.seed + i)
+            requests.append(Request(child_id(request_id, i, params.n), prompt_ids, child, self.eos_token_ids,
+                                    cache_salt=cache_salt, mm_positions=list(mm_positions)))
+        return requests
+
+    def _check_ids(self, ids: Any) -> list[int]:
+        if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise InvalidRequestError("prompt_token_ids must be a list of integers.", fix="pass token ids as ints.")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size}).",
+                                      fix="tokenize with this model's tokenizer.")
+        return list(ids)
+
+
+# ---------------------------------------------------------------------------------------------------
+# outputs
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Delta:
+    """What one engine step added to one output sequence (what a stream sends)."""
+
+    request_id: str
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+@dataclass(slots=True)
+class _Child:
+    output: CompletionOutput
+    detokenizer: IncrementalDetokenizer
+    want_logprobs: bool
+
+
+@dataclass(slots=True)
+class _Parent:
+    output: RequestOutput
+    children: list[_Child] = field(default_factory=list)
+
+
+class OutputProcessor:
+    """Detokenizes engine outputs, applies stop strings, gathers ``n`` children into one output."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._parents: dict[str, _Parent] = {}
+        self._child_to_parent: dict[str, tuple[str, int]] = {}
+
+    def add(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams) -> None:
+        parent = _Parent(RequestOutput(request_id, prompt, prompt_ids, []))
+        for i in range(params.n):
+            detok = IncrementalDetokenizer.for_request(self.tokenizer, prompt_ids, stop=params.stop,
+                                                       skip_special_tokens=params.skip_special_tokens)
+            out = CompletionOutput(i, "", [], logprobs=[] if params.logprobs is not None else None,
+                                   cumulative_logprob=0.0 if params.logprobs is not None else None)
+            parent.children.append(_Child(out, detok, params.logprobs is not None))
+            parent.output.outputs.append(out)
+            self._child_to_parent[child_id(request_id, i, params.n)] = (request_id, i)
+        self._parents[request_id] = parent
+
+    def has(self, request_id: str) -> bool:
+        return request_id in self._parents
+
+    def child_ids(self, request_id: str) -> list[str]:
+        return [c for c, (p, _) in self._child_to_parent.items() if p == request_id]
+
+    def process(self, outputs: Sequence[EngineCoreOutput]) -> tuple[list[Delta], list[str]]:
+        """Apply a step's outputs. Returns the deltas, and the child ids a stop string ended (to abort)."""
+        deltas, stopped = [], []
+        for out in outputs:
+            key = self._child_to_parent.get(out.request_id)
+            if key is None:
+                continue
+            child = self._parents[key[0]].children[key[1]]
+            if child.output.finished():
+                continue
+            delta = self._apply(key, child, out)
+            if child.detokenizer.finished and not out.finished:
+                stopped.append(out.request_id)
+            deltas.append(delta)
+            if child.output.finished():
+                self._maybe_finish_parent(key[0])
+        return deltas, stopped
+
+    def fail(self, request_id: str, reason: str, message: str | None = None) -> list[Delta]:
+        """End every unfinished output of a parent request with ``reason`` (abort, error)."""
+        parent = self._parents.get(request_id)
+        if parent is None:
+            return []
+        deltas = []
+        for child in parent.children:
+            if not child.output.finished():
+                child.output.finish_reason = reason
+                deltas.append(Delta(request_id, child.output.index, "", [], None, reason, None))
+        parent.output.error = message
+        self._maybe_finish_parent(request_id)
+        return deltas
+
+    def output(self, request_id: str) -> RequestOutput:
+        return self._parents[request_id].output
+
+    def pop(self, request_id: str) -> RequestOutput:
+        parent = self._parents.pop(request_id)
+        for cid in [c for c, (p, _) in self._child_to_parent.items() if p == request_id]:
+            del self._child_to_parent[cid]
+        return parent.output
+
+    def _apply(self, key: tuple[str, int], child: _Child, out: EngineCoreOutput) -> Delta:
+        result = child.output
+        new_ids = list(out.new_token_ids)
+        text = child.detokenizer.step(new_ids)
+        new_logprobs = self._logprobs(out) if child.want_logprobs else None
+        if child.detokenizer.finished:                       # a stop string ended it
+            result.finish_reason, result.stop_reason = "stop", child.detokenizer.stop_reason
+        elif out.finished:
+            text += child.detokenizer.finish()
+            result.finish_reason, result.stop_reason = out.finish_reason, out.stop_reason
+        result.text += text
+        result.token_ids.extend(new_ids)
+        if new_logprobs is not None:
+            result.logprobs.extend(new_logprobs)
+            result.cumulative_logprob += sum(entry[t].logprob for entry, t in zip(new_logprobs, new_ids))
+        parent = self._parents[key[0]].output
+        parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
+        return Delta(key[0], result.index, text, new_ids, new_logprobs, result.finish_reason, result.stop_reason)
+
+    def _logprobs(self, out: EngineCoreOutput) -> list[dict[int, Logprob]]:
+        entries = []
+        for ids, logprobs, ranks in out.new_logprobs or ():
+            entries.append({tid: Logprob(lp, rank, self.tokenizer.decode([tid], skip_special_tokens=False))
+                            for tid, lp, rank in zip(ids, logprobs, ranks)})
+        return entries
+
+    def _maybe_finish_parent(self, request_id: str) -> None:
+        parent = self._parents[request_id]
+        parent.output.finished = all(c.output.finished() for c in parent.children)

@@ -1,0 +1,163 @@
+"""The device-agnostic model runner: one step of the scheduler's plan on the selected backend.
+
+Per step: apply the scheduler's changes to the persistent ``InputBatch``, build the flattened
+inputs and the attention metadata with numpy (no Python loop over tokens), run the model once,
+compute logits only for the rows that sample, sample, and record the sampled tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from fdplug.core.attention import AttentionMetadata
+from fdplug.core.config import EngineConfig
+from fdplug.core.paddle_utils import import_paddle
+from fdplug.core.scheduler.output import NewRequestData, SchedulerOutput
+from fdplug.core.worker.input_batch import InputBatch
+from fdplug.core.worker.kv_cache import KVCachePlan, allocate_kv_caches, bytes_per_block, plan_kv_cache
+from fdplug.core.worker.sampling import SamplingState
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """Sampled tokens per request (only requests that sampled), logprobs, and phase timings."""
+
+    sampled_token_ids: dict[str, list[int]]
+    logprobs: dict[str, tuple[list[int], list[float], list[int]]] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class StepInputs:
+    req_ids: list[str]
+    slots: np.ndarray
+    input_ids: np.ndarray
+    positions: np.ndarray
+    meta: AttentionMetadata
+    logits_rows: np.ndarray      # row of hidden for each sampling request
+    sampling_slots: np.ndarray
+    sampling_req_ids: list[str]
+
+
+class ModelRunner:
+    """Owns the model, the KV caches and the input batch of one device."""
+
+    def __init__(self, config: EngineConfig, backend: Any) -> None:
+        self.config = config
+        self.backend = backend
+        self.paddle = import_paddle()
+        self.place = backend.device.paddle_place_name(0)
+
+    # -- setup ------------------------------------------------------------------------------------
+
+    def load_model(self) -> None:
+        from fdplug.core.model.loader import load_model
+
+        self.paddle.set_device(self.place)
+        self.attn_backend = self.backend.attention.factory(self.config)
+        self.model, self.model_config = load_model(self.config.model_dir, self.attn_backend, dtype=self.config.dtype,
+                                                   max_positions=self.config.max_model_len)
+        self.model.eval()
+        self.model_bytes = sum(int(np.prod(p.shape)) * p.element_size() for p in self.model.parameters())
+
+    def initialize_kv_cache(self) -> KVCachePlan:
+        cfg, config = self.model_config, self.config
+        per_block = bytes_per_block(cfg.num_layers, config.block_size, cfg.num_kv_heads, cfg.head_dim, config.dtype)
+        free = self.backend.device.free_memory(0) if self.backend.device.free_memory else None
+        plan = plan_kv_cache(config, per_block, config.max_model_len, free, self.model_bytes)
+        self.kv_caches = allocate_kv_caches(self.attn_backend, plan, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                                            config.dtype)
+        max_blocks = -(-config.max_model_len // config.block_size)
+        self.batch = InputBatch(config.max_num_seqs, config.max_model_len, max_blocks, cfg.vocab_size)
+        self.sampling = SamplingState(config.max_num_seqs, cfg.vocab_size, seed=config.seed)
+        return plan
+
+    # -- one step ---------------------------------------------------------------------------------
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        paddle = self.paddle
+        t0 = time.perf_counter()
+        self._update_states(so)
+        inputs = self._prepare_inputs(so)
+        prepared = self.attn_backend.prepare(inputs.meta)
+        input_ids = paddle.to_tensor(inputs.input_ids)
+        positions = paddle.to_tensor(inputs.positions)
+        t1 = time.perf_counter()
+        with paddle.no_grad():
+            hidden = self.model(input_ids, positions, self.kv_caches, prepared)
+            if len(inputs.logits_rows) == 0:
+                return ModelRunnerOutput({}, timings={"prepare": t1 - t0, "forward": time.perf_counter() - t1})
+            rows = hidden if len(inputs.logits_rows) == hidden.shape[0] else \
+                paddle.gather(hidden, paddle.to_tensor(inputs.logits_rows))
+            logits = self.model.compute_logits(rows)
+        t2 = time.perf_counter()
+        sampled, logprobs = self.sampling.sample(logits, self.batch, inputs.sampling_slots)
+        self._record_sampled(inputs, sampled)
+        t3 = time.perf_counter()
+        tokens = {rid: [int(t)] for rid, t in zip(inputs.sampling_req_ids, sampled)}
+        logprob_map = {rid: logprobs[i] for i, rid in enumerate(inputs.sampling_req_ids) if logprobs[i] is not None}
+        return ModelRunnerOutput(tokens, logprob_map, {"prepare": t1 - t0, "forward": t2 - t1, "sample": t3 - t2})
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        batch = self.batch
+        for req_id in (*so.finished_req_ids, *so.preempted_req_ids):
+            batch.remove(req_id)
+        for new in so.scheduled_new_reqs:
+            self._add_request(new)
+        for cached in so.scheduled_cached_reqs:
+            slot = batch.slot_of(cached.req_id)
+            n = batch.num_blocks[slot]
+            batch.block_table[slot, n:n + len(cached.new_block_ids)] = cached.new_block_ids
+            batch.num_blocks[slot] = n + len(cached.new_block_ids)
+            batch.num_computed_tokens[slot] = cached.num_computed_tokens
+        batch.condense()
+
+    def _add_request(self, new: NewRequestData) -> None:
+        tokens = [*new.prompt_token_ids, *new.output_token_ids]
+        params = new.sampling_params
+        slot = self.batch.add(new.req_id, {
+            "token_ids": tokens, "num_tokens": len(tokens), "num_prompt_tokens": len(new.prompt_token_ids),
+            "num_computed_tokens": new.num_computed_tokens, "block_table": new.block_ids,
+            "num_blocks": len(new.block_ids), "temperature": params.temperature, "top_p": params.top_p,
+            "top_k": params.top_k, "min_p": params.min_p, "presence_penalty": params.presence_penalty,
+            "frequency_penalty": params.frequency_penalty, "repetition_penalty": params.repetition_penalty,
+            "seed": params.seed, "num_logprobs": -1 if params.logprobs is None else params.logprobs,
+        })
+        self.batch.prompt_mask[slot, new.prompt_token_ids] = True
+        np.add.at(self.batch.output_counts[slot], new.output_token_ids, 1)
+
+    def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
+        batch, bs = self.batch, self.config.block_size
+        req_ids = sorted(so.num_scheduled_tokens, key=batch.slot_of)
+        slots = np.fromiter((batch.slot_of(r) for r in req_ids), dtype=np.int64, count=len(req_ids))
+        counts = np.fromiter((so.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        query_start = np.zeros(len(slots) + 1, dtype=np.int64)
+        np.cumsum(counts, out=query_start[1:])
+        total = int(query_start[-1])
+        seq_of_token = np.repeat(np.arange(len(slots)), counts)
+        start = batch.num_computed_tokens[slots]
+        positions = np.arange(total, dtype=np.int64) - query_start[seq_of_token] + start[seq_of_token]
+        token_slots = slots[seq_of_token]
+        width = int(batch.num_blocks[slots].max())
+        block_tables = batch.block_table[slots, :width]
+        slot_mapping = block_tables[seq_of_token, positions // bs] * bs + positions % bs
+        key_end = positions + 1 + batch.key_end_offset[token_slots, positions]
+        seq_lens = start + counts
+        meta = AttentionMetadata(query_start, seq_lens, positions, key_end, slot_mapping, block_tables, bs)
+        samples = seq_lens >= batch.num_tokens[slots]        # the step reaches the last known token
+        return StepInputs(req_ids, slots, batch.token_ids[token_slots, positions], positions, meta,
+                          query_start[1:][samples] - 1, slots[samples],
+                          [r for r, s in zip(req_ids, samples) if s])
+
+    def _record_sampled(self, inputs: StepInputs, sampled: np.ndarray) -> None:
+        batch = self.batch
+        batch.num_computed_tokens[inputs.slots] = inputs.meta.seq_lens
+        slots = inputs.sampling_slots
+        ends = batch.num_tokens[slots]
+        batch.token_ids[slots, ends] = sampled
+        batch.num_tokens[slots] = ends + 1
+        batch.output_counts[slots, sampled] += 1

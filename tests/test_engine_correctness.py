@@ -1,0 +1,97 @@
+"""The engine's reference: greedy outputs equal a naive full-recompute forward, token for token.
+
+Batching, chunked prefill with a tiny budget, prefix-cache hits and forced preemption all change
+how the KV cache is filled and read; none of them may change a single token.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+import pytest
+
+from fdplug.core.attention import AttentionMetadata, causal_key_end
+from fdplug.core.llm import LLM
+from fdplug.core.request import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+
+def prompts_for(tokenizer) -> list[list[int]]:
+    rng = np.random.default_rng(0)
+    shared = rng.integers(0, 500, size=40).tolist()
+    return [tokenizer.encode("Hello world"), rng.integers(0, 500, size=61).tolist(), [7],
+            shared + [1, 2, 3], shared + [4, 5], rng.integers(0, 500, size=17).tolist(),
+            rng.integers(0, 500, size=33).tolist(), shared[:16]]
+
+
+def naive_greedy(llm: LLM, prompt: list[int], max_tokens: int) -> list[int]:
+    """Recompute the whole sequence from scratch for every token: no cache reuse at all."""
+    runner = llm.engine.runner
+    cfg, bs = runner.model_config, 16
+    tokens = list(prompt)
+    for _ in range(max_tokens):
+        n = len(tokens)
+        blocks = -(-n // bs)
+        shape = runner.attn_backend.kv_cache_shape(blocks + 1, bs, cfg.num_kv_heads, cfg.head_dim)
+        caches = [(paddle.zeros(shape), paddle.zeros(shape)) for _ in range(cfg.num_layers)]
+        positions = np.arange(n, dtype=np.int64)
+        meta = AttentionMetadata(np.array([0, n]), np.array([n]), positions, causal_key_end(positions),
+                                 positions + bs, np.arange(1, blocks + 1)[None, :], bs)
+        with paddle.no_grad():
+            hidden = runner.model(paddle.to_tensor(tokens), paddle.to_tensor(positions), caches,
+                                  runner.attn_backend.prepare(meta))
+            logits = runner.model.compute_logits(hidden[-1:])
+        tokens.append(int(logits.argmax(axis=-1).item()))
+    return tokens[len(prompt):]
+
+
+@pytest.fixture(scope="module")
+def reference(test_model_dir):
+    llm = LLM(str(test_model_dir), num_kv_blocks=64, max_model_len=256)
+    prompts = prompts_for(llm.tokenizer)
+    return prompts, [naive_greedy(llm, p, GREEDY.max_tokens) for p in prompts]
+
+
+def run(test_model_dir, prompts, max_model_len=256, **engine_args):
+    llm = LLM(str(test_model_dir), max_model_len=max_model_len, **engine_args)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    return llm, [o.outputs[0].token_ids for o in outputs]
+
+
+def test_batched(test_model_dir, reference):
+    prompts, expected = reference
+    _, got = run(test_model_dir, prompts, num_kv_blocks=64)
+    assert got == expected
+
+
+def test_chunked_prefill_with_a_tiny_budget(test_model_dir, reference):
+    prompts, expected = reference
+    llm, got = run(test_model_dir, prompts, num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=8)
+    assert got == expected
+
+
+def test_prefix_cache_hits(test_model_dir, reference):
+    prompts, expected = reference
+    llm = LLM(str(test_model_dir), max_model_len=256, num_kv_blocks=64)
+    first = llm.generate([{"prompt_token_ids": prompts[3]}], GREEDY, use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0
+    second = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert second[4].num_cached_tokens == 32 and second[3].num_cached_tokens == 32
+    assert [o.outputs[0].token_ids for o in second] == expected
+    assert llm.engine.stats().prefix_cache_hits > 0
+
+
+def test_forced_preemption(test_model_dir, reference):
+    prompts, expected = reference
+    llm, got = run(test_model_dir, prompts, max_model_len=128, num_kv_blocks=10, max_num_seqs=8,
+                   enable_prefix_caching=False)
+    assert llm.engine.stats().num_preemptions > 0
+    assert got == expected
+
+
+def test_prefix_caching_off_and_chunking_off(test_model_dir, reference):
+    prompts, expected = reference
+    _, got = run(test_model_dir, prompts, num_kv_blocks=64, enable_prefix_caching=False,
+                 enable_chunked_prefill=False, max_num_batched_tokens=256)
+    assert got == expected
