@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from fdplug.core.worker.input_batch import SLOT_FIELDS, InputBatch
 
-MAX_SEQS, MAX_LEN, MAX_BLOCKS, VOCAB = 6, 12, 4, 10
-WIDTHS = {"max_model_len": MAX_LEN, "max_blocks": MAX_BLOCKS, "vocab": VOCAB}
+MAX_SEQS, MAX_LEN, MAX_BLOCKS = 6, 12, 4
+WIDTHS = {"max_model_len": MAX_LEN, "max_blocks": MAX_BLOCKS}
 
 
 def values_for(i: int) -> dict:
@@ -58,7 +58,7 @@ ops = st.lists(st.one_of(
 @settings(max_examples=150, deadline=None)
 @given(ops)
 def test_random_operations_match_a_dict_model(operations):
-    batch, model = InputBatch(MAX_SEQS, MAX_LEN, MAX_BLOCKS, VOCAB), {}
+    batch, model = InputBatch(MAX_SEQS, MAX_LEN, MAX_BLOCKS), {}
     for op in operations:
         if op[0] == "add":
             req_id = f"r{op[1]}"

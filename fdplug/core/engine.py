@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable
 
 from fdplug.core.config import EngineConfig
@@ -32,7 +32,6 @@ class StepTimings:
     forward: float = 0.0
     sample: float = 0.0
     update: float = 0.0
-    per_phase: dict[str, float] = field(default_factory=dict)
 
     def total(self) -> float:
         return self.schedule + self.prepare + self.forward + self.sample + self.update
@@ -77,6 +76,8 @@ class EngineCore:
         t1 = time.perf_counter()
         self.timings.schedule += t1 - t0
         if scheduler_output.is_empty:
+            if scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids:
+                self.runner.execute_model(scheduler_output)  # let the runner drop them: frees its slots
             return []
         try:
             result = self.runner.execute_model(scheduler_output)

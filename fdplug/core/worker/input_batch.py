@@ -42,8 +42,9 @@ SLOT_FIELDS: tuple[SlotField, ...] = (
     SlotField("repetition_penalty", np.float32, 1.0),
     SlotField("seed", object, None),                           # None: unseeded
     SlotField("num_logprobs", np.int64, -1),                   # -1: no logprobs
-    SlotField("output_counts", np.int32, 0, "vocab"),          # generated-token histogram (penalties)
-    SlotField("prompt_mask", np.bool_, False, "vocab"),        # tokens seen in the prompt (repetition)
+    SlotField("penalty_ids", np.int64, -1, "max_model_len"),   # distinct prompt+output ids (penalties)
+    SlotField("penalty_counts", np.int32, 0, "max_model_len"), # output count of each of those ids
+    SlotField("num_penalty_ids", np.int64, 0),
 )
 
 
@@ -53,9 +54,9 @@ class InputBatch:
     Arrays are attributes named after their field (``batch.token_ids[slot, :n]``).
     """
 
-    def __init__(self, max_num_seqs: int, max_model_len: int, max_blocks: int, vocab_size: int = 1) -> None:
+    def __init__(self, max_num_seqs: int, max_model_len: int, max_blocks: int) -> None:
         self.max_num_seqs = max_num_seqs
-        widths = {"max_model_len": max_model_len, "max_blocks": max_blocks, "vocab": vocab_size}
+        widths = {"max_model_len": max_model_len, "max_blocks": max_blocks}
         self.arrays: dict[str, np.ndarray] = {}
         for f in SLOT_FIELDS:
             shape = (max_num_seqs,) if f.width is None else (max_num_seqs, widths[f.width])

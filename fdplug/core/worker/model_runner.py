@@ -15,11 +15,12 @@ import numpy as np
 
 from fdplug.core.attention import AttentionMetadata
 from fdplug.core.config import EngineConfig
+from fdplug.core.model.sampler import Sampler, penalty_tokens, record_tokens
 from fdplug.core.paddle_utils import import_paddle
 from fdplug.core.scheduler.output import NewRequestData, SchedulerOutput
 from fdplug.core.worker.input_batch import InputBatch
 from fdplug.core.worker.kv_cache import KVCachePlan, allocate_kv_caches, bytes_per_block, plan_kv_cache
-from fdplug.core.worker.sampling import SamplingState
+from fdplug.core.worker.sampling import sampling_metadata, sampled_logprobs
 
 
 @dataclass(slots=True)
@@ -72,8 +73,8 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(self.attn_backend, plan, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                                             config.dtype)
         max_blocks = -(-config.max_model_len // config.block_size)
-        self.batch = InputBatch(config.max_num_seqs, config.max_model_len, max_blocks, cfg.vocab_size)
-        self.sampling = SamplingState(config.max_num_seqs, cfg.vocab_size, seed=config.seed)
+        self.batch = InputBatch(config.max_num_seqs, config.max_model_len, max_blocks)
+        self.sampler = Sampler(seed=config.seed)
         return plan
 
     # -- one step ---------------------------------------------------------------------------------
@@ -82,6 +83,8 @@ class ModelRunner:
         paddle = self.paddle
         t0 = time.perf_counter()
         self._update_states(so)
+        if so.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput({})
         inputs = self._prepare_inputs(so)
         prepared = self.attn_backend.prepare(inputs.meta)
         input_ids = paddle.to_tensor(inputs.input_ids)
@@ -95,12 +98,14 @@ class ModelRunner:
                 paddle.gather(hidden, paddle.to_tensor(inputs.logits_rows))
             logits = self.model.compute_logits(rows)
         t2 = time.perf_counter()
-        sampled, logprobs = self.sampling.sample(logits, self.batch, inputs.sampling_slots)
+        meta = sampling_metadata(self.batch, inputs.sampling_slots)
+        result = self.sampler(logits, meta)
+        sampled = result.sampled_token_ids
         self._record_sampled(inputs, sampled)
         t3 = time.perf_counter()
         tokens = {rid: [int(t)] for rid, t in zip(inputs.sampling_req_ids, sampled)}
-        logprob_map = {rid: logprobs[i] for i, rid in enumerate(inputs.sampling_req_ids) if logprobs[i] is not None}
-        return ModelRunnerOutput(tokens, logprob_map, {"prepare": t1 - t0, "forward": t2 - t1, "sample": t3 - t2})
+        logprobs = sampled_logprobs(result, meta, inputs.sampling_req_ids)
+        return ModelRunnerOutput(tokens, logprobs, {"prepare": t1 - t0, "forward": t2 - t1, "sample": t3 - t2})
 
     def _update_states(self, so: SchedulerOutput) -> None:
         batch = self.batch
@@ -127,8 +132,10 @@ class ModelRunner:
             "frequency_penalty": params.frequency_penalty, "repetition_penalty": params.repetition_penalty,
             "seed": params.seed, "num_logprobs": -1 if params.logprobs is None else params.logprobs,
         })
-        self.batch.prompt_mask[slot, new.prompt_token_ids] = True
-        np.add.at(self.batch.output_counts[slot], new.output_token_ids, 1)
+        ids, counts = penalty_tokens(new.prompt_token_ids, new.output_token_ids)
+        self.batch.penalty_ids[slot, :len(ids)] = ids
+        self.batch.penalty_counts[slot, :len(ids)] = counts
+        self.batch.num_penalty_ids[slot] = len(ids)
 
     def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         batch, bs = self.batch, self.config.block_size
@@ -160,4 +167,4 @@ class ModelRunner:
         ends = batch.num_tokens[slots]
         batch.token_ids[slots, ends] = sampled
         batch.num_tokens[slots] = ends + 1
-        batch.output_counts[slots, sampled] += 1
+        record_tokens(batch.penalty_ids, batch.penalty_counts, batch.num_penalty_ids, slots, sampled)

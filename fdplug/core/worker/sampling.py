@@ -1,17 +1,47 @@
-"""Glue between the InputBatch's per-slot sampling fields and the sampler (temporary: greedy only)."""
+"""From the InputBatch's per-slot sampling fields to the sampler's per-row metadata, and back.
+
+The sampler sees one row per request that samples this step, in ``slots`` order; nothing per-slot
+lives here (the InputBatch registry holds it all), so this is pure gathering.
+"""
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
+from fdplug.core.model.sampler import SamplerOutput, SamplingMetadata
+from fdplug.core.worker.input_batch import InputBatch
 
-class SamplingState:
-    def __init__(self, max_num_seqs: int, vocab_size: int, seed: int = 0) -> None:
-        self.vocab_size = vocab_size
 
-    def sample(self, logits: Any, batch: Any, slots: np.ndarray) -> tuple[np.ndarray, list]:
-        import paddle
+def sampling_metadata(batch: InputBatch, slots: np.ndarray) -> SamplingMetadata:
+    seeds = batch.seed[slots]
+    seeded = np.fromiter((s is not None for s in seeds), dtype=np.bool_, count=len(slots))
+    penalised = ((batch.repetition_penalty[slots] != 1) | (batch.frequency_penalty[slots] != 0)
+                 | (batch.presence_penalty[slots] != 0))
+    ids = counts = None
+    if penalised.any():  # only then pay for the token tables
+        width = max(int(batch.num_penalty_ids[slots].max()), 1)
+        ids, counts = batch.penalty_ids[slots, :width], batch.penalty_counts[slots, :width]
+    return SamplingMetadata(
+        temperature=batch.temperature[slots], top_k=batch.top_k[slots], top_p=batch.top_p[slots],
+        min_p=batch.min_p[slots], presence_penalty=batch.presence_penalty[slots],
+        frequency_penalty=batch.frequency_penalty[slots], repetition_penalty=batch.repetition_penalty[slots],
+        seeds=np.array([s if s is not None else 0 for s in seeds], dtype=np.int64), seeded=seeded,
+        steps=batch.num_tokens[slots] - batch.num_prompt_tokens[slots], num_logprobs=batch.num_logprobs[slots],
+        penalty_token_ids=ids, penalty_token_counts=counts)
 
-        return paddle.argmax(logits, axis=-1).numpy().astype(np.int64), [None] * len(slots)
+
+def sampled_logprobs(result: SamplerOutput, meta: SamplingMetadata,
+                     req_ids: list[str]) -> dict[str, tuple[list[int], list[float], list[int]]]:
+    """Per request that asked: (ids, logprobs, ranks), the sampled token first, then its top N."""
+    if result.sampled_logprobs is None:
+        return {}
+    out = {}
+    for row, req_id in enumerate(req_ids):
+        n = int(meta.num_logprobs[row])
+        if n < 0:
+            continue
+        top_ids = result.top_token_ids[row, :n].tolist()
+        ids = [int(result.sampled_token_ids[row]), *top_ids]
+        logprobs = [float(result.sampled_logprobs[row]), *result.top_logprobs[row, :n].tolist()]
+        out[req_id] = (ids, logprobs, [int(result.sampled_ranks[row]), *range(1, len(top_ids) + 1)])
+    return out
