@@ -85,6 +85,8 @@ declare("FDPLUG_STRICT_PLUGINS", False, _parse_bool,
         "1: any plugin that fails to import or register is a fatal error.")
 declare("FDPLUG_CPU_THREADS", None, _parse_positive_int,
         "Threads for CPU compute (default: the number of usable cores).")
+declare("FDPLUG_CPU_MALLOC_TUNING", True, _parse_bool,
+        "1 (default): the cpu device makes glibc keep freed memory (no mmap per large tensor); 0: leave malloc alone.")
 declare("OMP_NUM_THREADS", None, _parse_positive_int,
         "Honoured if set before fdplug and paddle are imported: the cpu device then uses that many threads.",
         as_set_by_user=True)
@@ -117,6 +119,16 @@ declare("FDPLUG_HTTP_FEATURE_MAX_BYTES", 256 * 1024 * 1024, _parse_positive_int,
 declare("FDPLUG_ALLOWED_FEATURE_HOSTS", (), _parse_list,
         "Comma-separated hosts (host, host:port or *.domain) http(s):// features may come from (default: none).")
 declare("FDPLUG_CACHE_DIR", None, str, "Directory for fdplug's generated files, e.g. the demo model (default: ~/.cache/fdplug).")
+# server
+declare("FDPLUG_API_KEY", None, str,
+        "API key `fdplug serve` requires as `Authorization: Bearer KEY` (--api-key overrides; unset: no key).",
+        secret=True)
+declare("FDPLUG_ENGINE_STARTUP_TIMEOUT", 600.0, _parse_positive_float,
+        "Seconds `fdplug serve` waits for the engine process to load the model and report ready.")
+declare("FDPLUG_SHUTDOWN_TIMEOUT", 5.0, _parse_positive_float,
+        "Seconds `fdplug serve` waits for responses and the engine process to finish when stopping.")
+declare("FDPLUG_ENGINE_STALL_TIMEOUT", 600.0, _parse_positive_float,
+        "Seconds the engine may send nothing while requests are in flight before `fdplug serve` kills it as hung.")
 
 
 def env(name: str) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 from types import MappingProxyType
 
@@ -49,12 +50,30 @@ def setup() -> None:
     so setting it here works even if paddle is already imported. ``import paddle`` sets
     ``OMP_NUM_THREADS=1`` when unset, so the thread count is also set through paddle's API.
     """
+    if env("FDPLUG_CPU_MALLOC_TUNING"):
+        keep_freed_memory()
     if is_amd_cpu() and not env_is_set("MKL_DEBUG_CPU_TYPE"):
         os.environ["MKL_DEBUG_CPU_TYPE"] = "5"
     threads = cpu_threads()
     if not env_is_set("OMP_NUM_THREADS"):
         os.environ["OMP_NUM_THREADS"] = str(threads)
     import_paddle().base.core.set_num_threads(threads)
+
+
+def keep_freed_memory() -> bool:
+    """Make glibc reuse freed memory instead of returning it to the OS and faulting it back in.
+
+    By default glibc serves large blocks with a fresh mmap and unmaps them on free, so every big
+    temporary tensor (a gathered KV range, an activation) pays a page fault per 4 KiB. Measured
+    here: paddle.gather of 20 MB took 13.7 ms, 2.6 ms with mmap off; a clone 12.5 -> 1.7 ms.
+    The cost is that the process keeps its peak heap. Returns False where mallopt is unavailable.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_max = -1, -4
+    return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, (1 << 31) - 1))
 
 
 def free_memory(index: int = 0) -> int | None:
