@@ -11,4 +11,18 @@ from fdplug.core.selection import Backend, select_backend
 
 __version__ = "0.1.0"
 
-__all__ = ["API_VERSION", "Backend", "hookimpl", "list_plugins", "load_plugins", "select_backend", "__version__"]
+__all__ = ["API_VERSION", "LLM", "Backend", "SamplingParams", "hookimpl", "list_plugins", "load_plugins",
+           "select_backend", "__version__"]
+
+
+def __getattr__(name: str):
+    """``fdplug.LLM`` and ``fdplug.SamplingParams`` without importing the engine at ``import fdplug``."""
+    if name == "LLM":
+        from fdplug.core.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from fdplug.core.request import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'fdplug' has no attribute {name!r}")

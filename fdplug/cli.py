@@ -226,6 +226,35 @@ def generate_command(prompts: tuple[str, ...], chat: bool, max_tokens: int, temp
         click.echo(f"--- {prompt!r} -> {output.outputs[0].finish_reason}\n{output.outputs[0].text}")
 
 
+# ---------------------------------------------------------------------------------------------------
+# serve
+# ---------------------------------------------------------------------------------------------------
+
+
+@main.command("serve")
+@engine_options
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: all).")
+@click.option("--port", type=int, default=8000, show_default=True, help="Port to listen on (0: any free port).")
+@click.option("--api-key", default=None, help="Require `Authorization: Bearer KEY` on /v1 (or set FDPLUG_API_KEY).")
+@click.option("--served-model-name", default=None, help="The model's name in the API (default: --model, or demo).")
+@click.option("--max-body-bytes", type=click.IntRange(min=1), default=8 << 20, show_default=True,
+              help="Largest request body; larger ones get 413.")
+@click.option("--max-waiting-requests", type=click.IntRange(min=1), default=1024, show_default=True,
+              help="Requests queued beyond the running batch; more get 503.")
+@user_errors
+def serve_command(host: str, port: int, api_key: str | None, served_model_name: str | None, max_body_bytes: int,
+                  max_waiting_requests: int, **kw: Any) -> None:
+    """Serve the OpenAI API (chat, completions, streaming) with the engine in its own process."""
+    from fdplug.core.server.launcher import ServerSettings, serve
+
+    logging.getLogger("fdplug").setLevel(min(logging.INFO, logging.getLogger().getEffectiveLevel()))
+    args = engine_kwargs(kw)
+    args["max_waiting_requests"] = max_waiting_requests
+    settings = ServerSettings(host=host, port=port, api_key=api_key, served_model_name=served_model_name,
+                              max_body_bytes=max_body_bytes)
+    sys.exit(serve(settings, args))
+
+
 def _register_fetch_features() -> None:
     from fdplug.cli_fetch import fetch_features
 

@@ -154,3 +154,50 @@ class QueueFullError(FdplugError):
 
     http_status = 503
     error_type = "server_error"
+
+
+# ---------------------------------------------------------------------------------------------------
+# the API server
+# ---------------------------------------------------------------------------------------------------
+
+
+class AuthenticationError(FdplugError):
+    """The request has no API key or the wrong one. The message never echoes the key it got."""
+
+    http_status = 401
+    error_type = "invalid_request_error"
+
+
+class ModelNotFoundError(FdplugError):
+    """The request names a model this server does not serve."""
+
+    http_status = 404
+    error_type = "invalid_request_error"
+
+
+class RequestTooLargeError(FdplugError):
+    """The request body is over the server's limit (``--max-body-bytes``)."""
+
+    http_status = 413
+    error_type = "invalid_request_error"
+
+
+class EngineDeadError(FdplugError):
+    """The engine process exited: requests in flight cannot finish and the server stops."""
+
+    http_status = 500
+    error_type = "server_error"
+
+
+class EngineRequestError(FdplugError):
+    """The engine failed this request (a step it was in raised); other requests are unaffected."""
+
+    http_status = 500
+    error_type = "server_error"
+
+
+class ServerShuttingDownError(FdplugError):
+    """The server is stopping (SIGINT/SIGTERM): requests in flight are aborted."""
+
+    http_status = 503
+    error_type = "server_error"

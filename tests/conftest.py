@@ -76,17 +76,12 @@ def write_test_model(out_dir: Path, **overrides) -> Path:
     The demo's N(0, 0.02) weights make greedy decoding repeat one token, which would hide attention
     bugs; a larger init makes the next token depend on the whole context.
     """
-    import json
-
     from fdplug.core import demo
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    demo.write_demo_files(out_dir)
-    config = json.loads((out_dir / "config.json").read_text())
-    config.update({"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-                   "num_key_value_heads": 2, "initializer_range": 0.25, **overrides})
-    (out_dir / "config.json").write_text(json.dumps(config))
-    demo._save_safetensors(demo.build_weights(config), out_dir / "model.safetensors")
+    demo.write_demo_files(out_dir, **{"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                                      "num_attention_heads": 4, "num_key_value_heads": 2,
+                                      "initializer_range": 0.25, **overrides})
     return out_dir
 
 

@@ -95,3 +95,15 @@ def test_prefix_caching_off_and_chunking_off(test_model_dir, reference):
     _, got = run(test_model_dir, prompts, num_kv_blocks=64, enable_prefix_caching=False,
                  enable_chunked_prefill=False, max_num_batched_tokens=256)
     assert got == expected
+
+
+def test_requests_aborted_while_idle_free_their_runner_slots(test_model_dir):
+    """An abort followed by an empty step must still reach the runner, or its slots leak."""
+    llm = LLM(str(test_model_dir), max_model_len=128, num_kv_blocks=64, max_num_seqs=2)
+    rid = llm._submit(None, [1, 2, 3], SamplingParams(max_tokens=50))
+    llm._step()
+    llm.engine.abort_requests(llm.output_processor.child_ids(rid))
+    llm._step()
+    assert llm.engine.runner.batch.num_reqs == 0
+    outs = llm.generate([{"prompt_token_ids": [4, 5]}] * 2, GREEDY, use_tqdm=False)
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)

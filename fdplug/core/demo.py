@@ -167,12 +167,16 @@ def ensure_demo_model(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     return target
 
 
-def write_demo_files(out_dir: Path) -> None:
-    """Write every file of the demo model into ``out_dir`` (which must exist), the marker last."""
+def write_demo_files(out_dir: Path, **config_overrides: Any) -> None:
+    """Write every file of the demo model into ``out_dir`` (which must exist), the marker last.
+
+    ``config_overrides`` change the model's shape or init (tests and benchmarks use them for a
+    smaller, sharper, or bigger random model with the same tokenizer); the demo itself uses none.
+    """
     tokenizer = build_tokenizer()
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     ids = {tok: tokenizer.token_to_id(tok) for tok in SPECIAL_TOKENS}
-    config = build_config(vocab_size, bos_id=ids["<|endoftext|>"], eos_id=ids["<|im_end|>"])
+    config = build_config(vocab_size, bos_id=ids["<|endoftext|>"], eos_id=ids["<|im_end|>"]) | config_overrides
     _write_json(out_dir / "config.json", config)
     _write_json(out_dir / "generation_config.json", {
         "bos_token_id": ids["<|endoftext|>"],

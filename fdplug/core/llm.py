@@ -49,19 +49,31 @@ def build_engine_config(model: str | None, engine_args: Mapping[str, Any]) -> tu
     return config, model_config
 
 
-def create_engine(model: str | None, device: str = "auto", runner: str | None = None, attention: str | None = None,
-                  moe: str | None = None, **engine_args: Any) -> tuple[EngineCore, EngineConfig, Any]:
-    """Select the backend once, let plugins configure, and build the engine."""
+def resolve_engine(model: str | None, device: str = "auto", runner: str | None = None, attention: str | None = None,
+                   moe: str | None = None, storages: Mapping[str, str] | None = None,
+                   **engine_args: Any) -> tuple[EngineConfig, Any, Any]:
+    """Config, model config and backend, without building the engine.
+
+    ``fdplug serve`` calls it in the API process (to log the selection and fail fast) and again in
+    the engine process with ``Backend.to_names()``, which rebuilds the same selection there.
+    """
     from fdplug.core.plugins import load_plugins
     from fdplug.core.selection import select_backend
 
     config, model_config = build_engine_config(model, engine_args)
     plugin_set = load_plugins()
     config.model = model_config.traits(None if config.dtype == "auto" else config.dtype)
-    backend = select_backend(device, runner, attention, moe, config=config, plugins=plugin_set)
+    backend = select_backend(device, runner, attention, moe, storages, config=config, plugins=plugin_set)
     plugin_set.configure(config, backend)
     if config.dtype == "auto":
         config.dtype = model_config.dtype
+    return config, model_config, backend
+
+
+def create_engine(model: str | None, device: str = "auto", runner: str | None = None, attention: str | None = None,
+                  moe: str | None = None, **engine_args: Any) -> tuple[EngineCore, EngineConfig, Any]:
+    """Select the backend once, let plugins configure, and build the engine."""
+    config, model_config, backend = resolve_engine(model, device, runner, attention, moe, **engine_args)
     return EngineCore(config, backend), config, model_config
 
 
