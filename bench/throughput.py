@@ -22,6 +22,7 @@ import numpy as np
 
 from fdplug.core.demo import write_demo_files
 from fdplug.core.llm import LLM
+from fdplug.core.processor import ProcessedPrompt
 from fdplug.core.request import SamplingParams
 
 MODEL = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 12, "num_attention_heads": 8,
@@ -80,7 +81,7 @@ def step_breakdown(llm: LLM, steps: int = 48) -> dict[str, float]:
     """Timings per phase with 64 requests decoding (short prompts, long outputs)."""
     rng = np.random.default_rng(1)
     for i in range(64):
-        llm._submit(None, rng.integers(0, MODEL["vocab_size"], size=32).tolist(), params(steps + 40))
+        llm._submit(ProcessedPrompt(None, rng.integers(0, MODEL["vocab_size"], size=32).tolist()), params(steps + 40))
     for _ in range(8):  # past the prefill
         llm._step()
     before = {k: getattr(llm.engine.timings, k) for k in ("schedule", "prepare", "forward", "sample", "update")}

@@ -12,6 +12,7 @@ import pytest
 
 from fdplug.core.attention import AttentionMetadata, causal_key_end
 from fdplug.core.llm import LLM
+from fdplug.core.processor import ProcessedPrompt
 from fdplug.core.request import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -100,7 +101,7 @@ def test_prefix_caching_off_and_chunking_off(test_model_dir, reference):
 def test_requests_aborted_while_idle_free_their_runner_slots(test_model_dir):
     """An abort followed by an empty step must still reach the runner, or its slots leak."""
     llm = LLM(str(test_model_dir), max_model_len=128, num_kv_blocks=64, max_num_seqs=2)
-    rid = llm._submit(None, [1, 2, 3], SamplingParams(max_tokens=50))
+    rid = llm._submit(ProcessedPrompt(None, [1, 2, 3]), SamplingParams(max_tokens=50))
     llm._step()
     llm.engine.abort_requests(llm.output_processor.child_ids(rid))
     llm._step()

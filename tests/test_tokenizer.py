@@ -69,7 +69,8 @@ def test_special_tokens(tok):
     assert ids[0] == im_start and ids[-1] == im_end
     assert tok.decode(ids) == "user\nhi"
     assert tok.decode(ids, skip_special_tokens=False) == "<|im_start|>user\nhi<|im_end|>"
-    assert tok.special_token_ids == {im_start, im_end, eot}
+    vision = {tok.token_to_id(t) for t in ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")}
+    assert tok.special_token_ids == {im_start, im_end, eot} | vision
     assert tok.token_to_id("<tool_call>") not in tok.special_token_ids  # added, but not special
     assert tok.eos_token_ids == (im_end, eot) and tok.eos_token_id == im_end
     assert tok.pad_token_id == eot and tok.bos_token_id is None

@@ -97,6 +97,8 @@ declare("FDPLUG_ALLOWED_FEATURE_PATHS", (), _parse_paths,
         "os.pathsep-separated directories that file:// feature URLs may read from (default: none).")
 declare("FDPLUG_ALLOW_PICKLE_FEATURES", False, _parse_bool,
         "1: accept Python pickle features (FastDeploy's format). Trusted sources only.")
+declare("FD_PREFILL_PREPARE_REQ_THREAD_NUM", 4, _parse_positive_int,
+        "Threads that fetch multimodal features for requests, off the step loop (FastDeploy's name).")
 declare("FDPLUG_FETCH_TIMEOUT", 30.0, _parse_positive_float,
         "Seconds one feature fetch may take before it fails.")
 # feature storage
@@ -210,6 +212,8 @@ class EngineConfig:
     max_waiting_requests: int = 1024
     dtype: str = "auto"
     seed: int = 0
+    encoder_cache_rows: int = 16384
+    feature_fetch_workers: int = field(default_factory=lambda: env("FD_PREFILL_PREPARE_REQ_THREAD_NUM"))
     allowed_feature_paths: tuple[str, ...] = field(default_factory=lambda: env("FDPLUG_ALLOWED_FEATURE_PATHS"))
     fetch_timeout: float = field(default_factory=lambda: env("FDPLUG_FETCH_TIMEOUT"))
 
@@ -219,7 +223,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks",
-                     "max_waiting_requests"):
+                     "max_waiting_requests", "feature_fetch_workers"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}.",
@@ -227,6 +231,9 @@ class EngineConfig:
         if not isinstance(self.block_size, int) or self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}.",
                               fix="use 16 (the default) or another power of two such as 32 or 64.")
+        if not isinstance(self.encoder_cache_rows, int) or self.encoder_cache_rows < 0:
+            raise ConfigError(f"encoder_cache_rows must be an integer >= 0, got {self.encoder_cache_rows!r}.",
+                              fix="give the encoder cache size in feature rows; 0 keeps nothing once used.")
         if self.kv_cache_memory is not None and not self.kv_cache_memory > 0:
             raise ConfigError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}.",
                               fix="give the KV cache size in GiB, e.g. 2, or set num_kv_blocks.")

@@ -30,12 +30,14 @@ import numpy as np
 from fdplug.core.config import env
 from fdplug.errors import ConfigError
 
-DEMO_VERSION = 1
+DEMO_VERSION = 2
 DEMO_SEED = 20240601
 MARKER = "fdplug-demo.json"
 
 VOCAB_SIZE = 512  # 256 bytes + learned merges + added tokens, exactly
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# Qwen2-VL's multimodal placeholder tokens: the demo takes pre-encoded image/video features.
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 EXTRA_TOKENS = ("<tool_call>", "</tool_call>")  # added, not special: Qwen2's tool-call markers
 
 # Qwen2's pre-tokenizer regex (tokenizer.json of Qwen2/Qwen2.5).
@@ -176,7 +178,13 @@ def write_demo_files(out_dir: Path, **config_overrides: Any) -> None:
     tokenizer = build_tokenizer()
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     ids = {tok: tokenizer.token_to_id(tok) for tok in SPECIAL_TOKENS}
-    config = build_config(vocab_size, bos_id=ids["<|endoftext|>"], eos_id=ids["<|im_end|>"]) | config_overrides
+    config = build_config(vocab_size, bos_id=ids["<|endoftext|>"], eos_id=ids["<|im_end|>"])
+    config |= {"image_token_id": tokenizer.token_to_id("<|image_pad|>"),
+               "video_token_id": tokenizer.token_to_id("<|video_pad|>"),
+               "vision_start_token_id": tokenizer.token_to_id("<|vision_start|>"),
+               "vision_end_token_id": tokenizer.token_to_id("<|vision_end|>"),
+               "vision_config": {"spatial_merge_size": 2},
+               "fdplug_mm_mask_policy": "bidirectional_items"} | config_overrides
     _write_json(out_dir / "config.json", config)
     _write_json(out_dir / "generation_config.json", {
         "bos_token_id": ids["<|endoftext|>"],
@@ -218,14 +226,14 @@ def build_tokenizer() -> Any:
     ])
     byte_tokens = [ch for _, ch in sorted(bytes_to_unicode().items())]
     pieces = [piece for piece, _ in pre.pre_tokenize_str(_CORPUS)]
-    n_learned = VOCAB_SIZE - 256 - len(SPECIAL_TOKENS) - len(EXTRA_TOKENS)
+    n_learned = VOCAB_SIZE - 256 - len(SPECIAL_TOKENS) - len(VISION_TOKENS) - len(EXTRA_TOKENS)
     vocab, merges = _learn_bpe(byte_tokens, pieces, n_learned)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=None, fuse_unk=False, byte_fallback=False))
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre
     tok.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
     tok.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS + VISION_TOKENS])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in EXTRA_TOKENS])
     return tok
 
@@ -267,10 +275,10 @@ def _merge_word(word: tuple[str, ...], pair: tuple[str, str]) -> tuple[str, ...]
 
 def _tokenizer_config(tokenizer: Any) -> dict[str, Any]:
     added = {}
-    for token in (*SPECIAL_TOKENS, *EXTRA_TOKENS):
+    for token in (*SPECIAL_TOKENS, *VISION_TOKENS, *EXTRA_TOKENS):
         added[str(tokenizer.token_to_id(token))] = {
             "content": token, "lstrip": False, "normalized": False, "rstrip": False,
-            "single_word": False, "special": token in SPECIAL_TOKENS,
+            "single_word": False, "special": token not in EXTRA_TOKENS,
         }
     return {
         "add_bos_token": False,

@@ -11,12 +11,14 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import time
 from typing import Any, Iterator, Mapping, Sequence
 
 from fdplug.core.config import EngineConfig
 from fdplug.core.engine import EngineCore
 from fdplug.core.outputs import RequestOutput
-from fdplug.core.processor import Delta, InputProcessor, OutputProcessor, PromptType
+from fdplug.core.multimodal.inputs import FeaturePartCollector
+from fdplug.core.processor import Delta, InputProcessor, OutputProcessor, ProcessedPrompt, PromptType
 from fdplug.core.request import RequestStatus, SamplingParams
 from fdplug.errors import ConfigError
 
@@ -89,7 +91,7 @@ class LLM:
         self.tokenizer = Tokenizer.from_dir(self.config.model_dir)
         eos = self.model_config.eos_token_ids or self.tokenizer.eos_token_ids
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size,
-                                              self.config.max_model_len, eos)
+                                              self.config.max_model_len, eos, self.model_config.multimodal)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         logger.info("fdplug LLM ready: %s", self.describe())
@@ -108,9 +110,9 @@ class LLM:
         if isinstance(prompts, (str, Mapping)):
             prompts = [prompts]
         params_list = self._params_for(len(prompts), sampling_params)
-        prepared = [(self.input_processor.tokenize(p), self.input_processor.check_params(sp))
+        prepared = [(self.input_processor.process(p), self.input_processor.check_params(sp))
                     for p, sp in zip(prompts, params_list)]  # validate everything before queueing anything
-        request_ids = [self._submit(text, ids, params) for (text, ids), params in prepared]
+        request_ids = [self._submit(prompt, params) for prompt, params in prepared]
         self._run(request_ids, use_tqdm)
         return [self.output_processor.pop(rid) for rid in request_ids]
 
@@ -119,18 +121,22 @@ class LLM:
              chat_template: str | None = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
-        prompts = []
-        for conversation in conversations:
-            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                                      chat_template=chat_template)
-            prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
+        prompts = [self.chat_prompt(c, chat_template, add_generation_prompt) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def chat_prompt(self, conversation: Sequence[Mapping[str, Any]], chat_template: str | None = None,
+                    add_generation_prompt: bool = True) -> dict[str, Any]:
+        """The prompt ``generate`` takes for a conversation; feature parts become ``mm_items``."""
+        collector = FeaturePartCollector(self.model_config.multimodal, self.tokenizer)
+        text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                  chat_template=chat_template, content_part_handler=collector)
+        return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False),
+                "mm_items": collector.parts}
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[Delta]:
         """Generate one prompt, yielding text deltas as they are produced (``fdplug generate`` uses it)."""
-        (text, ids), params = self.input_processor.tokenize(prompt), self.input_processor.check_params(
-            sampling_params or SamplingParams())
-        request_id = self._submit(text, ids, params)
+        processed = self.input_processor.process(prompt)
+        request_id = self._submit(processed, self.input_processor.check_params(sampling_params or SamplingParams()))
         try:
             while not self.output_processor.output(request_id).finished:
                 yield from (d for d in self._step() if d.request_id == request_id)
@@ -151,10 +157,10 @@ class LLM:
                               fix="pass one SamplingParams for all prompts, or one per prompt.")
         return list(sampling_params)
 
-    def _submit(self, text: str | None, ids: list[int], params: SamplingParams) -> str:
+    def _submit(self, prompt: ProcessedPrompt, params: SamplingParams) -> str:
         request_id = str(next(self._ids))
-        self.output_processor.add(request_id, text, ids, params)
-        for request in self.input_processor.make_requests(request_id, ids, params):
+        self.output_processor.add(request_id, prompt.text, prompt.token_ids, params)
+        for request in self.input_processor.make_requests(request_id, prompt, params):
             self.engine.add_request(request)
         return request_id
 
@@ -172,12 +178,15 @@ class LLM:
             bar = tqdm(total=len(request_ids), desc="Generating", unit="req", dynamic_ncols=True)
         pending = set(request_ids)
         while pending:
+            if not self.engine.has_schedulable_work():
+                time.sleep(0.002)  # only feature downloads are in flight: do not spin
             self._step()
             done = {rid for rid in pending if self.output_processor.output(rid).finished}
             pending -= done
             if bar is not None and done:
                 bar.update(len(done))
-            if pending and not self.engine.has_unfinished_requests():
+            if pending and not self.engine.has_unfinished_requests() and not self.engine.has_pending_features():
                 raise RuntimeError(f"engine has no work but requests {sorted(pending)[:5]} are unfinished")
         if bar is not None:
             bar.close()
+

@@ -11,8 +11,10 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from fdplug.core.model.detokenizer import IncrementalDetokenizer
+from fdplug.core.multimodal.config import MultimodalConfig
+from fdplug.core.multimodal.inputs import FeaturePartCollector, MMFeatureInput, expand_placeholders
 from fdplug.core.outputs import CompletionOutput, Logprob, RequestOutput
-from fdplug.core.request import MAX_LOGPROBS, Request, SamplingParams
+from fdplug.core.request import MAX_LOGPROBS, MMPlaceholder, Request, SamplingParams
 from fdplug.core.scheduler.output import EngineCoreOutput
 from fdplug.errors import InvalidRequestError
 
@@ -23,16 +25,46 @@ def child_id(request_id: str, index: int, n: int) -> str:
     return request_id if n == 1 else f"{request_id}#{index}"
 
 
+@dataclass(slots=True)
+class ProcessedPrompt:
+    """A prompt ready for the engine: text (if any), token ids, and its multimodal items."""
+
+    text: str | None
+    token_ids: list[int]
+    mm_inputs: list[MMFeatureInput] = field(default_factory=list)
+    mm_positions: list[MMPlaceholder] = field(default_factory=list)
+
+
 class InputProcessor:
     """Turns a prompt and sampling parameters into engine ``Request``s, or a typed 400 error."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, eos_token_ids: Sequence[int]) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, eos_token_ids: Sequence[int],
+                 mm_config: MultimodalConfig | None = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = tuple(eos_token_ids)
+        self.mm_config = mm_config
 
-    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def process(self, prompt: PromptType, tenant: str = "") -> ProcessedPrompt:
+        """Tokenize, then widen multimodal placeholders: ``{"prompt"|"prompt_token_ids", "mm_items": [parts]}``.
+
+        ``mm_items`` are content parts as in chat (``{"type": "image_feature", "image_feature": {...}}``),
+        one per placeholder in the prompt, in order.
+        """
+        parts = prompt.get("mm_items") if isinstance(prompt, Mapping) else None
+        if not parts:
+            text, ids = self.tokenize(prompt)
+            return ProcessedPrompt(text, ids)
+        collector = FeaturePartCollector(self.mm_config, self.tokenizer, tenant)
+        for part in parts:
+            collector(part, 0)
+        text, ids = self.tokenize({k: v for k, v in prompt.items() if k != "mm_items"}, check=False)
+        ids, positions = expand_placeholders(ids, collector.items, self.mm_config)
+        self.check_length(len(ids))
+        return ProcessedPrompt(text, ids, collector.items, positions)
+
+    def tokenize(self, prompt: PromptType, check: bool = True) -> tuple[str | None, list[int]]:
         """``"text"``, ``{"prompt": "text"}`` or ``{"prompt_token_ids": [...]}`` -> (text, ids)."""
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
@@ -43,7 +75,8 @@ class InputProcessor:
         else:
             raise InvalidRequestError(f"a prompt must be a string, {{'prompt': str}} or {{'prompt_token_ids': [...]}}, "
                                       f"got {type(prompt).__name__}.", fix="pass the prompt in one of those forms.")
-        self.check_length(len(ids))
+        if check:
+            self.check_length(len(ids))
         return text, ids
 
     def check_length(self, num_prompt_tokens: int, max_tokens: int | None = None) -> None:
@@ -71,15 +104,18 @@ class InputProcessor:
                                       fix="use token ids of this model's tokenizer.")
         return params
 
-    def make_requests(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                      cache_salt: str | None = None, mm_positions: Sequence = ()) -> list[Request]:
+    def make_requests(self, request_id: str, prompt: ProcessedPrompt | list[int], params: SamplingParams,
+                      cache_salt: str | None = None) -> list[Request]:
         """One engine request per output sequence; with a seed, sequence ``i`` uses ``seed + i``."""
+        if not isinstance(prompt, ProcessedPrompt):
+            prompt = ProcessedPrompt(None, list(prompt))
         requests = []
         for i in range(params.n):
             child = params if params.n == 1 else dataclasses.replace(
                 params, n=1, seed=None if params.seed is None else params.seed + i)
-            requests.append(Request(child_id(request_id, i, params.n), prompt_ids, child, self.eos_token_ids,
-                                    cache_salt=cache_salt, mm_positions=list(mm_positions)))
+            requests.append(Request(child_id(request_id, i, params.n), prompt.token_ids, child, self.eos_token_ids,
+                                    cache_salt=cache_salt, mm_positions=list(prompt.mm_positions),
+                                    mm_inputs=list(prompt.mm_inputs)))
         return requests
 
     def _check_ids(self, ids: Any) -> list[int]:

@@ -13,6 +13,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from fdplug.core.multimodal.chunking import spans
 from fdplug.errors import InvalidRequestError
 
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy, as in vLLM
@@ -159,11 +160,19 @@ class MMPlaceholder:
 
     ``mm_hash`` identifies the item's content; it enters the hash of every KV block the item
     overlaps, so two prompts with the same placeholder tokens but different images never share KV.
+    ``span_length`` > 0 tiles the item into spans of that many tokens (the last may be shorter)
+    whose tokens attend bidirectionally within their span (an image: one span; a video: one span
+    per 2 frames); 0 means the item's tokens are causal like text.
     """
 
     offset: int
     length: int
     mm_hash: str
+    span_length: int = 0
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
 
 
 @dataclass(slots=True, eq=False)
@@ -184,6 +193,8 @@ class Request:
     cache_salt: str | None = None
     mm_positions: list[MMPlaceholder] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
+    mm_inputs: list = field(default_factory=list)  # what to fetch, aligned with mm_positions (MMFeatureInput)
+    mm_spans: list[tuple[int, int]] = field(default_factory=list, init=False)  # bidirectional [start, end)
 
     output_token_ids: list[int] = field(default_factory=list, init=False)
     num_computed_tokens: int = field(default=0, init=False)
@@ -212,6 +223,7 @@ class Request:
                                       fix="create a fresh Request instead of reusing one.")
         self.mm_positions = sorted(self.mm_positions, key=lambda item: item.offset)
         self._check_mm_positions()
+        self.mm_spans = spans(self.mm_positions)
         self.sampling_params.validate()
         self._all_token_ids = list(self.prompt_token_ids)
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fdplug.core.multimodal.config import MultimodalConfig
 from fdplug.core.config import ModelTraits
 from fdplug.core.model.rope import RopeConfig, parse_rope
 from fdplug.errors import ModelLoadError, UnsupportedModelError
@@ -75,6 +76,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     pad_token_id: int | None = None
+    multimodal: MultimodalConfig | None = None   # placeholder tokens and mask policy, if the model takes features
 
     @property
     def rope_theta(self) -> float:
@@ -128,6 +130,7 @@ class ModelConfig:
             eos_token_ids=_eos_ids(raw, generation),
             bos_token_id=_first_int((generation or {}).get("bos_token_id"), raw.get("bos_token_id")),
             pad_token_id=_first_int((generation or {}).get("pad_token_id"), raw.get("pad_token_id")),
+            multimodal=MultimodalConfig.from_hf(raw, arch_name),
         )
         cfg.validate()
         return cfg
@@ -145,7 +148,7 @@ class ModelConfig:
         return ModelTraits(architecture=self.architecture, dtype=dtype or self.dtype,
                            num_attention_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                            head_dim=self.head_dim, num_experts=0, moe_weight_format="none",
-                           mask_policy="causal")
+                           mask_policy=self.multimodal.mask_policy if self.multimodal else "causal")
 
 
 _DIR_FIX = ("pass a local Hugging Face model directory holding config.json and model.safetensors (or "

@@ -17,6 +17,7 @@ import hashlib
 import struct
 from typing import Sequence
 
+from fdplug.core.multimodal.chunking import cut_back_hit
 from fdplug.core.request import Request
 from fdplug.core.scheduler.block_pool import BlockHash, BlockPool, KVCacheBlock, PrefixCacheStats
 
@@ -124,6 +125,8 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
+        if request.mm_spans:  # a hit may not end inside a bidirectional span: cut back to its start
+            blocks = blocks[:cut_back_hit(request.mm_spans, len(blocks) * self.block_size) // self.block_size]
         return blocks, len(blocks) * self.block_size
 
     # -- allocation -------------------------------------------------------------------------------

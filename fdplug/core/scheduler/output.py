@@ -19,6 +19,7 @@ Block ids never include the null block 0; use 0 to pad block tables.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from fdplug.core.request import MMPlaceholder, Request, SamplingParams
 
@@ -62,6 +63,9 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     preempted_req_ids: list[str]
     finished_req_ids: set[str]  # finished or aborted since the previous step
+    # mm_hash -> features [rows, hidden] of every item that overlaps a token scheduled this step.
+    # Filled by the engine from the encoder cache; lives for one step, so no step sees stale features.
+    mm_features: dict[str, Any] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -81,6 +85,7 @@ class EngineCoreOutput:
     # One entry per new token when the request asked for logprobs: (token ids, logprobs, ranks),
     # the sampled token first, then the top-N alternatives. Filled in by the engine from the runner.
     new_logprobs: list[tuple[list[int], list[float], list[int]]] | None = None
+    error_status: int | None = None   # with finish_reason "error": the HTTP status the failure maps to
 
 
 @dataclass(slots=True)

@@ -20,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Iterable
 
+from fdplug.core.multimodal.chunking import check_admission, legal_end, plan_chunks
 from fdplug.core.request import Request, RequestStatus
 from fdplug.core.scheduler.kv_cache_manager import KVCacheManager, cdiv
 from fdplug.core.scheduler.output import (CachedRequestData, EngineCoreOutput, NewRequestData,
@@ -102,6 +103,8 @@ class Scheduler:
             raise InvalidRequestError(
                 f"the prompt has {request.num_tokens} tokens; max_model_len is {limit}, which leaves "
                 f"room for at most {limit - 1} prompt tokens.", fix="shorten the prompt.")
+        if request.mm_spans:
+            check_admission(request.num_prompt_tokens, request.mm_spans, self.config.max_num_batched_tokens, limit)
         if request.status not in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_FEATURES):
             raise InvalidRequestError(f"request {request.request_id!r} is {request.status.name}.",
                                       fix="submit a fresh Request.")
@@ -117,9 +120,13 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         preempted: list[str] = []
-        budget = self._schedule_running(budget, num_scheduled, cached_reqs, preempted)
-        if not preempted:  # a step that had to preempt admits nobody new
-            self._schedule_waiting(budget, num_scheduled, new_reqs)
+        oversize = self._oversize_request()
+        if oversize is not None:  # an item larger than the budget runs alone, in a step of its own
+            self._schedule_oversize(oversize, num_scheduled, new_reqs, cached_reqs)
+        else:
+            budget = self._schedule_running(budget, num_scheduled, cached_reqs, preempted)
+            if not preempted:  # a step that had to preempt admits nobody new
+                self._schedule_waiting(budget, num_scheduled, new_reqs)
         finished, self.finished_req_ids = self.finished_req_ids, set()
         return SchedulerOutput(new_reqs, cached_reqs, num_scheduled, sum(num_scheduled.values()),
                                preempted, finished)
@@ -129,8 +136,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new <= 0:  # nothing to run (waits for update_from_output)
+            num_new = self._chunk(request, request.num_computed_tokens, budget)
+            if num_new <= 0:  # nothing to run (waits for update_from_output, or for a roomier step)
                 i += 1
                 continue
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
@@ -161,8 +168,8 @@ class Scheduler:
             num_new = request.num_tokens - num_hit
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
-            num_new = min(num_new, budget)
-            if kv.allocate_slots(request, num_new, hit_blocks) is None:
+            num_new = self._chunk(request, num_hit, budget)
+            if num_new <= 0 or kv.allocate_slots(request, num_new, hit_blocks) is None:
                 break
             self.waiting.popleft()
             resumed = request.status == RequestStatus.PREEMPTED
@@ -176,6 +183,68 @@ class Scheduler:
                 request, kv.get_block_ids(request.request_id), resumed))
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))  # they keep their place in line
+
+    # -- multimodal chunking ----------------------------------------------------------------------
+
+    def _chunk(self, request: Request, start: int, budget: int) -> int:
+        """Tokens to run from ``start`` within ``budget``; never ends inside a bidirectional span.
+
+        With spans ahead in the prompt, the chunk follows the balanced plan (fewest chunks of the
+        full budget, then the smallest largest chunk), cut back to a legal end if this step has less
+        room. 0 means "not this step".
+        """
+        num_new = min(request.num_tokens - start, budget)
+        if not request.mm_spans or start >= request.num_prompt_tokens or num_new <= 0:
+            return num_new
+        full = self.config.max_num_batched_tokens
+        if request.num_prompt_tokens - start > num_new:
+            plan = plan_chunks(request.num_prompt_tokens, request.mm_spans, full, start)
+            if not plan.oversize[0]:
+                num_new = min(num_new, plan.ends[0] - start)
+        return legal_end(request.mm_spans, start, start + num_new) - start
+
+    def _needs_oversize(self, request: Request, start: int) -> int:
+        """The length of the span at ``start`` if it is larger than a whole step's budget, else 0."""
+        full = self.config.max_num_batched_tokens
+        if not request.mm_spans or start >= request.num_prompt_tokens:
+            return 0
+        if legal_end(request.mm_spans, start, min(start + full, request.num_tokens)) > start:
+            return 0
+        return next(e - s for s, e in request.mm_spans if s >= start)
+
+    def _oversize_request(self) -> Request | None:
+        for request in self.running:
+            if request.mm_spans and self._needs_oversize(request, request.num_computed_tokens):
+                return request
+        head = next((r for r in self.waiting if r.status != RequestStatus.WAITING_FOR_FEATURES), None)
+        if (head is not None and head is self.waiting[0] and head.mm_spans
+                and len(self.running) < self.config.max_num_seqs
+                and self._needs_oversize(head, self.kv_cache_manager.get_computed_blocks(head)[1])):
+            return head
+        return None
+
+    def _schedule_oversize(self, request: Request, num_scheduled: dict[str, int], new_reqs: list[NewRequestData],
+                           cached_reqs: list[CachedRequestData]) -> None:
+        kv = self.kv_cache_manager
+        is_new = request.status != RequestStatus.RUNNING
+        hit_blocks, start = kv.get_computed_blocks(request) if is_new else ([], request.num_computed_tokens)
+        num_new = self._needs_oversize(request, start)
+        new_blocks = kv.allocate_slots(request, num_new, hit_blocks)
+        if new_blocks is None:
+            return  # no room even for this: wait for running requests to finish
+        if is_new:
+            self.waiting.popleft()
+            resumed = request.status == RequestStatus.PREEMPTED
+            if not resumed:
+                request.num_cached_tokens = start
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = start
+            self.running.append(request)
+            new_reqs.append(NewRequestData.from_request(request, kv.get_block_ids(request.request_id), resumed))
+        else:
+            cached_reqs.append(CachedRequestData(request.request_id, [b.block_id for b in new_blocks],
+                                                 request.num_computed_tokens))
+        num_scheduled[request.request_id] = num_new
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)

@@ -33,6 +33,7 @@ SLOT_FIELDS: tuple[SlotField, ...] = (
     SlotField("block_table", np.int64, 0, "max_blocks"),
     SlotField("num_blocks", np.int64, 0),
     SlotField("key_end_offset", np.int64, 0, "max_model_len"), # mask spec minus causal (0: causal)
+    SlotField("mm_positions", object, ()),                      # the request's MMPlaceholders
     SlotField("temperature", np.float32, 1.0),
     SlotField("top_p", np.float32, 1.0),
     SlotField("top_k", np.int64, 0),

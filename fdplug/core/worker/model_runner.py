@@ -42,6 +42,8 @@ class StepInputs:
     logits_rows: np.ndarray      # row of hidden for each sampling request
     sampling_slots: np.ndarray
     sampling_req_ids: list[str]
+    mm_rows: np.ndarray | None = None      # token rows whose embedding is a feature row
+    mm_values: np.ndarray | None = None    # [len(mm_rows), hidden] those feature rows
 
 
 class ModelRunner:
@@ -91,7 +93,11 @@ class ModelRunner:
         positions = paddle.to_tensor(inputs.positions)
         t1 = time.perf_counter()
         with paddle.no_grad():
-            hidden = self.model(input_ids, positions, self.kv_caches, prepared)
+            embeds = None
+            if inputs.mm_rows is not None:  # features replace their placeholders' embeddings
+                embeds = paddle.scatter(self.model.embed(input_ids), paddle.to_tensor(inputs.mm_rows),
+                                        paddle.to_tensor(inputs.mm_values).astype(self.config.dtype))
+            hidden = self.model(input_ids, positions, self.kv_caches, prepared, inputs_embeds=embeds)
             if len(inputs.logits_rows) == 0:
                 return ModelRunnerOutput({}, timings={"prepare": t1 - t0, "forward": time.perf_counter() - t1})
             rows = hidden if len(inputs.logits_rows) == hidden.shape[0] else \
@@ -132,10 +138,35 @@ class ModelRunner:
             "frequency_penalty": params.frequency_penalty, "repetition_penalty": params.repetition_penalty,
             "seed": params.seed, "num_logprobs": -1 if params.logprobs is None else params.logprobs,
         })
+        for item in new.mm_positions:
+            if item.span_length:
+                self._set_spans(slot, item)
+        self.batch.mm_positions[slot] = tuple(new.mm_positions)
         ids, counts = penalty_tokens(new.prompt_token_ids, new.output_token_ids)
         self.batch.penalty_ids[slot, :len(ids)] = ids
         self.batch.penalty_counts[slot, :len(ids)] = counts
         self.batch.num_penalty_ids[slot] = len(ids)
+
+    def _set_spans(self, slot: int, item: Any) -> None:
+        """Mask spec of a bidirectional item: each token sees up to the end of its span."""
+        pos = np.arange(item.offset, item.end)
+        span_end = np.minimum(item.offset + ((pos - item.offset) // item.span_length + 1) * item.span_length, item.end)
+        self.batch.key_end_offset[slot, pos] = span_end - (pos + 1)
+
+    def _mm_embeddings(self, so: SchedulerOutput, slots: np.ndarray, start: np.ndarray,
+                       query_start: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """Token rows of this step that fall on multimodal items, and the feature rows that go there."""
+        rows, values = [], []
+        for i, slot in enumerate(slots):
+            lo, hi = start[i], start[i] + query_start[i + 1] - query_start[i]
+            for item in self.batch.mm_positions[slot]:
+                a, b = max(lo, item.offset), min(hi, item.end)
+                if a < b:
+                    rows.append(np.arange(a, b) - lo + query_start[i])
+                    values.append(so.mm_features[item.mm_hash][a - item.offset:b - item.offset])
+        if not rows:
+            return None, None
+        return np.concatenate(rows), np.concatenate(values)
 
     def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         batch, bs = self.batch, self.config.block_size
@@ -156,9 +187,10 @@ class ModelRunner:
         seq_lens = start + counts
         meta = AttentionMetadata(query_start, seq_lens, positions, key_end, slot_mapping, block_tables, bs)
         samples = seq_lens >= batch.num_tokens[slots]        # the step reaches the last known token
+        mm_rows, mm_values = self._mm_embeddings(so, slots, start, query_start) if so.mm_features else (None, None)
         return StepInputs(req_ids, slots, batch.token_ids[token_slots, positions], positions, meta,
                           query_start[1:][samples] - 1, slots[samples],
-                          [r for r, s in zip(req_ids, samples) if s])
+                          [r for r, s in zip(req_ids, samples) if s], mm_rows, mm_values)
 
     def _record_sampled(self, inputs: StepInputs, sampled: np.ndarray) -> None:
         batch = self.batch

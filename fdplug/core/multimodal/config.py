@@ -1,0 +1,75 @@
+"""What a model declares about multimodal inputs: placeholder tokens, token counts, mask policy.
+
+Read from ``config.json`` with Qwen2-VL's key names (``image_token_id``, ``video_token_id``,
+``vision_start_token_id``, ``vision_end_token_id``, ``vision_config.spatial_merge_size``) plus
+``fdplug_mm_mask_policy``: ``causal`` (image tokens attend like text) or ``bidirectional_items``
+(every token of an image sees the whole image, as ERNIE-VL does; a video is bidirectional within
+each row of 2 frames).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from fdplug.errors import InvalidRequestError, ModelLoadError
+
+MASK_POLICIES = ("causal", "bidirectional_items")
+BIDIRECTIONAL_BY_DEFAULT = ("Ernie4_5_VLMoeForConditionalGeneration",)
+
+
+@dataclass(frozen=True, slots=True)
+class MultimodalConfig:
+    image_token_id: int | None
+    video_token_id: int | None
+    vision_start_token_id: int | None
+    vision_end_token_id: int | None
+    mask_policy: str = "causal"
+    merge_size: int = 2   # a grid [t, h, w] of patches becomes t*h*w / merge_size**2 tokens
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any], architecture: str = "") -> MultimodalConfig | None:
+        image, video = raw.get("image_token_id"), raw.get("video_token_id")
+        if image is None and video is None:
+            return None
+        default = "bidirectional_items" if architecture in BIDIRECTIONAL_BY_DEFAULT else "causal"
+        policy = raw.get("fdplug_mm_mask_policy", default)
+        if policy not in MASK_POLICIES:
+            raise ModelLoadError(f"fdplug_mm_mask_policy {policy!r} in config.json is not one of {MASK_POLICIES}.",
+                                 fix="set it to causal or bidirectional_items.")
+        merge = int((raw.get("vision_config") or {}).get("spatial_merge_size", 2))
+        return cls(image, video, raw.get("vision_start_token_id"), raw.get("vision_end_token_id"), policy, merge)
+
+    def pad_token(self, modality: str) -> int:
+        token = self.image_token_id if modality == "image" else self.video_token_id
+        if token is None:
+            raise InvalidRequestError(f"this model takes no {modality} inputs.", fix=f"remove the {modality} parts.")
+        return token
+
+    def num_tokens(self, modality: str, grid_thw: Sequence[int]) -> int:
+        """Placeholder tokens of an item: t*h*w / merge²; h and w must be multiples of the merge size."""
+        t, h, w = _grid(grid_thw)
+        if h % self.merge_size or w % self.merge_size:
+            raise InvalidRequestError(f"{modality} grid_thw {list(grid_thw)}: h and w must be multiples of the "
+                                      f"spatial merge size {self.merge_size}.", fix="send the grid the encoder used.")
+        if modality == "image" and t != 1:
+            raise InvalidRequestError(f"image grid_thw {list(grid_thw)} must have t == 1.", fix="use [1, h, w].")
+        return t * h * w // self.merge_size ** 2
+
+    def span_length(self, modality: str, grid_thw: Sequence[int]) -> int:
+        """Bidirectional span size: 0 (causal), the whole image, or one temporal row (2 frames) of a video.
+
+        A video's grid ``t`` counts temporal patches of 2 frames each (Qwen2-VL's convention).
+        """
+        if self.mask_policy == "causal":
+            return 0
+        t, h, w = _grid(grid_thw)
+        return self.num_tokens(modality, grid_thw) if modality == "image" else h * w // self.merge_size ** 2
+
+
+def _grid(grid_thw: Sequence[int]) -> tuple[int, int, int]:
+    if (not isinstance(grid_thw, (list, tuple)) or len(grid_thw) != 3
+            or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in grid_thw)):
+        raise InvalidRequestError(f"grid_thw must be three positive integers [t, h, w], got {grid_thw!r}.",
+                                  fix="send the feature's grid as [t, h, w].")
+    return grid_thw[0], grid_thw[1], grid_thw[2]

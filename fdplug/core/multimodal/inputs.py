@@ -1,0 +1,116 @@
+"""A request's pre-encoded feature items, and their placeholder tokens in the prompt.
+
+Each item arrives as ``{"url": ..., "grid_thw": [t, h, w], "uuid": optional}``. The prompt holds one
+pad token per item (the chat template puts it there); ``expand_placeholders`` widens each into the
+item's token count and records where it sits, so the features' rows land on exactly those tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from fdplug.core.multimodal.config import MultimodalConfig
+from fdplug.core.request import MMPlaceholder
+from fdplug.errors import InvalidRequestError
+
+MODALITIES = ("image", "video")
+
+
+@dataclass(frozen=True, slots=True)
+class MMFeatureInput:
+    """One item to fetch. ``mm_hash`` is known up front when the client gave a ``uuid``."""
+
+    modality: str
+    url: str
+    grid_thw: tuple[int, int, int]
+    num_tokens: int
+    mm_hash: str | None = None
+
+    @classmethod
+    def parse(cls, modality: str, part: Any, mm_config: MultimodalConfig, tenant: str = "") -> MMFeatureInput:
+        if modality not in MODALITIES:
+            raise InvalidRequestError(f"unknown modality {modality!r}.", fix="use image or video.")
+        if not isinstance(part, Mapping) or not isinstance(part.get("url"), str) or not part["url"]:
+            raise InvalidRequestError(f"a {modality}_feature needs a 'url' string.",
+                                      fix='send {"url": "bos://bucket/key.npy", "grid_thw": [t, h, w]}.')
+        grid = part.get("grid_thw")
+        num_tokens = mm_config.num_tokens(modality, grid)
+        uuid = part.get("uuid")
+        if uuid is not None and (not isinstance(uuid, str) or not uuid):
+            raise InvalidRequestError("uuid must be a non-empty string.", fix="leave it out or send a string.")
+        return cls(modality, part["url"], tuple(grid), num_tokens, uuid_hash(tenant, uuid) if uuid else None)
+
+
+def uuid_hash(tenant: str, uuid: str) -> str:
+    """A client's item id, scoped by tenant (API key): one tenant cannot poison another's cache."""
+    return "u:" + hashlib.sha256(f"{tenant}\0{uuid}".encode()).hexdigest()
+
+
+def content_hash(data: bytes) -> str:
+    return "c:" + hashlib.sha256(data).hexdigest()
+
+
+def expand_placeholders(token_ids: Sequence[int], items: Sequence[MMFeatureInput],
+                        mm_config: MultimodalConfig) -> tuple[list[int], list[MMPlaceholder]]:
+    """Widen each item's single pad token into its ``num_tokens`` copies, in order of appearance.
+
+    Placeholders carry an empty ``mm_hash`` until the item's identity is known (uuid or content).
+    """
+    pads = {mm_config.pad_token(m) for m in {i.modality for i in items}} if items else set()
+    found = [i for i, t in enumerate(token_ids) if t in pads]
+    if len(found) != len(items):
+        raise InvalidRequestError(f"the prompt has {len(found)} multimodal placeholder(s) but {len(items)} "
+                                  f"item(s) were given.", fix="send one placeholder per image/video item.")
+    out: list[int] = []
+    positions: list[MMPlaceholder] = []
+    last = 0
+    for index, item in zip(found, items):
+        if token_ids[index] != mm_config.pad_token(item.modality):
+            raise InvalidRequestError(f"placeholder {len(positions)} is not a {item.modality} placeholder.",
+                                      fix="keep the items in the order of their placeholders.")
+        out.extend(token_ids[last:index])
+        span = mm_config.span_length(item.modality, item.grid_thw)
+        positions.append(MMPlaceholder(len(out), item.num_tokens, item.mm_hash or "", span))
+        out.extend([token_ids[index]] * item.num_tokens)
+        last = index + 1
+    out.extend(token_ids[last:])
+    return out, positions
+
+
+PART_TYPES = {"image_feature": "image", "video_feature": "video"}
+
+
+class FeaturePartCollector:
+    """A chat ``ContentPartHandler``: records each feature part and returns its placeholder text.
+
+    ``{"type": "image_feature", "image_feature": {"url", "grid_thw", "uuid"?}}`` (and
+    ``video_feature``) become ``<|vision_start|><|image_pad|><|vision_end|>`` (the model's own
+    tokens), which ``expand_placeholders`` later widens to the item's token count.
+    """
+
+    def __init__(self, mm_config: MultimodalConfig | None, tokenizer: Any, tenant: str = "") -> None:
+        self.mm_config = mm_config
+        self.tokenizer = tokenizer
+        self.tenant = tenant
+        self.items: list[MMFeatureInput] = []
+        self.parts: list[Mapping[str, Any]] = []   # the parts as given, for re-submission
+
+    def __call__(self, part: Mapping[str, Any], message_index: int) -> str:
+        kind = part.get("type")
+        if kind not in PART_TYPES:
+            raise InvalidRequestError(f"message {message_index}: content part type {kind!r} is not supported.",
+                                      fix="use text, image_feature or video_feature parts.")
+        if self.mm_config is None:
+            raise InvalidRequestError(f"this model takes no multimodal inputs (message {message_index} has a "
+                                      f"{kind} part).", fix="send text only, or serve a multimodal model.")
+        modality = PART_TYPES[kind]
+        self.items.append(MMFeatureInput.parse(modality, part.get(kind), self.mm_config, self.tenant))
+        self.parts.append(part)
+        return self.placeholder(modality)
+
+    def placeholder(self, modality: str) -> str:
+        cfg = self.mm_config
+        ids = [cfg.vision_start_token_id, cfg.pad_token(modality), cfg.vision_end_token_id]
+        return "".join(self.tokenizer.id_to_token(i) for i in ids if i is not None)

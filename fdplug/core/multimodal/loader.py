@@ -1,0 +1,109 @@
+"""Fetching a request's features off the step loop, into the encoder cache.
+
+``submit`` pins what the encoder cache already holds and sends the rest to a thread pool (one task
+per request; the storage parallelises the links of one request). ``poll`` is called by the step
+loop: it never waits, and hands back the requests whose features are all in (ready to schedule)
+or whose fetch failed (to fail alone, with the error that says why).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from fdplug.core.multimodal.features import decode_feature, validate_feature
+from fdplug.core.multimodal.encoder_cache import EncoderCache
+from fdplug.core.multimodal.fetch import FeatureFetcher, display_url
+from fdplug.core.multimodal.inputs import content_hash
+from fdplug.core.request import Request
+from fdplug.errors import FdplugError, StorageError
+
+logger = logging.getLogger("fdplug.multimodal")
+
+
+@dataclass(slots=True)
+class Fetched:
+    """One item's features and identity, decoded in the worker thread."""
+
+    index: int
+    mm_hash: str
+    features: np.ndarray
+
+
+class FeatureLoader:
+    def __init__(self, fetcher: FeatureFetcher, cache: EncoderCache, hidden_size: int, *, workers: int,
+                 timeout: float) -> None:
+        self.fetcher = fetcher
+        self.cache = cache
+        self.hidden_size = hidden_size
+        self.timeout = timeout
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fdplug-features")
+        self._pending: dict[str, tuple[Request, Future]] = {}
+        self._lock = threading.Lock()
+
+    # -- engine thread ----------------------------------------------------------------------------
+
+    def submit(self, request: Request) -> bool:
+        """Start fetching what the cache lacks; True if everything was already cached."""
+        missing = []
+        for i, (item, pos) in enumerate(zip(request.mm_inputs, request.mm_positions)):
+            if item.mm_hash is None or not self.cache.acquire(item.mm_hash, request.request_id):
+                missing.append(i)
+        if not missing:
+            return True
+        future = self._pool.submit(self._fetch, request, missing)
+        self._pending[request.request_id] = (request, future)
+        return False
+
+    def poll(self) -> list[tuple[Request, FdplugError | None]]:
+        """Requests whose fetch finished since the last poll: (request, None) or (request, error)."""
+        done = [rid for rid, (_, future) in self._pending.items() if future.done()]
+        results = []
+        for rid in done:
+            request, future = self._pending.pop(rid)
+            try:
+                fetched = future.result(timeout=0)
+            except FdplugError as exc:
+                results.append((request, exc))
+                continue
+            except Exception as exc:  # a bug in a storage plugin: fail the request, not the engine
+                logger.exception("feature fetch for request %s failed", rid)
+                results.append((request, StorageError(f"fetching features failed: {type(exc).__name__}: {exc}")))
+                continue
+            for item in fetched:
+                self.cache.put(item.mm_hash, item.features, rid)
+                request.mm_positions[item.index] = replace(request.mm_positions[item.index], mm_hash=item.mm_hash)
+            results.append((request, None))
+        return results
+
+    def hashes(self, request: Request) -> list[str]:
+        return [p.mm_hash for p in request.mm_positions if p.mm_hash]
+
+    def cancel(self, request_id: str) -> None:
+        entry = self._pending.pop(request_id, None)
+        if entry is not None:
+            entry[1].cancel()  # a running fetch finishes on its own; its result is dropped
+
+    def has_pending(self) -> bool:
+        return bool(self._pending)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.fetcher.close()
+
+    # -- worker thread ----------------------------------------------------------------------------
+
+    def _fetch(self, request: Request, indices: list[int]) -> list[Fetched]:
+        items = [request.mm_inputs[i] for i in indices]
+        out = []
+        blobs = self.fetcher.fetch_many([item.url for item in items], timeout=self.timeout)
+        for i, item, data in zip(indices, items, blobs):
+            url = display_url(item.url)
+            features = decode_feature(data, url)
+            validate_feature(features, url, item.num_tokens, self.hidden_size)
+            out.append(Fetched(i, item.mm_hash or content_hash(data), np.ascontiguousarray(features, np.float32)))
+        return out
