@@ -35,6 +35,8 @@ def feature_dir(tmp_path_factory):
     for name, seed, rows in [("cat", 1, 4), ("dog", 2, 6), ("video", 3, 8), ("big", 4, 12)]:
         np.save(root / f"{name}.npy", feature(seed, rows))
     np.save(root / "bad_rows.npy", feature(5, 5))
+    np.save(root / "video_a.npy", feature(3, 8)[:4])
+    np.save(root / "video_b.npy", feature(3, 8)[4:])
     return root
 
 
@@ -217,3 +219,12 @@ def test_uuid_items_skip_their_download_and_are_scoped_by_tenant(test_model_dir,
         assert first and second
         assert llm.engine.encoder_cache.hits >= 1
     assert uuid_hash("tenant-a", "img-7") != uuid_hash("tenant-b", "img-7")
+
+
+def test_a_video_in_pieces_equals_the_whole(test_model_dir, feature_dir, cases):
+    prompts, expected = cases
+    llm = make_llm(test_model_dir, feature_dir)
+    pieces = {"type": "video_feature", "video_feature": {
+        "urls": [(feature_dir / "video_a.npy").as_uri(), (feature_dir / "video_b.npy").as_uri()], "grid_thw": [2, 4, 4]}}
+    out = llm.generate(chat(llm, [pieces], "what happens"), GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == expected[2]

@@ -1,6 +1,8 @@
 """A request's pre-encoded feature items, and their placeholder tokens in the prompt.
 
-Each item arrives as ``{"url": ..., "grid_thw": [t, h, w], "uuid": optional}``. The prompt holds one
+Each item arrives as ``{"url": ..., "grid_thw": [t, h, w], "uuid": optional}``; a video stored as one
+object per frame group gives ``"urls": [...]`` instead (their rows are concatenated in order, and
+they download in parallel). The prompt holds one
 pad token per item (the chat template puts it there); ``expand_placeholders`` widens each into the
 item's token count and records where it sits, so the features' rows land on exactly those tokens.
 """
@@ -23,7 +25,7 @@ class MMFeatureInput:
     """One item to fetch. ``mm_hash`` is known up front when the client gave a ``uuid``."""
 
     modality: str
-    url: str
+    urls: tuple[str, ...]
     grid_thw: tuple[int, int, int]
     num_tokens: int
     mm_hash: str | None = None
@@ -32,15 +34,23 @@ class MMFeatureInput:
     def parse(cls, modality: str, part: Any, mm_config: MultimodalConfig, tenant: str = "") -> MMFeatureInput:
         if modality not in MODALITIES:
             raise InvalidRequestError(f"unknown modality {modality!r}.", fix="use image or video.")
-        if not isinstance(part, Mapping) or not isinstance(part.get("url"), str) or not part["url"]:
-            raise InvalidRequestError(f"a {modality}_feature needs a 'url' string.",
-                                      fix='send {"url": "bos://bucket/key.npy", "grid_thw": [t, h, w]}.')
+        urls = _urls(modality, part)
         grid = part.get("grid_thw")
         num_tokens = mm_config.num_tokens(modality, grid)
         uuid = part.get("uuid")
         if uuid is not None and (not isinstance(uuid, str) or not uuid):
             raise InvalidRequestError("uuid must be a non-empty string.", fix="leave it out or send a string.")
-        return cls(modality, part["url"], tuple(grid), num_tokens, uuid_hash(tenant, uuid) if uuid else None)
+        return cls(modality, urls, tuple(grid), num_tokens, uuid_hash(tenant, uuid) if uuid else None)
+
+
+def _urls(modality: str, part: Any) -> tuple[str, ...]:
+    fix = 'send {"url": "bos://bucket/key.npy", "grid_thw": [t, h, w]} (or "urls": [...] for a video in pieces).'
+    if not isinstance(part, Mapping):
+        raise InvalidRequestError(f"a {modality}_feature must be an object.", fix=fix)
+    urls = part.get("urls", [part.get("url")] if "url" in part else None)
+    if not isinstance(urls, list) or not urls or not all(isinstance(u, str) and u for u in urls):
+        raise InvalidRequestError(f"a {modality}_feature needs a 'url' string or a non-empty 'urls' list.", fix=fix)
+    return tuple(urls)
 
 
 def uuid_hash(tenant: str, uuid: str) -> str:
@@ -48,8 +58,11 @@ def uuid_hash(tenant: str, uuid: str) -> str:
     return "u:" + hashlib.sha256(f"{tenant}\0{uuid}".encode()).hexdigest()
 
 
-def content_hash(data: bytes) -> str:
-    return "c:" + hashlib.sha256(data).hexdigest()
+def content_hash(blobs: Sequence[bytes]) -> str:
+    digest = hashlib.sha256()
+    for blob in blobs:
+        digest.update(hashlib.sha256(blob).digest())
+    return "c:" + digest.hexdigest()
 
 
 def expand_placeholders(token_ids: Sequence[int], items: Sequence[MMFeatureInput],
