@@ -171,16 +171,8 @@ class Scheduler:
             num_new = self._chunk(request, num_hit, budget)
             if num_new <= 0 or kv.allocate_slots(request, num_new, hit_blocks) is None:
                 break
-            self.waiting.popleft()
-            resumed = request.status == RequestStatus.PREEMPTED
-            if not resumed:
-                request.num_cached_tokens = num_hit
-            request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_hit
-            self.running.append(request)
+            self._admit(request, num_hit, new_reqs)
             num_scheduled[request.request_id] = num_new
-            new_reqs.append(NewRequestData.from_request(
-                request, kv.get_block_ids(request.request_id), resumed))
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))  # they keep their place in line
 
@@ -233,18 +225,23 @@ class Scheduler:
         if new_blocks is None:
             return  # no room even for this: wait for running requests to finish
         if is_new:
-            self.waiting.popleft()
-            resumed = request.status == RequestStatus.PREEMPTED
-            if not resumed:
-                request.num_cached_tokens = start
-            request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = start
-            self.running.append(request)
-            new_reqs.append(NewRequestData.from_request(request, kv.get_block_ids(request.request_id), resumed))
+            self._admit(request, start, new_reqs)
         else:
             cached_reqs.append(CachedRequestData(request.request_id, [b.block_id for b in new_blocks],
                                                  request.num_computed_tokens))
         num_scheduled[request.request_id] = num_new
+
+    def _admit(self, request: Request, num_hit: int, new_reqs: list[NewRequestData]) -> None:
+        """Move the head of the waiting queue to running; its slots are already allocated."""
+        self.waiting.popleft()
+        resumed = request.status == RequestStatus.PREEMPTED
+        if not resumed:
+            request.num_cached_tokens = num_hit
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_hit
+        self.running.append(request)
+        new_reqs.append(NewRequestData.from_request(
+            request, self.kv_cache_manager.get_block_ids(request.request_id), resumed))
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
