@@ -1,0 +1,309 @@
+"""Online serving benchmark (like ``vllm bench serve``), with the offline engine as baseline in the same run.
+
+    python bench/serve.py                          # demo model: offline, then a server, rates inf and half
+    python bench/serve.py --model DIR --num-prompts 128 --rates half,0.5 --repeat 5
+    python bench/serve.py --url http://127.0.0.1:8000 --model DIR   # against a running server
+
+Workload: seeded random token-id prompts and output lengths (``--input-len``/``--output-len`` with
+``--range-ratio``), ``ignore_eos`` so every request produces exactly its length. Arrivals are
+Poisson at each rate (``inf``: all at once; ``half``: half the request rate measured at ``inf``).
+Per rate: TTFT, TPOT, ITL (p50/p99 ms), request and output-token throughput. The offline baseline
+is ``LLM.generate`` on the same prompts in a child process, run just before each saturation run
+(never both at once: they would share the cores); ``--repeat`` pairs, the median ratio counts,
+because a shared 2-core machine drifts by +-10% from one minute to the next. Targets: server output
+tok/s at saturation >= 90% of offline; p99 TTFT at half the saturation rate <= 3x its p50.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import math
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+import numpy as np
+
+
+@dataclass(slots=True)
+class Result:
+    ok: bool
+    start: float
+    ttft: float = 0.0
+    latency: float = 0.0
+    output_tokens: int = 0
+    itl: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+def workload(args, vocab_size: int, seed: int | None = None) -> tuple[list[list[int]], list[int]]:
+    """Seeded lengths (the same for every ``seed``) and seeded random prompt tokens (per ``seed``)."""
+    rng = np.random.default_rng(args.seed)
+
+    def lengths(mean: int) -> list[int]:
+        low, high = max(1, int(mean * (1 - args.range_ratio))), int(mean * (1 + args.range_ratio))
+        return [int(x) for x in rng.integers(low, high + 1, size=args.num_prompts)]
+
+    ins, outs = lengths(args.input_len), lengths(args.output_len)
+    rng = np.random.default_rng([args.seed, args.seed if seed is None else seed])
+    prompts = [rng.integers(0, vocab_size, size=n).tolist() for n in ins]
+    return prompts, outs
+
+
+# -- offline baseline ---------------------------------------------------------------------------------
+
+
+def offline(args, prompts, outputs, warm) -> float:
+    from fdplug.core.llm import LLM
+    from fdplug.core.request import SamplingParams
+
+    llm = LLM(args.model, args.device, **engine_args(args))
+    params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in outputs]
+    n = min(len(warm), args.max_num_seqs)   # the same warm-up as the server's: other prompts, a full batch
+    llm.generate([{"prompt_token_ids": p} for p in warm[:n]],
+                 SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    start = time.perf_counter()
+    results = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    produced = sum(len(r.outputs[0].token_ids) for r in results)
+    assert produced == sum(outputs), (produced, sum(outputs))
+    del llm, results
+    gc.collect()
+    return produced / elapsed
+
+
+def offline_in_subprocess(prompt_seed: int) -> float:
+    """The baseline in a process of its own: paddle's threads and memory leave with it."""
+    out = subprocess.run([sys.executable, *sys.argv, "--offline-only", "--prompt-seed", str(prompt_seed)],
+                         capture_output=True, text=True, timeout=1800)
+    if out.returncode != 0:
+        raise SystemExit(f"offline baseline failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])["offline_tps"]
+
+
+def engine_args(args) -> dict:
+    out = {"max_num_seqs": args.max_num_seqs}
+    if args.max_model_len:
+        out["max_model_len"] = args.max_model_len
+    return out
+
+
+# -- online -------------------------------------------------------------------------------------------
+
+
+async def one_request(url: str, model: str, prompt: list[int], max_tokens: int, api_key: str | None) -> Result:
+    """One streamed completion over a bare asyncio connection.
+
+    The client shares the cores with the server and the engine, so it does as little per token as it
+    can: no HTTP library, no JSON per event (only the final usage chunk is parsed), SSE events found
+    by splitting raw bytes (chunked-transfer size lines fall between events and are skipped).
+    """
+    parts = urlsplit(url)
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                       "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}).encode()
+    auth = f"Authorization: Bearer {api_key}\r\n" if api_key else ""
+    head = (f"POST {parts.path.rstrip('/')}/v1/completions HTTP/1.1\r\nHost: {parts.netloc}\r\n{auth}"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+    start = time.perf_counter()
+    result = Result(False, start)
+    times, usage, buffer = [], None, b""
+    writer = None
+    try:
+        reader, writer = await asyncio.open_connection(parts.hostname, parts.port or 80)
+        writer.write(head + body)
+        status = await reader.readline()
+        if b" 200 " not in status:
+            result.error = f"{status.decode().strip()}: {(await reader.read(400)).decode(errors='replace')}"
+            return result
+        while (await reader.readline()) not in (b"\r\n", b""):
+            pass
+        while data := await reader.read(1 << 16):
+            now = time.perf_counter()
+            buffer += data
+            *events, buffer = buffer.split(b"\n\n")
+            for event in events:
+                event = event[event.find(b"data: "):]
+                if event.startswith(b'data: {"id"') and b'"choices":[]' in event:   # the usage chunk
+                    usage = json.loads(event[6:])["usage"]
+                elif event.startswith(b'data: {"error"'):
+                    result.error = event.decode(errors="replace")[:300]
+                    return result
+                elif event.startswith(b"data: {"):
+                    times.append(now)
+    except OSError as exc:
+        result.error = repr(exc)
+        return result
+    finally:
+        if writer is not None:
+            writer.close()
+    if not times or usage is None:
+        result.error = "no tokens or no usage chunk"
+        return result
+    result.ok = True
+    result.ttft = times[0] - start
+    result.latency = times[-1] - start
+    result.output_tokens = usage["completion_tokens"]
+    result.itl = [b - a for a, b in zip(times, times[1:])]
+    return result
+
+
+async def run_rate(url: str, model: str, prompts, outputs, rate: float, seed: int,
+                   api_key: str | None = None) -> tuple[list[Result], float]:
+    rng = np.random.default_rng(seed)
+    tasks = []
+    start = time.perf_counter()
+    for prompt, out in zip(prompts, outputs):
+        tasks.append(asyncio.create_task(one_request(url, model, prompt, out, api_key)))
+        if math.isfinite(rate):
+            await asyncio.sleep(rng.exponential(1.0 / rate))
+    results = await asyncio.gather(*tasks)
+    return results, time.perf_counter() - start
+
+
+def summarize(label: str, results: list[Result], duration: float) -> dict:
+    ok = [r for r in results if r.ok]
+    ttft = np.array([r.ttft for r in ok]) * 1000
+    tpot = np.array([(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]) * 1000
+    itl = np.array([x for r in ok for x in r.itl]) * 1000
+    tokens = sum(r.output_tokens for r in ok)
+    row = {"rate": label, "ok": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
+           "req_per_s": len(ok) / duration, "out_tok_per_s": tokens / duration,
+           "ttft_p50": np.percentile(ttft, 50), "ttft_p99": np.percentile(ttft, 99),
+           "tpot_p50": np.percentile(tpot, 50), "tpot_p99": np.percentile(tpot, 99),
+           "itl_p50": np.percentile(itl, 50), "itl_p99": np.percentile(itl, 99)}
+    errors = [r.error for r in results if not r.ok]
+    if errors:
+        print(f"  {len(errors)} failed, e.g. {errors[0]}", file=sys.stderr)
+    return row
+
+
+def start_server(args) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [str(Path(sys.executable).parent / "fdplug"), "serve", "--port", str(port), "--device", args.device,
+           "--max-num-seqs", str(args.max_num_seqs), "--served-model-name", "bench"]
+    if args.model:
+        cmd += ["--model", args.model]
+    if args.max_model_len:
+        cmd += ["--max-model-len", str(args.max_model_len)]
+    log = open(args.server_log, "wb")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited with {proc.returncode}; see {args.server_log}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise SystemExit(f"server not ready in 300 s; see {args.server_log}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", help="a running server (default: start one)")
+    ap.add_argument("--model", default=None, help="model directory (default: the demo model)")
+    ap.add_argument("--served-model-name", default="bench", help="model name on a --url server")
+    ap.add_argument("--api-key", default=None, help="API key of a --url server")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--range-ratio", type=float, default=0.5)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--rates", default="half", help="comma-separated req/s after the saturation runs; "
+                                                      "'half' = half the saturation request rate")
+    ap.add_argument("--repeat", type=int, default=3, help="offline/saturation pairs (the median ratio counts)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-offline", action="store_true", help="skip the offline baseline")
+    ap.add_argument("--server-log", default="bench-serve.log")
+    ap.add_argument("--offline-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--prompt-seed", type=int, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+
+    from fdplug.core.demo import ensure_demo_model
+    from fdplug.core.model.config import ModelConfig
+
+    args.model = args.model or str(ensure_demo_model())
+    vocab_size = ModelConfig.from_dir(args.model).vocab_size
+    if args.offline_only:       # the child process of offline_in_subprocess
+        prompts, outputs = workload(args, vocab_size, seed=args.prompt_seed)
+        warm, _ = workload(args, vocab_size, seed=args.seed + 1000)
+        print(json.dumps({"offline_tps": offline(args, prompts, outputs, warm)}))
+        return
+    prompts, outputs = workload(args, vocab_size)
+    print(f"workload: {len(prompts)} requests, input {sum(map(len, prompts))} tokens, output {sum(outputs)} tokens "
+          f"(seed {args.seed}); max_num_seqs {args.max_num_seqs}")
+
+    proc, url, model = None, args.url, args.served_model_name
+    if url is None:
+        proc, url = start_server(args)
+    rows, pairs = [], []
+    try:
+        warm, _ = workload(args, vocab_size, seed=args.seed + 1000)   # warm-up: a full batch, short outputs
+        n = min(len(warm), args.max_num_seqs)
+        asyncio.run(run_rate(url, model, warm[:n], [16] * n, math.inf, args.seed, args.api_key))
+        # Saturation, interleaved with the offline baseline on the same prompts: the machine's speed
+        # drifts (other tenants, turbo), so each ratio compares runs taken back to back.
+        for r in range(args.repeat):
+            prompt_seed = args.seed + 100 * (r + 1)  # fresh tokens: no run hits a prefix cache another filled
+            ps, outs = workload(args, vocab_size, seed=prompt_seed)
+            off = None if args.no_offline else offline_in_subprocess(prompt_seed)
+            results, duration = asyncio.run(run_rate(url, model, ps, outs, math.inf, args.seed, args.api_key))
+            rows.append(summarize("inf", results, duration))
+            pairs.append((off, rows[-1]["out_tok_per_s"]))
+            print(_format(rows[-1]) + (f"   offline {off:.1f} tok/s -> {rows[-1]['out_tok_per_s'] / off:.1%}"
+                                       if off else ""), flush=True)
+        sat_rate = float(np.median([row["req_per_s"] for row in rows]))
+        for i, token in enumerate(t for t in args.rates.split(",") if t):
+            rate = sat_rate / 2 if token == "half" else float(token)
+            ps, outs = workload(args, vocab_size, seed=args.seed + 10_000 + i)
+            results, duration = asyncio.run(run_rate(url, model, ps, outs, rate, args.seed, args.api_key))
+            rows.append(summarize(f"{rate:.2f}" if math.isfinite(rate) else "inf", results, duration))
+            print(_format(rows[-1]), flush=True)
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(30)
+    print()
+    print(_header())
+    for row in rows:
+        print(_format(row))
+    if not args.no_offline:
+        ratios = [srv / off for off, srv in pairs]
+        print(f"\nserver/offline output tok/s at saturation, per pair: "
+              f"{', '.join(f'{srv:.0f}/{off:.0f}={x:.1%}' for (off, srv), x in zip(pairs, ratios))}; "
+              f"median {np.median(ratios):.1%} (target >= 90%)")
+    for row in rows[args.repeat:]:
+        print(f"rate {row['rate']} req/s: p99/p50 TTFT = {row['ttft_p99']:.1f} / {row['ttft_p50']:.1f} ms = "
+              f"{row['ttft_p99'] / row['ttft_p50']:.2f}x (target <= 3x at half the saturation rate)")
+
+
+def _header() -> str:
+    return (f"{'rate':>7} {'ok':>4} {'req/s':>7} {'out tok/s':>10} {'TTFT p50':>9} {'p99':>8} {'TPOT p50':>9} "
+            f"{'p99':>7} {'ITL p50':>8} {'p99':>7}  (ms)")
+
+
+def _format(r: dict) -> str:
+    return (f"{r['rate']:>7} {r['ok']:>4} {r['req_per_s']:>7.2f} {r['out_tok_per_s']:>10.1f} {r['ttft_p50']:>9.1f} "
+            f"{r['ttft_p99']:>8.1f} {r['tpot_p50']:>9.1f} {r['tpot_p99']:>7.1f} {r['itl_p50']:>8.1f} "
+            f"{r['itl_p99']:>7.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,11 @@
+"""``fdplug serve``: an OpenAI-compatible API process in front of an engine process.
+
+    launcher.py        start/stop both processes, signals, startup log
+    engine_process.py  the engine side: EngineCore's step loop behind ZMQ
+    protocol.py        the msgpack messages between the two
+    engine_client.py   the API side: submit, abort, route outputs, watchdog
+    app.py             FastAPI routes, error objects, API key and body-size guard
+    serving.py         completions and chat completions, streaming and not
+    openai_types.py    request models and response shapes
+    metrics.py         Prometheus metrics
+"""

@@ -1,0 +1,259 @@
+"""The API process's side of the engine: submit requests, route outputs, notice the engine dying.
+
+One asyncio task reads the engine's output socket and runs the ``OutputProcessor`` (the same one
+the offline ``LLM`` uses: detokenization, stop strings, ``n`` fan-in), then puts each request's
+``Delta``s on that request's own queue; HTTP handlers only ever await their queue. A second task
+watches the engine process: if it exits (or goes silent past the stall timeout with work in
+flight), every request gets an ``EngineDeadError`` and ``on_engine_dead`` stops the server.
+
+Nothing here blocks the event loop on ZMQ: receives are ``zmq.asyncio`` awaits, sends are
+non-blocking onto a socket without a high-water mark (they cannot wait).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Callable
+
+import zmq
+
+from fdplug.core.outputs import RequestOutput
+from fdplug.core.processor import InputProcessor, OutputProcessor
+from fdplug.core.request import RequestStatus, SamplingParams
+from fdplug.core.server import protocol as P
+from fdplug.core.server.metrics import ServerMetrics
+from fdplug.errors import EngineDeadError, FdplugError, ServerShuttingDownError
+
+logger = logging.getLogger("fdplug.server")
+
+WATCHDOG_INTERVAL_S = 0.2
+
+
+class RequestStream:
+    """One request's way back to its HTTP handler.
+
+    Streaming handlers pass a queue (shared by the sequences of one HTTP request) and get, in order,
+    every ``Delta``, then the final ``RequestOutput``, or ``(request_id, error)`` instead. Non-streaming
+    handlers pass none and await ``final()``: no per-token wake-ups for a body sent only at the end.
+    """
+
+    __slots__ = ("request_id", "child_ids", "arrival", "queue", "admitted", "result", "_pending",
+                 "_first_token", "_last_token", "done")
+
+    def __init__(self, request_id: str, child_ids: list[str], queue: asyncio.Queue | None) -> None:
+        loop = asyncio.get_running_loop()
+        self.request_id = request_id
+        self.child_ids = child_ids
+        self.arrival = time.monotonic()
+        self.queue = queue
+        self.admitted: asyncio.Future[None] = loop.create_future()
+        self.result: asyncio.Future[RequestOutput] = loop.create_future()
+        self._pending = set(child_ids)        # children the engine has not admitted yet
+        self._first_token: float | None = None
+        self._last_token: dict[int, float] = {}
+        self.done = False
+
+    async def final(self) -> RequestOutput:
+        return await self.result
+
+    def _end(self, output: RequestOutput, error: FdplugError | None) -> None:
+        self.done = True
+        for future, value in ((self.admitted, None), (self.result, output)):
+            if future.done():
+                continue
+            if error is None:
+                future.set_result(value)
+            else:
+                future.set_exception(error)
+                future.exception()  # mark retrieved: nobody may await it (e.g. a stream's result)
+        if self.queue is not None:
+            self.queue.put_nowait(output if error is None else (self.request_id, error))
+
+
+class EngineClient:
+    """Submit, abort and stream requests of one engine process."""
+
+    def __init__(self, engine: Any, info: P.EngineInfo, tokenizer: Any, metrics: ServerMetrics,
+                 stall_timeout: float) -> None:
+        self.engine = engine                 # launcher.EngineProcess: sockets, poll(), pid
+        self.info = info
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.stall_timeout = stall_timeout
+        self.input_processor = InputProcessor(tokenizer, info.vocab_size, info.max_model_len, info.eos_token_ids)
+        self.output_processor = OutputProcessor(tokenizer)
+        self.streams: dict[str, RequestStream] = {}
+        self.child_to_parent: dict[str, str] = {}
+        self.error: FdplugError | None = None     # set once: the engine died or the server is stopping
+        self.on_engine_dead: Callable[[], None] | None = None
+        self._last_message = time.monotonic()
+        self._tasks: list[asyncio.Task] = []
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.metrics.engine_alive.set(1)
+        self._tasks = [asyncio.create_task(self._read_loop(), name="fdplug-engine-reader"),
+                       asyncio.create_task(self._watchdog(), name="fdplug-engine-watchdog")]
+
+    @property
+    def healthy(self) -> bool:
+        return self.error is None
+
+    def begin_shutdown(self) -> None:
+        """Refuse new requests and end every request in flight with a 503 (SIGINT/SIGTERM)."""
+        if self.error is None:
+            self.error = ServerShuttingDownError("the server is shutting down; the request was aborted.",
+                                                 fix="retry against a running server.")
+        self._fail_all(self.error, send_aborts=True)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    def add(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
+            cache_salt: str | None = None, queue: asyncio.Queue | None = None) -> RequestStream:
+        """Queue a validated request on the engine; its events arrive through the returned stream."""
+        if self.error is not None:   # a fresh copy: re-raising one instance would grow its traceback
+            raise type(self.error)(self.error.message, fix=self.error.fix)
+        requests = self.input_processor.make_requests(request_id, prompt_ids, params, cache_salt=cache_salt)
+        stream = RequestStream(request_id, [r.request_id for r in requests], queue)
+        self.output_processor.add(request_id, prompt, prompt_ids, params)
+        self.streams[request_id] = stream
+        for r in requests:
+            self.child_to_parent[r.request_id] = request_id
+        self._send([P.ADD, [P.encode_request(r) for r in requests]])
+        self.metrics.prompt_tokens.inc(len(prompt_ids))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """The client went away: end the request and free its KV blocks in the engine."""
+        stream = self.streams.get(request_id)
+        if stream is not None and not stream.done:
+            self._finish_stream(stream, None, reason="abort", send_abort=RequestStatus.FINISHED_ABORTED)
+
+    # -- engine messages --------------------------------------------------------------------------
+
+    async def _read_loop(self) -> None:
+        socket = self.engine.output_socket
+        while True:
+            data = await socket.recv()
+            self._last_message = time.monotonic()
+            try:
+                self._handle(P.unpack(data))
+            except Exception:  # a bug here must not stop the reader: log it and go on
+                logger.exception("failed to handle a message from the engine")
+
+    def _handle(self, message: list) -> None:
+        tag = message[0]
+        if tag == P.OUTPUTS:
+            self._on_outputs([P.decode_output(o) for o in message[1]])
+            if message[2] is not None:
+                self.metrics.update_engine(P.decode_stats(message[2]))
+        elif tag == P.STATS:
+            self.metrics.update_engine(P.decode_stats(message[1]))
+        elif tag == P.ADMITTED:
+            self._on_admitted(message[1], message[2])
+        elif tag == P.FATAL:
+            logger.error("the engine loop crashed: %s", P.decode_error(message[1]).message)
+        else:
+            logger.error("ignoring an unexpected message %r from the engine", tag)
+
+    def _on_admitted(self, admitted: list[str], rejected: list[list]) -> None:
+        for child in admitted:
+            stream = self.streams.get(self.child_to_parent.get(child, ""))
+            if stream is not None:
+                stream._pending.discard(child)
+                if not stream._pending and not stream.admitted.done():
+                    stream.admitted.set_result(None)
+        for child, error in rejected:
+            stream = self.streams.get(self.child_to_parent.get(child, ""))
+            if stream is not None and not stream.done:
+                self._finish_stream(stream, P.decode_error(error), reason="rejected",
+                                    send_abort=RequestStatus.FINISHED_ABORTED)
+
+    def _on_outputs(self, outputs: list) -> None:
+        deltas, stopped = self.output_processor.process(outputs)
+        if stopped:
+            self._send([P.ABORT, stopped, int(RequestStatus.FINISHED_STOPPED)])
+        now = time.monotonic()
+        touched: dict[str, RequestStream] = {}
+        for delta in deltas:
+            stream = self.streams.get(delta.request_id)
+            if stream is None:
+                continue
+            if delta.token_ids:
+                if stream._first_token is None:
+                    stream._first_token = now
+                    self.metrics.ttft.observe(now - stream.arrival)
+                last = stream._last_token.get(delta.index)
+                if last is not None:
+                    self.metrics.itl.observe(now - last)
+                stream._last_token[delta.index] = now
+                self.metrics.generation_tokens.inc(len(delta.token_ids))
+            if stream.queue is not None:
+                stream.queue.put_nowait(delta)
+            touched[delta.request_id] = stream
+        for stream in touched.values():
+            if self.output_processor.output(stream.request_id).finished:
+                self._finish_stream(stream, None, reason=None)
+
+    def _finish_stream(self, stream: RequestStream, error: FdplugError | None, reason: str | None,
+                       send_abort: RequestStatus | None = None) -> None:
+        """End a request exactly once: pop its output, tell the engine if needed, wake its handler."""
+        stream.done = True
+        if reason is not None:
+            self.output_processor.fail(stream.request_id, reason, error.message if error else None)
+        output = self.output_processor.pop(stream.request_id)
+        self.streams.pop(stream.request_id, None)
+        for child in stream.child_ids:
+            self.child_to_parent.pop(child, None)
+        if send_abort is not None and not isinstance(self.error, EngineDeadError):
+            self._send([P.ABORT, stream.child_ids, int(send_abort)])
+        for completion in output.outputs:
+            self.metrics.finished(completion.finish_reason or "abort")
+        self.metrics.e2e.observe(time.monotonic() - stream.arrival)
+        stream._end(output, error)
+
+    def _fail_all(self, error: FdplugError, send_aborts: bool) -> None:
+        for stream in list(self.streams.values()):
+            self._finish_stream(stream, error, reason="abort" if send_aborts else "error",
+                                send_abort=RequestStatus.FINISHED_ABORTED if send_aborts else None)
+
+    def _send(self, message: list) -> None:
+        try:
+            self.engine.input_socket.send(P.pack(message), zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # no peer (the engine is gone): the watchdog reports it
+            logger.debug("could not send %s to the engine: %s", message[0], exc)
+
+    # -- watchdog ---------------------------------------------------------------------------------
+
+    async def _watchdog(self) -> None:
+        while True:
+            await asyncio.sleep(WATCHDOG_INTERVAL_S)
+            code = self.engine.poll()
+            if code is None and self.streams and time.monotonic() - self._last_message > self.stall_timeout:
+                logger.error("the engine sent nothing for %.0f s with %d requests in flight; killing it",
+                             self.stall_timeout, len(self.streams))
+                self.engine.kill()
+                code = self.engine.poll()
+            if code is not None and not isinstance(self.error, EngineDeadError):
+                self._engine_died(code)
+                return
+
+    def _engine_died(self, code: int | None) -> None:
+        shutting_down = isinstance(self.error, ServerShuttingDownError)
+        self.error = EngineDeadError(
+            f"the engine process (pid {self.engine.pid}) exited with status {code}; the server is stopping.",
+            fix="see the server log for the cause, then restart `fdplug serve`.")
+        self.metrics.engine_alive.set(0)
+        if not shutting_down:
+            logger.error("%s", self.error.message)
+        self._fail_all(self.error, send_aborts=False)
+        if self.on_engine_dead is not None and not shutting_down:
+            self.on_engine_dead()

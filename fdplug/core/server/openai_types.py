@@ -1,0 +1,236 @@
+"""OpenAI request models (pydantic) and the response shapes, as the OpenAI API defines them.
+
+Unknown-field policy: a request field that is neither OpenAI's nor one of the vLLM extras below is
+rejected with a 400 naming it ("unrecognized request argument supplied: X"), as the OpenAI API
+itself does. Silently ignoring it would hide a typo (``max_token``) or a feature fdplug lacks
+(``response_format`` JSON mode) behind a plausible-looking answer. OpenAI fields that only carry
+bookkeeping (``user``, ``metadata``, ``store``, ``service_tier``, ``parallel_tool_calls``) are
+accepted and ignored; OpenAI fields fdplug cannot honour (``logit_bias``, ``tools``, ``echo``,
+``suffix``, ``best_of`` != ``n``, a non-text ``response_format``) are rejected by ``unsupported()``.
+
+Requests are validated from the raw JSON in strict mode: ``"max_tokens": "5"`` is an error, not 5.
+Responses are plain dicts (built per chunk on the hot path, where pydantic would cost time).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from fdplug.errors import InvalidRequestError
+
+# ---------------------------------------------------------------------------------------------------
+# requests
+# ---------------------------------------------------------------------------------------------------
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Strict):
+    """The fields completions and chat share."""
+
+    model: str | None = None            # None: the served model
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None     # None: 1.0 (OpenAI's default)
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    logit_bias: dict[str, float] | None = None
+    # accepted and ignored: bookkeeping only
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    cache_salt: str | None = None
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16          # OpenAI's default for completions
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[dict[str, Any]]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    # vLLM extras
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+def parse_request(model: type[BaseModel], body: bytes) -> Any:
+    """Validate a JSON body; every problem becomes a 400 ``InvalidRequestError`` naming the field."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        raise _invalid(exc) from None
+
+
+def _invalid(exc: ValidationError) -> InvalidRequestError:
+    errors = exc.errors(include_url=False)
+    first = errors[0]
+    param = _param(first.get("loc", ()))
+    kind = first.get("type", "")
+    root = first.get("loc", ("",))[:1]
+    if sum(e.get("loc", ())[:1] == root for e in errors) > 1:   # a union: no alternative matched
+        kind, param = "union", _param(root)
+    if kind == "extra_forbidden":
+        err = InvalidRequestError(f"unrecognized request argument supplied: {param}.",
+                                  fix="remove it: fdplug rejects fields it does not know (see README, Serving).")
+    elif kind == "json_invalid":
+        err = InvalidRequestError(f"the body is not valid JSON: {first.get('msg')}.",
+                                  fix="send a JSON object with Content-Type: application/json.")
+    elif kind == "union":
+        err = InvalidRequestError(f"{param} does not have any of the accepted types (got {first.get('input')!r:.80}).",
+                                  fix="send a value of the documented type (OpenAI API reference).")
+    elif kind == "missing":
+        err = InvalidRequestError(f"{param} is required.", fix=f"add {param} to the request.")
+    else:
+        err = InvalidRequestError(f"{param or 'the body'}: {first.get('msg')} (got {first.get('input')!r:.80}).",
+                                  fix="send a value of the documented type (OpenAI API reference).")
+    err.param = param  # type: ignore[attr-defined]
+    return err
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "literal"}
+
+
+def _param(loc: tuple) -> str | None:
+    """``("prompt", "list[int]", 1)`` -> ``"prompt.1"``: pydantic's union tags are not field names."""
+    parts = [str(p) for p in loc if not (isinstance(p, str) and (p in _TYPE_TAGS or "[" in p or "-" in p))]
+    return ".".join(parts) or None
+
+
+def unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
+    """Reject OpenAI fields that are well-formed but that fdplug cannot honour."""
+    def refuse(param: str, what: str, fix: str) -> None:
+        err = InvalidRequestError(what, fix=fix)
+        err.param = param  # type: ignore[attr-defined]
+        raise err
+
+    if req.logit_bias:
+        refuse("logit_bias", "logit_bias is not supported.", "leave logit_bias out.")
+    if req.stream_options is not None and not req.stream:
+        refuse("stream_options", "stream_options is only allowed when stream is true.", "set stream: true or drop it.")
+    if isinstance(req, CompletionRequest):
+        if req.echo:
+            refuse("echo", "echo is not supported.", "leave echo out; the prompt is yours already.")
+        if req.suffix:
+            refuse("suffix", "suffix (insertion) is not supported.", "leave suffix out.")
+        if req.best_of is not None and req.best_of != req.n:
+            refuse("best_of", f"best_of must equal n ({req.n}); fdplug does not rank candidates.",
+                   "leave best_of out.")
+    else:
+        if req.tools and req.tool_choice != "none":
+            refuse("tools", "tool calling is not supported yet.", "leave tools out (or set tool_choice: none).")
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            refuse("response_format", f"response_format {req.response_format.get('type')!r} is not supported; "
+                   "only text is.", "leave response_format out.")
+        if req.top_logprobs is not None and not req.logprobs:
+            refuse("top_logprobs", "top_logprobs needs logprobs: true.", "set logprobs: true.")
+
+
+# ---------------------------------------------------------------------------------------------------
+# responses
+# ---------------------------------------------------------------------------------------------------
+
+
+def error_body(message: str, error_type: str, param: str | None = None, code: str | int | None = None) -> dict:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    body = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens:
+        body["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return body
+
+
+def model_card(name: str, created: int, root: str, max_model_len: int) -> dict:
+    return {"id": name, "object": "model", "created": created, "owned_by": "fdplug", "root": root,
+            "parent": None, "max_model_len": max_model_len}
+
+
+def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": None}
+
+
+def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": text, "refusal": None, "tool_calls": []},
+            "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_delta_choice(index: int, delta: dict, finish_reason: str | None, logprobs: dict | None) -> dict:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def envelope(object_: str, id_: str, created: int, model: str, choices: list, usage_: dict | None = None,
+             with_usage_field: bool = True) -> dict:
+    body = {"id": id_, "object": object_, "created": created, "model": model, "choices": choices}
+    if with_usage_field:
+        body["usage"] = usage_
+    return body
+
+
+def _top(entry: dict, k: int) -> list:
+    return sorted(entry.items(), key=lambda item: item[1].rank)[:k]
+
+
+def completion_logprobs(token_ids: list[int], entries: list[dict], k: int, offset: int = 0) -> dict:
+    """The legacy completions shape: parallel lists, top alternatives as {token: logprob}."""
+    tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+    for tid, entry in zip(token_ids, entries):
+        sampled = entry.get(tid)
+        text = sampled.decoded_token if sampled is not None else ""
+        tokens.append(text)
+        token_logprobs.append(sampled.logprob if sampled is not None else None)
+        top_logprobs.append({lp.decoded_token: lp.logprob for _, lp in _top(entry, k)} if k else None)
+        text_offset.append(offset)
+        offset += len(text or "")
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": text_offset}
+
+
+def chat_logprobs(token_ids: list[int], entries: list[dict], k: int) -> dict:
+    """The chat shape: one object per token, with its bytes and its top alternatives."""
+    content = []
+    for tid, entry in zip(token_ids, entries):
+        sampled = entry.get(tid)
+        token = sampled.decoded_token if sampled is not None else ""
+        content.append({
+            "token": token, "logprob": sampled.logprob if sampled is not None else None,
+            "bytes": list(token.encode("utf-8", "replace")),
+            "top_logprobs": [{"token": lp.decoded_token, "logprob": lp.logprob,
+                              "bytes": list((lp.decoded_token or "").encode("utf-8", "replace"))}
+                             for _, lp in _top(entry, k)]})
+    return {"content": content, "refusal": None}

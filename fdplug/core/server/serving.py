@@ -1,0 +1,280 @@
+"""OpenAI completions and chat completions on top of the ``EngineClient``.
+
+A request is validated and tokenized completely before anything is queued, so a bad field never
+leaves half a batch in the engine. Streaming responses start (HTTP 200) only once the engine has
+admitted every sequence: a full waiting queue is still a proper 503, not an error inside a 200.
+A client that disconnects aborts its sequences, which frees their KV blocks at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, StreamingResponse
+
+from fdplug.core.outputs import RequestOutput
+from fdplug.core.processor import Delta
+from fdplug.core.request import SamplingParams
+from fdplug.core.server import openai_types as T
+from fdplug.core.server.engine_client import EngineClient, RequestStream
+from fdplug.errors import EngineRequestError, FdplugError, InvalidRequestError, ModelNotFoundError
+
+_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
+@dataclass(slots=True)
+class Job:
+    """One HTTP request's sequences: prompt ``i`` is stream ``i``; choice index = i * n + child."""
+
+    kind: str                        # "chat" or "completion"
+    id: str
+    created: int
+    model: str
+    n: int
+    num_logprobs: int | None
+    streams: list[RequestStream] = field(default_factory=list)
+    prompt_tokens: int = 0
+
+    def choice_index(self, stream_index: int, child: int) -> int:
+        return stream_index * self.n + child
+
+
+class Serving:
+    def __init__(self, client: EngineClient, model_name: str) -> None:
+        self.client = client
+        self.model_name = model_name
+
+    # -- request -> sequences ---------------------------------------------------------------------
+
+    def check_model(self, model: str | None) -> str:
+        if model is not None and model != self.model_name:
+            err = ModelNotFoundError(f"the model {model!r} does not exist on this server.",
+                                     fix=f"use model {self.model_name!r} (GET /v1/models lists it).")
+            err.param, err.code = "model", "model_not_found"  # type: ignore[attr-defined]
+            raise err
+        return self.model_name
+
+    def sampling_params(self, req: Any, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        def pick(value: Any, default: Any) -> Any:
+            return default if value is None else value
+
+        params = SamplingParams(
+            n=req.n, temperature=pick(req.temperature, 1.0), top_p=pick(req.top_p, 1.0), top_k=pick(req.top_k, 0),
+            min_p=pick(req.min_p, 0.0), seed=req.seed, presence_penalty=pick(req.presence_penalty, 0.0),
+            frequency_penalty=pick(req.frequency_penalty, 0.0),
+            repetition_penalty=pick(req.repetition_penalty, 1.0), max_tokens=max_tokens, min_tokens=req.min_tokens,
+            stop=req.stop or (), stop_token_ids=req.stop_token_ids or (), ignore_eos=req.ignore_eos,
+            logprobs=logprobs, skip_special_tokens=req.skip_special_tokens)
+        return self.client.input_processor.check_params(params)
+
+    def completion_job(self, req: T.CompletionRequest) -> tuple[Job, list[tuple[str | None, list[int]]], SamplingParams]:
+        T.unsupported(req)
+        model = self.check_model(req.model)
+        params = self.sampling_params(req, req.max_tokens, req.logprobs)
+        prompts = _prompts(req.prompt)
+        prepared = [self.client.input_processor.tokenize(p) for p in prompts]
+        for _, ids in prepared:
+            self.client.input_processor.check_length(len(ids), params.max_tokens)
+        job = Job("completion", f"cmpl-{uuid.uuid4().hex}", int(time.time()), model, params.n, req.logprobs)
+        return job, prepared, params
+
+    def chat_job(self, req: T.ChatCompletionRequest) -> tuple[Job, list[tuple[str | None, list[int]]], SamplingParams]:
+        T.unsupported(req)
+        model = self.check_model(req.model)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = self.sampling_params(req, max_tokens, num_logprobs)
+        tokenizer = self.client.tokenizer
+        text = tokenizer.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt,
+                                             **(req.chat_template_kwargs or {}))
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        self.client.input_processor.check_length(len(ids), max_tokens)
+        job = Job("chat", f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, params.n, num_logprobs)
+        return job, [(text, ids)], params
+
+    def submit(self, job: Job, prepared: list, params: SamplingParams, queue: asyncio.Queue | None,
+               cache_salt: str | None) -> None:
+        try:
+            for i, (text, ids) in enumerate(prepared):
+                rid = job.id if len(prepared) == 1 else f"{job.id}-{i}"
+                job.streams.append(self.client.add(rid, text, ids, params, cache_salt, queue=queue))
+                job.prompt_tokens += len(ids)
+        except BaseException:
+            self.abort(job)
+            raise
+
+    def abort(self, job: Job) -> None:
+        for stream in job.streams:
+            self.client.abort(stream.request_id)
+
+    # -- non-streaming ----------------------------------------------------------------------------
+
+    async def respond(self, job: Job, http: HTTPRequest) -> JSONResponse:
+        """Wait for every sequence (aborting them all if the client leaves), then one JSON body."""
+        disconnect = asyncio.create_task(_wait_disconnect(http))
+        gather = asyncio.ensure_future(asyncio.gather(*(s.final() for s in job.streams)))
+        try:
+            done, _ = await asyncio.wait({gather, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+            if gather not in done:              # the client left: free the engine's blocks now
+                gather.cancel()
+                self.abort(job)
+                return JSONResponse({}, status_code=499)   # nobody reads it
+            outputs: list[RequestOutput] = gather.result()
+        except BaseException:
+            gather.cancel()
+            self.abort(job)
+            raise
+        finally:
+            disconnect.cancel()
+        choices, completion_tokens, cached = [], 0, 0
+        for i, output in enumerate(outputs):
+            cached += output.num_cached_tokens
+            for c in output.outputs:
+                _raise_if_failed(c.finish_reason, c.stop_reason)
+                completion_tokens += len(c.token_ids)
+                choices.append(self._choice(job, job.choice_index(i, c.index), c.text, c.finish_reason,
+                                            c.token_ids, c.logprobs))
+        obj = "text_completion" if job.kind == "completion" else "chat.completion"
+        return JSONResponse(T.envelope(obj, job.id, job.created, job.model, choices,
+                                       T.usage(job.prompt_tokens, completion_tokens, cached)))
+
+    def _choice(self, job: Job, index: int, text: str, finish_reason: str | None, token_ids: list[int],
+                logprobs: list | None) -> dict:
+        lp = self._logprobs(job, token_ids, logprobs)
+        if job.kind == "completion":
+            return T.completion_choice(index, text, finish_reason, lp)
+        return T.chat_choice(index, text, finish_reason, lp)
+
+    def _logprobs(self, job: Job, token_ids: list[int], entries: list | None, offset: int = 0) -> dict | None:
+        if job.num_logprobs is None or entries is None:
+            return None
+        if job.kind == "completion":
+            return T.completion_logprobs(token_ids, entries, job.num_logprobs, offset)
+        return T.chat_logprobs(token_ids, entries, job.num_logprobs)
+
+    # -- streaming --------------------------------------------------------------------------------
+
+    async def stream(self, job: Job, queue: asyncio.Queue, include_usage: bool) -> StreamingResponse:
+        try:  # admission first: a refused request gets its status code, not a 200 with an error inside
+            await asyncio.gather(*(s.admitted for s in job.streams))
+        except BaseException:
+            self.abort(job)
+            raise
+        return StreamingResponse(self._events(job, queue, include_usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _events(self, job: Job, queue: asyncio.Queue, include_usage: bool) -> AsyncIterator[bytes]:
+        obj = "text_completion" if job.kind == "completion" else "chat.completion.chunk"
+        index_of = {s.request_id: i for i, s in enumerate(job.streams)}
+        active = set(index_of)
+        completion_tokens, cached = 0, 0
+        offsets: dict[int, int] = {}
+
+        # the envelope is the same for every chunk: encode it once, and only the choices per chunk
+        head, tail = _dumps(T.envelope(obj, job.id, job.created, job.model, [], None, include_usage)).encode() \
+            .split(b'"choices":[]', 1)
+        head, tail = b"data: " + head + b'"choices":', tail + b"\n\n"
+
+        def chunk(choices: list, usage: dict | None = None) -> bytes:
+            if usage is None:
+                return head + _dumps(choices).encode() + tail
+            body = T.envelope(obj, job.id, job.created, job.model, choices, usage, with_usage_field=include_usage)
+            return b"data: " + _dumps(body).encode() + b"\n\n"
+
+        try:
+            if job.kind == "chat":
+                yield chunk([T.chat_delta_choice(job.choice_index(i, c), {"role": "assistant", "content": ""},
+                                                 None, None) for i in range(len(job.streams)) for c in range(job.n)])
+            while active:
+                items = [await queue.get()]
+                while not queue.empty():
+                    items.append(queue.get_nowait())
+                choices = []
+                for key, delta in _merge(items).items():
+                    index = job.choice_index(index_of[key[0]], key[1])
+                    _raise_if_failed(delta.finish_reason, delta.stop_reason)
+                    completion_tokens += len(delta.token_ids)
+                    if not delta.token_ids and not delta.text and delta.finish_reason is None:
+                        continue   # a chunk per step with tokens, even while the detokenizer holds text back
+                    lp = self._logprobs(job, delta.token_ids, delta.logprobs, offsets.get(index, 0))
+                    offsets[index] = offsets.get(index, 0) + len(delta.text)
+                    if job.kind == "completion":
+                        choices.append(T.completion_choice(index, delta.text, delta.finish_reason, lp))
+                    else:
+                        content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
+                        choices.append(T.chat_delta_choice(index, content, delta.finish_reason, lp))
+                if choices:
+                    yield chunk(choices)
+                for item in items:
+                    if isinstance(item, RequestOutput):
+                        active.discard(item.request_id)
+                        cached += item.num_cached_tokens
+                    elif isinstance(item, tuple):      # (request_id, error)
+                        raise item[1]
+            if include_usage:
+                yield chunk([], T.usage(job.prompt_tokens, completion_tokens, cached))
+        except FdplugError as exc:
+            self.abort(job)
+            yield b"data: " + _dumps(T.error_body(exc.message + (f" Fix: {exc.fix}" if exc.fix else ""),
+                                                  exc.error_type, getattr(exc, "param", None),
+                                                  getattr(exc, "code", None) or exc.http_status)).encode() + b"\n\n"
+        except BaseException:  # client gone (cancelled) or a bug: free the engine's blocks either way
+            self.abort(job)
+            raise
+        yield b"data: [DONE]\n\n"
+
+
+def _merge(items: list) -> dict[tuple[str, int], Delta]:
+    """Deltas that queued up while the client was being written to, one per (request, index)."""
+    if len(items) == 1:     # the usual case: one step's delta, nothing queued behind it
+        item = items[0]
+        return {(item.request_id, item.index): item} if isinstance(item, Delta) else {}
+    merged: dict[tuple[str, int], Delta] = {}
+    for item in items:
+        if not isinstance(item, Delta):
+            continue
+        key = (item.request_id, item.index)
+        prev = merged.get(key)
+        if prev is None:
+            merged[key] = Delta(item.request_id, item.index, item.text, list(item.token_ids),
+                                list(item.logprobs) if item.logprobs is not None else None, item.finish_reason,
+                                item.stop_reason)
+            continue
+        prev.text += item.text
+        prev.token_ids.extend(item.token_ids)
+        if item.logprobs:
+            prev.logprobs = (prev.logprobs or []) + list(item.logprobs)
+        prev.finish_reason, prev.stop_reason = item.finish_reason, item.stop_reason
+    return merged
+
+
+def _raise_if_failed(finish_reason: str | None, stop_reason: Any) -> None:
+    if finish_reason == "error":
+        raise EngineRequestError(f"the engine failed this request: {stop_reason}",
+                                 fix="retry; if it fails again, report it with the server log.")
+
+
+def _prompts(prompt: Any) -> list:
+    """OpenAI's four prompt forms -> a list of prompts for ``InputProcessor.tokenize``."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise InvalidRequestError("prompt is empty.", fix="send a string, a list of strings or token ids.")
+    if isinstance(prompt[0], int):
+        return [{"prompt_token_ids": prompt}]
+    if isinstance(prompt[0], str):
+        return list(prompt)
+    return [{"prompt_token_ids": ids} for ids in prompt]
+
+
+async def _wait_disconnect(http: HTTPRequest) -> None:
+    while True:
+        message = await http.receive()
+        if message["type"] == "http.disconnect":
+            return

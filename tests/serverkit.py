@@ -1,0 +1,122 @@
+"""Running a real ``fdplug serve`` for the server tests: start, wait, inspect, stop. Every wait is bounded."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.conftest import subprocess_env
+
+FDPLUG = str(Path(sys.executable).parent / "fdplug")
+SMALL = ["--max-model-len", "512", "--num-kv-blocks", "600"]   # 9.4 MiB of KV, enough for 32 x 256 tokens
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie (no psutil: /proc and signal 0)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.05, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"{what} not reached within {timeout} s")
+
+
+class Server:
+    """``fdplug serve`` in a subprocess on a free loopback port; its log goes to a file."""
+
+    def __init__(self, args: list[str], log_path: Path, api_key: str | None = None, **env: str) -> None:
+        self.port = free_port()
+        self.api_key = api_key
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        cmd = [FDPLUG, "serve", "--port", str(self.port), *args] + (["--api-key", api_key] if api_key else [])
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env=subprocess_env(**env))
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 90.0) -> "Server":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"fdplug serve exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        self.stop(signal.SIGKILL)
+        raise TimeoutError(f"fdplug serve not ready within {timeout} s:\n{self.log()}")
+
+    def engine_pid(self) -> int:
+        children = []
+        for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
+            children += (task / "children").read_text().split()
+        assert len(children) == 1, f"expected one engine process, found {children}"
+        return int(children[0])
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(self.url + "/metrics", timeout=5.0).text
+        values = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                values[name.split("{")[0] if "_bucket" not in name else name] = float(value)
+        return values
+
+    def openai(self, **kwargs):
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=self.api_key or "unused", max_retries=0,
+                             timeout=kwargs.pop("timeout", 60.0), **kwargs)
+
+    def async_openai(self, **kwargs):
+        import openai
+
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=self.api_key or "unused", max_retries=0,
+                                  timeout=kwargs.pop("timeout", 60.0), **kwargs)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait(5)
+            raise AssertionError(f"fdplug serve did not exit within {timeout} s of signal {sig}:\n{self.log()}")
+        finally:
+            self._log.close()
+        return code

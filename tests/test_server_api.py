@@ -1,0 +1,211 @@
+"""`fdplug serve` on the demo model, driven over HTTP: shapes, auth, errors, metrics, disconnects.
+
+One server for the module (with an API key and a small body limit); every test leaves it serving.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.serverkit import SMALL, Server, wait_until
+
+KEY = "sk-test-0123456789"
+MAX_BODY = 64 * 1024
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = Server([*SMALL, "--max-body-bytes", str(MAX_BODY)], tmp_path_factory.mktemp("serve") / "demo.log",
+                 api_key=KEY).wait_ready()
+    yield srv
+    assert srv.stop() == 0, srv.log()
+    assert KEY not in srv.log()
+
+
+def post(server, path, body, headers=None, timeout=30.0):
+    content = json.dumps(body) if isinstance(body, (dict, list)) else body
+    return httpx.post(server.url + path, content=content, timeout=timeout,
+                      headers={"Content-Type": "application/json", **server.headers, **(headers or {})})
+
+
+def assert_error(response, status, *, param=None, contains=None):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    if param is not None:
+        assert error["param"] == param
+    if contains is not None:
+        assert contains in error["message"], error["message"]
+    return error
+
+
+# -- happy paths ------------------------------------------------------------------------------------
+
+
+def test_models_version_health(server):
+    models = server.openai().models.list()
+    assert [m.id for m in models.data] == ["demo"]
+    assert httpx.get(server.url + "/version").json()["version"]
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+
+
+def test_chat_completion_shape(server):
+    r = server.openai().chat.completions.create(model="demo", messages=[{"role": "user", "content": "Hi"}],
+                                                max_tokens=5, temperature=0, user="u1")
+    assert r.id.startswith("chatcmpl-") and r.object == "chat.completion" and r.model == "demo"
+    assert r.choices[0].message.role == "assistant" and r.choices[0].finish_reason in ("length", "stop")
+    assert r.usage.prompt_tokens > 0 and r.usage.completion_tokens <= 5
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_completion_shapes_and_prompt_forms(server):
+    client = server.openai()
+    text = client.completions.create(model="demo", prompt="Hello", max_tokens=4, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert text.id.startswith("cmpl-") and text.object == "text_completion"
+    assert text.choices[0].finish_reason == "length" and text.usage.completion_tokens == 4
+    ids = client.completions.create(model="demo", prompt=[72, 101, 108], max_tokens=3, temperature=0)
+    assert ids.usage.prompt_tokens == 3
+    batch = client.completions.create(model="demo", prompt=["a", "b", "a"], max_tokens=2, temperature=0, n=2,
+                                      extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in batch.choices) == list(range(6))
+    assert batch.usage.completion_tokens == 12
+    by_index = {c.index: c.text for c in batch.choices}
+    assert by_index[0] == by_index[1] == by_index[4] == by_index[5]   # greedy: n copies and equal prompts agree
+    id_batch = client.completions.create(model="demo", prompt=[[72, 101], [108]], max_tokens=1, temperature=0)
+    assert id_batch.usage.prompt_tokens == 3 and len(id_batch.choices) == 2
+
+
+def test_stream_matches_non_stream(server):
+    client = server.openai()
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    full = client.chat.completions.create(model="demo", messages=messages, max_tokens=12, temperature=0)
+    chunks = list(client.chat.completions.create(model="demo", messages=messages, max_tokens=12, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.id == chunks[0].id and c.object == "chat.completion.chunk" for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_raw_sse_ends_with_done(server):
+    with httpx.stream("POST", server.url + "/v1/completions", headers=server.headers, timeout=30,
+                      json={"prompt": "x", "max_tokens": 3, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line]
+    assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
+
+
+# -- auth -------------------------------------------------------------------------------------------
+
+
+def test_api_key(server):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        r = httpx.get(server.url + "/v1/models", headers=headers)
+        assert_error(r, 401)
+        assert KEY not in r.text
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0).models.list()
+    assert httpx.get(server.url + "/health").status_code == 200      # probes and scrapers stay open
+    assert httpx.get(server.url + "/metrics").status_code == 200
+
+
+# -- bad input --------------------------------------------------------------------------------------
+
+CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize("path, body, status, param, contains", [
+    ("/v1/chat/completions", {**CHAT, "max_token": 5}, 400, "max_token", "unrecognized"),
+    ("/v1/chat/completions", {**CHAT, "temperature": -1}, 400, None, "temperature"),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": "5"}, 400, "max_tokens", None),
+    ("/v1/chat/completions", {**CHAT, "n": 0}, 400, None, "n must be"),
+    ("/v1/chat/completions", {**CHAT, "top_p": 0}, 400, None, "top_p"),
+    ("/v1/chat/completions", {**CHAT, "messages": []}, 400, None, "messages"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, 400, None, "role"),
+    ("/v1/chat/completions", {**CHAT, "logit_bias": {"5": 1}}, 400, "logit_bias", None),
+    ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, 400, "top_logprobs", None),
+    ("/v1/chat/completions", {**CHAT, "stream_options": {"include_usage": True}}, 400, "stream_options", None),
+    ("/v1/chat/completions", {"messages": CHAT["messages"], "model": "gpt-4"}, 404, "model", "gpt-4"),
+    ("/v1/chat/completions", "{not json", 400, None, "JSON"),
+    ("/v1/completions", {"model": "demo"}, 400, "prompt", "required"),
+    ("/v1/completions", {"model": "demo", "prompt": []}, 400, None, "empty"),
+    ("/v1/completions", {"model": "demo", "prompt": [1, 99999]}, 400, None, "vocabulary"),
+    ("/v1/completions", {"model": "demo", "prompt": "a " * 600}, 400, None, "max_model_len"),
+    ("/v1/completions", {"model": "demo", "prompt": "hello", "max_tokens": 600}, 400, None, "512"),
+    ("/v1/completions", {"model": "demo", "prompt": "hello", "logprobs": 50}, 400, None, "logprobs"),
+    ("/v1/completions", {"model": "demo", "prompt": "hello", "echo": True}, 400, "echo", None),
+    ("/v1/completions", {"model": "demo", "prompt": ["a", [1]]}, 400, "prompt", "accepted types"),
+])
+def test_bad_requests(server, path, body, status, param, contains):
+    assert_error(post(server, path, body), status, param=param, contains=contains)
+
+
+def test_prompt_too_long_names_the_numbers(server):
+    error = assert_error(post(server, "/v1/completions", {"prompt": "hello", "max_tokens": 600}), 400)
+    assert "512" in error["message"] and "600" in error["message"]
+
+
+def test_body_limit(server):
+    big = json.dumps({**CHAT, "messages": [{"role": "user", "content": "x" * MAX_BODY}]})
+    assert_error(post(server, "/v1/chat/completions", big), 413)
+
+    def chunked():  # no Content-Length: the limit holds while reading
+        for _ in range(MAX_BODY // 1024 + 2):
+            yield b" " * 1024
+
+    assert_error(post(server, "/v1/chat/completions", chunked()), 413)
+
+
+def test_unknown_route_and_method(server):
+    assert_error(httpx.get(server.url + "/v1/nothing", headers=server.headers), 404)
+    assert_error(httpx.get(server.url + "/v1/completions", headers=server.headers), 405)
+
+
+def test_still_serves_after_errors(server):
+    for _ in range(3):
+        post(server, "/v1/chat/completions", {**CHAT, "n": -1})
+    r = server.openai().chat.completions.create(**CHAT, max_tokens=2)
+    assert r.choices[0].finish_reason in ("length", "stop")
+
+
+# -- disconnects and metrics ------------------------------------------------------------------------
+
+
+def test_client_disconnect_frees_blocks(server):
+    with httpx.stream("POST", server.url + "/v1/completions", headers=server.headers, timeout=30,
+                      json={"prompt": "Hello " * 50, "max_tokens": 400, "stream": True, "ignore_eos": True}) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line).startswith("data: ")
+        wait_until(lambda: server.metrics()["fdplug:num_requests_running"] == 1, 10, what="request running")
+        assert server.metrics()["fdplug:kv_cache_usage_perc"] > 0
+    # closed mid-stream: the engine aborts the request and frees its blocks
+    wait_until(lambda: (m := server.metrics())["fdplug:num_requests_running"] == 0
+               and m["fdplug:kv_cache_usage_perc"] == 0, 10, what="blocks freed")
+
+
+def test_non_streaming_disconnect_aborts(server):
+    with pytest.raises(httpx.ReadTimeout):
+        post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 500, "ignore_eos": True},
+             timeout=httpx.Timeout(30, read=0.5))
+    wait_until(lambda: (m := server.metrics())["fdplug:num_requests_running"] == 0
+               and m["fdplug:kv_cache_usage_perc"] == 0, 10, what="blocks freed")
+
+
+def test_metrics(server):
+    server.openai().completions.create(model="demo", prompt="metrics", max_tokens=3, temperature=0)
+    m = server.metrics()
+    for name in ("fdplug:num_requests_running", "fdplug:num_requests_waiting", "fdplug:kv_cache_usage_perc",
+                 "fdplug:prefix_cache_hit_rate", "fdplug:engine_alive"):
+        assert name in m, name
+    assert m["fdplug:time_to_first_token_seconds_count"] >= 1
+    assert m["fdplug:inter_token_latency_seconds_count"] >= 1
+    assert m["fdplug:prompt_tokens_total"] >= 1 and m["fdplug:generation_tokens_total"] >= 3
+    assert m["fdplug:engine_alive"] == 1

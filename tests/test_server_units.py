@@ -1,0 +1,119 @@
+"""The server's pieces without a server: the msgpack protocol, request validation, response shapes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fdplug.core.outputs import Logprob
+from fdplug.core.processor import Delta
+from fdplug.core.request import MMPlaceholder, Request, SamplingParams
+from fdplug.core.scheduler.output import EngineCoreOutput, SchedulerStats
+from fdplug.core.server import openai_types as T
+from fdplug.core.server import protocol as P
+from fdplug.core.server.serving import _merge, _prompts
+from fdplug.errors import FdplugError, InvalidRequestError, QueueFullError
+
+
+def roundtrip(message):
+    return P.unpack(P.pack(message))
+
+
+def test_request_roundtrip():
+    params = SamplingParams(n=1, temperature=0.7, top_k=5, seed=3, stop=("a", "bc"), stop_token_ids=(9,),
+                            max_tokens=12, logprobs=2, ignore_eos=True)
+    req = Request("r1", [1, 2, 3], params, (7, 8), cache_salt="s", mm_positions=[MMPlaceholder(1, 2, "h")])
+    [_, [item]] = roundtrip([P.ADD, [P.encode_request(req)]])
+    back = P.decode_request(item)
+    assert back.request_id == "r1" and back.prompt_token_ids == [1, 2, 3] and back.eos_token_ids == (7, 8)
+    assert back.sampling_params == params and back.cache_salt == "s" and back.mm_positions == req.mm_positions
+    assert back.arrival_time == req.arrival_time
+
+
+def test_output_roundtrip_with_numpy_logprobs():
+    out = EngineCoreOutput("r", [5], True, "length", None, 3,
+                           [(np.array([5, 1]), np.array([-0.1, -2.5], dtype=np.float32), [1, 2])])
+    [_, [item], stats] = roundtrip([P.OUTPUTS, [P.encode_output(out)], None])
+    back = P.decode_output(item)
+    assert back.new_token_ids == [5] and back.finished and back.finish_reason == "length"
+    ids, logprobs, ranks = back.new_logprobs[0]
+    assert ids == [5, 1] and ranks == [1, 2] and logprobs[1] == pytest.approx(-2.5)
+    assert stats is None
+
+
+def test_stats_and_errors_roundtrip():
+    stats = SchedulerStats(1, 2, 0, 0.5, 10, 4, 0.4, 0)
+    assert P.decode_stats(roundtrip([P.STATS, P.encode_stats(stats)])[1]) == stats
+    err = P.decode_error(roundtrip([P.STARTUP_ERROR, P.encode_error(QueueFullError("full.", fix="wait."))])[1])
+    assert type(err) is QueueFullError and err.http_status == 503 and err.fix == "wait."
+    bug = P.decode_error(P.encode_error(KeyError("x")))
+    assert isinstance(bug, FdplugError) and "KeyError" in bug.message
+
+
+def test_unpack_rejects_garbage():
+    with pytest.raises(ValueError):
+        P.unpack(P.pack({"not": "a list"}))  # type: ignore[arg-type]
+
+
+def test_pickle_never_crosses():
+    class Evil:
+        pass
+
+    with pytest.raises(TypeError):
+        P.pack([P.ADD, [Evil()]])
+
+
+@pytest.mark.parametrize("body, param, fragment", [
+    (b'{"prompt": "x", "max_tokns": 3}', "max_tokns", "unrecognized request argument supplied: max_tokns"),
+    (b'{"prompt": "x", "max_tokens": "3"}', "max_tokens", "max_tokens"),
+    (b'{"prompt": "x", "n": true}', "n", "n"),
+    (b'{"max_tokens": 3}', "prompt", "required"),
+    (b'{"prompt": ["a", [1]]}', "prompt", "accepted types"),
+    (b"{nope", None, "JSON"),
+])
+def test_validation_errors_name_the_field(body, param, fragment):
+    with pytest.raises(InvalidRequestError) as info:
+        T.parse_request(T.CompletionRequest, body)
+    assert info.value.param == param and fragment in info.value.message
+
+
+def test_ints_are_floats_but_strings_are_not():
+    req = T.parse_request(T.ChatCompletionRequest, b'{"messages": [], "temperature": 0, "top_p": 1}')
+    assert req.temperature == 0.0 and req.max_tokens is None
+    assert T.parse_request(T.CompletionRequest, b'{"prompt": "x"}').max_tokens == 16   # OpenAI's default
+
+
+def test_prompt_forms():
+    assert _prompts("a") == ["a"]
+    assert _prompts(["a", "b"]) == ["a", "b"]
+    assert _prompts([1, 2]) == [{"prompt_token_ids": [1, 2]}]
+    assert _prompts([[1], [2, 3]]) == [{"prompt_token_ids": [1]}, {"prompt_token_ids": [2, 3]}]
+    with pytest.raises(InvalidRequestError):
+        _prompts([])
+
+
+def _entry(sampled, sampled_lp, sampled_rank, *alts):
+    entry = {sampled: Logprob(sampled_lp, sampled_rank, f"t{sampled}")}
+    for tid, lp, rank in alts:
+        entry.setdefault(tid, Logprob(lp, rank, f"t{tid}"))
+    return entry
+
+
+def test_logprob_shapes():
+    entries = [_entry(5, -0.1, 1, (5, -0.1, 1), (6, -2.0, 2)), _entry(9, -3.0, 4, (1, -0.5, 1), (2, -0.9, 2))]
+    chat = T.chat_logprobs([5, 9], entries, 2)["content"]
+    assert [c["token"] for c in chat] == ["t5", "t9"] and chat[1]["logprob"] == -3.0
+    assert [t["token"] for t in chat[1]["top_logprobs"]] == ["t1", "t2"]   # the sampled token is not top-2
+    assert chat[0]["bytes"] == list(b"t5")
+    comp = T.completion_logprobs([5, 9], entries, 1)
+    assert comp["tokens"] == ["t5", "t9"] and comp["token_logprobs"] == [-0.1, -3.0]
+    assert comp["top_logprobs"] == [{"t5": -0.1}, {"t1": -0.5}] and comp["text_offset"] == [0, 2]
+
+
+def test_merge_coalesces_per_sequence():
+    d = [Delta("a", 0, "x", [1], None, None, None), Delta("a", 1, "p", [7], None, None, None),
+         Delta("a", 0, "y", [2], None, "length", None)]
+    merged = _merge(d)
+    assert merged[("a", 0)].text == "xy" and merged[("a", 0)].token_ids == [1, 2]
+    assert merged[("a", 0)].finish_reason == "length" and merged[("a", 1)].text == "p"
+    assert d[0].text == "x"                                # inputs untouched
