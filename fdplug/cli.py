@@ -11,6 +11,7 @@ import json
 import logging
 import platform
 import sys
+from pathlib import Path
 from typing import Any, Callable
 
 import click
@@ -173,6 +174,10 @@ def engine_options(fn: Callable) -> Callable:
         click.option("--no-prefix-caching", is_flag=True, help="Turn prefix caching off."),
         click.option("--no-chunked-prefill", is_flag=True, help="Turn chunked prefill off."),
         click.option("--dtype", default="auto", show_default=True, help="auto, float32, bfloat16, float16."),
+        click.option("--allowed-feature-path", "allowed_feature_paths", multiple=True,
+                     help="Directory file:// feature URLs may read (repeatable; default: FDPLUG_ALLOWED_FEATURE_PATHS)."),
+        click.option("--encoder-cache-rows", type=int, default=None,
+                     help="Encoder-feature cache size in feature rows (default 16384; 0 keeps nothing)."),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -185,10 +190,13 @@ def engine_kwargs(kw: dict[str, Any]) -> dict[str, Any]:
             "moe_backend": kw.pop("moe_backend"), "enable_prefix_caching": not kw.pop("no_prefix_caching"),
             "enable_chunked_prefill": not kw.pop("no_chunked_prefill")}
     for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory",
-                 "num_kv_blocks", "dtype"):
+                 "num_kv_blocks", "dtype", "encoder_cache_rows"):
         value = kw.pop(name)
         if value is not None:
             args[name] = value
+    paths = kw.pop("allowed_feature_paths")
+    if paths:
+        args["allowed_feature_paths"] = tuple(str(Path(p).resolve()) for p in paths)
     return args
 
 

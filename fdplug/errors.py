@@ -201,3 +201,25 @@ class ServerShuttingDownError(FdplugError):
 
     http_status = 503
     error_type = "server_error"
+
+
+# ---------------------------------------------------------------------------------------------------
+# errors as data (they cross the engine-process socket and sit in outputs)
+# ---------------------------------------------------------------------------------------------------
+
+
+def error_to_dict(exc: BaseException) -> dict:
+    """A typed error as plain data: its class name, message and fix (no traceback, no secrets)."""
+    if isinstance(exc, FdplugError):
+        return {"type": type(exc).__name__, "message": exc.message, "fix": exc.fix}
+    return {"type": type(exc).__name__, "message": f"{type(exc).__name__}: {exc}", "fix": None}
+
+
+def error_from_dict(item: dict) -> FdplugError:
+    """The same error class when this module has it, else an ``EngineRequestError`` (a bug, 500)."""
+    cls = globals().get(item.get("type", ""))
+    if not (isinstance(cls, type) and issubclass(cls, FdplugError)):
+        cls = EngineRequestError
+    err = cls.__new__(cls)
+    FdplugError.__init__(err, item.get("message") or "unknown error", fix=item.get("fix"))
+    return err

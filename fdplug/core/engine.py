@@ -21,6 +21,7 @@ from fdplug.core.request import Request, RequestStatus
 from fdplug.core.scheduler.output import EngineCoreOutput, SchedulerOutput
 from fdplug.core.scheduler.scheduler import Scheduler, SchedulerConfig
 from fdplug.core.selection import Backend
+from fdplug.errors import EngineRequestError, error_to_dict
 
 logger = logging.getLogger("fdplug.engine")
 
@@ -145,7 +146,7 @@ class EngineCore:
                 continue
             self.abort_requests([request.request_id], RequestStatus.FINISHED_ERROR)
             failures.append(EngineCoreOutput(request.request_id, [], finished=True, finish_reason="error",
-                                             stop_reason=str(error), error_status=error.http_status))
+                                             error=error_to_dict(error)))
         return failures
 
     def _attach_features(self, so: SchedulerOutput) -> None:
@@ -160,8 +161,9 @@ class EngineCore:
     def _fail_step(self, scheduler_output: SchedulerOutput, message: str) -> list[EngineCoreOutput]:
         ids = [rid for rid in scheduler_output.num_scheduled_tokens if rid in self.scheduler.requests]
         self.abort_requests(ids, RequestStatus.FINISHED_ERROR)
-        return [EngineCoreOutput(rid, [], finished=True, finish_reason="error", stop_reason=message,
-                                 error_status=500) for rid in ids]
+        error = error_to_dict(EngineRequestError(f"the model step running this request failed ({message}).",
+                                                 fix="retry; if it fails again, report it with the server log."))
+        return [EngineCoreOutput(rid, [], finished=True, finish_reason="error", error=error) for rid in ids]
 
     def stats(self):
         return self.scheduler.make_stats()

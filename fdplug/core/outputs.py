@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -40,5 +41,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0
-    error: str | None = None     # why the engine failed this request (finish_reason "error")
+    error: Any = None            # the typed FdplugError that failed this request (finish_reason "error")
     metrics: dict[str, float] = field(default_factory=dict)

@@ -16,7 +16,7 @@ from fdplug.core.multimodal.inputs import FeaturePartCollector, MMFeatureInput, 
 from fdplug.core.outputs import CompletionOutput, Logprob, RequestOutput
 from fdplug.core.request import MAX_LOGPROBS, MMPlaceholder, Request, SamplingParams
 from fdplug.core.scheduler.output import EngineCoreOutput
-from fdplug.errors import InvalidRequestError
+from fdplug.errors import FdplugError, InvalidRequestError, error_from_dict
 
 PromptType = str | Mapping[str, Any]
 
@@ -144,6 +144,7 @@ class Delta:
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None
     stop_reason: int | str | None
+    error: FdplugError | None = None   # why the engine failed it (finish_reason "error")
 
 
 @dataclass(slots=True)
@@ -203,7 +204,7 @@ class OutputProcessor:
                 self._maybe_finish_parent(key[0])
         return deltas, stopped
 
-    def fail(self, request_id: str, reason: str, message: str | None = None) -> list[Delta]:
+    def fail(self, request_id: str, reason: str, error: FdplugError | None = None) -> list[Delta]:
         """End every unfinished output of a parent request with ``reason`` (abort, error)."""
         parent = self._parents.get(request_id)
         if parent is None:
@@ -212,8 +213,8 @@ class OutputProcessor:
         for child in parent.children:
             if not child.output.finished():
                 child.output.finish_reason = reason
-                deltas.append(Delta(request_id, child.output.index, "", [], None, reason, None))
-        parent.output.error = message
+                deltas.append(Delta(request_id, child.output.index, "", [], None, reason, None, error))
+        parent.output.error = error
         self._maybe_finish_parent(request_id)
         return deltas
 
@@ -231,8 +232,12 @@ class OutputProcessor:
         new_ids = list(out.new_token_ids)
         text = child.detokenizer.step(new_ids)
         new_logprobs = self._logprobs(out) if child.want_logprobs else None
+        error = error_from_dict(out.error) if out.error else None
         if child.detokenizer.finished:                       # a stop string ended it
             result.finish_reason, result.stop_reason = "stop", child.detokenizer.stop_reason
+        elif error is not None:
+            result.finish_reason, result.stop_reason = "error", error.message
+            self._parents[key[0]].output.error = error
         elif out.finished:
             text += child.detokenizer.finish()
             result.finish_reason, result.stop_reason = out.finish_reason, out.stop_reason
@@ -243,7 +248,8 @@ class OutputProcessor:
             result.cumulative_logprob += sum(entry[t].logprob for entry, t in zip(new_logprobs, new_ids))
         parent = self._parents[key[0]].output
         parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
-        return Delta(key[0], result.index, text, new_ids, new_logprobs, result.finish_reason, result.stop_reason)
+        return Delta(key[0], result.index, text, new_ids, new_logprobs, result.finish_reason, result.stop_reason,
+                     error)
 
     def _logprobs(self, out: EngineCoreOutput) -> list[dict[int, Logprob]]:
         entries = []

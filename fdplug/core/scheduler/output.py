@@ -85,7 +85,7 @@ class EngineCoreOutput:
     # One entry per new token when the request asked for logprobs: (token ids, logprobs, ranks),
     # the sampled token first, then the top-N alternatives. Filled in by the engine from the runner.
     new_logprobs: list[tuple[list[int], list[float], list[int]]] | None = None
-    error_status: int | None = None   # with finish_reason "error": the HTTP status the failure maps to
+    error: dict | None = None   # with finish_reason "error": the typed error as data (errors.error_to_dict)
 
 
 @dataclass(slots=True)

@@ -9,6 +9,7 @@ The guard is plain ASGI (not ``BaseHTTPMiddleware``, which would buffer streamin
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import logging
@@ -94,8 +95,13 @@ def build_app(client: EngineClient, model_name: str, api_key: str | None, max_bo
     @guarded
     async def chat_completions(request: Request) -> Response:
         req = T.parse_request(T.ChatCompletionRequest, await request.body())
-        job, prepared, params = serving.chat_job(req)
+        job, prepared, params = serving.chat_job(req, tenant(request))
         return await _run(job, prepared, params, req, request)
+
+    def tenant(request: Request) -> str:
+        """Whose multimodal uuids these are: a digest of the presented API key (no key: one tenant)."""
+        token = request.headers.get("authorization", "").partition(" ")[2].strip()
+        return hashlib.sha256(token.encode()).hexdigest()[:32] if token else ""
 
     async def _run(job: Any, prepared: list, params: Any, req: Any, request: Request) -> Response:
         if not req.stream:

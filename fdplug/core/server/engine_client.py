@@ -19,8 +19,9 @@ from typing import Any, Callable
 
 import zmq
 
+from fdplug.core.model.config import ModelConfig
 from fdplug.core.outputs import RequestOutput
-from fdplug.core.processor import InputProcessor, OutputProcessor
+from fdplug.core.processor import InputProcessor, OutputProcessor, ProcessedPrompt
 from fdplug.core.request import RequestStatus, SamplingParams
 from fdplug.core.server import protocol as P
 from fdplug.core.server.metrics import ServerMetrics
@@ -82,7 +83,9 @@ class EngineClient:
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.stall_timeout = stall_timeout
-        self.input_processor = InputProcessor(tokenizer, info.vocab_size, info.max_model_len, info.eos_token_ids)
+        mm_config = ModelConfig.from_dir(info.model_dir).multimodal
+        self.input_processor = InputProcessor(tokenizer, info.vocab_size, info.max_model_len, info.eos_token_ids,
+                                              mm_config)
         self.output_processor = OutputProcessor(tokenizer)
         self.streams: dict[str, RequestStream] = {}
         self.child_to_parent: dict[str, str] = {}
@@ -116,14 +119,15 @@ class EngineClient:
 
     # -- requests ---------------------------------------------------------------------------------
 
-    def add(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
+    def add(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
             cache_salt: str | None = None, queue: asyncio.Queue | None = None) -> RequestStream:
         """Queue a validated request on the engine; its events arrive through the returned stream."""
         if self.error is not None:   # a fresh copy: re-raising one instance would grow its traceback
             raise type(self.error)(self.error.message, fix=self.error.fix)
-        requests = self.input_processor.make_requests(request_id, prompt_ids, params, cache_salt=cache_salt)
+        prompt_ids = prompt.token_ids
+        requests = self.input_processor.make_requests(request_id, prompt, params, cache_salt=cache_salt)
         stream = RequestStream(request_id, [r.request_id for r in requests], queue)
-        self.output_processor.add(request_id, prompt, prompt_ids, params)
+        self.output_processor.add(request_id, prompt.text, prompt_ids, params)
         self.streams[request_id] = stream
         for r in requests:
             self.child_to_parent[r.request_id] = request_id
@@ -208,7 +212,7 @@ class EngineClient:
         """End a request exactly once: pop its output, tell the engine if needed, wake its handler."""
         stream.done = True
         if reason is not None:
-            self.output_processor.fail(stream.request_id, reason, error.message if error else None)
+            self.output_processor.fail(stream.request_id, reason, error)
         output = self.output_processor.pop(stream.request_id)
         self.streams.pop(stream.request_id, None)
         for child in stream.child_ids:

@@ -28,6 +28,7 @@ from typing import Any
 import msgpack
 
 from fdplug import errors
+from fdplug.core.multimodal.inputs import MMFeatureInput
 from fdplug.core.request import MMPlaceholder, Request, SamplingParams
 from fdplug.core.scheduler.output import EngineCoreOutput, SchedulerStats
 
@@ -67,13 +68,15 @@ def encode_request(request: Request) -> list:
     params = request.sampling_params
     return [request.request_id, request.prompt_token_ids, {name: getattr(params, name) for name in _PARAM_FIELDS},
             list(request.eos_token_ids), request.cache_salt, request.arrival_time,
-            [[m.offset, m.length, m.mm_hash] for m in request.mm_positions]]
+            [[m.offset, m.length, m.mm_hash, m.span_length] for m in request.mm_positions],
+            [[i.modality, list(i.urls), list(i.grid_thw), i.num_tokens, i.mm_hash] for i in request.mm_inputs]]
 
 
 def decode_request(item: list) -> Request:
-    request_id, prompt_ids, params, eos, cache_salt, arrival_time, mm = item
+    request_id, prompt_ids, params, eos, cache_salt, arrival_time, mm, inputs = item
     return Request(request_id, prompt_ids, SamplingParams(**params), tuple(eos), arrival_time=arrival_time,
-                   cache_salt=cache_salt, mm_positions=[MMPlaceholder(*m) for m in mm])
+                   cache_salt=cache_salt, mm_positions=[MMPlaceholder(*m) for m in mm],
+                   mm_inputs=[MMFeatureInput(m, tuple(u), tuple(g), n, h) for m, u, g, n, h in inputs])
 
 
 # -- outputs ------------------------------------------------------------------------------------------
@@ -81,7 +84,7 @@ def decode_request(item: list) -> Request:
 
 def encode_output(out: EngineCoreOutput) -> list:
     return [out.request_id, out.new_token_ids, out.finished, out.finish_reason, out.stop_reason,
-            out.num_cached_tokens, out.new_logprobs]
+            out.num_cached_tokens, out.new_logprobs, out.error]
 
 
 def decode_output(item: list) -> EngineCoreOutput:
@@ -99,20 +102,14 @@ def decode_stats(item: dict) -> SchedulerStats:
 # -- errors -------------------------------------------------------------------------------------------
 
 
-def encode_error(exc: BaseException) -> dict:
-    """A typed error as data: its class name (looked up in ``fdplug.errors`` on the other side)."""
-    if isinstance(exc, errors.FdplugError):
-        return {"type": type(exc).__name__, "message": exc.message, "fix": exc.fix}
-    return {"type": type(exc).__name__, "message": f"{type(exc).__name__}: {exc}", "fix": None}
+encode_error = errors.error_to_dict
 
 
 def decode_error(item: dict) -> errors.FdplugError:
     """The same error class when ``fdplug.errors`` has it, else an ``EngineDeadError`` (a bug)."""
-    cls = getattr(errors, item.get("type", ""), None)
-    if not (isinstance(cls, type) and issubclass(cls, errors.FdplugError)):
-        cls = errors.EngineDeadError
-    err = cls.__new__(cls)
-    errors.FdplugError.__init__(err, item.get("message") or "unknown error", fix=item.get("fix"))
+    err = errors.error_from_dict(item)
+    if type(err) is errors.EngineRequestError and item.get("type") != "EngineRequestError":
+        err = errors.EngineDeadError(err.message, fix=err.fix)
     return err
 
 

@@ -18,8 +18,9 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, StreamingResponse
 
+from fdplug.core.multimodal.inputs import FeaturePartCollector
 from fdplug.core.outputs import RequestOutput
-from fdplug.core.processor import Delta
+from fdplug.core.processor import Delta, ProcessedPrompt
 from fdplug.core.request import SamplingParams
 from fdplug.core.server import openai_types as T
 from fdplug.core.server.engine_client import EngineClient, RequestStream
@@ -73,38 +74,41 @@ class Serving:
             logprobs=logprobs, skip_special_tokens=req.skip_special_tokens)
         return self.client.input_processor.check_params(params)
 
-    def completion_job(self, req: T.CompletionRequest) -> tuple[Job, list[tuple[str | None, list[int]]], SamplingParams]:
+    def completion_job(self, req: T.CompletionRequest) -> tuple[Job, list[ProcessedPrompt], SamplingParams]:
         T.unsupported(req)
         model = self.check_model(req.model)
         params = self.sampling_params(req, req.max_tokens, req.logprobs)
         prompts = _prompts(req.prompt)
-        prepared = [self.client.input_processor.tokenize(p) for p in prompts]
-        for _, ids in prepared:
-            self.client.input_processor.check_length(len(ids), params.max_tokens)
+        prepared = [self.client.input_processor.process(p) for p in prompts]
+        for prompt in prepared:
+            self.client.input_processor.check_length(len(prompt.token_ids), params.max_tokens)
         job = Job("completion", f"cmpl-{uuid.uuid4().hex}", int(time.time()), model, params.n, req.logprobs)
         return job, prepared, params
 
-    def chat_job(self, req: T.ChatCompletionRequest) -> tuple[Job, list[tuple[str | None, list[int]]], SamplingParams]:
+    def chat_job(self, req: T.ChatCompletionRequest, tenant: str = "") -> tuple[Job, list[ProcessedPrompt],
+                                                                                 SamplingParams]:
         T.unsupported(req)
         model = self.check_model(req.model)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, max_tokens, num_logprobs)
-        tokenizer = self.client.tokenizer
+        tokenizer, processor = self.client.tokenizer, self.client.input_processor
+        collector = FeaturePartCollector(processor.mm_config, tokenizer, tenant)
         text = tokenizer.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt,
-                                             **(req.chat_template_kwargs or {}))
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        self.client.input_processor.check_length(len(ids), max_tokens)
+                                             content_part_handler=collector, **(req.chat_template_kwargs or {}))
+        prompt = processor.process({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False),
+                                    "mm_items": collector.parts}, tenant)
+        processor.check_length(len(prompt.token_ids), max_tokens)
         job = Job("chat", f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, params.n, num_logprobs)
-        return job, [(text, ids)], params
+        return job, [prompt], params
 
     def submit(self, job: Job, prepared: list, params: SamplingParams, queue: asyncio.Queue | None,
                cache_salt: str | None) -> None:
         try:
-            for i, (text, ids) in enumerate(prepared):
+            for i, prompt in enumerate(prepared):
                 rid = job.id if len(prepared) == 1 else f"{job.id}-{i}"
-                job.streams.append(self.client.add(rid, text, ids, params, cache_salt, queue=queue))
-                job.prompt_tokens += len(ids)
+                job.streams.append(self.client.add(rid, prompt, params, cache_salt, queue=queue))
+                job.prompt_tokens += len(prompt.token_ids)
         except BaseException:
             self.abort(job)
             raise
@@ -136,7 +140,7 @@ class Serving:
         for i, output in enumerate(outputs):
             cached += output.num_cached_tokens
             for c in output.outputs:
-                _raise_if_failed(c.finish_reason, c.stop_reason)
+                _raise_if_failed(c.finish_reason, c.stop_reason, output.error)
                 completion_tokens += len(c.token_ids)
                 choices.append(self._choice(job, job.choice_index(i, c.index), c.text, c.finish_reason,
                                             c.token_ids, c.logprobs))
@@ -198,7 +202,7 @@ class Serving:
                 choices = []
                 for key, delta in _merge(items).items():
                     index = job.choice_index(index_of[key[0]], key[1])
-                    _raise_if_failed(delta.finish_reason, delta.stop_reason)
+                    _raise_if_failed(delta.finish_reason, delta.stop_reason, delta.error)
                     completion_tokens += len(delta.token_ids)
                     if not delta.token_ids and not delta.text and delta.finish_reason is None:
                         continue   # a chunk per step with tokens, even while the detokenizer holds text back
@@ -254,10 +258,14 @@ def _merge(items: list) -> dict[tuple[str, int], Delta]:
     return merged
 
 
-def _raise_if_failed(finish_reason: str | None, stop_reason: Any) -> None:
-    if finish_reason == "error":
-        raise EngineRequestError(f"the engine failed this request: {stop_reason}",
-                                 fix="retry; if it fails again, report it with the server log.")
+def _raise_if_failed(finish_reason: str | None, stop_reason: Any, error: FdplugError | None = None) -> None:
+    """A request the engine failed: its typed error (e.g. a feature fetch: 400/502/504), else a 500."""
+    if finish_reason != "error":
+        return
+    if isinstance(error, FdplugError):
+        raise error
+    raise EngineRequestError(f"the engine failed this request: {stop_reason}",
+                             fix="retry; if it fails again, report it with the server log.")
 
 
 def _prompts(prompt: Any) -> list:
