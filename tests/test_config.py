@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -41,3 +42,9 @@ def test_import_fdplug_and_loading_plugins_do_not_import_paddle():
             "assert 'paddle' not in sys.modules, 'paddle imported'; print(len(ps.plugins()))")
     out = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, timeout=60, env=subprocess_env())
     assert out.returncode == 0, out.stderr
+
+
+def test_every_variable_is_in_the_readme():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    missing = [name for name in ENV_VARS if f"`{name}`" not in readme]
+    assert not missing, f"document these in README.md: {missing}"
