@@ -303,3 +303,21 @@ def test_hash_chain_matches_an_independent_recomputation():
         parent = hashlib.sha256(payload).digest()
         expected.append(parent)
     assert update_block_hashes(_golden_request(), B) == expected
+
+
+def test_a_hit_ending_inside_a_bidirectional_span_is_cut_back_to_its_start():
+    """Blocks of 4; an image spans tokens [6, 14); a prompt that diverges at token 12 would hit 12
+    tokens, ending inside the span: the hit is cut back to the span's start, then to a block (4)."""
+    mgr = KVCacheManager(num_blocks=16, block_size=4)
+    first = req("a", list(range(20)), mm_positions=[MMPlaceholder(6, 8, "img", span_length=8)])
+    run(mgr, first, 20)
+    mgr.free(first)
+    diverging = list(range(12)) + [99] * 8
+    second = req("b", diverging, mm_positions=[MMPlaceholder(6, 8, "img", span_length=8)])
+    blocks, num_hit = mgr.get_computed_blocks(second)
+    assert num_hit == 4 and len(blocks) == 1
+    causal_first = req("c", list(range(20)), mm_positions=[MMPlaceholder(6, 8, "img2", span_length=0)])
+    run(mgr, causal_first, 20)
+    mgr.free(causal_first)
+    causal = req("d", diverging, mm_positions=[MMPlaceholder(6, 8, "img2", span_length=0)])
+    assert mgr.get_computed_blocks(causal)[1] == 12  # a causal item is no obstacle

@@ -228,3 +228,24 @@ def test_a_video_in_pieces_equals_the_whole(test_model_dir, feature_dir, cases):
         "urls": [(feature_dir / "video_a.npy").as_uri(), (feature_dir / "video_b.npy").as_uri()], "grid_thw": [2, 4, 4]}}
     out = llm.generate(chat(llm, [pieces], "what happens"), GREEDY, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == expected[2]
+
+
+def test_each_step_carries_only_the_features_it_runs(test_model_dir, feature_dir):
+    llm = make_llm(test_model_dir, feature_dir, max_num_batched_tokens=8, max_num_seqs=4)
+    steps = []
+    real = llm.engine.runner.execute_model
+
+    def spy(so):
+        overlapping = set()
+        for rid, n in so.num_scheduled_tokens.items():
+            request = llm.engine.scheduler.requests[rid]
+            start = request.num_computed_tokens
+            overlapping |= {i.mm_hash for i in request.mm_positions if i.offset < start + n and i.end > start}
+        steps.append((set(so.mm_features), overlapping))
+        return real(so)
+
+    llm.engine.runner.execute_model = spy
+    llm.generate([chat(llm, [image(feature_dir, "cat")]), chat(llm, [], "text only, a longer prompt here"),
+                  chat(llm, [image(feature_dir, "dog", (1, 4, 6))])], GREEDY, use_tqdm=False)
+    assert all(given == needed for given, needed in steps)
+    assert any(given for given, _ in steps) and any(not given for given, _ in steps)
