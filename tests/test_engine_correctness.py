@@ -7,13 +7,12 @@ how the KV cache is filled and read; none of them may change a single token.
 from __future__ import annotations
 
 import numpy as np
-import paddle
 import pytest
 
-from fdplug.core.attention import AttentionMetadata, causal_key_end
 from fdplug.core.llm import LLM
 from fdplug.core.processor import ProcessedPrompt
 from fdplug.core.request import SamplingParams
+from tests.reference import naive_greedy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
@@ -24,27 +23,6 @@ def prompts_for(tokenizer) -> list[list[int]]:
     return [tokenizer.encode("Hello world"), rng.integers(0, 500, size=61).tolist(), [7],
             shared + [1, 2, 3], shared + [4, 5], rng.integers(0, 500, size=17).tolist(),
             rng.integers(0, 500, size=33).tolist(), shared[:16]]
-
-
-def naive_greedy(llm: LLM, prompt: list[int], max_tokens: int) -> list[int]:
-    """Recompute the whole sequence from scratch for every token: no cache reuse at all."""
-    runner = llm.engine.runner
-    cfg, bs = runner.model_config, 16
-    tokens = list(prompt)
-    for _ in range(max_tokens):
-        n = len(tokens)
-        blocks = -(-n // bs)
-        shape = runner.attn_backend.kv_cache_shape(blocks + 1, bs, cfg.num_kv_heads, cfg.head_dim)
-        caches = [(paddle.zeros(shape), paddle.zeros(shape)) for _ in range(cfg.num_layers)]
-        positions = np.arange(n, dtype=np.int64)
-        meta = AttentionMetadata(np.array([0, n]), np.array([n]), positions, causal_key_end(positions),
-                                 positions + bs, np.arange(1, blocks + 1)[None, :], bs)
-        with paddle.no_grad():
-            hidden = runner.model(paddle.to_tensor(tokens), paddle.to_tensor(positions), caches,
-                                  runner.attn_backend.prepare(meta))
-            logits = runner.model.compute_logits(hidden[-1:])
-        tokens.append(int(logits.argmax(axis=-1).item()))
-    return tokens[len(prompt):]
 
 
 @pytest.fixture(scope="module")

@@ -10,16 +10,15 @@ from __future__ import annotations
 import io
 
 import numpy as np
-import paddle
 import pytest
 
-from fdplug.core.attention import AttentionMetadata
 from fdplug.core.llm import LLM
 from fdplug.core.multimodal.inputs import uuid_hash
 from fdplug.core.request import SamplingParams
 from fdplug.errors import InvalidRequestError
 from fdplug.testing.bos_server import LoopbackBos
 from fdplug.testing.cases import key_end_with_spans
+from tests.reference import naive_greedy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 HIDDEN = 64
@@ -60,31 +59,13 @@ def chat(llm: LLM, parts: list[dict], text: str = "describe") -> dict:
     return llm.chat_prompt([{"role": "user", "content": [*parts, {"type": "text", "text": text}]}])
 
 
-def naive_greedy(llm: LLM, prompt: dict, features: list[np.ndarray], max_tokens: int) -> list[int]:
-    """Full recompute per token, features placed into the embeddings by hand, dense span mask."""
-    runner, bs = llm.engine.runner, 16
-    cfg = runner.model_config
+def naive_mm_greedy(llm: LLM, prompt: dict, features: list[np.ndarray], max_tokens: int) -> list[int]:
+    """The reference with the prompt's feature rows placed by hand and its spans in a dense mask."""
     processed = llm.input_processor.process(prompt)
-    tokens, items = list(processed.token_ids), processed.mm_positions
+    items = processed.mm_positions
     spans = [(s, min(s + it.span_length, it.end)) for it in items if it.span_length
              for s in range(it.offset, it.end, it.span_length)]
-    for _ in range(max_tokens):
-        n = len(tokens)
-        blocks = -(-n // bs)
-        shape = runner.attn_backend.kv_cache_shape(blocks + 1, bs, cfg.num_kv_heads, cfg.head_dim)
-        caches = [(paddle.zeros(shape), paddle.zeros(shape)) for _ in range(cfg.num_layers)]
-        positions = np.arange(n, dtype=np.int64)
-        meta = AttentionMetadata(np.array([0, n]), np.array([n]), positions, key_end_with_spans(positions, spans),
-                                 positions + bs, np.arange(1, blocks + 1)[None, :], bs)
-        ids = paddle.to_tensor(tokens)
-        embeds = runner.model.embed(ids).numpy()
-        for item, rows in zip(items, features):
-            embeds[item.offset:item.end] = rows
-        with paddle.no_grad():
-            hidden = runner.model(ids, paddle.to_tensor(positions), caches, runner.attn_backend.prepare(meta),
-                                  inputs_embeds=paddle.to_tensor(embeds))
-            tokens.append(int(runner.model.compute_logits(hidden[-1:]).argmax(axis=-1).item()))
-    return tokens[len(processed.token_ids):]
+    return naive_greedy(llm, processed.token_ids, max_tokens, spans, [(it.offset, f) for it, f in zip(items, features)])
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +78,7 @@ def cases(test_model_dir, feature_dir):
         (chat(llm, [video(feature_dir, "video")], "what happens"), [feature(3, 8)]),
         (chat(llm, [], "plain text only"), []),
     ]
-    expected = [naive_greedy(llm, p, f, GREEDY.max_tokens) for p, f in prompts]
+    expected = [naive_mm_greedy(llm, p, f, GREEDY.max_tokens) for p, f in prompts]
     return [p for p, _ in prompts], expected
 
 
@@ -109,7 +90,7 @@ def test_features_land_on_their_placeholders(test_model_dir, feature_dir, cases)
     prompts, expected = cases
     llm = make_llm(test_model_dir, feature_dir)
     assert generate(llm, prompts) == expected
-    text_only = naive_greedy(llm, chat(llm, [], "describe"), [], GREEDY.max_tokens)
+    text_only = naive_mm_greedy(llm, chat(llm, [], "describe"), [], GREEDY.max_tokens)
     assert expected[0] != text_only  # the features change the output
 
 
@@ -138,7 +119,7 @@ def test_chunks_never_end_inside_a_span_and_big_items_run_alone(test_model_dir, 
 
     llm.engine.runner.execute_model = spy
     big = chat(llm, [image(feature_dir, "big", (1, 4, 12))])       # a 12-token span, budget 8
-    expected = naive_greedy(llm, big, [feature(4, 12)], 4)
+    expected = naive_mm_greedy(llm, big, [feature(4, 12)], 4)
     outs = llm.generate([big, chat(llm, [image(feature_dir, "cat")])], SamplingParams(temperature=0, max_tokens=4,
                                                                                      ignore_eos=True), use_tqdm=False)
     assert outs[0].outputs[0].token_ids == expected
