@@ -21,10 +21,12 @@ import asyncio
 import gc
 import json
 import math
+import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -231,7 +233,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="offline/saturation pairs (the median ratio counts)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-offline", action="store_true", help="skip the offline baseline")
-    ap.add_argument("--server-log", default="bench-serve.log")
+    ap.add_argument("--server-log", default=os.path.join(tempfile.gettempdir(), "fdplug-bench-serve.log"))
     ap.add_argument("--offline-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--prompt-seed", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
