@@ -174,12 +174,15 @@ def main() -> None:
         print("per step at 64 running requests: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in per_step.items())
               + f"; schedule+prepare+sample = {overhead / total:.1%} of the step (target <= 10%)")
 
-        sub_p, sub_o = workload(min(n, 48), seed=5)
-        on = run_fdplug(llm, sub_p, sub_o)
+        sub_p, sub_o = workload(min(n, 32), seed=5)
         off_llm = LLM(str(model_dir), max_model_len=1024, max_num_seqs=64, enable_prefix_caching=False)
-        off = run_fdplug(off_llm, sub_p, sub_o)
-        print(f"0% prefix hits: caching on {on[1] / on[0]:.1f} tok/s, off {off[1] / off[0]:.1f} tok/s, "
-              f"ratio {on[1] / on[0] / (off[1] / off[0]):.3f} (target >= 0.98)")
+        ratios = []
+        for _ in range(3):  # alternate on/off: this machine drifts by +-10% from minute to minute
+            on = run_fdplug(llm, sub_p, sub_o)
+            off = run_fdplug(off_llm, sub_p, sub_o)
+            ratios.append((on[1] / on[0]) / (off[1] / off[0]))
+        print(f"0% prefix hits: caching on / off throughput, 3 alternating pairs: "
+              f"{', '.join(f'{r:.3f}' for r in ratios)}; median {sorted(ratios)[1]:.3f} (target >= 0.98)")
         del off_llm
 
         prefill_prompts = [np.random.default_rng(9 + i).integers(0, MODEL["vocab_size"], size=512).tolist()
