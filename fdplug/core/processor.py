@@ -53,18 +53,18 @@ class InputProcessor:
         one per placeholder in the prompt, in order.
         """
         parts = prompt.get("mm_items") if isinstance(prompt, Mapping) else None
-        if not parts:
-            text, ids = self.tokenize(prompt)
-            return ProcessedPrompt(text, ids)
-        collector = FeaturePartCollector(self.mm_config, self.tokenizer, tenant)
-        for part in parts:
-            collector(part, 0)
-        text, ids = self.tokenize({k: v for k, v in prompt.items() if k != "mm_items"}, check=False)
-        ids, positions = expand_placeholders(ids, collector.items, self.mm_config)
-        self.check_length(len(ids))
-        return ProcessedPrompt(text, ids, collector.items, positions)
+        text, ids = self.tokenize(prompt)
+        processed = ProcessedPrompt(text, ids)
+        if parts:
+            collector = FeaturePartCollector(self.mm_config, self.tokenizer, tenant)
+            for part in parts:
+                collector(part, 0)
+            processed.token_ids, processed.mm_positions = expand_placeholders(ids, collector.items, self.mm_config)
+            processed.mm_inputs = collector.items
+        self.check_length(len(processed.token_ids))
+        return processed
 
-    def tokenize(self, prompt: PromptType, check: bool = True) -> tuple[str | None, list[int]]:
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """``"text"``, ``{"prompt": "text"}`` or ``{"prompt_token_ids": [...]}`` -> (text, ids)."""
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
@@ -75,8 +75,6 @@ class InputProcessor:
         else:
             raise InvalidRequestError(f"a prompt must be a string, {{'prompt': str}} or {{'prompt_token_ids': [...]}}, "
                                       f"got {type(prompt).__name__}.", fix="pass the prompt in one of those forms.")
-        if check:
-            self.check_length(len(ids))
         return text, ids
 
     def check_length(self, num_prompt_tokens: int, max_tokens: int | None = None) -> None:
@@ -104,11 +102,9 @@ class InputProcessor:
                                       fix="use token ids of this model's tokenizer.")
         return params
 
-    def make_requests(self, request_id: str, prompt: ProcessedPrompt | list[int], params: SamplingParams,
+    def make_requests(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
                       cache_salt: str | None = None) -> list[Request]:
         """One engine request per output sequence; with a seed, sequence ``i`` uses ``seed + i``."""
-        if not isinstance(prompt, ProcessedPrompt):
-            prompt = ProcessedPrompt(None, list(prompt))
         requests = []
         for i in range(params.n):
             child = params if params.n == 1 else dataclasses.replace(
