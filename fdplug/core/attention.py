@@ -45,12 +45,6 @@ class AttentionMetadata:
     def query_lens(self) -> np.ndarray:
         return np.diff(self.query_start_loc)
 
-    def visibility(self, seq: int) -> np.ndarray:
-        """Dense boolean mask ``[query_len, seq_len]`` of sequence ``seq``: True where a key is visible."""
-        start, end = self.query_start_loc[seq], self.query_start_loc[seq + 1]
-        keys = np.arange(self.seq_lens[seq])
-        return keys[None, :] < self.key_end[start:end, None]
-
     def validate(self) -> None:
         """Check the invariants a backend relies on; a violation is a core bug, so this raises AssertionError."""
         qsl, n = self.query_start_loc, self.num_seqs

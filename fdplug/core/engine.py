@@ -37,9 +37,6 @@ class StepTimings:
     sample: float = 0.0
     update: float = 0.0
 
-    def total(self) -> float:
-        return self.schedule + self.prepare + self.forward + self.sample + self.update
-
 
 class EngineCore:
     """Owns the scheduler and the model runner of one backend."""
@@ -122,7 +119,7 @@ class EngineCore:
         outputs = failures + self.scheduler.update_from_output(scheduler_output, result.sampled_token_ids)
         for out in outputs:
             if out.request_id in result.logprobs:
-                out.new_logprobs = [result.logprobs[out.request_id]][:len(out.new_token_ids)]
+                out.new_logprobs = [result.logprobs[out.request_id]] if out.new_token_ids else None
             if out.finished and out.request_id in scheduled:
                 self._release(scheduled[out.request_id])
         t3 = time.perf_counter()

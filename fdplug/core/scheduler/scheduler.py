@@ -338,9 +338,6 @@ class Scheduler:
 
     # -- state ------------------------------------------------------------------------------------
 
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
-
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 

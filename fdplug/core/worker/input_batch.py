@@ -155,12 +155,3 @@ class InputBatch:
             array[slot, :len(value)] = value
         else:
             array[slot] = value
-
-    # ----------------------------------------------------------------------------------------------
-    # views
-    # ----------------------------------------------------------------------------------------------
-
-    def snapshot(self, req_id: str) -> dict[str, Any]:
-        """Every field of one request, copied (for tests and debugging)."""
-        slot = self.req_id_to_slot[req_id]
-        return {name: array[slot].copy() if array.ndim == 2 else array[slot] for name, array in self.arrays.items()}
