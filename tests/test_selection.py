@@ -88,15 +88,22 @@ def test_probe_that_raises_means_unavailable_not_a_crash():
     assert backend.device.name == "cpu" and "OSError: driver hung" in flaky.reason
 
 
+def builtin_cpu_attention() -> str:
+    """What the built-in plugins alone pick on cpu: cpu_native where its kernels build, else reference."""
+    from fdplug.plugins.cpu import kernels
+
+    return "reference" if kernels.unavailable_reason() else "cpu_native"
+
+
 def test_priority_beats_name_and_name_breaks_ties():
-    plugin_set = load_plugins(extra=[("p", AttnPlugin(attention_spec("zeta", priority=5),
-                                                      attention_spec("alpha", priority=5),
+    plugin_set = load_plugins(extra=[("p", AttnPlugin(attention_spec("zeta", priority=50),
+                                                      attention_spec("alpha", priority=50),
                                                       attention_spec("omega", priority=1)))])
     backend = select_backend(plugins=plugin_set)
     assert backend.attention.name == "alpha"
     reasons = {d.name: d.reason for d in backend.decisions if d.role == "attention"}
     assert "same priority as alpha" in reasons["zeta"]
-    assert "priority 1 is below alpha's 5" in reasons["omega"]
+    assert "priority 1 is below alpha's 50" in reasons["omega"]
 
 
 def test_explicit_component_beats_priority():
@@ -116,7 +123,7 @@ def test_components_for_other_devices_or_unsupported_configs_are_rejected_with_r
     config = EngineConfig(model=ModelTraits(num_attention_heads=8, num_kv_heads=2))
     backend = select_backend(config=config, plugins=plugin_set)
     reasons = {d.name: d.reason for d in backend.decisions if d.role == "attention"}
-    assert backend.attention.name == "reference"
+    assert backend.attention.name == builtin_cpu_attention()
     assert "not on the selected device 'cpu'" in reasons["gpu_only"]
     assert reasons["mha_only"] == "needs num_kv_heads == num_heads"
     with pytest.raises(SelectionError, match="'gpu_only' was asked for explicitly but cannot be used"):
@@ -130,7 +137,7 @@ def test_supports_that_raises_is_a_rejection():
 
     plugin_set = load_plugins(extra=[("p", AttnPlugin(attention_spec("crashy", priority=9, supports=boom)))])
     backend = select_backend(plugins=plugin_set)
-    assert backend.attention.name == "reference"
+    assert backend.attention.name == builtin_cpu_attention()
     assert any("ZeroDivisionError: bad math" in d.reason for d in backend.decisions if d.name == "crashy")
 
 

@@ -61,6 +61,15 @@ def _parse_positive_int(raw: str) -> int:
     return value
 
 
+def _parse_choice(*choices: str) -> Callable[[str], str]:
+    def parse(raw: str) -> str:
+        value = raw.strip().lower()
+        if value not in choices:
+            raise ValueError(f"expected one of {', '.join(choices)}, got {raw!r}")
+        return value
+    return parse
+
+
 def _parse_positive_float(raw: str) -> float:
     value = float(raw)
     if value <= 0:
@@ -87,12 +96,19 @@ declare("FDPLUG_CPU_THREADS", None, _parse_positive_int,
         "Threads for CPU compute (default: the number of usable cores).")
 declare("FDPLUG_CPU_MALLOC_TUNING", True, _parse_bool,
         "1 (default): the cpu device makes glibc keep freed memory (no mmap per large tensor); 0: leave malloc alone.")
+declare("FDPLUG_CPU_KERNELS", "auto", _parse_choice("auto", "on", "off"),
+        "The cpu device's compiled kernels (paged attention read in place; built once with the system C compiler "
+        "into FDPLUG_CACHE_DIR): auto (default) uses them if they build, on requires them, off keeps plain Paddle.")
+declare("CC", None, str, "C compiler for the cpu device's kernels (default: cc, then gcc, then clang on PATH).")
 declare("OMP_NUM_THREADS", None, _parse_positive_int,
         "Honoured if set before fdplug and paddle are imported: the cpu device then uses that many threads.",
         as_set_by_user=True)
 declare("MKL_DEBUG_CPU_TYPE", None, str,
         "Honoured if set; otherwise the cpu device sets 5 on AMD CPUs (MKL's fast AVX2 path).",
         as_set_by_user=True)
+declare("KMP_BLOCKTIME", None, str,
+        "Honoured if set; otherwise the cpu device sets 0 so MKL's idle threads sleep instead of spinning for "
+        "200 ms (they took the cores from the compiled attention kernel's threads).", as_set_by_user=True)
 declare("FDPLUG_ALLOWED_FEATURE_PATHS", (), _parse_paths,
         "os.pathsep-separated directories that file:// feature URLs may read from (default: none).")
 declare("FDPLUG_ALLOW_PICKLE_FEATURES", False, _parse_bool,

@@ -78,7 +78,8 @@ class DecoderForCausalLM(nn.Layer):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         # Stored [vocab, hidden] like the embedding, so tying is sharing one tensor.
         self.lm_head = None if cfg.tie_word_embeddings else empty_parameter([cfg.vocab_size, cfg.hidden_size], dtype)
-        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions or cfg.max_position_embeddings, dtype)
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions or cfg.max_position_embeddings, dtype,
+                                      heads=cfg.num_heads + cfg.num_kv_heads)  # q and k rotate together
         self.eval()
 
     def embed(self, input_ids: Any) -> Any:

@@ -74,10 +74,15 @@ class RotaryEmbedding(nn.Layer):
     ``x * cos + roll(x, d/2) * sin_signed`` where ``sin_signed`` holds ``-sin`` in its first half:
     that is ``x * cos + rotate_half(x) * sin`` in four ops. Interleaved (GPT-J) checkpoints are
     permuted to this layout at load time (see ``loader.neox_permutation``).
+
+    ``lookup`` tiles the rows over the ``heads`` that get rotated, once per step for every layer:
+    on Paddle's CPU a broadcasting multiply ``[T, H, D] * [T, 1, D]`` took 10 ms where the
+    same-shape one took 0.4 ms (2048 tokens, 12 heads).
     """
 
-    def __init__(self, rope: RopeConfig, head_dim: int, num_positions: int, dtype: str) -> None:
+    def __init__(self, rope: RopeConfig, head_dim: int, num_positions: int, dtype: str, heads: int = 1) -> None:
         super().__init__()
+        self.heads = heads
         cos, sin = cos_sin(rope, head_dim, num_positions)
         half = head_dim // 2
         sin = np.concatenate([-sin[:, :half], sin[:, half:]], axis=-1)
@@ -87,9 +92,9 @@ class RotaryEmbedding(nn.Layer):
         self.register_buffer("sin", paddle.to_tensor(sin).astype(dtype), persistable=False)
 
     def lookup(self, positions: Any) -> tuple[Any, Any]:
-        """``cos``, ``sin`` rows for ``positions [T]``, shaped ``[T, 1, head_dim]`` to broadcast over heads."""
-        return (paddle.gather(self.cos, positions).unsqueeze(1),
-                paddle.gather(self.sin, positions).unsqueeze(1))
+        """``cos``, ``sin`` rows for ``positions [T]``, tiled to ``[T, heads, head_dim]``."""
+        return tuple(paddle.gather(table, positions).unsqueeze(1).tile([1, self.heads, 1])
+                     for table in (self.cos, self.sin))
 
     def forward(self, x: Any, cos: Any, sin: Any) -> Any:
         """Rotate ``x [T, heads, head_dim]``."""

@@ -2,7 +2,9 @@
 
 It registers the cpu device, the core model runner (device-agnostic, so for every device), and the
 reference attention and MoE backends (plain Paddle ops: correct anywhere, fast nowhere in particular;
-device plugins register faster ones with a higher priority).
+device plugins register faster ones with a higher priority). For the cpu device itself it also
+registers ``cpu_native`` attention, which runs decode in compiled C (see ``kernels.py``) and is
+chosen over the reference whenever those kernels build here.
 """
 
 from __future__ import annotations
@@ -27,6 +29,20 @@ def _attention_factory(config):
     return ReferenceAttention()
 
 
+def _native_attention_factory(config):
+    from fdplug.plugins.cpu.native_attention import NativeCpuAttention
+
+    return NativeCpuAttention(threads=device.cpu_threads())
+
+
+def _native_attention_supports(config) -> str | None:
+    from fdplug.plugins.cpu import kernels
+
+    if config.dtype not in ("auto", "float32"):
+        return f"computes in float32, not {config.dtype}"
+    return kernels.unavailable_reason()
+
+
 def _moe_factory(config):
     from fdplug.plugins.cpu.moe import ReferenceMoE
 
@@ -49,7 +65,11 @@ def fdplug_register_model_runners(register):
 @hookimpl
 def fdplug_register_attention_backends(register):
     register(AttentionBackendSpec(name="reference", devices=(ANY_DEVICE,), factory=_attention_factory, priority=0,
-                                  description="Paddle SDPA with a dense mask built from the mask spec"))
+                                  description="plain Paddle matmuls over the paged cache, masks from the mask spec"))
+    register(AttentionBackendSpec(name="cpu_native", devices=("cpu",), factory=_native_attention_factory, priority=10,
+                                  supports=_native_attention_supports,
+                                  description="decode reads the paged cache in place (compiled C); prefill as "
+                                              "the reference (FDPLUG_CPU_KERNELS)"))
 
 
 @hookimpl
@@ -63,6 +83,9 @@ def fdplug_configure(config, backend):
     """On the cpu device, compute is fp32: paddle's CPU build has no bf16/fp16 matmul or softmax kernels."""
     if backend.device.name != "cpu":
         return
+    from fdplug.plugins.cpu import kernels
+
+    kernels.require()
     if config.dtype == "auto":
         config.dtype = "float32"
     elif config.dtype != "float32":

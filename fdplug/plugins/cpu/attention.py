@@ -31,19 +31,26 @@ class _Group:
     keys: int                  # key positions per sequence (whole blocks)
     query_rows: Any | None     # [batch*queries] rows of q; None when the group is q itself, in order
     block_ids: Any             # [batch*blocks] cache blocks to gather (padding: the null block)
-    mask: Any                  # [1, batch, 1, queries, keys] additive float mask
+    # Additive float mask, [1, batch, 1, queries, keys] until the first layer expands it to the
+    # scores' shape: on Paddle's CPU a broadcasting add was 5x slower than a same-shape one.
+    mask: Any
     valid_rows: Any | None     # rows of the padded output that are real tokens; None if all are
 
 
 @dataclass(slots=True)
 class _Prepared:
-    slot_mapping: Any
-    groups: list[_Group]
+    slot_mapping: Any          # paddle int64 [tokens]
+    slots: np.ndarray          # the same, as numpy int64
+    groups: list[Any]
     token_order: Any | None    # permutation from concatenated group outputs back to token order
 
 
 class ReferenceAttention:
-    """Masked softmax attention with matmuls, GQA by grouping query heads per KV head."""
+    """Masked softmax attention with matmuls, GQA by grouping query heads per KV head.
+
+    Subclasses (the cpu plugin's compiled backend) keep the grouping and replace how a group is
+    built (``build_group``), attended (``attend``) or how the cache is written (``write_cache``).
+    """
 
     name = "reference"
 
@@ -56,39 +63,51 @@ class ReferenceAttention:
         groups_of_seqs = ([decode] if len(decode) else []) + [np.array([i]) for i in np.flatnonzero(query_lens > 1)]
         groups, row_order = [], []
         for seqs in groups_of_seqs:
-            group, rows = _build_group(meta, seqs)
+            group, rows = self.build_group(meta, seqs)
             groups.append(group)
             row_order.append(rows)
         order = np.concatenate(row_order)
         identity = np.array_equal(order, np.arange(meta.num_tokens))
         token_order = None if identity else paddle.to_tensor(np.argsort(order, kind="stable"))
-        return _Prepared(paddle.to_tensor(meta.slot_mapping.astype(np.int64)), groups, token_order)
+        slots = meta.slot_mapping.astype(np.int64)
+        return _Prepared(paddle.to_tensor(slots), slots, groups, token_order)
+
+    def build_group(self, meta: AttentionMetadata, seqs: np.ndarray) -> tuple[Any, np.ndarray]:
+        """Everything ``attend`` needs for these sequences, and the token rows it outputs, in order."""
+        return _build_group(meta, seqs)
 
     def forward(self, q: Any, k: Any, v: Any, key_cache: Any, value_cache: Any, prepared: _Prepared,
                 scale: float) -> Any:
-        num_heads, head_dim = q.shape[1], q.shape[2]
-        kv_heads, num_blocks, block_size, _ = key_cache.shape
-        _write(key_cache, k, prepared.slot_mapping)
-        _write(value_cache, v, prepared.slot_mapping)
-        group_size = num_heads // kv_heads
-        outputs = []
-        q = q * scale  # on the queries, not the scores: a pass over [T, heads, dim] instead of [T, keys]
-        for g in prepared.groups:
-            rows = q if g.query_rows is None else paddle.gather(q, g.query_rows)
-            # [batch, queries, kv, group, dim] -> [kv, batch, group*queries, dim]
-            queries = rows.reshape([g.batch, g.queries, kv_heads, group_size, head_dim]).transpose([2, 0, 3, 1, 4])
-            queries = queries.reshape([kv_heads, g.batch, group_size * g.queries, head_dim])
-            keys = paddle.gather(key_cache, g.block_ids, axis=1).reshape([kv_heads, g.batch, g.keys, head_dim])
-            values = paddle.gather(value_cache, g.block_ids, axis=1).reshape([kv_heads, g.batch, g.keys, head_dim])
-            scores = paddle.matmul(queries, _as(keys, q.dtype), transpose_y=True)
-            scores = scores.reshape([kv_heads, g.batch, group_size, g.queries, g.keys]) + g.mask
-            probs = F.softmax(scores, axis=-1).reshape([kv_heads, g.batch, group_size * g.queries, g.keys])
-            out = paddle.matmul(probs, _as(values, q.dtype))
-            out = out.reshape([kv_heads, g.batch, group_size, g.queries, head_dim]).transpose([1, 3, 0, 2, 4])
-            out = out.reshape([g.batch * g.queries, num_heads, head_dim])
-            outputs.append(out if g.valid_rows is None else paddle.gather(out, g.valid_rows))
+        self.write_cache(k, v, key_cache, value_cache, prepared)
+        outputs = [self.attend(g, q, key_cache, value_cache, scale) for g in prepared.groups]
         out = outputs[0] if len(outputs) == 1 else paddle.concat(outputs)
         return out if prepared.token_order is None else paddle.gather(out, prepared.token_order)
+
+    def write_cache(self, k: Any, v: Any, key_cache: Any, value_cache: Any, prepared: _Prepared) -> None:
+        _write(key_cache, k, prepared.slot_mapping)
+        _write(value_cache, v, prepared.slot_mapping)
+
+    def attend(self, g: _Group, q: Any, key_cache: Any, value_cache: Any, scale: float) -> Any:
+        """One group's output rows ``[batch*queries (valid only), heads, dim]``."""
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        kv_heads = key_cache.shape[0]
+        group_size = num_heads // kv_heads
+        rows = q if g.query_rows is None else paddle.gather(q, g.query_rows)
+        rows = rows * scale  # on the queries, not the scores: a pass over [T, heads, dim] instead of [T, keys]
+        # [batch, queries, kv, group, dim] -> [kv, batch, group*queries, dim]
+        queries = rows.reshape([g.batch, g.queries, kv_heads, group_size, head_dim]).transpose([2, 0, 3, 1, 4])
+        queries = queries.reshape([kv_heads, g.batch, group_size * g.queries, head_dim])
+        keys = paddle.gather(key_cache, g.block_ids, axis=1).reshape([kv_heads, g.batch, g.keys, head_dim])
+        values = paddle.gather(value_cache, g.block_ids, axis=1).reshape([kv_heads, g.batch, g.keys, head_dim])
+        scores = paddle.matmul(queries, _as(keys, q.dtype), transpose_y=True)
+        scores = scores.reshape([kv_heads, g.batch, group_size, g.queries, g.keys])
+        if g.mask.shape != scores.shape:  # expanded once per step, for every layer (see _Group.mask)
+            g.mask = g.mask.expand(scores.shape).clone()
+        probs = F.softmax(scores + g.mask, axis=-1).reshape([kv_heads, g.batch, group_size * g.queries, g.keys])
+        out = paddle.matmul(probs, _as(values, q.dtype))
+        out = out.reshape([kv_heads, g.batch, group_size, g.queries, head_dim]).transpose([1, 3, 0, 2, 4])
+        out = out.reshape([g.batch * g.queries, num_heads, head_dim])
+        return out if g.valid_rows is None else paddle.gather(out, g.valid_rows)
 
 
 def _write(cache: Any, new: Any, slot_mapping: Any) -> None:

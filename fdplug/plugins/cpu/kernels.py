@@ -1,0 +1,190 @@
+"""The cpu device's compiled kernels: built once with the system C compiler, loaded with ctypes.
+
+``csrc/cpu_kernels.c`` holds a paged attention that reads the KV cache in place and the KV write
+(see the file for why). It is compiled the first time it is needed, with ``-march=native``, into
+``$FDPLUG_CACHE_DIR/kernels/`` under a name that hashes the source, the flags, the compiler and
+the CPU's feature flags: a changed source or a different CPU gets its own build, and a build from
+another machine sharing the directory is never loaded. The build goes to a temporary file that is
+renamed into place, so concurrent processes never load a half-written library.
+
+``FDPLUG_CPU_KERNELS``: ``auto`` uses them when they build, ``on`` makes a failed build an error,
+``off`` keeps the plain-Paddle reference. ctypes releases the GIL for the call; the kernel spreads
+its work over ``cpu_threads()`` threads of its own.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fdplug.core.config import env
+from fdplug.errors import ConfigError
+
+logger = logging.getLogger("fdplug")
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared", "-pthread", "-std=c99")
+ABI = 1
+BUILD_TIMEOUT_S = 120.0
+
+_c_int, _c_float, _ptr = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+
+
+class KernelsUnavailable(RuntimeError):
+    """The compiled kernels cannot be used here; the message says why."""
+
+
+def mode() -> str:
+    return env("FDPLUG_CPU_KERNELS")
+
+
+def compiler() -> list[str] | None:
+    """``$CC`` (split like a shell would), else the first of cc, gcc, clang on PATH."""
+    configured = env("CC")
+    if configured:
+        return shlex.split(configured)
+    found = next((shutil.which(name) for name in ("cc", "gcc", "clang") if shutil.which(name)), None)
+    return [found] if found else None
+
+
+def _cpu_fingerprint() -> str:
+    """The CPU model and feature flags: -march=native code is only valid where these match."""
+    lines = []
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith(("model name", "flags", "Features")):
+                    lines.append(line.strip())
+                if len(lines) >= 2:
+                    break
+    except OSError:
+        pass
+    return "\n".join(lines) or platform.processor() or platform.machine()
+
+
+def library_path(cc: list[str]) -> Path:
+    from fdplug.core.demo import default_cache_root
+
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), " ".join(cc).encode(), _cpu_fingerprint().encode()):
+        key.update(part)
+        key.update(b"\0")
+    return default_cache_root() / "kernels" / f"cpu_kernels-{platform.machine()}-{key.hexdigest()[:16]}.so"
+
+
+def build(cc: list[str], target: Path) -> None:
+    """Compile the source into ``target`` (atomically). Raises KernelsUnavailable with the compiler's words."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        try:
+            result = subprocess.run([*cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
+                                    timeout=BUILD_TIMEOUT_S, check=False)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise KernelsUnavailable(f"the C compiler {cc[0]!r} could not run: {exc}") from None
+        if result.returncode != 0:
+            words = (result.stderr or result.stdout).strip().splitlines()[-5:]
+            raise KernelsUnavailable(f"{cc[0]} failed (exit {result.returncode}): " + " | ".join(words))
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.lru_cache(maxsize=None)
+def load() -> ctypes.CDLL:
+    """The kernel library, built on first use. Raises KernelsUnavailable (cached per process)."""
+    if mode() == "off":
+        raise KernelsUnavailable("FDPLUG_CPU_KERNELS=off")
+    cc = compiler()
+    if cc is None:
+        raise KernelsUnavailable("no C compiler found (set CC, or install gcc or clang)")
+    path = library_path(cc)
+    if not path.exists():
+        logger.info("building the cpu kernels with %s into %s", cc[0], path)
+        build(cc, path)
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        raise KernelsUnavailable(f"{path} does not load: {exc}") from None
+    if lib.fdplug_kernels_abi() != ABI:
+        raise KernelsUnavailable(f"{path} has ABI {lib.fdplug_kernels_abi()}, expected {ABI}")
+    lib.fdplug_paged_attention.restype = _c_int
+    lib.fdplug_paged_attention.argtypes = [_ptr] * 8 + [_c_int] * 8 + [_c_float, _c_int]
+    lib.fdplug_write_kv.restype = None
+    lib.fdplug_write_kv.argtypes = [_ptr] * 5 + [_c_int] * 3 + [ctypes.c_int64]
+    return lib
+
+
+def unavailable_reason() -> str | None:
+    """None if the kernels load here; else why not (never raises)."""
+    try:
+        load()
+        return None
+    except KernelsUnavailable as exc:
+        return str(exc)
+
+
+def require() -> None:
+    """With FDPLUG_CPU_KERNELS=on, a ConfigError if the kernels do not load."""
+    reason = unavailable_reason() if mode() == "on" else None
+    if reason is not None:
+        raise ConfigError(f"FDPLUG_CPU_KERNELS=on but the cpu kernels are unavailable: {reason}.",
+                          fix="install a C compiler (gcc or clang) or set CC; or set FDPLUG_CPU_KERNELS=auto to "
+                              "fall back to plain Paddle when they cannot build.")
+
+
+def _check_float32(*tensors: Any) -> None:
+    for t in tensors:
+        if str(t.dtype) != "paddle.float32":
+            raise TypeError(f"the cpu kernels compute in float32, got {t.dtype}")
+
+
+def _contiguous(t: Any) -> Any:
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def paged_attention(q: Any, key_cache: Any, value_cache: Any, q_rows: np.ndarray, block_tables: np.ndarray,
+                    seq_of_token: np.ndarray, key_end: np.ndarray, scale: float, threads: int) -> Any:
+    """``[len(q_rows), heads, dim]``: each row's attention over keys ``[0, key_end)`` of its block table row.
+
+    The int arrays are int32 and C-contiguous (the backend's ``prepare`` builds them once per step
+    and checks every block id and key count against the cache, so the C code can trust them).
+    """
+    import paddle
+
+    lib = load()
+    q = _contiguous(q)
+    _check_float32(q, key_cache, value_cache)
+    num_tokens, heads, dim = q_rows.shape[0], q.shape[1], q.shape[2]
+    kv_heads, num_blocks, block_size, _ = key_cache.shape
+    out = paddle.empty([num_tokens, heads, dim], dtype="float32")
+    status = lib.fdplug_paged_attention(
+        q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), q_rows.ctypes.data, block_tables.ctypes.data,
+        seq_of_token.ctypes.data, key_end.ctypes.data, out.data_ptr(), num_tokens, heads, kv_heads, dim,
+        num_blocks, block_size, block_tables.shape[1], int(key_end.max()) if num_tokens else 1, scale, threads)
+    if status != 0:
+        raise MemoryError("cpu paged attention could not allocate its scratch memory or start its threads")
+    return out
+
+
+def write_kv(key: Any, value: Any, key_cache: Any, value_cache: Any, slots: np.ndarray) -> None:
+    """``cache[h, slot] = new[t, h]`` for both caches; ``slots`` int64, checked by the caller."""
+    key, value = _contiguous(key), _contiguous(value)
+    _check_float32(key, value, key_cache, value_cache)
+    kv_heads, num_blocks, block_size, dim = key_cache.shape
+    load().fdplug_write_kv(key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+                           slots.ctypes.data, slots.shape[0], kv_heads, dim, num_blocks * block_size)

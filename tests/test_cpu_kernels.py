@@ -1,0 +1,143 @@
+"""The cpu device's compiled kernels: numerics against the definition, the build cache, and fallbacks.
+
+``cpu_native`` must agree with the plain-Paddle reference on every case (decode rows go through C,
+prefill rows through the reference's matmuls, the cache write through C), and a machine that
+cannot build the kernels must still serve with the reference, saying why.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import paddle
+import pytest
+
+from fdplug.core.llm import LLM
+from fdplug.core.request import SamplingParams
+from fdplug.core.selection import select_backend
+from fdplug.errors import ConfigError
+from fdplug.plugins.cpu import kernels
+from fdplug.plugins.cpu.attention import ReferenceAttention
+from fdplug.plugins.cpu.native_attention import NativeCpuAttention
+from fdplug.testing.cases import AttentionCase, SeqCase, attention_cases, naive_attention, run_attention
+
+if kernels.compiler() is None:  # the reference still serves; say so rather than fail on a compiler-less box
+    pytest.skip("no C compiler on PATH: the compiled cpu kernels cannot be built here", allow_module_level=True)
+
+
+@pytest.fixture
+def fresh_kernels(monkeypatch, tmp_path):
+    """An empty kernel cache and a forgotten load, so a test sees a first build (and leaves none behind)."""
+    monkeypatch.setenv("FDPLUG_CACHE_DIR", str(tmp_path))
+    kernels.load.cache_clear()
+    yield tmp_path
+    kernels.load.cache_clear()
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("case", attention_cases(seed=11), ids=lambda c: c.describe())
+def test_native_attention_matches_the_definition(case, threads):
+    for got, want in zip(run_attention(NativeCpuAttention(threads), case), naive_attention(case)):
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+
+
+# head_dim 40: not a multiple of 8, so the portable C path runs; 128 and GQA 8:1 the wide ones.
+@pytest.mark.parametrize("heads,kv_heads,dim,block", [(8, 8, 40, 16), (16, 2, 128, 16), (4, 2, 64, 32), (2, 1, 8, 4)])
+def test_decode_over_long_shuffled_contexts(heads, kv_heads, dim, block):
+    seqs = [SeqCase(context, 1) for context in (1, 7, 16, 17, 63, 200, 301)]
+    case = AttentionCase(heads, kv_heads, dim, block, seqs, seed=heads * dim)
+    got = run_attention(NativeCpuAttention(2), case)
+    want = run_attention(ReferenceAttention(), case)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-5)
+
+
+def test_write_kv_stores_the_rows_the_reference_stores():
+    rng = np.random.default_rng(3)
+    shape = (3, 9, 4, 16)  # kv_heads, blocks, block_size, dim
+    slots = rng.permutation(36)[:11].astype(np.int64)
+    key, value = (paddle.to_tensor(rng.standard_normal((11, 3, 16), dtype=np.float32)) for _ in range(2))
+    caches = {name: [paddle.zeros(shape), paddle.zeros(shape)] for name in ("native", "reference")}
+    prepared = ReferenceAttention().prepare(_decode_meta(slots))
+    NativeCpuAttention(1).write_cache(key, value, *caches["native"], prepared)
+    ReferenceAttention().write_cache(key, value, *caches["reference"], prepared)
+    for native, reference in zip(caches["native"], caches["reference"]):
+        np.testing.assert_array_equal(native.numpy(), reference.numpy())
+    assert np.count_nonzero(np.abs(caches["native"][0].numpy()).sum(axis=-1)) == 11 * 3
+
+
+def test_out_of_range_slots_and_blocks_are_refused_before_the_c_code():
+    backend = NativeCpuAttention(1)
+    cache = paddle.zeros([2, 4, 4, 8])
+    row = paddle.zeros([1, 2, 8])
+    with pytest.raises(ValueError, match="slot mapping outside the KV cache"):
+        backend.write_cache(row, row, cache, cache, backend.prepare(_decode_meta(np.array([16]))))
+    prepared = backend.prepare(_decode_meta(np.array([3]), block_table=[[9]]))
+    with pytest.raises(ValueError, match="block id 9 is outside the KV cache"):
+        backend.attend(prepared.groups[0], paddle.zeros([1, 4, 8]), cache, cache, 1.0)
+
+
+def _decode_meta(slots: np.ndarray, block_table=None):
+    from fdplug.core.attention import AttentionMetadata
+
+    n = len(slots)
+    table = np.asarray(block_table if block_table is not None else [[0]] * n, dtype=np.int32)
+    return AttentionMetadata(query_start_loc=np.arange(n + 1, dtype=np.int32), seq_lens=np.ones(n, np.int32),
+                             positions=np.zeros(n, np.int64), key_end=np.ones(n, np.int32),
+                             slot_mapping=np.asarray(slots, np.int64), block_tables=table, block_size=4)
+
+
+def test_build_is_cached_per_source_and_reused(fresh_kernels, monkeypatch, tmp_path_factory):
+    kernels.load()
+    built = list((fresh_kernels / "kernels").glob("*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    kernels.load.cache_clear()
+    kernels.load()  # a new process would do the same: find the library, not rebuild it
+    assert built[0].stat().st_mtime_ns == stamp
+    changed = tmp_path_factory.mktemp("src") / "cpu_kernels.c"
+    changed.write_text(kernels.SOURCE.read_text() + "\n/* changed */\n")
+    monkeypatch.setattr(kernels, "SOURCE", changed)
+    kernels.load.cache_clear()
+    kernels.load()
+    assert len(list((fresh_kernels / "kernels").glob("*.so"))) == 2
+    assert not list((fresh_kernels / "kernels").glob("tmp*"))  # no half-written build left behind
+
+
+def test_a_failing_compiler_falls_back_to_the_reference_and_says_why(fresh_kernels, monkeypatch):
+    monkeypatch.setenv("CC", "false")
+    reason = kernels.unavailable_reason()
+    assert reason is not None and "false failed" in reason
+    backend = select_backend("cpu")
+    assert backend.attention.name == "reference"
+    rejected = [d for d in backend.decisions if d.name == "cpu_native"]
+    assert rejected and "false failed" in rejected[0].reason
+
+
+def test_kernels_on_makes_a_failed_build_a_startup_error(fresh_kernels, monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", os.path.join(tmp_path, "no-such-compiler"))
+    monkeypatch.setenv("FDPLUG_CPU_KERNELS", "on")
+    with pytest.raises(ConfigError, match="FDPLUG_CPU_KERNELS=on but the cpu kernels are unavailable"):
+        LLM(None, num_kv_blocks=16, max_model_len=64)
+
+
+def test_kernels_off_selects_the_reference(fresh_kernels, monkeypatch):
+    monkeypatch.setenv("FDPLUG_CPU_KERNELS", "off")
+    backend = select_backend("cpu")
+    assert backend.attention.name == "reference"
+    assert any(d.name == "cpu_native" and "FDPLUG_CPU_KERNELS=off" in d.reason for d in backend.decisions)
+    assert not (fresh_kernels / "kernels").exists()  # off means not even a build
+
+
+def test_native_is_the_cpu_default_and_generates_what_the_reference_generates(test_model_dir):
+    prompts = [[5, 9, 3] * 11, [7], list(range(40, 90))]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outputs = {}
+    for name in (None, "reference"):
+        llm = LLM(str(test_model_dir), attention_backend=name, num_kv_blocks=64, max_model_len=256)
+        outputs[llm.engine.backend.attention.name] = [o.outputs[0].token_ids for o in
+                                               llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                            use_tqdm=False)]
+    assert set(outputs) == {"cpu_native", "reference"}
+    assert outputs["cpu_native"] == outputs["reference"]
