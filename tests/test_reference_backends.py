@@ -36,3 +36,25 @@ def test_reference_moe_matches_the_definition(case):
 def test_reference_moe_refuses_quantized_weights():
     with pytest.raises(ConfigError, match="fp8_block"):
         ReferenceMoE().load_weights(ExpertWeights(None, None, None, format="fp8_block"))
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu_native"])
+def test_long_prefills_split_into_pieces_match_the_definition(backend):
+    """Prefill rows go in pieces of PREFILL_PIECE, each seeing only the keys it can: pieces must not
+    change the result, also with a context before the chunk and a bidirectional span across a piece edge."""
+    from fdplug.plugins.cpu import attention
+
+    seqs = [SeqCase(0, 2 * attention.PREFILL_PIECE + 45), SeqCase(37, attention.PREFILL_PIECE + 9, [(200, 300)]),
+            SeqCase(20, 1)]
+    case = AttentionCase(4, 2, 16, 16, seqs, seed=9)
+    if backend == "reference":
+        impl = ReferenceAttention()
+    else:
+        from fdplug.plugins.cpu import kernels
+        from fdplug.plugins.cpu.native_attention import NativeCpuAttention
+
+        if kernels.compiler() is None:
+            pytest.skip("no C compiler: cpu_native cannot be built here")
+        impl = NativeCpuAttention(2)
+    for got, want in zip(run_attention(impl, case), naive_attention(case)):
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)

@@ -60,10 +60,13 @@ class ReferenceAttention:
     def prepare(self, meta: AttentionMetadata) -> _Prepared:
         query_lens = meta.query_lens()
         decode = np.flatnonzero(query_lens == 1)
-        groups_of_seqs = ([decode] if len(decode) else []) + [np.array([i]) for i in np.flatnonzero(query_lens > 1)]
+        pieces = [(decode, None)] if len(decode) else []
+        for i in np.flatnonzero(query_lens > 1):
+            pieces += [(np.array([i]), (lo, min(PREFILL_PIECE, int(query_lens[i]) - lo)))
+                       for lo in range(0, int(query_lens[i]), PREFILL_PIECE)]
         groups, row_order = [], []
-        for seqs in groups_of_seqs:
-            group, rows = self.build_group(meta, seqs)
+        for seqs, piece in pieces:
+            group, rows = self.build_group(meta, seqs, piece)
             groups.append(group)
             row_order.append(rows)
         order = np.concatenate(row_order)
@@ -72,9 +75,11 @@ class ReferenceAttention:
         slots = meta.slot_mapping.astype(np.int64)
         return _Prepared(paddle.to_tensor(slots), slots, groups, token_order)
 
-    def build_group(self, meta: AttentionMetadata, seqs: np.ndarray) -> tuple[Any, np.ndarray]:
-        """Everything ``attend`` needs for these sequences, and the token rows it outputs, in order."""
-        return _build_group(meta, seqs)
+    def build_group(self, meta: AttentionMetadata, seqs: np.ndarray,
+                    piece: tuple[int, int] | None = None) -> tuple[Any, np.ndarray]:
+        """Everything ``attend`` needs for these sequences (or query rows ``[first, first+count)`` of
+        one sequence: ``piece``), and the token rows it outputs, in order."""
+        return _build_group(meta, seqs, piece)
 
     def forward(self, q: Any, k: Any, v: Any, key_cache: Any, value_cache: Any, prepared: _Prepared,
                 scale: float) -> Any:
@@ -110,6 +115,11 @@ class ReferenceAttention:
         return out if g.valid_rows is None else paddle.gather(out, g.valid_rows)
 
 
+# Query rows per prefill group: a causal chunk of 512 fresh tokens in two pieces computes 3/4 of
+# the full 512 x 512 scores (the second piece alone sees all keys), 2048 tokens in 8 pieces 9/16.
+PREFILL_PIECE = 256
+
+
 def _write(cache: Any, new: Any, slot_mapping: Any) -> None:
     """Store this step's keys (or values) ``[tokens, kv_heads, dim]`` at their flat slots."""
     kv_heads, num_blocks, block_size, head_dim = cache.shape
@@ -123,16 +133,23 @@ def _as(x: Any, dtype: Any) -> Any:
     return x if x.dtype == dtype else x.astype(dtype)
 
 
-def _build_group(meta: AttentionMetadata, seqs: np.ndarray) -> tuple[_Group, np.ndarray]:
-    """Padded query rows, blocks and mask for a set of sequences; also the token rows it covers."""
+def _build_group(meta: AttentionMetadata, seqs: np.ndarray,
+                 piece: tuple[int, int] | None = None) -> tuple[_Group, np.ndarray]:
+    """Padded query rows, blocks and mask for a set of sequences; also the token rows it covers.
+
+    Keys stop at the last block any of the rows can see: for a causal piece of a prefill, the
+    blocks after its last row are never computed (no scores, no softmax over masked keys).
+    """
     qsl, bs = meta.query_start_loc, meta.block_size
     starts, lens = qsl[seqs], qsl[seqs + 1] - qsl[seqs]
+    if piece is not None:
+        starts, lens = starts + piece[0], np.full_like(lens, piece[1])
     batch, queries = len(seqs), int(lens.max())
-    blocks = -(-int(meta.seq_lens[seqs].max()) // bs)
     query_pos = np.arange(queries)
     real = query_pos[None, :] < lens[:, None]                                   # [batch, queries]
     rows = np.where(real, starts[:, None] + query_pos[None, :], starts[:, None])  # padding repeats row 0
     key_end = np.where(real, meta.key_end[rows], 1)                             # padding rows see one key
+    blocks = -(-int(key_end.max()) // bs)
     visible = np.arange(blocks * bs)[None, None, :] < key_end[:, :, None]
     mask = np.where(visible, np.float32(0), np.float32(-np.inf))[None, :, None]
     flat_rows = rows.reshape(-1)

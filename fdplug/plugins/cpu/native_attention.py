@@ -37,10 +37,10 @@ class NativeCpuAttention(ReferenceAttention):
         kernels.load()  # fail at construction, not at the first step
         self.threads = threads
 
-    def build_group(self, meta: AttentionMetadata, seqs: np.ndarray) -> tuple[Any, np.ndarray]:
-        lens = meta.query_lens()[seqs]
-        if not (lens == 1).all():
-            return super().build_group(meta, seqs)
+    def build_group(self, meta: AttentionMetadata, seqs: np.ndarray,
+                    piece: tuple[int, int] | None = None) -> tuple[Any, np.ndarray]:
+        if piece is not None or not (meta.query_lens()[seqs] == 1).all():
+            return super().build_group(meta, seqs, piece)
         rows = meta.query_start_loc[seqs]
         key_end = meta.key_end[rows]
         blocks = -(-int(key_end.max()) // meta.block_size)
