@@ -64,7 +64,7 @@ def workload(args, vocab_size: int, seed: int | None = None) -> tuple[list[list[
 # -- offline baseline ---------------------------------------------------------------------------------
 
 
-def offline(args, prompts, outputs, warm) -> float:
+def offline(args, prompts, outputs, warm) -> tuple[float, float]:
     from fdplug.core.llm import LLM
     from fdplug.core.request import SamplingParams
 
@@ -73,23 +73,24 @@ def offline(args, prompts, outputs, warm) -> float:
     n = min(len(warm), args.max_num_seqs)   # the same warm-up as the server's: other prompts, a full batch
     llm.generate([{"prompt_token_ids": p} for p in warm[:n]],
                  SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     results = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     produced = sum(len(r.outputs[0].token_ids) for r in results)
     assert produced == sum(outputs), (produced, sum(outputs))
     del llm, results
     gc.collect()
-    return produced / elapsed
+    return produced / elapsed, cpu / produced
 
 
-def offline_in_subprocess(prompt_seed: int) -> float:
+def offline_in_subprocess(prompt_seed: int) -> tuple[float, float]:
     """The baseline in a process of its own: paddle's threads and memory leave with it."""
     out = subprocess.run([sys.executable, *sys.argv, "--offline-only", "--prompt-seed", str(prompt_seed)],
                          capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
         raise SystemExit(f"offline baseline failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])["offline_tps"]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    return result["offline_tps"], result["cpu_per_token"]
 
 
 def engine_args(args) -> dict:
@@ -183,6 +184,36 @@ async def run_rate(url: str, model: str, prompts, outputs, rate: float, seed: in
     return results, time.perf_counter() - start
 
 
+class CpuMeter:
+    """CPU seconds (user + system) that the server's processes and this client spend in one run.
+
+    Seconds of CPU per output token are steadier than wall-clock ratios on a shared machine, and they
+    say which process costs what: the API process (HTTP, SSE, detokenizing), the engine, the client.
+    Linux only (``/proc``); elsewhere nothing is printed.
+    """
+
+    def __init__(self, server_pid: int | None) -> None:
+        self.pids = {}
+        if server_pid is not None and os.path.exists(f"/proc/{server_pid}/stat"):
+            self.pids["api"] = server_pid
+            children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
+            if children:
+                self.pids["engine"] = int(children[0])
+        self.start = self._read()
+
+    def _read(self) -> dict[str, float]:
+        tick = os.sysconf("SC_CLK_TCK")
+        out = {"client": time.process_time()}
+        for name, pid in self.pids.items():
+            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+            out[name] = (int(fields[11]) + int(fields[12])) / tick   # utime, stime
+        return out
+
+    def per_token(self, tokens: int) -> str:
+        end = self._read()
+        return ", ".join(f"{name} {(end[name] - self.start[name]) / tokens * 1e6:.0f}" for name in end)
+
+
 def summarize(label: str, results: list[Result], duration: float) -> dict:
     ok = [r for r in results if r.ok]
     if not ok:
@@ -260,7 +291,8 @@ def main() -> None:
     if args.offline_only:       # the child process of offline_in_subprocess
         prompts, outputs = workload(args, vocab_size, seed=args.prompt_seed)
         warm, _ = workload(args, vocab_size, seed=args.seed + 1000)
-        print(json.dumps({"offline_tps": offline(args, prompts, outputs, warm)}))
+        tps, cpu = offline(args, prompts, outputs, warm)
+        print(json.dumps({"offline_tps": tps, "cpu_per_token": cpu}))
         return
     prompts, outputs = workload(args, vocab_size)
     print(f"workload: {len(prompts)} requests, input {sum(map(len, prompts))} tokens, output {sum(outputs)} tokens "
@@ -279,9 +311,12 @@ def main() -> None:
         for r in range(args.repeat):
             prompt_seed = args.seed + 100 * (r + 1)  # fresh tokens: no run hits a prefix cache another filled
             ps, outs = workload(args, vocab_size, seed=prompt_seed)
-            off = None if args.no_offline else offline_in_subprocess(prompt_seed)
+            off, off_cpu = (None, 0.0) if args.no_offline else offline_in_subprocess(prompt_seed)
+            meter = CpuMeter(proc.pid if proc is not None else None)
             results, duration = run_client(run_rate(url, model, ps, outs, math.inf, args.seed, args.api_key))
             rows.append(summarize("inf", results, duration))
+            print(f"  CPU us per output token: {meter.per_token(sum(r.output_tokens for r in results))}"
+                  + (f"; offline engine {off_cpu * 1e6:.0f}" if off else ""), flush=True)
             pairs.append((off, rows[-1]["out_tok_per_s"]))
             print(_format(rows[-1]) + (f"   offline {off:.1f} tok/s -> {rows[-1]['out_tok_per_s'] / off:.1%}"
                                        if off else ""), flush=True)

@@ -9,6 +9,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from tests.conftest import subprocess_env
 from tests.serverkit import FDPLUG, SMALL, Server, alive, free_port, wait_until
@@ -58,9 +59,12 @@ def _stream_lines(server, body, out: list, started: threading.Event):
         started.set()
 
 
-def test_queue_full_then_sigterm(tmp_path):
-    """One running, one waiting: the next gets 503. Then SIGTERM ends the streams and exits 0."""
-    server = Server([*SMALL, "--max-num-seqs", "1", "--max-waiting-requests", "1"], tmp_path / "q.log").wait_ready()
+@pytest.mark.parametrize("event_loop", ["uvloop", "asyncio"])
+def test_queue_full_then_sigterm(tmp_path, event_loop):
+    """One running, one waiting: the next gets 503. Then SIGTERM ends the streams and exits 0 (either loop)."""
+    server = Server([*SMALL, "--max-num-seqs", "1", "--max-waiting-requests", "1"], tmp_path / "q.log",
+                    FDPLUG_EVENT_LOOP=event_loop).wait_ready()
+    assert f"API process event loop: {event_loop}" in server.log()
     engine = server.engine_pid()
     long = {"prompt": "Hello", "max_tokens": 480, "ignore_eos": True, "stream": True}
     results = [[], []]

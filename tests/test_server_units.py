@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -12,7 +14,7 @@ from fdplug.core.scheduler.output import EngineCoreOutput, SchedulerStats
 from fdplug.core.server import openai_types as T
 from fdplug.core.server import protocol as P
 from fdplug.core.server.serving import _merge, _prompts
-from fdplug.errors import FdplugError, InvalidRequestError, QueueFullError
+from fdplug.errors import ConfigError, FdplugError, InvalidRequestError, QueueFullError
 
 
 def roundtrip(message):
@@ -117,3 +119,24 @@ def test_merge_coalesces_per_sequence():
     assert merged[("a", 0)].text == "xy" and merged[("a", 0)].token_ids == [1, 2]
     assert merged[("a", 0)].finish_reason == "length" and merged[("a", 1)].text == "p"
     assert d[0].text == "x"                                # inputs untouched
+
+
+# -- event loop choice ----------------------------------------------------------------------------
+
+
+def test_event_loop_choice(monkeypatch):
+    import uvloop
+
+    from fdplug.core.server.launcher import event_loop_factory
+
+    monkeypatch.setenv("FDPLUG_EVENT_LOOP", "asyncio")
+    assert event_loop_factory() is None
+    for choice in ("auto", "uvloop"):
+        monkeypatch.setenv("FDPLUG_EVENT_LOOP", choice)
+        assert event_loop_factory() is uvloop.new_event_loop
+    monkeypatch.setitem(sys.modules, "uvloop", None)       # as if it were not installed
+    monkeypatch.setenv("FDPLUG_EVENT_LOOP", "auto")
+    assert event_loop_factory() is None
+    monkeypatch.setenv("FDPLUG_EVENT_LOOP", "uvloop")
+    with pytest.raises(ConfigError, match="pip install uvloop"):
+        event_loop_factory()
