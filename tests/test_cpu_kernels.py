@@ -1,8 +1,9 @@
 """The cpu device's compiled kernels: numerics against the definition, the build cache, and fallbacks.
 
 ``cpu_native`` must agree with the plain-Paddle reference on every case (decode rows go through C,
-prefill rows through the reference's matmuls, the cache write through C), and a machine that
-cannot build the kernels must still serve with the reference, saying why.
+prefill rows through the reference's matmuls, the cache write through C; the ``cpu_native`` runner's
+SwiGLU against paddle's), and a machine that cannot build the kernels must still serve with the
+reference, saying why.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import os
 
 import numpy as np
 import paddle
+import paddle.nn.functional as F
 import pytest
 
 from fdplug.core.llm import LLM
@@ -110,9 +112,10 @@ def test_a_failing_compiler_falls_back_to_the_reference_and_says_why(fresh_kerne
     reason = kernels.unavailable_reason()
     assert reason is not None and "false failed" in reason
     backend = select_backend("cpu")
-    assert backend.attention.name == "reference"
+    assert backend.attention.name == "reference" and backend.runner.name == "default"
     rejected = [d for d in backend.decisions if d.name == "cpu_native"]
-    assert rejected and "false failed" in rejected[0].reason
+    assert {d.role for d in rejected} == {"runner", "attention"}
+    assert all("false failed" in d.reason for d in rejected)
 
 
 def test_kernels_on_makes_a_failed_build_a_startup_error(fresh_kernels, monkeypatch, tmp_path):
@@ -125,7 +128,7 @@ def test_kernels_on_makes_a_failed_build_a_startup_error(fresh_kernels, monkeypa
 def test_kernels_off_selects_the_reference(fresh_kernels, monkeypatch):
     monkeypatch.setenv("FDPLUG_CPU_KERNELS", "off")
     backend = select_backend("cpu")
-    assert backend.attention.name == "reference"
+    assert backend.attention.name == "reference" and backend.runner.name == "default"
     assert any(d.name == "cpu_native" and "FDPLUG_CPU_KERNELS=off" in d.reason for d in backend.decisions)
     assert not (fresh_kernels / "kernels").exists()  # off means not even a build
 
@@ -134,10 +137,48 @@ def test_native_is_the_cpu_default_and_generates_what_the_reference_generates(te
     prompts = [[5, 9, 3] * 11, [7], list(range(40, 90))]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outputs = {}
-    for name in (None, "reference"):
-        llm = LLM(str(test_model_dir), attention_backend=name, num_kv_blocks=64, max_model_len=256)
-        outputs[llm.engine.backend.attention.name] = [o.outputs[0].token_ids for o in
-                                               llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                                            use_tqdm=False)]
-    assert set(outputs) == {"cpu_native", "reference"}
-    assert outputs["cpu_native"] == outputs["reference"]
+    for runner, attention in ((None, None), ("default", "reference")):
+        llm = LLM(str(test_model_dir), runner=runner, attention_backend=attention, num_kv_blocks=64, max_model_len=256)
+        backend = llm.engine.backend
+        outputs[backend.runner.name, backend.attention.name] = [
+            o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                         use_tqdm=False)]
+    assert set(outputs) == {("cpu_native", "cpu_native"), ("default", "reference")}
+    assert outputs["cpu_native", "cpu_native"] == outputs["default", "reference"]
+
+
+# Row counts on both sides of the thresholds (paddle below SWIGLU_MIN_OUTPUTS, one thread below
+# SWIGLU_MIN_PARALLEL, then all threads with a row count no thread count divides); widths with and
+# without a tail past the last multiple of eight.
+@pytest.mark.parametrize("shape", [(1, 64), (3, 7, 2 * 1000), (64, 2 * 1536), (2047, 2 * 13), (301, 2 * 200)])
+@pytest.mark.parametrize("threads", [1, 2, 5])
+def test_swiglu_matches_paddle(shape, threads):
+    x = paddle.to_tensor(np.random.default_rng(sum(shape)).standard_normal(shape, dtype=np.float32) * 4)
+    got = kernels.swiglu(x, threads)
+    assert got.shape == [*shape[:-1], shape[-1] // 2]
+    np.testing.assert_allclose(got.numpy(), F.swiglu(x).numpy(), rtol=1e-6, atol=1e-6)
+
+
+def test_swiglu_at_the_ends_of_the_float_range():
+    gates = np.array([-1e6, -200, -88, -87, -20, -1e-6, 0, 1e-6, 20, 87, 88, 200, 1e6, np.nan], dtype=np.float32)
+    x = np.ones((1024, 2 * len(gates)), dtype=np.float32)  # over SWIGLU_MIN_OUTPUTS: the C path
+    x[:, :len(gates)] = gates
+    got = kernels.swiglu(paddle.to_tensor(x), 2).numpy()[0]
+    want = F.swiglu(paddle.to_tensor(x)).numpy()[0]
+    np.testing.assert_allclose(got[:-1], want[:-1], rtol=1e-6, atol=1e-30)
+    assert np.isnan(got[-1])
+
+
+def test_swiglu_refuses_what_the_c_code_cannot_take():
+    with pytest.raises(ValueError, match="even last dimension"):
+        kernels.swiglu(paddle.ones([1024, 33]), 2)
+    with pytest.raises(TypeError, match="float32"):
+        kernels.swiglu(paddle.ones([1024, 32], dtype="float64"), 2)
+
+
+def test_native_runner_puts_the_kernel_in_every_mlp(test_model_dir):
+    from fdplug.core.model.layers import SwiGLU
+
+    llm = LLM(str(test_model_dir), num_kv_blocks=16, max_model_len=64)
+    mlps = [layer for layer in llm.engine.runner.model.sublayers() if isinstance(layer, SwiGLU)]
+    assert mlps and all(m.activation.func is kernels.swiglu for m in mlps)

@@ -7,7 +7,7 @@ them, so time spent on an init (even zero-filling) would be waste.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import paddle
@@ -57,15 +57,20 @@ class Linear(nn.Layer):
 
 
 class SwiGLU(nn.Layer):
-    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one ``[hidden, 2*inter]`` matmul."""
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one ``[hidden, 2*inter]`` matmul.
+
+    ``activation`` maps ``[..., 2*inter]`` to ``silu(first half) * second half`` (``F.swiglu``'s
+    contract); a device's model runner may install a faster kernel there after loading.
+    """
 
     def __init__(self, hidden: int, intermediate: int, bias: bool, dtype: str) -> None:
         super().__init__()
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias, dtype)
         self.down_proj = Linear(intermediate, hidden, bias, dtype)
+        self.activation: Callable[[Any], Any] = F.swiglu
 
     def forward(self, x: Any) -> Any:
-        return self.down_proj(F.swiglu(self.gate_up_proj(x)))  # swiglu: silu(first half) * second half
+        return self.down_proj(self.activation(self.gate_up_proj(x)))
 
 
 class RotaryEmbedding(nn.Layer):

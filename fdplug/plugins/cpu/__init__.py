@@ -3,8 +3,9 @@
 It registers the cpu device, the core model runner (device-agnostic, so for every device), and the
 reference attention and MoE backends (plain Paddle ops: correct anywhere, fast nowhere in particular;
 device plugins register faster ones with a higher priority). For the cpu device itself it also
-registers ``cpu_native`` attention, which runs decode in compiled C (see ``kernels.py``) and is
-chosen over the reference whenever those kernels build here.
+registers ``cpu_native`` attention and a ``cpu_native`` model runner, which run decode attention and
+the MLP's SwiGLU in compiled C (see ``kernels.py``) and are chosen over the portable ones whenever
+those kernels build here.
 """
 
 from __future__ import annotations
@@ -23,6 +24,12 @@ def _runner_factory(config, backend):
     return ModelRunner(config, backend)
 
 
+def _native_runner_factory(config, backend):
+    from fdplug.plugins.cpu.runner import NativeCpuModelRunner
+
+    return NativeCpuModelRunner(config, backend, threads=device.cpu_threads())
+
+
 def _attention_factory(config):
     from fdplug.plugins.cpu.attention import ReferenceAttention
 
@@ -35,7 +42,7 @@ def _native_attention_factory(config):
     return NativeCpuAttention(threads=device.cpu_threads())
 
 
-def _native_attention_supports(config) -> str | None:
+def _native_kernels_supports(config) -> str | None:
     from fdplug.plugins.cpu import kernels
 
     if config.dtype not in ("auto", "float32"):
@@ -60,6 +67,9 @@ def fdplug_register_devices(register):
 def fdplug_register_model_runners(register):
     register(ModelRunnerSpec(name="default", devices=(ANY_DEVICE,), factory=_runner_factory, priority=0,
                              description="the core's device-agnostic Paddle model runner"))
+    register(ModelRunnerSpec(name="cpu_native", devices=("cpu",), factory=_native_runner_factory, priority=10,
+                             supports=_native_kernels_supports,
+                             description="the core runner with the MLP's SwiGLU in compiled C (FDPLUG_CPU_KERNELS)"))
 
 
 @hookimpl
@@ -67,7 +77,7 @@ def fdplug_register_attention_backends(register):
     register(AttentionBackendSpec(name="reference", devices=(ANY_DEVICE,), factory=_attention_factory, priority=0,
                                   description="plain Paddle matmuls over the paged cache, masks from the mask spec"))
     register(AttentionBackendSpec(name="cpu_native", devices=("cpu",), factory=_native_attention_factory, priority=10,
-                                  supports=_native_attention_supports,
+                                  supports=_native_kernels_supports,
                                   description="decode reads the paged cache in place (compiled C); prefill as "
                                               "the reference (FDPLUG_CPU_KERNELS)"))
 

@@ -1,7 +1,7 @@
 """The cpu device's compiled kernels: built once with the system C compiler, loaded with ctypes.
 
-``csrc/cpu_kernels.c`` holds a paged attention that reads the KV cache in place and the KV write
-(see the file for why). It is compiled the first time it is needed, with ``-march=native``, into
+``csrc/cpu_kernels.c`` holds a paged attention that reads the KV cache in place, the KV write and
+SwiGLU (see the file for why). It is compiled the first time it is needed, with ``-march=native``, into
 ``$FDPLUG_CACHE_DIR/kernels/`` under a name that hashes the source, the flags, the compiler and
 the CPU's feature flags: a changed source or a different CPU gets its own build, and a build from
 another machine sharing the directory is never loaded. The build goes to a temporary file that is
@@ -36,7 +36,7 @@ logger = logging.getLogger("fdplug")
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared", "-pthread", "-std=c99")
-ABI = 1
+ABI = 2
 BUILD_TIMEOUT_S = 120.0
 
 _c_int, _c_float, _ptr = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
@@ -126,6 +126,8 @@ def load() -> ctypes.CDLL:
     lib.fdplug_paged_attention.argtypes = [_ptr] * 8 + [_c_int] * 8 + [_c_float, _c_int]
     lib.fdplug_write_kv.restype = None
     lib.fdplug_write_kv.argtypes = [_ptr] * 5 + [_c_int] * 3 + [ctypes.c_int64]
+    lib.fdplug_swiglu.restype = None
+    lib.fdplug_swiglu.argtypes = [_ptr, _ptr, ctypes.c_int64, _c_int, _c_int]
     return lib
 
 
@@ -188,3 +190,28 @@ def write_kv(key: Any, value: Any, key_cache: Any, value_cache: Any, slots: np.n
     kv_heads, num_blocks, block_size, dim = key_cache.shape
     load().fdplug_write_kv(key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
                            slots.ctypes.data, slots.shape[0], kv_heads, dim, num_blocks * block_size)
+
+
+# Below this many outputs one thread is faster than starting another (a decode step's few rows).
+SWIGLU_MIN_PARALLEL = 1 << 15
+# Below this many, paddle's own loop beats this call's fixed cost (~50 us of ctypes and allocation).
+SWIGLU_MIN_OUTPUTS = 1 << 13
+
+
+def swiglu(x: Any, threads: int) -> Any:
+    """``silu(x[..., :n]) * x[..., n:]`` with ``n = x.shape[-1] // 2``: paddle's ``F.swiglu`` contract."""
+    import paddle
+    import paddle.nn.functional as F
+
+    if x.size < 2 * SWIGLU_MIN_OUTPUTS:
+        return F.swiglu(x)
+    x = _contiguous(x)
+    _check_float32(x)
+    *lead, width = x.shape
+    if width % 2:
+        raise ValueError(f"swiglu needs an even last dimension, got {width}")
+    rows = int(np.prod(lead))
+    out = paddle.empty([*lead, width // 2], dtype="float32")
+    parallel = threads if rows * width // 2 >= SWIGLU_MIN_PARALLEL else 1
+    load().fdplug_swiglu(x.data_ptr(), out.data_ptr(), rows, width // 2, parallel)
+    return out
