@@ -212,8 +212,8 @@ static inline __m256 exp8(__m256 x) {
 typedef struct {
     const float *x;
     float *out;
-    int64_t rows;
-    int inter, num_threads;
+    int64_t rows, rows_per_piece, next_piece; /* work queue: pieces taken with an atomic add */
+    int inter;
 } swiglu_job;
 
 static void swiglu_rows(const swiglu_job *job, int64_t begin, int64_t end) {
@@ -234,37 +234,27 @@ static void swiglu_rows(const swiglu_job *job, int64_t begin, int64_t end) {
     }
 }
 
-typedef struct {
-    const swiglu_job *job;
-    int part;
-} swiglu_part;
-
+/* Pieces from a shared counter, not a fixed share per thread: in a server the API process holds
+ * a core now and then, and a fixed share would leave the whole op waiting on that thread. */
 static void *swiglu_worker(void *arg) {
-    const swiglu_part *part = arg;
-    const swiglu_job *job = part->job;
-    const int64_t per = (job->rows + job->num_threads - 1) / job->num_threads;
-    const int64_t begin = per * part->part, end = begin + per < job->rows ? begin + per : job->rows;
-    if (begin < end) swiglu_rows(job, begin, end);
-    return NULL;
+    swiglu_job *job = arg;
+    for (;;) {
+        const int64_t begin = __atomic_fetch_add(&job->next_piece, 1, __ATOMIC_RELAXED) * job->rows_per_piece;
+        if (begin >= job->rows) return NULL;
+        swiglu_rows(job, begin, begin + job->rows_per_piece < job->rows ? begin + job->rows_per_piece : job->rows);
+    }
 }
 
-/* x [rows, 2 * inter] -> out [rows, inter], rows split over up to num_threads threads (the caller's
- * included); a helper that cannot start leaves its rows to the caller, so it always completes. */
+/* x [rows, 2 * inter] -> out [rows, inter] on up to num_threads threads (the caller's included);
+ * a helper that cannot start leaves its pieces to the others, so it always completes. */
 void fdplug_swiglu(const float *x, float *out, int64_t rows, int inter, int num_threads) {
-    if (num_threads < 1) num_threads = 1;
-    if (num_threads > 64) num_threads = 64;
-    swiglu_job job = {x, out, rows, inter, num_threads};
-    swiglu_part parts[64];
+    const int64_t rows_per_piece = inter >= 8192 ? 1 : 8192 / inter; /* ~32 KiB of output a piece */
+    swiglu_job job = {x, out, rows, rows_per_piece, 0, inter};
     pthread_t threads[64];
-    int started[64] = {0};
-    for (int t = 1; t < num_threads; ++t) {
-        parts[t] = (swiglu_part){&job, t};
-        started[t] = pthread_create(&threads[t], NULL, swiglu_worker, &parts[t]) == 0;
-    }
-    parts[0] = (swiglu_part){&job, 0};
-    swiglu_worker(&parts[0]);
-    for (int t = 1; t < num_threads; ++t) {
-        if (started[t]) pthread_join(threads[t], NULL);
-        else swiglu_worker(&parts[t]);
-    }
+    int extra = num_threads - 1, started = 0;
+    if (extra > 64) extra = 64;
+    for (; started < extra; ++started)
+        if (pthread_create(&threads[started], NULL, swiglu_worker, &job) != 0) break;
+    swiglu_worker(&job); /* the calling thread works too; with no helper it does everything */
+    for (int t = 0; t < started; ++t) pthread_join(threads[t], NULL);
 }
