@@ -210,8 +210,8 @@ def swiglu(x: Any, threads: int) -> Any:
     *lead, width = x.shape
     if width % 2:
         raise ValueError(f"swiglu needs an even last dimension, got {width}")
-    rows = int(np.prod(lead))
-    out = paddle.empty([*lead, width // 2], dtype="float32")
-    parallel = threads if rows * width // 2 >= SWIGLU_MIN_PARALLEL else 1
-    load().fdplug_swiglu(x.data_ptr(), out.data_ptr(), rows, width // 2, parallel)
+    rows, inter = int(np.prod(lead)), width // 2
+    out = paddle.empty([*lead, inter], dtype="float32")
+    parallel = threads if rows * inter >= SWIGLU_MIN_PARALLEL else 1
+    load().fdplug_swiglu(x.data_ptr(), out.data_ptr(), rows, inter, parallel)
     return out

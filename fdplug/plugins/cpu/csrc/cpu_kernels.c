@@ -26,6 +26,19 @@
 
 int fdplug_kernels_abi(void) { return 2; }
 
+/* Run worker(job) on the calling thread and up to num_threads - 1 helpers (at most 64), then join.
+ * Workers take their pieces from a counter in the job, so a helper that cannot start, or that the
+ * scheduler starts late (another process holding a core), leaves its pieces to the others. */
+static void run_workers(void *(*worker)(void *), void *job, int num_threads) {
+    pthread_t threads[64];
+    int extra = num_threads - 1, started = 0;
+    if (extra > 64) extra = 64;
+    for (; started < extra; ++started)
+        if (pthread_create(&threads[started], NULL, worker, job) != 0) break;
+    worker(job); /* the calling thread works too; with no helper it does everything */
+    for (int t = 0; t < started; ++t) pthread_join(threads[t], NULL);
+}
+
 /* scores[j] = q . keys[j] for n keys of `dim` floats each (rows `dim` apart). */
 static void score_keys(const float *q, const float *keys, int n, int dim, float *scores) {
     int j = 0;
@@ -158,14 +171,7 @@ int fdplug_paged_attention(const float *q, const float *key_cache, const float *
                          num_tokens, heads, kv_heads, head_dim, num_blocks, block_size, table_width,
                          max_keys, scale, 0, 0};
     const int units = num_tokens * kv_heads;
-    int extra = (num_threads < units ? num_threads : units) - 1;
-    pthread_t threads[64];
-    if (extra > 64) extra = 64;
-    int started = 0;
-    for (; started < extra; ++started)
-        if (pthread_create(&threads[started], NULL, attention_worker, &job) != 0) break;
-    attention_worker(&job); /* the calling thread works too; with no helper it does everything */
-    for (int t = 0; t < started; ++t) pthread_join(threads[t], NULL);
+    run_workers(attention_worker, &job, num_threads < units ? num_threads : units);
     return job.failed ? -1 : 0;
 }
 
@@ -234,8 +240,6 @@ static void swiglu_rows(const swiglu_job *job, int64_t begin, int64_t end) {
     }
 }
 
-/* Pieces from a shared counter, not a fixed share per thread: in a server the API process holds
- * a core now and then, and a fixed share would leave the whole op waiting on that thread. */
 static void *swiglu_worker(void *arg) {
     swiglu_job *job = arg;
     for (;;) {
@@ -245,16 +249,9 @@ static void *swiglu_worker(void *arg) {
     }
 }
 
-/* x [rows, 2 * inter] -> out [rows, inter] on up to num_threads threads (the caller's included);
- * a helper that cannot start leaves its pieces to the others, so it always completes. */
+/* x [rows, 2 * inter] -> out [rows, inter] on up to num_threads threads (the caller's included). */
 void fdplug_swiglu(const float *x, float *out, int64_t rows, int inter, int num_threads) {
     const int64_t rows_per_piece = inter >= 8192 ? 1 : 8192 / inter; /* ~32 KiB of output a piece */
     swiglu_job job = {x, out, rows, rows_per_piece, 0, inter};
-    pthread_t threads[64];
-    int extra = num_threads - 1, started = 0;
-    if (extra > 64) extra = 64;
-    for (; started < extra; ++started)
-        if (pthread_create(&threads[started], NULL, swiglu_worker, &job) != 0) break;
-    swiglu_worker(&job); /* the calling thread works too; with no helper it does everything */
-    for (int t = 0; t < started; ++t) pthread_join(threads[t], NULL);
+    run_workers(swiglu_worker, &job, num_threads);
 }
