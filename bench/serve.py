@@ -9,8 +9,9 @@ Workload: seeded random token-id prompts and output lengths (``--input-len``/``-
 Poisson at each rate (``inf``: all at once; ``half``: half the request rate measured at ``inf``).
 Per rate: TTFT, TPOT, ITL (p50/p99 ms), request and output-token throughput; each rate after
 saturation runs ``--repeat`` times on fresh prompts, pooled (a p99 of 64 requests is their maximum).
-The offline baseline is ``LLM.generate`` on the same prompts in a child process, run just before each saturation run
-(never both at once: they would share the cores); ``--repeat`` pairs, the median ratio counts,
+The offline baseline is ``LLM.generate`` on the same prompts in a child process, run before and after
+each saturation run (never at the same time: they would share the cores); each server run is compared with the geometric
+mean of the two, which cancels a steady drift, and the median of the ``--repeat`` ratios counts,
 because a shared 2-core machine drifts by +-10% from one minute to the next. Both sides first run the
 whole workload once on other prompts (``--warmups``), so steady states are compared. Targets: server output
 tok/s at saturation >= 90% of offline; p99 TTFT at half the saturation rate <= 3x its p50.
@@ -239,7 +240,8 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [str(Path(sys.executable).parent / "fdplug"), "serve", "--port", str(port), "--device", args.device,
-           "--max-num-seqs", str(args.max_num_seqs), "--served-model-name", "bench"]
+           "--max-num-seqs", str(args.max_num_seqs), "--served-model-name", "bench",
+           "--stream-interval", str(args.stream_interval)]
     if args.model:
         cmd += ["--model", args.model]
     if args.max_model_len:
@@ -276,8 +278,9 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--rates", default="half", help="comma-separated req/s after the saturation runs; "
                                                       "'half' = half the saturation request rate")
-    ap.add_argument("--repeat", type=int, default=3, help="offline/saturation pairs (the median ratio counts); "
-                                                                 "runs per other rate (pooled)")
+    ap.add_argument("--repeat", type=int, default=3, help="saturation runs, each between two offline runs "
+                                                          "(the median ratio counts); runs per other rate (pooled)")
+    ap.add_argument("--stream-interval", type=int, default=1, help="the started server's --stream-interval")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--warmups", type=int, default=1, help="unmeasured runs of the whole workload (other prompts) "
                                                          "before measuring, for the server and each offline baseline")
@@ -313,20 +316,29 @@ def main() -> None:
         warm, warm_outs = workload(args, vocab_size, seed=args.seed + 1000)
         for _ in range(args.warmups):
             run_client(run_rate(url, model, warm, warm_outs, math.inf, args.seed, args.api_key))
-        # Saturation, interleaved with the offline baseline on the same prompts: the machine's speed
-        # drifts (other tenants, turbo), so each ratio compares runs taken back to back.
+        # Saturation, each run between two offline baselines (O S O S ... O): the machine's speed drifts
+        # (other tenants, turbo) from one minute to the next, and a server run compared with the geometric
+        # mean of the offline runs just before and just after it cancels a steady drift.
+        def seed_of(r: int) -> int:
+            return args.seed + 100 * (r + 1)  # fresh tokens: no run hits a prefix cache another filled
+
+        offline_runs = [] if args.no_offline else [offline_in_subprocess(seed_of(0))]
         for r in range(args.repeat):
-            prompt_seed = args.seed + 100 * (r + 1)  # fresh tokens: no run hits a prefix cache another filled
-            ps, outs = workload(args, vocab_size, seed=prompt_seed)
-            off, off_cpu = (None, 0.0) if args.no_offline else offline_in_subprocess(prompt_seed)
+            ps, outs = workload(args, vocab_size, seed=seed_of(r))
             meter = CpuMeter(proc.pid if proc is not None else None)
             results, duration = run_client(run_rate(url, model, ps, outs, math.inf, args.seed, args.api_key))
             rows.append(summarize("inf", results, duration))
-            print(f"  CPU us per output token: {meter.per_token(sum(r.output_tokens for r in results))}"
-                  + (f"; offline engine {off_cpu * 1e6:.0f}" if off else ""), flush=True)
-            pairs.append((off, rows[-1]["out_tok_per_s"]))
-            print(_format(rows[-1]) + (f"   offline {off:.1f} tok/s -> {rows[-1]['out_tok_per_s'] / off:.1%}"
-                                       if off else ""), flush=True)
+            cpu = meter.per_token(sum(r.output_tokens for r in results))
+            off = None
+            if not args.no_offline:
+                offline_runs.append(offline_in_subprocess(seed_of(r)))
+                (before, cpu_before), (after, cpu_after) = offline_runs[-2:]
+                off = math.sqrt(before * after)
+                cpu += f"; offline engine {(cpu_before + cpu_after) / 2 * 1e6:.0f}"
+                pairs.append((off, rows[-1]["out_tok_per_s"]))
+            print(f"  CPU us per output token: {cpu}", flush=True)
+            print(_format(rows[-1]) + (f"   offline {before:.0f}, {after:.0f} tok/s -> "
+                                       f"{rows[-1]['out_tok_per_s'] / off:.1%}" if off else ""), flush=True)
         sat_rate = float(np.median([row["req_per_s"] for row in rows]))
         # each other rate runs --repeat times on fresh prompts and arrival times, pooled into one row: with
         # 64 requests a p99 is nearly the maximum, and one arrival that lands behind a prefill sets it

@@ -163,6 +163,7 @@ def engine_options(fn: Callable) -> Callable:
     options = [
         click.option("--model", default=None, help="Model directory (Hugging Face layout). Default: the demo model."),
         click.option("--device", default="auto", show_default=True, help="cpu, cuda, xpu, a plugin's device, or auto."),
+        click.option("--runner", default=None, help="Model runner (default: by priority; `fdplug explain` lists them)."),
         click.option("--attention-backend", default=None, help="Attention backend (default: by priority)."),
         click.option("--moe-backend", default=None, help="MoE backend (default: by priority)."),
         click.option("--max-model-len", type=int, default=None, help="Longest prompt + output, in tokens."),
@@ -186,7 +187,8 @@ def engine_options(fn: Callable) -> Callable:
 
 def engine_kwargs(kw: dict[str, Any]) -> dict[str, Any]:
     """CLI flags -> LLM/engine keyword arguments (None means "use the default")."""
-    args = {"model": kw.pop("model"), "device": kw.pop("device"), "attention_backend": kw.pop("attention_backend"),
+    args = {"model": kw.pop("model"), "device": kw.pop("device"), "runner": kw.pop("runner"),
+            "attention_backend": kw.pop("attention_backend"),
             "moe_backend": kw.pop("moe_backend"), "enable_prefix_caching": not kw.pop("no_prefix_caching"),
             "enable_chunked_prefill": not kw.pop("no_chunked_prefill")}
     for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory",
@@ -247,11 +249,13 @@ def generate_command(prompts: tuple[str, ...], chat: bool, max_tokens: int, temp
 @click.option("--served-model-name", default=None, help="The model's name in the API (default: --model, or demo).")
 @click.option("--max-body-bytes", type=click.IntRange(min=1), default=8 << 20, show_default=True,
               help="Largest request body; larger ones get 413.")
+@click.option("--stream-interval", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Tokens per streamed chunk after the first (fewer socket writes under load; 1: every step).")
 @click.option("--max-waiting-requests", type=click.IntRange(min=1), default=1024, show_default=True,
               help="Requests queued beyond the running batch; more get 503.")
 @user_errors
 def serve_command(host: str, port: int, api_key: str | None, served_model_name: str | None, max_body_bytes: int,
-                  max_waiting_requests: int, **kw: Any) -> None:
+                  stream_interval: int, max_waiting_requests: int, **kw: Any) -> None:
     """Serve the OpenAI API (chat, completions, streaming) with the engine in its own process."""
     from fdplug.core.server.launcher import ServerSettings, serve
 
@@ -259,7 +263,7 @@ def serve_command(host: str, port: int, api_key: str | None, served_model_name: 
     args = engine_kwargs(kw)
     args["max_waiting_requests"] = max_waiting_requests
     settings = ServerSettings(host=host, port=port, api_key=api_key, served_model_name=served_model_name,
-                              max_body_bytes=max_body_bytes)
+                              max_body_bytes=max_body_bytes, stream_interval=stream_interval)
     sys.exit(serve(settings, args))
 
 

@@ -77,6 +77,19 @@ def test_explain_unknown_component_exits_nonzero():
     assert out.returncode == 1 and "no attention named 'warp-speed'" in out.stderr
 
 
+@pytest.mark.parametrize("runner", ["default", "cpu_native"])
+def test_generate_runs_the_runner_named_on_the_command_line(runner):
+    out = run("generate", "--runner", runner, "--prompt", "Hello", "--max-tokens", "4", "--max-model-len", "256",
+              "--num-kv-blocks", "64")
+    assert out.returncode == 0, out.stderr
+    assert f"runner={runner} " in out.stderr
+
+
+def test_unknown_runner_is_a_clear_error():
+    out = run("generate", "--runner", "warp-speed", "--prompt", "Hello")
+    assert out.returncode == 1 and "warp-speed" in out.stderr and "Traceback" not in out.stderr
+
+
 def test_doctor_reports_paddle_devices_and_threads():
     out = run("doctor", FDPLUG_CPU_THREADS="2")
     assert out.returncode == 0, out.stderr

@@ -154,3 +154,25 @@ def test_32_concurrent_streams_match_greedy(server, client):
         assert finish == "length"
         assert text == want[i], f"stream {i} differs from its greedy result"
     wait_until(lambda: server.metrics()["fdplug:num_requests_running"] == 0, 10, what="all requests done")
+
+
+def test_stream_interval_sends_the_first_token_alone_then_several_per_chunk(test_model_dir, client, tmp_path):
+    """--stream-interval 4: fewer chunks, the same text as a chunk per step, the first token not delayed."""
+    srv = Server([*SMALL, "--model", str(test_model_dir), "--served-model-name", "sharp", "--stream-interval", "4"],
+                 tmp_path / "interval.log").wait_ready()
+    try:
+        batched = srv.openai()
+        expected = complete(client, PROMPTS[9], max_tokens=11, ignore_eos=True).choices[0].text
+        chunks = list(complete(batched, PROMPTS[9], max_tokens=11, ignore_eos=True, logprobs=1, stream=True))
+        sizes = [len(c.choices[0].logprobs.tokens) for c in chunks if c.choices and c.choices[0].logprobs]
+        assert sum(sizes) == 11 and 1 <= sizes[0] < 4 and len(sizes) <= 4, sizes   # a chunk per step: 11
+        assert all(size >= 4 for size in sizes[1:-1]), sizes
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+        assert chunks[-1].choices[0].finish_reason == "length"
+        chat = batched.chat.completions.create(model="sharp", messages=[{"role": "user", "content": "hi"}],
+                                               max_completion_tokens=9, temperature=0, stream=True,
+                                               extra_body={"ignore_eos": True})
+        parts = [c.choices[0].delta.content for c in chat if c.choices and c.choices[0].delta.content]
+        assert 1 <= len(parts) <= 4 and "chunks of 4 tokens" in srv.log()
+    finally:
+        assert srv.stop() == 0, srv.log()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -127,5 +128,7 @@ def test_engine_death_fails_requests_and_exits_nonzero(tmp_path):
 def test_engine_exits_when_the_api_process_is_killed(tmp_path):
     server = Server(SMALL, tmp_path / "orphan.log").wait_ready()
     engine = server.engine_pid()
+    frozen = re.search(r"; (\d+) startup objects frozen out of GC passes", server.log())
+    assert frozen and int(frozen.group(1)) > 10_000     # FastAPI, paddle, the tokenizer: never garbage
     server.stop(signal.SIGKILL)
     wait_until(lambda: not alive(engine), 10, what="engine process gone")

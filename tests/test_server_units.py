@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 
 import numpy as np
@@ -13,7 +14,7 @@ from fdplug.core.request import MMPlaceholder, Request, SamplingParams
 from fdplug.core.scheduler.output import EngineCoreOutput, SchedulerStats
 from fdplug.core.server import openai_types as T
 from fdplug.core.server import protocol as P
-from fdplug.core.server.serving import _merge, _prompts
+from fdplug.core.server.serving import Serving, _merge, _prompts
 from fdplug.errors import ConfigError, FdplugError, InvalidRequestError, QueueFullError
 
 
@@ -121,6 +122,27 @@ def test_merge_coalesces_per_sequence():
     assert d[0].text == "x"                                # inputs untouched
 
 
+def test_merge_keeps_the_typed_error_of_a_failed_step():
+    failure = FdplugError("feature fetch failed")
+    d = [Delta("a", 0, "x", [1], None, None, None), Delta("a", 0, "", [], None, "error", "fetch", failure)]
+    assert _merge(d)[("a", 0)].error is failure
+    assert _merge([d[1], Delta("b", 0, "z", [3], None, None, None)])[("a", 0)].error is failure
+
+
+def test_stream_interval_holds_tokens_between_the_first_and_the_finish():
+    serving = Serving(client=None, model_name="m", stream_interval=3)
+    held, started, key = {}, set(), ("a", 0)
+
+    def step(token: int, finish: str | None = None):
+        out = serving._hold(key, Delta("a", 0, f"t{token}", [token], None, finish, None), held, started)
+        return None if out is None else out.token_ids
+
+    assert step(1) == [1]                             # the first token goes out at once (TTFT)
+    assert [step(2), step(3), step(4)] == [None, None, [2, 3, 4]]
+    assert [step(5), step(6, "length")] == [None, [5, 6]]   # the finish flushes what is held
+    assert held == {}
+
+
 # -- event loop choice ----------------------------------------------------------------------------
 
 
@@ -140,3 +162,18 @@ def test_event_loop_choice(monkeypatch):
     monkeypatch.setenv("FDPLUG_EVENT_LOOP", "uvloop")
     with pytest.raises(ConfigError, match="pip install uvloop"):
         event_loop_factory()
+
+
+def test_freeze_startup_heap_keeps_collecting_new_garbage():
+    code = """
+import gc
+from fdplug.core.server.heap import freeze_startup_heap
+survivors = [[i] for i in range(50_000)]
+frozen = freeze_startup_heap()
+class Cycle: pass
+a, b = Cycle(), Cycle(); a.other, b.other = b, a; del a, b
+print(frozen, gc.collect(), gc.get_freeze_count() == frozen)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    frozen, collected, unchanged = out.stdout.split()
+    assert int(frozen) >= 50_000 and int(collected) >= 2 and unchanged == "True"

@@ -99,7 +99,7 @@ class LLM:
     def describe(self) -> str:
         b, plan = self.engine.backend, self.engine.kv_plan
         return (f"model={self.config.model_dir} ({self.model_config.architecture}) device={b.device.name} "
-                f"attention={b.attention.name} moe={b.moe.name} kv_cache={plan.describe()}")
+                f"runner={b.runner.name} attention={b.attention.name} moe={b.moe.name} kv_cache={plan.describe()}")
 
     # -- generation -------------------------------------------------------------------------------
 

@@ -42,10 +42,11 @@ def error_response(exc: FdplugError, metrics: Any = None) -> JSONResponse:
                         status_code=exc.http_status)
 
 
-def build_app(client: EngineClient, model_name: str, api_key: str | None, max_body_bytes: int) -> Any:
+def build_app(client: EngineClient, model_name: str, api_key: str | None, max_body_bytes: int,
+              stream_interval: int = 1) -> Any:
     """The ASGI app uvicorn runs: the guard around the FastAPI routes."""
     app = FastAPI(title="fdplug", version=fdplug.__version__, docs_url=None, redoc_url=None, openapi_url=None)
-    serving = Serving(client, model_name)
+    serving = Serving(client, model_name, stream_interval)
     metrics = client.metrics
     started = int(time.time())
 

@@ -27,6 +27,7 @@ from typing import Any
 import zmq
 
 from fdplug.core.server import protocol as P
+from fdplug.core.server.heap import freeze_startup_heap
 from fdplug.errors import FdplugError
 
 logger = logging.getLogger("fdplug.engine_process")
@@ -181,6 +182,7 @@ def run_engine(spec: EngineSpec) -> int:
             return 1
         output_socket.send(P.pack([P.READY, info.to_dict()]))
         loop = EngineLoop(core, input_socket, output_socket, spec.parent_pid)
+        freeze_startup_heap()
         # after paddle's import (which installs its own SIGTERM handler): SIGTERM, also what the parent's
         # death sends, ends the loop after its current step, so the cleanup below runs
         signal.signal(signal.SIGTERM, lambda *_: setattr(loop, "running", False))

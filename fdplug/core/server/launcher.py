@@ -33,6 +33,7 @@ import zmq.asyncio
 from fdplug.core.config import env, env_is_set
 from fdplug.core.server import protocol as P
 from fdplug.core.server.engine_process import EngineSpec
+from fdplug.core.server.heap import freeze_startup_heap
 from fdplug.errors import ConfigError, EngineDeadError
 
 logger = logging.getLogger("fdplug.server")
@@ -45,6 +46,7 @@ class ServerSettings:
     api_key: str | None = None
     served_model_name: str | None = None
     max_body_bytes: int = 8 << 20
+    stream_interval: int = 1
     log_level: int = logging.INFO
 
 
@@ -204,7 +206,7 @@ async def _serve(settings: ServerSettings, spec_args: dict, tokenizer: Any, sock
         metrics = ServerMetrics(name)
         client = EngineClient(engine, info, tokenizer, metrics, stall_timeout=env("FDPLUG_ENGINE_STALL_TIMEOUT"))
         api_key = settings.api_key if settings.api_key is not None else env("FDPLUG_API_KEY")
-        app = build_app(client, name, api_key, settings.max_body_bytes)
+        app = build_app(client, name, api_key, settings.max_body_bytes, settings.stream_interval)
         shutdown_timeout = env("FDPLUG_SHUTDOWN_TIMEOUT")
         server = _Server(uvicorn.Config(app, log_config=None, log_level="warning", access_log=False, lifespan="off",
                                         timeout_graceful_shutdown=int(max(1, shutdown_timeout)),
@@ -219,6 +221,7 @@ async def _serve(settings: ServerSettings, spec_args: dict, tokenizer: Any, sock
 
         client.on_engine_dead = engine_dead
         client.start()
+        frozen = freeze_startup_heap()
         host, port = sock.getsockname()[:2]
         shown_host = f"[{host}]" if ":" in host else host
         logger.info("model %s (%s, %s) served as %r; max_model_len %d; vocab %d", info.model_dir, info.architecture,
@@ -227,7 +230,10 @@ async def _serve(settings: ServerSettings, spec_args: dict, tokenizer: Any, sock
                     info.kv_cache_description, info.max_num_seqs, info.max_num_batched_tokens)
         logger.info("API key %s", "required (Authorization: Bearer ...)" if api_key else
                     "not set: anyone who can reach the port can use it")
-        logger.info("API process event loop: %s (FDPLUG_EVENT_LOOP)", type(loop).__module__.partition(".")[0])
+        logger.info("API process event loop: %s (FDPLUG_EVENT_LOOP); %d startup objects frozen out of GC passes; "
+                    "streaming %s", type(loop).__module__.partition(".")[0], frozen,
+                    "a chunk per step" if settings.stream_interval == 1 else
+                    f"the first token, then chunks of {settings.stream_interval} tokens (--stream-interval)")
         logger.info("fdplug serving on http://%s:%d (OpenAI API under /v1; /health, /metrics)", shown_host, port)
         await server.serve(sockets=[sock])
         if not client.healthy and exit_code == 0 and not server.signalled:

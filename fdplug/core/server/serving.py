@@ -47,9 +47,13 @@ class Job:
 
 
 class Serving:
-    def __init__(self, client: EngineClient, model_name: str) -> None:
+    def __init__(self, client: EngineClient, model_name: str, stream_interval: int = 1) -> None:
         self.client = client
         self.model_name = model_name
+        # tokens per streamed chunk after the first (vLLM's and SGLang's --stream-interval): every chunk is
+        # a socket write in this process and a wake-up in the client's, which on a CPU device share the
+        # cores with the engine. 1 (default): a chunk per step, as the engine produces them
+        self.stream_interval = stream_interval
 
     # -- request -> sequences ---------------------------------------------------------------------
 
@@ -164,6 +168,22 @@ class Serving:
 
     # -- streaming --------------------------------------------------------------------------------
 
+    def _hold(self, key: tuple[str, int], delta: Delta, held: dict, started: set) -> Delta | None:
+        """``delta`` joined to what this choice holds; None (held) until it has ``stream_interval`` tokens.
+
+        A choice's first token and its finish are never held: TTFT and the end of a stream are as
+        without the interval; only the chunks between carry several tokens each.
+        """
+        previous = held.pop(key, None)
+        if previous is not None:
+            delta = _merge([previous, delta])[key]
+        if delta.finish_reason is None and key in started and len(delta.token_ids) < self.stream_interval:
+            held[key] = delta
+            return None
+        if delta.token_ids:
+            started.add(key)
+        return delta
+
     async def stream(self, job: Job, queue: asyncio.Queue, include_usage: bool) -> StreamingResponse:
         try:  # admission first: a refused request gets its status code, not a 200 with an error inside
             await asyncio.gather(*(s.admitted for s in job.streams))
@@ -179,6 +199,8 @@ class Serving:
         active = set(index_of)
         completion_tokens, cached = 0, 0
         offsets: dict[int, int] = {}
+        held: dict[tuple[str, int], Delta] = {}   # --stream-interval: tokens not sent yet, per choice
+        started: set[tuple[str, int]] = set()     # choices whose first token went out (never held)
 
         # the envelope is the same for every chunk: encode it once, and only the choices per chunk
         head, tail = _dumps(T.envelope(obj, job.id, job.created, job.model, [], None, include_usage)).encode() \
@@ -203,6 +225,10 @@ class Serving:
                 for key, delta in _merge(items).items():
                     index = job.choice_index(index_of[key[0]], key[1])
                     _raise_if_failed(delta.finish_reason, delta.stop_reason, delta.error)
+                    if self.stream_interval > 1:
+                        delta = self._hold(key, delta, held, started)
+                        if delta is None:
+                            continue
                     completion_tokens += len(delta.token_ids)
                     if not delta.token_ids and not delta.text and delta.finish_reason is None:
                         continue   # a chunk per step with tokens, even while the detokenizer holds text back
@@ -248,13 +274,13 @@ def _merge(items: list) -> dict[tuple[str, int], Delta]:
         if prev is None:
             merged[key] = Delta(item.request_id, item.index, item.text, list(item.token_ids),
                                 list(item.logprobs) if item.logprobs is not None else None, item.finish_reason,
-                                item.stop_reason)
+                                item.stop_reason, item.error)
             continue
         prev.text += item.text
         prev.token_ids.extend(item.token_ids)
         if item.logprobs:
             prev.logprobs = (prev.logprobs or []) + list(item.logprobs)
-        prev.finish_reason, prev.stop_reason = item.finish_reason, item.stop_reason
+        prev.finish_reason, prev.stop_reason, prev.error = item.finish_reason, item.stop_reason, item.error
     return merged
 
 
