@@ -9,10 +9,10 @@ Workload: seeded random token-id prompts and output lengths (``--input-len``/``-
 Poisson at each rate (``inf``: all at once; ``half``: half the request rate measured at ``inf``).
 Per rate: TTFT, TPOT, ITL (p50/p99 ms), request and output-token throughput; each rate after
 saturation runs ``--repeat`` times on fresh prompts, pooled (a p99 of 64 requests is their maximum).
-The offline baseline is ``LLM.generate`` on the same prompts in a child process, run before and after
-each saturation run (never at the same time: they would share the cores); each server run is compared with the geometric
-mean of the two, which cancels a steady drift, and the median of the ``--repeat`` ratios counts,
-because a shared 2-core machine drifts by +-10% from one minute to the next. Both sides first run the
+The offline baseline is ``LLM.generate`` on the same prompts in a child process, run before and
+after each saturation run (never at the same time: they would share the cores); each server run is
+compared with the geometric mean of the two, which cancels a steady drift, and the median of the
+``--repeat`` ratios counts, because a shared 2-core machine drifts by +-10% from one minute to the next. Both sides first run the
 whole workload once on other prompts (``--warmups``), so steady states are compared. Targets: server output
 tok/s at saturation >= 90% of offline; p99 TTFT at half the saturation rate <= 3x its p50.
 """
@@ -328,17 +328,16 @@ def main() -> None:
             meter = CpuMeter(proc.pid if proc is not None else None)
             results, duration = run_client(run_rate(url, model, ps, outs, math.inf, args.seed, args.api_key))
             rows.append(summarize("inf", results, duration))
-            cpu = meter.per_token(sum(r.output_tokens for r in results))
-            off = None
+            cpu, ratio = meter.per_token(sum(r.output_tokens for r in results)), ""
             if not args.no_offline:
                 offline_runs.append(offline_in_subprocess(seed_of(r)))
                 (before, cpu_before), (after, cpu_after) = offline_runs[-2:]
                 off = math.sqrt(before * after)
-                cpu += f"; offline engine {(cpu_before + cpu_after) / 2 * 1e6:.0f}"
                 pairs.append((off, rows[-1]["out_tok_per_s"]))
+                cpu += f"; offline engine {(cpu_before + cpu_after) / 2 * 1e6:.0f}"
+                ratio = f"   offline {before:.0f}, {after:.0f} tok/s -> {rows[-1]['out_tok_per_s'] / off:.1%}"
             print(f"  CPU us per output token: {cpu}", flush=True)
-            print(_format(rows[-1]) + (f"   offline {before:.0f}, {after:.0f} tok/s -> "
-                                       f"{rows[-1]['out_tok_per_s'] / off:.1%}" if off else ""), flush=True)
+            print(_format(rows[-1]) + ratio, flush=True)
         sat_rate = float(np.median([row["req_per_s"] for row in rows]))
         # each other rate runs --repeat times on fresh prompts and arrival times, pooled into one row: with
         # 64 requests a p99 is nearly the maximum, and one arrival that lands behind a prefill sets it
