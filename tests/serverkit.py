@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import platform
+import re
 import signal
 import socket
 import subprocess
@@ -120,3 +122,9 @@ class Server:
         finally:
             self._log.close()
         return code
+
+
+def kernel_honours_custom_slices() -> bool:
+    """Linux 6.12+ lets a normal task set its EEVDF slice; older kernels keep their own."""
+    release = tuple(int(x) for x in re.findall(r"\d+", platform.release())[:2])
+    return sys.platform == "linux" and release >= (6, 12)

@@ -16,6 +16,7 @@ from fdplug.core.server import openai_types as T
 from fdplug.core.server import protocol as P
 from fdplug.core.server.serving import Serving, _merge, _prompts
 from fdplug.errors import ConfigError, FdplugError, InvalidRequestError, QueueFullError
+from tests.serverkit import kernel_honours_custom_slices
 
 
 def roundtrip(message):
@@ -177,3 +178,43 @@ print(frozen, gc.collect(), gc.get_freeze_count() == frozen)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     frozen, collected, unchanged = out.stdout.split()
     assert int(frozen) >= 50_000 and int(collected) >= 2 and unchanged == "True"
+
+
+SLICE_PROBE = """
+import os, sys, threading
+from fdplug.core.server.scheduling import current_slice_ns, shorten_scheduler_slice
+os.nice(3)
+default = current_slice_ns()
+got, why = shorten_scheduler_slice(int(sys.argv[1]))
+seen = []
+thread = threading.Thread(target=lambda: seen.append(current_slice_ns()))
+thread.start(); thread.join()
+print(default, got, seen[0], os.getpriority(os.PRIO_PROCESS, 0), os.sched_getscheduler(0), why)
+"""
+
+
+def test_engine_scheduler_slice_is_set_kept_nice_and_inherited_by_later_threads():
+    out = subprocess.run([sys.executable, "-c", SLICE_PROBE, "250"], capture_output=True, text=True, timeout=60,
+                         check=True).stdout.split(maxsplit=5)
+    default, got, in_thread, nice, policy, why = out
+    assert (nice, policy) == ("3", "0")          # sched_setattr sets nice and policy too: both kept
+    if kernel_honours_custom_slices():
+        assert (got, in_thread) == ("250000", "250000") and default != "250000", out
+        assert why.startswith("set so the engine's threads preempt")
+    else:                                         # nothing pretended: the kernel's slice, and why
+        assert got == default and why.startswith("unchanged"), out
+
+
+def test_engine_scheduler_slice_zero_keeps_the_kernel_default():
+    default, got, in_thread, *_ = subprocess.run([sys.executable, "-c", SLICE_PROBE, "0"], capture_output=True,
+                                                 text=True, timeout=60, check=True).stdout.split(maxsplit=5)
+    assert default == got == in_thread
+
+
+@pytest.mark.parametrize("raw", ["50", "100001", "-1", "soon"])
+def test_engine_slice_variable_rejects_what_the_kernel_would_clamp(monkeypatch, raw):
+    from fdplug.core.config import env
+
+    monkeypatch.setenv("FDPLUG_ENGINE_SLICE_US", raw)
+    with pytest.raises(ConfigError, match="FDPLUG_ENGINE_SLICE_US"):
+        env("FDPLUG_ENGINE_SLICE_US")

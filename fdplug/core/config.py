@@ -70,6 +70,13 @@ def _parse_choice(*choices: str) -> Callable[[str], str]:
     return parse
 
 
+def _parse_slice_us(raw: str) -> int:
+    value = int(raw)
+    if value != 0 and not 100 <= value <= 100_000:
+        raise ValueError(f"must be 0 (the kernel's default) or 100-100000 microseconds, got {value}")
+    return value
+
+
 def _parse_positive_float(raw: str) -> float:
     value = float(raw)
     if value <= 0:
@@ -147,6 +154,9 @@ declare("FDPLUG_SHUTDOWN_TIMEOUT", 5.0, _parse_positive_float,
         "Seconds `fdplug serve` waits for responses and the engine process to finish when stopping.")
 declare("FDPLUG_ENGINE_STALL_TIMEOUT", 600.0, _parse_positive_float,
         "Seconds the engine may send nothing while requests are in flight before `fdplug serve` kills it as hung.")
+declare("FDPLUG_ENGINE_SLICE_US", 100, _parse_slice_us,
+        "Scheduler slice the engine process asks Linux (6.12+) for, in microseconds: short, so its compute threads "
+        "preempt the API process on the shared cores instead of waiting out its slice; 0 keeps the kernel's default.")
 declare("FDPLUG_EVENT_LOOP", "auto", _parse_choice("auto", "uvloop", "asyncio"),
         "The API process's event loop: auto (default) uses uvloop where it is installed (a dependency on Linux "
         "and macOS: its C sockets cost about a fifth less CPU per streamed token), else asyncio's.")

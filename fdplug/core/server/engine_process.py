@@ -28,6 +28,7 @@ import zmq
 
 from fdplug.core.server import protocol as P
 from fdplug.core.server.heap import freeze_startup_heap
+from fdplug.core.server.scheduling import shorten_scheduler_slice
 from fdplug.errors import FdplugError
 
 logger = logging.getLogger("fdplug.engine_process")
@@ -49,6 +50,7 @@ class EngineSpec:
     engine_args: dict       # EngineConfig fields (vLLM names)
     parent_pid: int
     log_level: int = logging.WARNING
+    scheduler_slice_us: int = 0   # FDPLUG_ENGINE_SLICE_US, read (and checked) by the API process; 0: kernel default
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -164,6 +166,9 @@ def run_engine(spec: EngineSpec) -> int:
     _die_with_parent()
     if os.getppid() != spec.parent_pid:
         return 1
+    slice_ns, why = shorten_scheduler_slice(spec.scheduler_slice_us)   # before any thread starts: they inherit it
+    logger.info("engine process scheduler slice: %s, %s", "unknown" if slice_ns is None else f"{slice_ns / 1e6:g} ms",
+                why)
     context = zmq.Context()
     input_socket = context.socket(zmq.PULL)
     output_socket = context.socket(zmq.PUSH)

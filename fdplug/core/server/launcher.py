@@ -54,6 +54,7 @@ class EngineProcess:
     """The engine subprocess and the two IPC sockets (bound here, in a private temp dir)."""
 
     def __init__(self, spec_args: dict, log_level: int) -> None:
+        slice_us = env("FDPLUG_ENGINE_SLICE_US")   # a malformed value fails here, before anything is created
         self.tmpdir = tempfile.mkdtemp(prefix="fdplug-")
         os.chmod(self.tmpdir, 0o700)  # only this user may connect to the sockets
         self.sync_context = zmq.Context()
@@ -67,7 +68,8 @@ class EngineProcess:
         input_address, output_address = f"ipc://{self.tmpdir}/input", f"ipc://{self.tmpdir}/output"
         self.input_socket.bind(input_address)
         self.output_socket.bind(output_address)
-        spec = EngineSpec(input_address, output_address, parent_pid=os.getpid(), log_level=log_level, **spec_args)
+        spec = EngineSpec(input_address, output_address, parent_pid=os.getpid(), log_level=log_level,
+                          scheduler_slice_us=slice_us, **spec_args)
         environ = dict(os.environ)
         if not env_is_set("OMP_NUM_THREADS"):   # written by `import paddle` here, not by the user: don't pass it on
             environ.pop("OMP_NUM_THREADS", None)
