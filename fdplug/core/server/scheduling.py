@@ -12,9 +12,9 @@ the same rule keeps it from waiting behind the API process.
 Linux 6.12+ (EEVDF) lets a normal task ask for a shorter slice (``sched_setattr`` with
 ``sched_runtime``): its deadline comes sooner, so it preempts on wake-up, while its CPU share is
 unchanged, so the API process is never starved (unlike ``nice`` or ``SCHED_IDLE``: the first changed
-nothing measurable, the second took p99 TTFT at half load from 33 to 114 ms). Threads inherit the slice, so setting
-it before the model is built covers every worker. Older kernels, other systems and real-time
-policies are left as they are; the function says so instead of pretending.
+nothing measurable, the second took p99 TTFT at half load from 33 to 114 ms). Threads inherit the
+slice, so setting it before the model is built covers every worker. Older kernels, other systems and
+real-time policies are left as they are; the function says so instead of pretending.
 """
 
 from __future__ import annotations
