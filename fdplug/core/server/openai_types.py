@@ -214,11 +214,19 @@ def completion_logprobs(token_ids: list[int], entries: list[dict], k: int, offse
         text = sampled.decoded_token if sampled is not None else ""
         tokens.append(text)
         token_logprobs.append(sampled.logprob if sampled is not None else None)
-        top_logprobs.append({lp.decoded_token: lp.logprob for _, lp in _top(entry, k)} if k else None)
+        top_logprobs.append(_top_by_text(entry, k) if k else None)
         text_offset.append(offset)
         offset += len(text or "")
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": text_offset}
+
+
+def _top_by_text(entry: dict, k: int) -> dict[str, float]:
+    """{text: logprob} of the top ``k``; byte pieces that decode alike keep the likeliest one's logprob."""
+    top: dict[str, float] = {}
+    for _, lp in _top(entry, k):     # most likely first
+        top.setdefault(lp.decoded_token, lp.logprob)
+    return top
 
 
 def chat_logprobs(token_ids: list[int], entries: list[dict], k: int) -> dict:
