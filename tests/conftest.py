@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -68,6 +70,14 @@ def subprocess_env(extra_paths: list[str] = (), **env: str) -> dict[str, str]:
 
 
 PYTHON = sys.executable
+GOLDEN = REPO / "tests" / "fixtures" / "golden"   # tools/make_golden.py: tiny HF models + their logits
+
+
+def golden(name: str) -> tuple[list[list[int]], list[np.ndarray]]:
+    """A golden fixture's token sequences and transformers' float32 logits for each."""
+    seqs = json.loads((GOLDEN / name / "golden.json").read_text())["sequences"]
+    return seqs, [np.load(GOLDEN / name / f"logits_{i}.npy") for i in range(len(seqs))]
+
 
 
 def write_test_model(out_dir: Path, **overrides) -> Path:

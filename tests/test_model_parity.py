@@ -27,8 +27,8 @@ from fdplug.core.model.loader import load_model  # noqa: E402
 from fdplug.core.model.rope import RopeConfig, inv_freq, parse_rope  # noqa: E402
 from fdplug.errors import ModelLoadError, UnsupportedModelError, WeightMismatchError  # noqa: E402
 from fdplug.plugins.cpu.attention import ReferenceAttention  # noqa: E402
+from tests.conftest import GOLDEN, golden  # noqa: E402
 
-GOLDEN = Path(__file__).parent / "fixtures" / "golden"
 MODELS = sorted(p.name for p in GOLDEN.iterdir() if (p / "golden.json").is_file())
 TOL = 1e-4
 BLOCK = 4
@@ -39,11 +39,6 @@ def loaded(name: str):
     backend = ReferenceAttention()
     model, cfg = load_model(GOLDEN / name, backend, show_progress=False)
     return model, cfg, backend
-
-
-def golden(name: str) -> tuple[list[list[int]], list[np.ndarray]]:
-    seqs = json.loads((GOLDEN / name / "golden.json").read_text())["sequences"]
-    return seqs, [np.load(GOLDEN / name / f"logits_{i}.npy") for i in range(len(seqs))]
 
 
 class Steps:

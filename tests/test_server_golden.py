@@ -9,7 +9,6 @@ that share a prefix, prefix caching, sampler, logprob formatting) adds nothing t
 
 from __future__ import annotations
 
-import json
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,9 +18,9 @@ import pytest
 
 from fdplug.core.demo import ensure_demo_model
 from fdplug.core.model.tokenizer import Tokenizer
+from tests.conftest import GOLDEN, golden
 from tests.serverkit import Server
 
-GOLDEN = Path(__file__).parent / "fixtures" / "golden" / "llama"
 PREFIXES = (3, 5, 7, 9, 12)
 TOP = 5
 TOL = 1e-4     # as in test_model_parity: float32 Paddle vs float32 torch
@@ -30,7 +29,7 @@ TOL = 1e-4     # as in test_model_parity: float32 Paddle vs float32 torch
 @pytest.fixture(scope="module")
 def golden_model(tmp_path_factory) -> Path:
     model = tmp_path_factory.mktemp("golden") / "llama"
-    shutil.copytree(GOLDEN, model)
+    shutil.copytree(GOLDEN / "llama", model)
     for name in ("tokenizer.json", "tokenizer_config.json"):   # the fixture has weights only; the server
         shutil.copy(ensure_demo_model() / name, model / name)   # needs a tokenizer to detokenize its output
     return model
@@ -45,8 +44,7 @@ def server(golden_model, tmp_path_factory):
 
 
 def test_every_prefix_gets_transformers_greedy_token_and_logprobs(server, golden_model):
-    sequence = json.loads((GOLDEN / "golden.json").read_text())["sequences"][0]
-    logits = np.load(GOLDEN / "logits_0.npy")
+    (sequence, _), (logits, _) = golden("llama")
     tokenizer = Tokenizer.from_dir(golden_model)
     client = server.openai()
 

@@ -12,12 +12,9 @@ import time
 import httpx
 import pytest
 
+from fdplug.core.server.scheduling import current_slice_ns
 from tests.conftest import subprocess_env
 from tests.serverkit import FDPLUG, SMALL, Server, alive, free_port, kernel_honours_custom_slices, wait_until
-
-
-def slice_ns(sched_file: str) -> int:
-    return next(int(line.split(":")[1]) for line in open(sched_file) if line.startswith("se.slice"))
 
 
 def run_cli(*args, timeout=60):
@@ -136,8 +133,8 @@ def test_engine_exits_when_the_api_process_is_killed(tmp_path):
     assert frozen and int(frozen.group(1)) > 10_000     # FastAPI, paddle, the tokenizer: never garbage
     if kernel_honours_custom_slices():   # every engine thread (paddle's workers too) preempts the API process
         assert "engine process scheduler slice: 0.1 ms, set so" in server.log()
-        slices = {t: slice_ns(f"/proc/{engine}/task/{t}/sched") for t in os.listdir(f"/proc/{engine}/task")}
+        slices = {t: current_slice_ns(f"/proc/{engine}/task/{t}/sched") for t in os.listdir(f"/proc/{engine}/task")}
         assert len(slices) > 1 and set(slices.values()) == {100_000}, slices
-        assert slice_ns(f"/proc/{server.proc.pid}/sched") != 100_000    # the API process keeps the kernel's
+        assert current_slice_ns(f"/proc/{server.proc.pid}/sched") != 100_000    # the API process keeps the kernel's
     server.stop(signal.SIGKILL)
     wait_until(lambda: not alive(engine), 10, what="engine process gone")

@@ -30,10 +30,10 @@ _SYSCALL_SCHED_SETATTR = {"x86_64": 314, "aarch64": 274, "arm64": 274, "riscv64"
 _FAIR_POLICIES = (os.SCHED_OTHER, getattr(os, "SCHED_BATCH", 3)) if hasattr(os, "SCHED_OTHER") else ()
 
 
-def current_slice_ns() -> int | None:
-    """The calling thread's scheduler slice, or None where the kernel does not report one (pre-EEVDF)."""
+def current_slice_ns(sched_file: str = "/proc/thread-self/sched") -> int | None:
+    """A thread's scheduler slice (default: the caller's), or None where the kernel reports none (pre-EEVDF)."""
     try:
-        with open("/proc/thread-self/sched") as f:
+        with open(sched_file) as f:
             for line in f:
                 if line.startswith("se.slice"):
                     return int(line.split(":")[1])
