@@ -20,7 +20,7 @@ import fdplug
 from fdplug.core.config import ENV_VARS, env, env_is_set
 from fdplug.core.plugins import load_plugins
 from fdplug.core.selection import run_probe, select_backend
-from fdplug.errors import FdplugError, SelectionError
+from fdplug.errors import FdplugError
 
 
 def user_errors(fn: Callable) -> Callable:
@@ -253,9 +253,12 @@ def generate_command(prompts: tuple[str, ...], chat: bool, max_tokens: int, temp
               help="Tokens per streamed chunk after the first (fewer socket writes under load; 1: every step).")
 @click.option("--max-waiting-requests", type=click.IntRange(min=1), default=1024, show_default=True,
               help="Requests queued beyond the running batch; more get 503.")
+@click.option("--trust-request-chat-template", is_flag=True,
+              help="Run chat templates sent in requests (chat_template): a template is code; trusted clients only.")
 @user_errors
 def serve_command(host: str, port: int, api_key: str | None, served_model_name: str | None, max_body_bytes: int,
-                  stream_interval: int, max_waiting_requests: int, **kw: Any) -> None:
+                  stream_interval: int, max_waiting_requests: int, trust_request_chat_template: bool,
+                  **kw: Any) -> None:
     """Serve the OpenAI API (chat, completions, streaming) with the engine in its own process."""
     from fdplug.core.server.launcher import ServerSettings, serve
 
@@ -263,7 +266,8 @@ def serve_command(host: str, port: int, api_key: str | None, served_model_name: 
     args = engine_kwargs(kw)
     args["max_waiting_requests"] = max_waiting_requests
     settings = ServerSettings(host=host, port=port, api_key=api_key, served_model_name=served_model_name,
-                              max_body_bytes=max_body_bytes, stream_interval=stream_interval)
+                              max_body_bytes=max_body_bytes, stream_interval=stream_interval,
+                              trust_request_chat_template=trust_request_chat_template)
     sys.exit(serve(settings, args))
 
 

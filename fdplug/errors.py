@@ -7,20 +7,40 @@ bug and becomes a 500.
 
 from __future__ import annotations
 
+import reprlib
+
+
+_SHOW = reprlib.Repr()
+_SHOW.maxstring, _SHOW.maxother, _SHOW.maxlist, _SHOW.maxdict, _SHOW.maxlevel = 60, 60, 6, 4, 2
+
+
+def show_value(value: object) -> str:
+    """A client's value, short enough for an error message, whatever it is: a 10,000-digit integer
+    (whose ``repr`` Python refuses) or a list of a million items (whose ``repr`` takes a while)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 200:
+        return f"an integer of {len(format(value, 'x')) * 4 // 3.32:.0f}-odd digits"
+    try:
+        return _SHOW.repr(value)
+    except ValueError:       # an int nested somewhere with too many digits to print
+        return f"a {type(value).__name__}"
+
 
 class FdplugError(Exception):
     """Base of every user-facing fdplug error.
 
     ``fix`` is the one-line remedy; ``str(err)`` includes it so a log line or a CLI message is
-    complete on its own.
+    complete on its own. ``param`` names the request field at fault (OpenAI's ``error.param``).
     """
 
     http_status = 400
     error_type = "invalid_request_error"
+    param: str | None = None
 
-    def __init__(self, message: str, *, fix: str | None = None) -> None:
+    def __init__(self, message: str, *, fix: str | None = None, param: str | None = None) -> None:
         self.message = message
         self.fix = fix
+        if param is not None:
+            self.param = param
         super().__init__(f"{message} Fix: {fix}" if fix else message)
 
 
@@ -211,8 +231,8 @@ class ServerShuttingDownError(FdplugError):
 def error_to_dict(exc: BaseException) -> dict:
     """A typed error as plain data: its class name, message and fix (no traceback, no secrets)."""
     if isinstance(exc, FdplugError):
-        return {"type": type(exc).__name__, "message": exc.message, "fix": exc.fix}
-    return {"type": type(exc).__name__, "message": f"{type(exc).__name__}: {exc}", "fix": None}
+        return {"type": type(exc).__name__, "message": exc.message, "fix": exc.fix, "param": exc.param}
+    return {"type": type(exc).__name__, "message": f"{type(exc).__name__}: {exc}", "fix": None, "param": None}
 
 
 def error_from_dict(item: dict) -> FdplugError:
@@ -221,5 +241,7 @@ def error_from_dict(item: dict) -> FdplugError:
     if not (isinstance(cls, type) and issubclass(cls, FdplugError)):
         cls = EngineRequestError
     err = cls.__new__(cls)
-    FdplugError.__init__(err, item.get("message") or "unknown error", fix=item.get("fix"))
+    param = item.get("param")
+    FdplugError.__init__(err, item.get("message") or "unknown error", fix=item.get("fix"),
+                         param=param if isinstance(param, str) else None)
     return err

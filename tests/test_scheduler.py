@@ -69,28 +69,60 @@ def test_config_minimum_kv_cache_is_one_full_length_request():
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(temperature=-0.5), r"temperature must be in \[0, inf\)"),
+    (dict(temperature=-0.5), r"temperature must be in \[0, 100\]"),
+    (dict(temperature=100.5), r"temperature must be in \[0, 100\]"),
     (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=float("inf")), "temperature"),
     (dict(temperature=True), "temperature"),
     (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
     (dict(top_p=1.5), "top_p"),
     (dict(top_k=-2), "top_k must be -1 or 0"),
+    (dict(top_k=2**31), "top_k must be -1 or 0"),
+    (dict(top_k=2**63), "top_k"),
     (dict(min_p=1.5), "min_p"),
-    (dict(n=0), "n must be an integer >= 1"),
+    (dict(n=0), r"n must be an integer in \[1, 128\]"),
+    (dict(n=129), r"n must be an integer in \[1, 128\]"),
     (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=2**63), "max_tokens"),
     (dict(max_tokens=4, min_tokens=5), "min_tokens"),
+    (dict(max_tokens=None, min_tokens=2**64), "min_tokens"),
     (dict(presence_penalty=2.5), r"presence_penalty must be in \[-2, 2\]"),
     (dict(frequency_penalty=-3), "frequency_penalty"),
     (dict(repetition_penalty=0.0), "repetition_penalty"),
-    (dict(logprobs=21), "at most 20"),
+    (dict(repetition_penalty=1e-40), "repetition_penalty"),
+    (dict(repetition_penalty=101), "repetition_penalty"),
+    (dict(logprobs=21), r"logprobs must be null or an integer in \[0, 20\]"),
     (dict(stop=("ok", "")), "non-empty strings"),
+    (dict(stop=("x" * 1025,)), "at most 1024 characters"),
+    (dict(stop=tuple("abcdefghijklmnopqrstuvwxyz" * 3)), "at most 64 strings"),
+    (dict(stop=5), "stop must be"),
     (dict(stop_token_ids=(5, -1)), "stop_token_ids"),
+    (dict(stop_token_ids=tuple(range(1025))), "at most 1024"),
     (dict(seed=1.5), "seed"),
+    (dict(seed=2**63), "seed must be null or a 64-bit signed integer"),
+    (dict(seed=-(2**63) - 1), "seed"),
+    (dict(seed=10**5000), "an integer of"),
+    (dict(ignore_eos="yes"), "ignore_eos"),
 ])
 def test_sampling_params_validation(kw, match):
     with pytest.raises(InvalidRequestError, match=match) as info:
         SamplingParams(**kw).validate()
     assert info.value.http_status == 400 and info.value.fix
+    assert info.value.param in kw or info.value.param == "min_tokens", info.value.param
+
+
+def test_sampling_params_edges_are_valid():
+    for kw in (dict(temperature=100), dict(top_k=2**31 - 1), dict(seed=2**63 - 1), dict(seed=-(2**63)),
+               dict(repetition_penalty=0.01), dict(repetition_penalty=100), dict(n=128), dict(logprobs=20),
+               dict(stop=("x" * 1024,) * 64), dict(stop_token_ids=tuple(range(1024)))):
+        SamplingParams(**kw).validate()
+
+
+def test_child_seeds_wrap_within_64_bits():
+    from fdplug.core.request import child_seed
+
+    assert child_seed(None, 3) is None and child_seed(7, 2) == 9
+    assert child_seed(2**63 - 1, 1) == -(2**63) and child_seed(2**63 - 1, 0) == 2**63 - 1
 
 
 def test_sampling_params_defaults_and_normalisation():
@@ -226,12 +258,28 @@ def test_abort_between_schedule_and_update_is_skipped():
     assert [r.request_id for r in res] == ["b"] and free_blocks(s) == 63 - 2  # b holds 8 tokens
 
 
-def test_runner_must_sample_for_a_request_that_finished_its_prefill():
+def test_a_request_the_runner_sampled_nothing_for_fails_alone():
     s = make()
     s.add_request(req("a"))
+    s.add_request(req("b", start=3))
     out = s.schedule()
-    with pytest.raises(ValueError, match="sampled no token"):
-        s.update_from_output(out, {})
+    res = s.update_from_output(out, {"b": [5]})
+    by_id = {r.request_id: r for r in res}
+    assert by_id["a"].finished and by_id["a"].finish_reason == "error" and "no token" in by_id["a"].error["message"]
+    assert by_id["b"].new_token_ids == [5] and not by_id["b"].finished
+    assert "a" not in s.requests and [r.request_id for r in s.running] == ["b"]
+    assert free_blocks(s) == 63 - 2     # a's blocks are back; b holds its 8 prompt tokens
+
+
+def test_preempt_all_running_keeps_their_order_at_the_front():
+    s = make()
+    for rid in "abc":
+        s.add_request(req(rid, start=ord(rid)))
+    step(s)
+    s.add_request(req("d"))
+    assert s.preempt_all_running() == ["a", "b", "c"]
+    assert [r.request_id for r in s.waiting] == ["a", "b", "c", "d"] and not s.running
+    assert free_blocks(s) == 63 and all(s.requests[r].num_computed_tokens == 0 for r in "abc")
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -225,7 +225,7 @@ def _load_one(plugin_set: PluginSet, cand: _Candidate, allow: frozenset | None, 
         logger.warning("plugin %s (%s) failed to load: %s", cand.name, cand.source, error)
         if strict:
             raise PluginError(f"plugin {cand.name!r} ({cand.source}) failed to load: {error}",
-                              fix=f"fix or uninstall it, or unset FDPLUG_STRICT_PLUGINS to skip it.") from exc
+                              fix="fix or uninstall it, or unset FDPLUG_STRICT_PLUGINS to skip it.") from exc
         return
     record(LOADED, hooks=hooks, registered=plugin_set.registry.by_plugin(cand.name))
 

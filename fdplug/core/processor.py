@@ -10,11 +10,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+from fdplug.core.admission import check_prompt_length, check_sampling, check_token_ids
 from fdplug.core.model.detokenizer import IncrementalDetokenizer
 from fdplug.core.multimodal.config import MultimodalConfig
 from fdplug.core.multimodal.inputs import FeaturePartCollector, MMFeatureInput, expand_placeholders
 from fdplug.core.outputs import CompletionOutput, Logprob, RequestOutput
-from fdplug.core.request import MAX_LOGPROBS, MMPlaceholder, Request, SamplingParams
+from fdplug.core.request import MMPlaceholder, Request, SamplingParams, child_seed
 from fdplug.core.scheduler.output import EngineCoreOutput
 from fdplug.errors import FdplugError, InvalidRequestError, error_from_dict
 
@@ -59,7 +60,8 @@ class InputProcessor:
             collector = FeaturePartCollector(self.mm_config, self.tokenizer, tenant)
             for part in parts:
                 collector(part, 0)
-            processed.token_ids, processed.mm_positions = expand_placeholders(ids, collector.items, self.mm_config)
+            processed.token_ids, processed.mm_positions = expand_placeholders(ids, collector.items, self.mm_config,
+                                                                              self.max_model_len)
             processed.mm_inputs = collector.items
         self.check_length(len(processed.token_ids))
         return processed
@@ -78,50 +80,24 @@ class InputProcessor:
         return text, ids
 
     def check_length(self, num_prompt_tokens: int, max_tokens: int | None = None) -> None:
-        if num_prompt_tokens == 0:
-            raise InvalidRequestError("the prompt is empty.", fix="send a prompt of at least one token.")
-        if num_prompt_tokens >= self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {num_prompt_tokens} tokens, but max_model_len is {self.max_model_len}, which "
-                f"leaves room for at most {self.max_model_len - 1} prompt tokens.",
-                fix="shorten the prompt, or start the engine with a larger max_model_len.")
-        if max_tokens is not None and num_prompt_tokens + max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"this model's maximum context length is {self.max_model_len} tokens, but {num_prompt_tokens + max_tokens} "
-                f"were requested ({num_prompt_tokens} in the prompt, {max_tokens} for the completion).",
-                fix=f"lower max_tokens to at most {self.max_model_len - num_prompt_tokens}, or shorten the prompt.")
+        check_prompt_length(num_prompt_tokens, self.max_model_len, max_tokens)
 
     def check_params(self, params: SamplingParams) -> SamplingParams:
-        params.validate()
-        if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
-            raise InvalidRequestError(f"logprobs must be at most {MAX_LOGPROBS}, got {params.logprobs}.",
-                                      fix=f"ask for {MAX_LOGPROBS} or fewer alternatives.")
-        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"stop_token_ids {bad} are outside the vocabulary [0, {self.vocab_size}).",
-                                      fix="use token ids of this model's tokenizer.")
-        return params
+        return check_sampling(params, self.vocab_size)
 
     def make_requests(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
                       cache_salt: str | None = None) -> list[Request]:
         """One engine request per output sequence; with a seed, sequence ``i`` uses ``seed + i``."""
         requests = []
         for i in range(params.n):
-            child = params if params.n == 1 else dataclasses.replace(
-                params, n=1, seed=None if params.seed is None else params.seed + i)
+            child = params if params.n == 1 else dataclasses.replace(params, n=1, seed=child_seed(params.seed, i))
             requests.append(Request(child_id(request_id, i, params.n), prompt.token_ids, child, self.eos_token_ids,
                                     cache_salt=cache_salt, mm_positions=list(prompt.mm_positions),
                                     mm_inputs=list(prompt.mm_inputs)))
         return requests
 
     def _check_ids(self, ids: Any) -> list[int]:
-        if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise InvalidRequestError("prompt_token_ids must be a list of integers.", fix="pass token ids as ints.")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size}).",
-                                      fix="tokenize with this model's tokenizer.")
-        return list(ids)
+        return check_token_ids(ids, self.vocab_size)
 
 
 # ---------------------------------------------------------------------------------------------------

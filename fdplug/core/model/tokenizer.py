@@ -2,10 +2,9 @@
 
 Why not transformers: the server needs encode/decode and the chat template, nothing else, and
 ``tokenizers`` (Rust) + ``jinja2`` are light. The behaviour follows transformers where a model
-relies on it: where the chat template comes from (``chat_template.jinja`` first), the Jinja
-environment (sandboxed, ``trim_blocks``/``lstrip_blocks``, ``raise_exception``, ``tojson``,
-``strftime_now``, the ``{% generation %}`` tag), the variables a template sees, and which ids end
-generation (the tokenizer's EOS and every ``eos_token_id`` of ``generation_config.json``).
+relies on it: where the chat template comes from (``chat_template.jinja`` first), the variables a
+template sees, and which ids end generation (the tokenizer's EOS and every ``eos_token_id`` of
+``generation_config.json``). Templates render in ``chat_template.py``'s sandbox, on a work budget.
 """
 
 from __future__ import annotations
@@ -13,19 +12,13 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-import jinja2
-import jinja2.ext
-from jinja2 import nodes
-from jinja2.exceptions import SecurityError, TemplateSyntaxError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
-from fdplug.errors import InvalidRequestError, ModelLoadError
+from fdplug.core.model.chat_template import render_template
+from fdplug.errors import InvalidRequestError, ModelLoadError, show_value
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 _SPECIAL_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
@@ -144,8 +137,9 @@ class Tokenizer:
         """The prompt text for a conversation, rendered by the model's chat template in a sandbox.
 
         ``chat_template`` is a template name (``"tool_use"``) or a template's source; ``kwargs``
-        become template variables (e.g. ``enable_thinking``). Raises ``InvalidRequestError`` for a
-        malformed conversation, a model without a template, or a template that fails or raises.
+        become template variables (e.g. ``enable_thinking``; see ``check_template_kwargs``). Raises
+        ``InvalidRequestError`` for a malformed conversation, a model without a template, or a
+        template that fails, raises or goes over its work budget.
         """
         source = self._select_template(chat_template, tools)
         context = {
@@ -157,6 +151,10 @@ class Tokenizer:
             "add_generation_prompt": add_generation_prompt,
         }
         return render_template(source, context)
+
+    def is_named_template(self, chat_template: str) -> bool:
+        """Whether ``chat_template`` names one of the model's own templates (not a template's source)."""
+        return chat_template in self.chat_templates
 
     def _select_template(self, chat_template: str | None, tools: Any) -> str:
         """transformers' rule: an explicit name or source, else "tool_use" when tools are given, else "default"."""
@@ -185,6 +183,23 @@ class Tokenizer:
 # ---------------------------------------------------------------------------------------------------
 
 
+TEMPLATE_ARGUMENTS = frozenset({"messages", "add_generation_prompt", "tools", "documents", "chat_template",
+                                "content_part_handler"})
+"""``apply_chat_template``'s own arguments and the variables it sets: not template kwargs."""
+
+
+def check_template_kwargs(kwargs: Mapping[str, Any] | None, param: str = "chat_template_kwargs") -> dict[str, Any]:
+    """Extra template variables from a request, refusing the names ``apply_chat_template`` sets itself
+    (a collision was a TypeError, a 500, and would let a kwarg override the conversation)."""
+    kwargs = dict(kwargs or {})
+    for name in kwargs:
+        if name in TEMPLATE_ARGUMENTS:
+            raise InvalidRequestError(f"{param} may not set {name!r}: it is an argument of its own.",
+                                      fix=f"send {name} as a request field (where the API has one), not in {param}.",
+                                      param=f"{param}.{name}")
+    return kwargs
+
+
 def normalize_messages(messages: Sequence[Mapping[str, Any]],
                        content_part_handler: ContentPartHandler | None = None) -> list[dict[str, Any]]:
     """Validated copies of OpenAI-style messages in the shape HF templates expect.
@@ -207,8 +222,8 @@ def _normalize_message(message: Any, index: int, handler: ContentPartHandler | N
         raise InvalidRequestError(f"messages[{index}] has role {role!r}.", fix=f"use one of {sorted(ROLES)}.")
     out = dict(message)
     out["content"] = _content_text(message.get("content"), index, role, handler)
-    if message.get("tool_calls"):
-        out["tool_calls"] = [_normalize_tool_call(c, index) for c in message["tool_calls"]]
+    if message.get("tool_calls") is not None:
+        out["tool_calls"] = _normalize_tool_calls(message["tool_calls"], f"messages.{index}.tool_calls")
     return out
 
 
@@ -240,17 +255,41 @@ def _part_text(part: Any, index: int, handler: ContentPartHandler | None) -> str
     return handler(part, index)
 
 
-def _normalize_tool_call(call: Any, index: int) -> Any:
-    function = call.get("function") if isinstance(call, Mapping) else None
+_TOOL_CALL_SHAPE = '{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{\\"a\\": 1}"}}'
+
+
+def _normalize_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """OpenAI tool calls, checked; a call's JSON ``arguments`` string becomes a dict, since templates
+    render it with ``tojson``."""
+    if isinstance(calls, (str, bytes, Mapping)) or not isinstance(calls, Sequence):
+        raise InvalidRequestError(f"{where} must be a list of tool calls, got {show_value(calls)}.",
+                                  fix=f"send a list of {_TOOL_CALL_SHAPE}.", param=where)
+    return [_normalize_tool_call(call, f"{where}.{j}") for j, call in enumerate(calls)]
+
+
+def _normalize_tool_call(call: Any, where: str) -> dict[str, Any]:
+    def refuse(field: str, what: str) -> InvalidRequestError:
+        return InvalidRequestError(f"{where}{field} {what}.", fix=f"send each tool call as {_TOOL_CALL_SHAPE}.",
+                                   param=where + field)
+
+    if not isinstance(call, Mapping):
+        raise refuse("", f"must be an object, got {show_value(call)}")
+    for key in ("id", "type"):
+        if key in call and not isinstance(call[key], str):
+            raise refuse(f".{key}", "must be a string")
+    function = call.get("function")
     if not isinstance(function, Mapping):
-        return call
-    arguments = function.get("arguments")
+        raise refuse(".function", "must be an object with a name and arguments")
+    if not isinstance(function.get("name"), str):
+        raise refuse(".function.name", "must be a string")
+    arguments = function.get("arguments", {})
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
-        except ValueError:
-            raise InvalidRequestError(f"messages[{index}] has a tool call whose arguments are not valid JSON.",
-                                      fix="send function.arguments as a JSON object string.") from None
+        except (ValueError, RecursionError):
+            raise refuse(".function.arguments", "is not valid JSON") from None
+    if not isinstance(arguments, Mapping):
+        raise refuse(".function.arguments", "must be a JSON object (or its text)")
     return {**call, "function": {**function, "arguments": arguments}}
 
 
@@ -261,82 +300,6 @@ def _check_dicts(items: Any, what: str) -> list[dict[str, Any]] | None:
             isinstance(i, Mapping) for i in items):
         raise InvalidRequestError(f"{what} must be a list of objects.", fix=f"send {what} as a JSON list of objects.")
     return [dict(i) for i in items]
-
-
-# ---------------------------------------------------------------------------------------------------
-# rendering
-# ---------------------------------------------------------------------------------------------------
-
-
-class _TemplateRaised(Exception):
-    """What ``raise_exception(...)`` in a template raises: the template's own verdict on the input."""
-
-
-class _Sandbox(ImmutableSandboxedEnvironment):
-    """transformers' environment, except that touching an unsafe attribute fails loudly.
-
-    The stock sandbox renders ``{{ ''.__class__ }}`` as an empty string and fails only one step
-    later; a template that probes Python internals is never legitimate, so stop it at once.
-    """
-
-    def unsafe_undefined(self, obj: Any, attribute: str) -> Any:
-        raise SecurityError(f"access to attribute {attribute!r} of a {type(obj).__name__!r} object is unsafe.")
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """``{% generation %}...{% endgeneration %}`` (transformers' assistant-mask marker) renders its body."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: Any) -> list[nodes.Node]:
-        next(parser.stream)
-        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
-
-
-def _raise_exception(message: str) -> None:
-    raise _TemplateRaised(message)
-
-
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: Any = None, sort_keys: bool = False) -> str:
-    """transformers' ``tojson``: no HTML escaping and key order kept, unlike Jinja's built-in."""
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-@lru_cache(maxsize=32)
-def compile_template(source: str) -> jinja2.Template:
-    """Compile a chat template once per distinct source."""
-    env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    try:
-        return env.from_string(source)
-    except TemplateSyntaxError as exc:
-        raise InvalidRequestError(f"the chat template is not valid Jinja: {exc.message} (line {exc.lineno}).",
-                                  fix="fix the template or pass a working one (--chat-template).") from None
-
-
-def render_template(source: str, context: Mapping[str, Any]) -> str:
-    """Render a chat template; every failure becomes a InvalidRequestError that says whose fault it is."""
-    template = compile_template(source)
-    try:
-        return template.render(**context)
-    except _TemplateRaised as exc:
-        raise InvalidRequestError(f"the model's chat template rejected the conversation: {exc}",
-                                  fix="change the messages to what this model accepts "
-                                      "(e.g. alternate user and assistant turns).") from None
-    except SecurityError as exc:
-        raise InvalidRequestError(f"the chat template tried an operation the sandbox forbids: {exc}",
-                                  fix="use a template that does not reach into Python internals.") from None
-    except Exception as exc:  # a template is code: any error in it is about this template and input
-        raise InvalidRequestError(f"rendering the chat template failed: {type(exc).__name__}: {exc}",
-                                  fix="check that the messages have the fields this model's template "
-                                      "expects, or pass a working template (--chat-template).") from exc
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -65,10 +65,12 @@ def content_hash(blobs: Sequence[bytes]) -> str:
     return "c:" + digest.hexdigest()
 
 
-def expand_placeholders(token_ids: Sequence[int], items: Sequence[MMFeatureInput],
-                        mm_config: MultimodalConfig) -> tuple[list[int], list[MMPlaceholder]]:
+def expand_placeholders(token_ids: Sequence[int], items: Sequence[MMFeatureInput], mm_config: MultimodalConfig,
+                        max_model_len: int) -> tuple[list[int], list[MMPlaceholder]]:
     """Widen each item's single pad token into its ``num_tokens`` copies, in order of appearance.
 
+    The widened length is computed from the numbers and checked against ``max_model_len`` first: a
+    200-byte request with a grid of 2^64 patches is a 400, not an allocation per token.
     Placeholders carry an empty ``mm_hash`` until the item's identity is known (uuid or content).
     """
     pads = {mm_config.pad_token(m) for m in {i.modality for i in items}} if items else set()
@@ -76,6 +78,14 @@ def expand_placeholders(token_ids: Sequence[int], items: Sequence[MMFeatureInput
     if len(found) != len(items):
         raise InvalidRequestError(f"the prompt has {len(found)} multimodal placeholder(s) but {len(items)} "
                                   f"item(s) were given.", fix="send one placeholder per image/video item.")
+    total = len(token_ids) - len(items) + sum(item.num_tokens for item in items)
+    if total >= max_model_len:
+        sizes = ", ".join(str(item.num_tokens) for item in items[:8]) + (", ..." if len(items) > 8 else "")
+        raise InvalidRequestError(
+            f"the prompt would have {total} tokens with its multimodal items ({sizes} placeholder tokens, from "
+            f"their grid_thw), but max_model_len is {max_model_len}.",
+            fix="send smaller images/videos (grid_thw), fewer of them, or start the engine with a larger "
+                "max_model_len.", param="messages")
     out: list[int] = []
     positions: list[MMPlaceholder] = []
     last = 0

@@ -43,10 +43,10 @@ def error_response(exc: FdplugError, metrics: Any = None) -> JSONResponse:
 
 
 def build_app(client: EngineClient, model_name: str, api_key: str | None, max_body_bytes: int,
-              stream_interval: int = 1) -> Any:
+              stream_interval: int = 1, trust_request_chat_template: bool = False) -> Any:
     """The ASGI app uvicorn runs: the guard around the FastAPI routes."""
     app = FastAPI(title="fdplug", version=fdplug.__version__, docs_url=None, redoc_url=None, openapi_url=None)
-    serving = Serving(client, model_name, stream_interval)
+    serving = Serving(client, model_name, stream_interval, trust_request_chat_template)
     metrics = client.metrics
     started = int(time.time())
 
@@ -85,18 +85,28 @@ def build_app(client: EngineClient, model_name: str, api_key: str | None, max_bo
         card = T.model_card(model_name, started, client.info.model_dir, client.info.max_model_len)
         return JSONResponse({"object": "list", "data": [card]})
 
+    # Parsing, the chat template and tokenizing run in a worker thread: a large body or a long
+    # conversation costs its sender time, not every stream on the event loop (/health included).
+    # Nothing is registered with the engine there, so a failure leaves nothing behind.
+
+    def completion_job(body: bytes) -> tuple:
+        req = T.parse_request(T.CompletionRequest, body)
+        return req, *serving.completion_job(req)
+
+    def chat_job(body: bytes, tenant_id: str) -> tuple:
+        req = T.parse_request(T.ChatCompletionRequest, body)
+        return req, *serving.chat_job(req, tenant_id)
+
     @app.post("/v1/completions")
     @guarded
     async def completions(request: Request) -> Response:
-        req = T.parse_request(T.CompletionRequest, await request.body())
-        job, prepared, params = serving.completion_job(req)
+        req, job, prepared, params = await asyncio.to_thread(completion_job, await request.body())
         return await _run(job, prepared, params, req, request)
 
     @app.post("/v1/chat/completions")
     @guarded
     async def chat_completions(request: Request) -> Response:
-        req = T.parse_request(T.ChatCompletionRequest, await request.body())
-        job, prepared, params = serving.chat_job(req, tenant(request))
+        req, job, prepared, params = await asyncio.to_thread(chat_job, await request.body(), tenant(request))
         return await _run(job, prepared, params, req, request)
 
     def tenant(request: Request) -> str:

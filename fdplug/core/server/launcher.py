@@ -47,6 +47,7 @@ class ServerSettings:
     served_model_name: str | None = None
     max_body_bytes: int = 8 << 20
     stream_interval: int = 1
+    trust_request_chat_template: bool = False
     log_level: int = logging.INFO
 
 
@@ -208,7 +209,8 @@ async def _serve(settings: ServerSettings, spec_args: dict, tokenizer: Any, sock
         metrics = ServerMetrics(name)
         client = EngineClient(engine, info, tokenizer, metrics, stall_timeout=env("FDPLUG_ENGINE_STALL_TIMEOUT"))
         api_key = settings.api_key if settings.api_key is not None else env("FDPLUG_API_KEY")
-        app = build_app(client, name, api_key, settings.max_body_bytes, settings.stream_interval)
+        app = build_app(client, name, api_key, settings.max_body_bytes, settings.stream_interval,
+                        settings.trust_request_chat_template)
         shutdown_timeout = env("FDPLUG_SHUTDOWN_TIMEOUT")
         server = _Server(uvicorn.Config(app, log_config=None, log_level="warning", access_log=False, lifespan="off",
                                         timeout_graceful_shutdown=int(max(1, shutdown_timeout)),

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from fdplug.errors import InvalidRequestError
+from fdplug.errors import InvalidRequestError, show_value
 
 # ---------------------------------------------------------------------------------------------------
 # requests
@@ -84,6 +84,7 @@ class ChatCompletionRequest(_SamplingRequest):
     parallel_tool_calls: bool | None = None
     # vLLM extras
     add_generation_prompt: bool = True
+    chat_template: str | None = None     # a model template's name, or (--trust-request-chat-template) source
     chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -110,12 +111,13 @@ def _invalid(exc: ValidationError) -> InvalidRequestError:
         err = InvalidRequestError(f"the body is not valid JSON: {first.get('msg')}.",
                                   fix="send a JSON object with Content-Type: application/json.")
     elif kind == "union":
-        err = InvalidRequestError(f"{param} does not have any of the accepted types (got {first.get('input')!r:.80}).",
+        err = InvalidRequestError(f"{param} does not have any of the accepted types "
+                                  f"(got {show_value(first.get('input'))}).",
                                   fix="send a value of the documented type (OpenAI API reference).")
     elif kind == "missing":
         err = InvalidRequestError(f"{param} is required.", fix=f"add {param} to the request.")
     else:
-        err = InvalidRequestError(f"{param or 'the body'}: {first.get('msg')} (got {first.get('input')!r:.80}).",
+        err = InvalidRequestError(f"{param or 'the body'}: {first.get('msg')} (got {show_value(first.get('input'))}).",
                                   fix="send a value of the documented type (OpenAI API reference).")
     err.param = param  # type: ignore[attr-defined]
     return err

@@ -129,6 +129,7 @@ class EngineInfo:
     max_model_len: int
     max_num_seqs: int
     max_num_batched_tokens: int
+    max_waiting_requests: int
     block_size: int
     num_kv_blocks: int  # usable blocks (the null block excluded)
     kv_cache_tokens: int

@@ -18,10 +18,11 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, StreamingResponse
 
+from fdplug.core.model.tokenizer import check_template_kwargs
 from fdplug.core.multimodal.inputs import FeaturePartCollector
 from fdplug.core.outputs import RequestOutput
 from fdplug.core.processor import Delta, ProcessedPrompt
-from fdplug.core.request import SamplingParams
+from fdplug.core.request import MAX_LOGPROBS, SamplingParams
 from fdplug.core.server import openai_types as T
 from fdplug.core.server.engine_client import EngineClient, RequestStream
 from fdplug.errors import EngineRequestError, FdplugError, InvalidRequestError, ModelNotFoundError
@@ -47,9 +48,13 @@ class Job:
 
 
 class Serving:
-    def __init__(self, client: EngineClient, model_name: str, stream_interval: int = 1) -> None:
+    def __init__(self, client: EngineClient, model_name: str, stream_interval: int = 1,
+                 trust_request_chat_template: bool = False) -> None:
         self.client = client
         self.model_name = model_name
+        # a chat template is code: one from a request runs only if the operator trusts the clients
+        # (--trust-request-chat-template, vLLM's flag since CVE-2025-61620); it is budgeted either way
+        self.trust_request_chat_template = trust_request_chat_template
         # tokens per streamed chunk after the first (vLLM's and SGLang's --stream-interval): every chunk is
         # a socket write in this process and a wake-up in the client's, which on a CPU device share the
         # cores with the engine. 1 (default): a chunk per step, as the engine produces them
@@ -78,11 +83,23 @@ class Serving:
             logprobs=logprobs, skip_special_tokens=req.skip_special_tokens)
         return self.client.input_processor.check_params(params)
 
+    def check_sequences(self, num_prompts: int, n: int) -> None:
+        """A request may ask for at most as many sequences as the engine can ever queue: beyond that a
+        503 "retry later" would be a lie, so it is a 400 (checked before anything is tokenized)."""
+        limit = self.client.info.max_waiting_requests
+        if num_prompts * n > limit:
+            raise InvalidRequestError(
+                f"this request asks for {num_prompts * n} sequences ({num_prompts} prompt(s) x n={n}), but this "
+                f"server queues at most {limit} (--max-waiting-requests).",
+                fix="send fewer prompts per request or a smaller n, or start the server with a larger "
+                    "--max-waiting-requests.", param="n" if n > 1 else "prompt")
+
     def completion_job(self, req: T.CompletionRequest) -> tuple[Job, list[ProcessedPrompt], SamplingParams]:
         T.unsupported(req)
         model = self.check_model(req.model)
         params = self.sampling_params(req, req.max_tokens, req.logprobs)
         prompts = _prompts(req.prompt)
+        self.check_sequences(len(prompts), params.n)
         prepared = [self.client.input_processor.process(p) for p in prompts]
         for prompt in prepared:
             self.client.input_processor.check_length(len(prompt.token_ids), params.max_tokens)
@@ -94,17 +111,41 @@ class Serving:
         T.unsupported(req)
         model = self.check_model(req.model)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}.",
+                                      fix=f"ask for at most {MAX_LOGPROBS} alternatives.", param="top_logprobs")
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, max_tokens, num_logprobs)
+        self.check_sequences(1, params.n)
+        kwargs = dict(req.chat_template_kwargs or {})
+        template, where = req.chat_template, "chat_template"
+        if "chat_template" in kwargs:
+            template, where = kwargs.pop("chat_template"), "chat_template_kwargs.chat_template"
+        self.check_template(template, where)
         tokenizer, processor = self.client.tokenizer, self.client.input_processor
         collector = FeaturePartCollector(processor.mm_config, tokenizer, tenant)
         text = tokenizer.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt,
-                                             content_part_handler=collector, **(req.chat_template_kwargs or {}))
+                                             chat_template=template, content_part_handler=collector,
+                                             **check_template_kwargs(kwargs))
         prompt = processor.process({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False),
                                     "mm_items": collector.parts}, tenant)
         processor.check_length(len(prompt.token_ids), max_tokens)
         job = Job("chat", f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, params.n, num_logprobs)
         return job, [prompt], params
+
+    def check_template(self, template: Any, where: str) -> None:
+        """A template named in a request: one of the model's own, or (trusted clients only) its source."""
+        if template is None:
+            return
+        if not isinstance(template, str):
+            raise InvalidRequestError(f"{where} must be a string.", fix="name a template or leave it out.", param=where)
+        if self.client.tokenizer.is_named_template(template) or self.trust_request_chat_template:
+            return
+        raise InvalidRequestError(
+            f"{where}: this server does not run chat templates sent in requests (a template is code), and "
+            f"{template!r:.40} is not one of the model's ({', '.join(sorted(self.client.tokenizer.chat_templates))}).",
+            fix="leave it out to use the model's template, or start the server with --trust-request-chat-template "
+                "if every client is trusted.", param=where)
 
     def submit(self, job: Job, prepared: list, params: SamplingParams, queue: asyncio.Queue | None,
                cache_salt: str | None) -> None:
