@@ -24,6 +24,8 @@ def values_for(i: int) -> dict:
             out[f.name] = rng.integers(1, 1000, size=WIDTHS[f.width]).astype(f.dtype)
         elif f.dtype is object:
             out[f.name] = f"obj-{i}"
+        elif np.dtype(f.dtype) == np.bool_:
+            out[f.name] = True
         elif np.dtype(f.dtype) == np.float32:
             out[f.name] = float(np.float32(rng.uniform(2, 3)))
         else:
@@ -32,6 +34,7 @@ def values_for(i: int) -> dict:
 
 
 def check(batch: InputBatch, model: dict[str, dict]) -> None:
+    assert batch.check() == []
     assert batch.num_reqs == len(model)
     assert set(batch.req_id_to_slot) == set(model)
     for req_id, expected in model.items():
@@ -47,8 +50,14 @@ def check(batch: InputBatch, model: dict[str, dict]) -> None:
                     batch.arrays[f.name][slot] is None, f"stale {f.name} in free slot {slot}"
 
 
+# values a slot cannot hold: each must leave the batch exactly as it was
+UNFIT = [("top_k", 2**63), ("seed", -(2**63) - 1), ("temperature", float("nan")), ("min_p", 1e300),
+         ("token_ids", list(range(MAX_LEN + 1))), ("block_table", [[1, 2]]), ("num_tokens", "five"),
+         ("top_k", 2.5)]
+
 ops = st.lists(st.one_of(
     st.tuples(st.just("add"), st.integers(0, 30)),
+    st.tuples(st.just("add_unfit"), st.integers(0, 30), st.integers(0, len(UNFIT) - 1)),
     st.tuples(st.just("remove"), st.integers(0, 30)),
     st.tuples(st.just("swap"), st.integers(0, MAX_SEQS - 1), st.integers(0, MAX_SEQS - 1)),
     st.tuples(st.just("condense")),
@@ -66,6 +75,17 @@ def test_random_operations_match_a_dict_model(operations):
                 continue
             model[req_id] = values_for(op[1])
             batch.add(req_id, model[req_id])
+        elif op[0] == "add_unfit":
+            req_id = f"r{op[1]}"
+            if req_id in model or batch.num_reqs == MAX_SEQS:
+                continue
+            name, value = UNFIT[op[2]]
+            before = {k: v.copy() for k, v in batch.arrays.items()}
+            with pytest.raises((ValueError, OverflowError)):
+                batch.add(req_id, {**values_for(op[1]), name: value})
+            assert req_id not in batch.req_id_to_slot
+            for k, v in batch.arrays.items():   # not one element written
+                assert np.array_equal(v, before[k]) if v.dtype != object else list(v) == list(before[k]), k
         elif op[0] == "remove":
             batch.remove(f"r{op[1]}")
             model.pop(f"r{op[1]}", None)

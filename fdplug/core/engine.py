@@ -2,8 +2,12 @@
 
     schedule -> execute -> update, once per step.
 
-A failing step fails the requests it carried (finish reason "error") and the engine goes on: one
-bad request or a kernel error never takes the others down.
+Requests are checked against the running model when they are admitted (``admission``), so a value
+the model cannot take is refused before it can reach a step. When a step raises anyway (a kernel
+error, a bug, a runner that blames a request), ``step_recovery`` finds the requests that caused it:
+they finish with finish reason "error" and a typed error, and the others finish the step as if
+nothing had happened. Afterwards the runner's requests are checked against the scheduler's; if
+they disagree, every running request is rebuilt from the scheduler (preempted and recomputed).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterable
 
+from fdplug.core.admission import ModelLimits, check_request
 from fdplug.core.config import EngineConfig
 from fdplug.core.multimodal.encoder_cache import EncoderCache
 from fdplug.core.multimodal.fetch import FeatureFetcher
@@ -21,7 +26,8 @@ from fdplug.core.request import Request, RequestStatus
 from fdplug.core.scheduler.output import EngineCoreOutput, SchedulerOutput
 from fdplug.core.scheduler.scheduler import Scheduler, SchedulerConfig
 from fdplug.core.selection import Backend
-from fdplug.errors import EngineRequestError, error_to_dict
+from fdplug.core.step_recovery import RequestStepError, drop, recover_step
+from fdplug.errors import EngineRequestError, FdplugError, error_to_dict
 
 logger = logging.getLogger("fdplug.engine")
 
@@ -56,6 +62,8 @@ class EngineCore:
             enable_chunked_prefill=config.enable_chunked_prefill,
             max_waiting_requests=config.max_waiting_requests))
         self.timings = StepTimings()
+        self.limits = ModelLimits(self.runner.model_config.vocab_size, config.max_model_len)
+        self.num_failed_steps = 0
         self.encoder_cache = EncoderCache(config.encoder_cache_rows)
         self.feature_loader = FeatureLoader(FeatureFetcher(backend.storages, config), self.encoder_cache,
                                             self.runner.model_config.hidden_size,
@@ -64,8 +72,11 @@ class EngineCore:
     # -- requests ---------------------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        """Queue a request; one with multimodal items waits (in its own state) for its features."""
+        """Check a request against the model and queue it, or raise a typed error with nothing
+        changed. One with multimodal items waits (in its own state) for its features."""
+        check_request(request, self.limits)
         if request.mm_inputs:
+            self.feature_loader.check_cached(request)
             request.status = RequestStatus.WAITING_FOR_FEATURES
         self.scheduler.add_request(request)
         if request.mm_inputs and self.feature_loader.submit(request):
@@ -99,37 +110,53 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         t0 = time.perf_counter()
-        failures = self._poll_features()
-        scheduler_output = self.scheduler.schedule()
-        t1 = time.perf_counter()
-        self.timings.schedule += t1 - t0
-        if scheduler_output.is_empty:
-            if scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids:
-                self.runner.execute_model(scheduler_output)  # let the runner drop them: frees its slots
-            return failures
-        scheduled = {rid: self.scheduler.requests[rid] for rid in scheduler_output.num_scheduled_tokens}
-        self._attach_features(scheduler_output)
+        outputs = self._poll_features()
+        so = self.scheduler.schedule()
+        self.timings.schedule += time.perf_counter() - t0
+        if so.is_empty:
+            drop(self.runner, [*so.finished_req_ids, *so.preempted_req_ids])  # frees the runner's slots
+            return outputs
         try:
-            result = self.runner.execute_model(scheduler_output)
-        except Exception as exc:  # fail this step's requests, keep serving the others
-            logger.exception("model step failed; failing the %d requests it carried",
-                             len(scheduler_output.num_scheduled_tokens))
-            return failures + self._fail_step(scheduler_output, f"{type(exc).__name__}: {exc}")
+            return outputs + self._run(so)
+        except Exception:   # a bug past the runner, in the engine's own bookkeeping: contain it too
+            logger.exception("the engine failed to finish a step; failing its %d requests",
+                             len(so.num_scheduled_tokens))
+            return outputs + self._fail_step(so)
+
+    def _run(self, so: SchedulerOutput) -> list[EngineCoreOutput]:
+        """Execute a scheduled step, recovering from a failure; then update the scheduler."""
+        scheduled = {rid: self.scheduler.requests[rid] for rid in so.num_scheduled_tokens}
+        recovered = None
+        try:
+            self._attach_features(so)
+            result = self.runner.execute_model(so)
+            sampled, logprobs, timings = result.sampled_token_ids, result.logprobs, result.timings
+        except Exception as exc:
+            logger.exception("a model step of %d requests failed; finding the requests that caused it",
+                             len(scheduled))
+            recovered = recover_step(self.runner, self.scheduler, so, exc)
+            sampled, logprobs, timings = recovered.sampled_token_ids, recovered.logprobs, {}
         t2 = time.perf_counter()
-        outputs = failures + self.scheduler.update_from_output(scheduler_output, result.sampled_token_ids)
+        outputs = self._fail(recovered.failed) if recovered is not None else []
+        outputs += self.scheduler.update_from_output(so, sampled)
         for out in outputs:
-            if out.request_id in result.logprobs:
-                out.new_logprobs = [result.logprobs[out.request_id]] if out.new_token_ids else None
+            if out.request_id in logprobs:
+                out.new_logprobs = [logprobs[out.request_id]] if out.new_token_ids else None
             if out.finished and out.request_id in scheduled:
                 self._release(scheduled[out.request_id])
-        t3 = time.perf_counter()
-        timings = self.timings
-        timings.steps += 1
-        timings.prepare += result.timings.get("prepare", 0.0)
-        timings.forward += result.timings.get("forward", 0.0)
-        timings.sample += result.timings.get("sample", 0.0)
-        timings.update += t3 - t2
+        if recovered is not None:
+            self.num_failed_steps += 1
+            self._verify_or_rebuild()
+        self._count(timings, time.perf_counter() - t2)
         return outputs
+
+    def _count(self, timings: dict[str, float], update: float) -> None:
+        t = self.timings
+        t.steps += 1
+        t.prepare += timings.get("prepare", 0.0)
+        t.forward += timings.get("forward", 0.0)
+        t.sample += timings.get("sample", 0.0)
+        t.update += update
 
     def _poll_features(self) -> list[EngineCoreOutput]:
         """Requests whose features arrived become schedulable; a failed fetch fails its request alone."""
@@ -148,19 +175,72 @@ class EngineCore:
 
     def _attach_features(self, so: SchedulerOutput) -> None:
         """Give the runner the features of every item that overlaps a token it runs this step."""
+        missing = []
         for req_id, num_tokens in so.num_scheduled_tokens.items():
             request = self.scheduler.requests[req_id]
             start = request.num_computed_tokens
             for item in request.mm_positions:
                 if item.offset < start + num_tokens and item.end > start:
+                    if item.mm_hash not in self.encoder_cache:
+                        missing.append(req_id)
+                        continue
                     so.mm_features[item.mm_hash] = self.encoder_cache.get(item.mm_hash)
+        if missing:
+            raise RequestStepError(missing, "features of a scheduled item are not in the encoder cache")
 
-    def _fail_step(self, scheduler_output: SchedulerOutput, message: str) -> list[EngineCoreOutput]:
-        ids = [rid for rid in scheduler_output.num_scheduled_tokens if rid in self.scheduler.requests]
+    def _fail(self, errors: dict[str, FdplugError]) -> list[EngineCoreOutput]:
+        """Finish requests with finish reason "error" and their typed error."""
+        ids = [rid for rid in errors if rid in self.scheduler.requests]
         self.abort_requests(ids, RequestStatus.FINISHED_ERROR)
-        error = error_to_dict(EngineRequestError(f"the model step running this request failed ({message}).",
-                                                 fix="retry; if it fails again, report it with the server log."))
-        return [EngineCoreOutput(rid, [], finished=True, finish_reason="error", error=error) for rid in ids]
+        return [EngineCoreOutput(rid, [], finished=True, finish_reason="error", error=error_to_dict(errors[rid]))
+                for rid in ids]
+
+    def _fail_step(self, so: SchedulerOutput) -> list[EngineCoreOutput]:
+        """The last resort: fail every request of the step, then rebuild the runner from the scheduler."""
+        error = EngineRequestError("the engine failed while finishing the step that ran this request.",
+                                   fix="retry; if it fails again, report it with the server log.")
+        outputs = self._fail({rid: error for rid in so.num_scheduled_tokens})
+        self.num_failed_steps += 1
+        self._verify_or_rebuild()
+        return outputs
+
+    # -- invariants -------------------------------------------------------------------------------
+
+    def consistency_problems(self) -> list[str]:
+        """Where the runner's requests and the scheduler's running set disagree (empty: they agree).
+
+        Between steps the runner holds exactly the running requests, plus the finished ones the next
+        step tells it to drop. A runner without ``held_requests`` is taken at its word.
+        """
+        held_requests = getattr(self.runner, "held_requests", None)
+        if held_requests is None:
+            return []
+        try:
+            held = held_requests()
+        except Exception as exc:  # noqa: BLE001 -- an inconsistent batch is a finding, not a crash
+            return [str(exc)]
+        running = {r.request_id for r in self.scheduler.running}
+        problems = [f"running request {rid!r} is not in the runner" for rid in sorted(running - held)]
+        stale = held - running - self.scheduler.finished_req_ids
+        problems += [f"the runner holds {rid!r}, which is not running" for rid in sorted(stale)]
+        return problems
+
+    def _verify_or_rebuild(self) -> None:
+        """After a failed step: if the runner and the scheduler disagree, rebuild the runner's state
+        from the scheduler: every running request is preempted (its computed blocks stay cached) and
+        comes back in full, recomputed, with the same tokens."""
+        problems = self.consistency_problems()
+        if not problems:
+            return
+        logger.error("after a failed step the runner disagrees with the scheduler (%s); rebuilding it",
+                     "; ".join(problems[:5]))
+        held = getattr(self.runner, "held_requests", lambda: set())
+        try:
+            ids = held()
+        except Exception:  # noqa: BLE001
+            ids = set()
+        drop(self.runner, [*ids, *(r.request_id for r in self.scheduler.running)])
+        self.scheduler.preempt_all_running()
 
     def stats(self):
         return self.scheduler.make_stats()

@@ -18,9 +18,9 @@ import numpy as np
 from fdplug.core.multimodal.features import decode_feature, validate_feature
 from fdplug.core.multimodal.encoder_cache import EncoderCache
 from fdplug.core.multimodal.fetch import FeatureFetcher, display_url
-from fdplug.core.multimodal.inputs import content_hash
+from fdplug.core.multimodal.inputs import MMFeatureInput, content_hash
 from fdplug.core.request import Request
-from fdplug.errors import FdplugError, StorageError
+from fdplug.errors import FdplugError, InvalidRequestError, StorageError
 
 logger = logging.getLogger("fdplug.multimodal")
 
@@ -46,6 +46,13 @@ class FeatureLoader:
         self._lock = threading.Lock()
 
     # -- engine thread ----------------------------------------------------------------------------
+
+    def check_cached(self, request: Request) -> None:
+        """Items the cache already holds (a uuid seen before) must have the rows their grid asks for,
+        exactly as a fresh download is checked: a 400 naming both numbers, before anything is pinned."""
+        for index, item in enumerate(request.mm_inputs):
+            if item.mm_hash is not None and item.mm_hash in self.cache:
+                _check_rows(index, item, len(self.cache.get(item.mm_hash)))
 
     def submit(self, request: Request) -> bool:
         """Start fetching what the cache lacks; True if everything was already cached."""
@@ -74,9 +81,15 @@ class FeatureLoader:
                 logger.exception("feature fetch for request %s failed", rid)
                 results.append((request, StorageError(f"fetching features failed: {type(exc).__name__}: {exc}")))
                 continue
-            for item in fetched:
-                self.cache.put(item.mm_hash, item.features, rid)
-                request.mm_positions[item.index] = replace(request.mm_positions[item.index], mm_hash=item.mm_hash)
+            try:
+                for item in fetched:
+                    self.cache.put(item.mm_hash, item.features, rid)
+                    request.mm_positions[item.index] = replace(request.mm_positions[item.index], mm_hash=item.mm_hash)
+                    # another request may have cached this uuid, with other rows, while this one downloaded
+                    _check_rows(item.index, request.mm_inputs[item.index], len(self.cache.get(item.mm_hash)))
+            except FdplugError as exc:
+                results.append((request, exc))
+                continue
             results.append((request, None))
         return results
 
@@ -112,3 +125,12 @@ class FeatureLoader:
                              len(item.urls) > 1 else ""), item.num_tokens, self.hidden_size)
             out.append(Fetched(i, item.mm_hash or content_hash(parts), np.ascontiguousarray(features, np.float32)))
         return out
+
+
+def _check_rows(index: int, item: MMFeatureInput, rows: int) -> None:
+    if rows != item.num_tokens:
+        raise InvalidRequestError(
+            f"{item.modality} item {index} reuses cached features (the same uuid) with {rows} rows, but its "
+            f"grid_thw {list(item.grid_thw)} makes {item.num_tokens} placeholder tokens.",
+            fix="send the grid the features were encoded with, or a new uuid for different features.",
+            param="messages")

@@ -25,7 +25,7 @@ from fdplug.core.request import Request, RequestStatus
 from fdplug.core.scheduler.kv_cache_manager import KVCacheManager, cdiv
 from fdplug.core.scheduler.output import (CachedRequestData, EngineCoreOutput, NewRequestData,
                                           SchedulerOutput, SchedulerStats)
-from fdplug.errors import ConfigError, InvalidRequestError, QueueFullError
+from fdplug.errors import ConfigError, EngineRequestError, InvalidRequestError, QueueFullError, error_to_dict
 
 
 @dataclass(slots=True)
@@ -243,6 +243,15 @@ class Scheduler:
         new_reqs.append(NewRequestData.from_request(
             request, self.kv_cache_manager.get_block_ids(request.request_id), resumed))
 
+    def preempt_all_running(self) -> list[str]:
+        """Send every running request back to the front of the waiting queue, in order, to be
+        recomputed (the engine rebuilds a runner it cannot trust this way). Their ids."""
+        victims = list(self.running)
+        self.running = []
+        for request in reversed(victims):
+            self._preempt(request)
+        return [r.request_id for r in victims]
+
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
@@ -258,7 +267,8 @@ class Scheduler:
         """Record that the step ran: advance progress, append sampled tokens, apply stop rules.
 
         A request still mid-prefill after this step gets nothing appended (whatever was sampled
-        for it is ignored) and no output. Requests aborted since ``schedule()`` are skipped.
+        for it is ignored) and no output. Requests aborted since ``schedule()`` are skipped. A
+        request that should have sampled and got no token from the runner fails alone.
         """
         outputs: list[EngineCoreOutput] = []
         any_finished = False
@@ -269,7 +279,11 @@ class Scheduler:
             request.num_computed_tokens += num_tokens
             if request.num_computed_tokens < request.num_tokens:
                 continue
-            new_token_ids = self._append_tokens(request, sampled_token_ids)
+            if not sampled_token_ids.get(req_id):
+                any_finished = True
+                outputs.append(self._fail_unsampled(request))
+                continue
+            new_token_ids = self._append_tokens(request, sampled_token_ids[req_id])
             if request.is_finished():
                 any_finished = True
                 self._free_request(request)
@@ -280,11 +294,15 @@ class Scheduler:
             self.running = [r for r in self.running if not r.is_finished()]
         return outputs
 
-    def _append_tokens(self, request: Request, sampled_token_ids: dict[str, list[int]]) -> list[int]:
-        token_ids = sampled_token_ids.get(request.request_id)
-        if not token_ids:
-            raise ValueError(f"request {request.request_id} finished its prefill this step but the runner "
-                             f"sampled no token for it")
+    def _fail_unsampled(self, request: Request) -> EngineCoreOutput:
+        request.status = RequestStatus.FINISHED_ERROR
+        self._free_request(request)
+        error = EngineRequestError("the model runner produced no token for this request.",
+                                   fix="retry; if it fails again, report it with the server log.")
+        return EngineCoreOutput(request.request_id, [], True, "error", None, request.num_cached_tokens,
+                                error=error_to_dict(error))
+
+    def _append_tokens(self, request: Request, token_ids: list[int]) -> list[int]:
         appended = []
         for token_id in token_ids:
             request.append_output_token(token_id)

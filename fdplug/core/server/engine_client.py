@@ -126,14 +126,32 @@ class EngineClient:
             raise type(self.error)(self.error.message, fix=self.error.fix)
         prompt_ids = prompt.token_ids
         requests = self.input_processor.make_requests(request_id, prompt, params, cache_salt=cache_salt)
+        # encoded before anything is registered: a value msgpack cannot carry fails here with nothing to undo
+        message = P.pack([P.ADD, [P.encode_request(r) for r in requests]])
         stream = RequestStream(request_id, [r.request_id for r in requests], queue)
-        self.output_processor.add(request_id, prompt.text, prompt_ids, params)
-        self.streams[request_id] = stream
-        for r in requests:
-            self.child_to_parent[r.request_id] = request_id
-        self._send([P.ADD, [P.encode_request(r) for r in requests]])
+        try:
+            self.output_processor.add(request_id, prompt.text, prompt_ids, params)
+            self.streams[request_id] = stream
+            for r in requests:
+                self.child_to_parent[r.request_id] = request_id
+        except BaseException:
+            self._unregister(stream)
+            raise
+        self._send_packed(P.ADD, message)
         self.metrics.prompt_tokens.inc(len(prompt_ids))
         return stream
+
+    def _unregister(self, stream: RequestStream) -> None:
+        """Forget a request in this process (the engine's side is the caller's to end)."""
+        if self.output_processor.has(stream.request_id):
+            self.output_processor.pop(stream.request_id)
+        self.streams.pop(stream.request_id, None)
+        for child in stream.child_ids:
+            self.child_to_parent.pop(child, None)
+
+    def num_registered(self) -> int:
+        """Requests this process tracks: every one of them is in flight (a leak shows here)."""
+        return len(self.streams)
 
     def abort(self, request_id: str) -> None:
         """The client went away: end the request and free its KV blocks in the engine."""
@@ -213,10 +231,8 @@ class EngineClient:
         stream.done = True
         if reason is not None:
             self.output_processor.fail(stream.request_id, reason, error)
-        output = self.output_processor.pop(stream.request_id)
-        self.streams.pop(stream.request_id, None)
-        for child in stream.child_ids:
-            self.child_to_parent.pop(child, None)
+        output = self.output_processor.output(stream.request_id)
+        self._unregister(stream)
         if send_abort is not None and not isinstance(self.error, EngineDeadError):
             self._send([P.ABORT, stream.child_ids, int(send_abort)])
         for completion in output.outputs:
@@ -230,10 +246,13 @@ class EngineClient:
                                 send_abort=RequestStatus.FINISHED_ABORTED if send_aborts else None)
 
     def _send(self, message: list) -> None:
+        self._send_packed(message[0], P.pack(message))
+
+    def _send_packed(self, tag: str, data: bytes) -> None:
         try:
-            self.engine.input_socket.send(P.pack(message), zmq.NOBLOCK)
+            self.engine.input_socket.send(data, zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # no peer (the engine is gone): the watchdog reports it
-            logger.debug("could not send %s to the engine: %s", message[0], exc)
+            logger.debug("could not send %s to the engine: %s", tag, exc)
 
     # -- watchdog ---------------------------------------------------------------------------------
 

@@ -29,7 +29,7 @@ import zmq
 from fdplug.core.server import protocol as P
 from fdplug.core.server.heap import freeze_startup_heap
 from fdplug.core.server.scheduling import shorten_scheduler_slice
-from fdplug.errors import FdplugError
+from fdplug.errors import FdplugError, InvalidRequestError
 
 logger = logging.getLogger("fdplug.engine_process")
 
@@ -108,10 +108,13 @@ class EngineLoop:
         rejected: list[list] = []
         while self.running:
             try:
-                message = P.unpack(self.input.recv(zmq.NOBLOCK))
+                data = self.input.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            self._handle(message, admitted, rejected)
+            try:
+                self._handle(P.unpack(data), admitted, rejected)
+            except Exception:   # a malformed message (a bug in the sender) must not stop the loop
+                logger.exception("ignoring a message the engine could not handle")
         if admitted or rejected:
             self._send([P.ADMITTED, admitted, rejected])
 
@@ -126,7 +129,12 @@ class EngineLoop:
                     self.core.add_request(request)
                     admitted.append(request.request_id)
                 except FdplugError as exc:
-                    rejected.append([item[0], P.encode_error(exc)])
+                    rejected.append([_request_id(item), P.encode_error(exc)])
+                except Exception as exc:  # not a request this engine can read: refuse it, keep serving
+                    logger.exception("could not admit a request")
+                    rejected.append([_request_id(item), P.encode_error(InvalidRequestError(
+                        f"the engine could not read this request ({type(exc).__name__}).",
+                        fix="report it with the server log: the API process sent a malformed request."))])
         elif tag == P.ABORT:
             self.core.abort_requests(message[1], RequestStatus(message[2]))
         elif tag == P.SHUTDOWN:
@@ -145,6 +153,10 @@ class EngineLoop:
 
     def _send(self, message: list) -> None:
         self.output.send(P.pack(message), copy=False)
+
+
+def _request_id(item: Any) -> str:
+    return item[0] if isinstance(item, list) and item and isinstance(item[0], str) else ""
 
 
 def _die_with_parent() -> None:
@@ -228,6 +240,7 @@ def _build(spec: EngineSpec) -> tuple[Any, P.EngineInfo]:
         pid=os.getpid(), model_dir=config.model_dir, architecture=model_config.architecture, dtype=config.dtype,
         vocab_size=model_config.vocab_size, eos_token_ids=list(eos), max_model_len=config.max_model_len,
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+        max_waiting_requests=config.max_waiting_requests,
         block_size=plan.block_size, num_kv_blocks=plan.num_blocks - 1, kv_cache_tokens=plan.num_tokens,
         kv_cache_description=plan.describe(), backend=backend.to_names())
     return core, info

@@ -4,6 +4,11 @@ Every per-slot field is declared once, in ``SLOT_FIELDS``. ``add``, ``remove``, 
 ``condense`` and ``reset`` walk that registry, so a field added later (a multimodal offset, a new
 sampling knob) cannot be forgotten in one of them: the bug where a field was missed in a swap
 cannot happen here by construction.
+
+Every operation is all-or-nothing. ``add`` converts every value to its field's dtype and width
+before it takes a slot, so a value that does not fit (a ``top_k`` past int64, a row longer than the
+table) raises with the batch exactly as it was: no half-written slot for the next step to read.
+``check`` states the invariants, for the engine to verify after a failed step.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from fdplug.errors import show_value
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +48,8 @@ SLOT_FIELDS: tuple[SlotField, ...] = (
     SlotField("presence_penalty", np.float32, 0.0),
     SlotField("frequency_penalty", np.float32, 0.0),
     SlotField("repetition_penalty", np.float32, 1.0),
-    SlotField("seed", object, None),                           # None: unseeded
+    SlotField("seed", np.int64, 0),                            # read where ``seeded``
+    SlotField("seeded", np.bool_, False),
     SlotField("num_logprobs", np.int64, -1),                   # -1: no logprobs
     SlotField("penalty_ids", np.int64, -1, "max_model_len"),   # distinct prompt+output ids (penalties)
     SlotField("penalty_counts", np.int32, 0, "max_model_len"), # output count of each of those ids
@@ -81,23 +89,31 @@ class InputBatch:
         return self.req_id_to_slot[req_id]
 
     def add(self, req_id: str, values: dict[str, Any]) -> int:
-        """Put a request in the lowest free slot; ``values`` maps field name -> value (others: default)."""
+        """Put a request in the lowest free slot; ``values`` maps field name -> value (others: default).
+
+        All or nothing: a value that does not convert raises before any slot is taken.
+        """
         if req_id in self.req_id_to_slot:
             raise KeyError(f"request {req_id!r} is already in the batch")
         unknown = set(values) - set(self.arrays)
         if unknown:
             raise KeyError(f"not slot fields: {sorted(unknown)}")
+        converted = {name: self._convert(name, value) for name, value in values.items()}
+        if not self._holes and self.num_slots >= self.max_num_seqs:
+            raise RuntimeError(f"input batch is full ({self.max_num_seqs} slots)")
         if self._holes:
             slot = min(self._holes)
             self._holes.remove(slot)
-        elif self.num_slots < self.max_num_seqs:
+        else:
             slot = self.num_slots
             self.num_slots += 1
-        else:
-            raise RuntimeError(f"input batch is full ({self.max_num_seqs} slots)")
         self.reset(slot)
-        for name, value in values.items():
-            self._write(name, slot, value)
+        for name, value in converted.items():   # same dtype and a width that fits: these cannot fail
+            array = self.arrays[name]
+            if array.ndim == 2:
+                array[slot, :len(value)] = value
+            else:
+                array[slot] = value
         self.req_id[slot] = req_id
         self.req_id_to_slot[req_id] = slot
         return slot
@@ -148,10 +164,41 @@ class InputBatch:
         for f in SLOT_FIELDS:
             self.arrays[f.name][slot] = f.default
 
-    def _write(self, name: str, slot: int, value: Any) -> None:
+    def _convert(self, name: str, value: Any) -> Any:
+        """``value`` as its field stores it, or a ValueError/OverflowError naming the field."""
         array = self.arrays[name]
-        if array.ndim == 2:
-            value = np.asarray(value)
-            array[slot, :len(value)] = value
-        else:
-            array[slot] = value
+        if array.dtype == object:
+            return value
+        try:
+            with np.errstate(over="ignore", invalid="ignore"):   # an overflow to inf is caught below
+                converted = np.asarray(value, dtype=array.dtype) if array.ndim == 2 else array.dtype.type(value)
+        except (OverflowError, ValueError, TypeError) as exc:
+            raise ValueError(f"slot field {name!r} cannot hold {type(value).__name__} {show_value(value)}: "
+                             f"{exc}") from None
+        if array.ndim == 2 and (converted.ndim != 1 or len(converted) > array.shape[1]):
+            raise ValueError(f"slot field {name!r} holds up to {array.shape[1]} values, got shape {converted.shape}")
+        if array.dtype.kind == "f" and not np.all(np.isfinite(converted)):
+            raise ValueError(f"slot field {name!r} got a non-finite value {show_value(value)}")
+        if array.dtype.kind in "iu" and np.ndim(value) == 0 and isinstance(value, float) and value != int(value):
+            raise ValueError(f"slot field {name!r} takes integers, got {value!r}")
+        return converted
+
+    # ----------------------------------------------------------------------------------------------
+    # invariants
+    # ----------------------------------------------------------------------------------------------
+
+    def check(self) -> list[str]:
+        """What is wrong with the slot bookkeeping (empty: consistent)."""
+        problems = []
+        for req_id, slot in self.req_id_to_slot.items():
+            if not 0 <= slot < self.num_slots or self.req_id[slot] != req_id:
+                problems.append(f"request {req_id!r} maps to slot {slot}, which holds {self.req_id[slot]!r}")
+        for slot in range(self.num_slots):
+            holder = self.req_id[slot]
+            if (holder is None) != (slot in self._holes):
+                problems.append(f"slot {slot} holds {holder!r} but is {'' if slot in self._holes else 'not '}a hole")
+            if holder is not None and self.req_id_to_slot.get(holder) != slot:
+                problems.append(f"slot {slot} holds {holder!r}, which is not mapped to it")
+        if any(self.req_id[slot] is not None for slot in range(self.num_slots, self.max_num_seqs)):
+            problems.append("a slot past num_slots holds a request")
+        return problems

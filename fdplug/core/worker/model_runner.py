@@ -18,6 +18,7 @@ from fdplug.core.config import EngineConfig
 from fdplug.core.model.sampler import Sampler, penalty_tokens, record_tokens
 from fdplug.core.paddle_utils import import_paddle
 from fdplug.core.scheduler.output import NewRequestData, SchedulerOutput
+from fdplug.core.step_recovery import RequestStepError
 from fdplug.core.worker.input_batch import InputBatch
 from fdplug.core.worker.kv_cache import KVCachePlan, allocate_kv_caches, bytes_per_block, plan_kv_cache
 from fdplug.core.worker.sampling import sampling_metadata, sampled_logprobs
@@ -107,6 +108,10 @@ class ModelRunner:
         meta = sampling_metadata(self.batch, inputs.sampling_slots)
         result = self.sampler(logits, meta)
         sampled = result.sampled_token_ids
+        outside = np.nonzero((sampled < 0) | (sampled >= logits.shape[1]))[0]
+        if outside.size:   # NaN or inf logits in those rows: their requests fail, before anything is recorded
+            raise RequestStepError([inputs.sampling_req_ids[i] for i in outside],
+                                   f"sampled a token outside the vocabulary ({sampled[outside[0]]}): non-finite logits")
         self._record_sampled(inputs, sampled)
         t3 = time.perf_counter()
         tokens = {rid: [int(t)] for rid, t in zip(inputs.sampling_req_ids, sampled)}
@@ -127,31 +132,45 @@ class ModelRunner:
             batch.num_computed_tokens[slot] = cached.num_computed_tokens
         batch.condense()
 
+    def held_requests(self) -> set[str]:
+        """The requests this runner holds state for; raises if its batch is inconsistent. The engine
+        compares them with the scheduler's running set after a failed step."""
+        problems = self.batch.check()
+        if problems:
+            raise RuntimeError("input batch is inconsistent: " + "; ".join(problems))
+        return set(self.batch.req_id_to_slot)
+
     def _add_request(self, new: NewRequestData) -> None:
+        """Every value of the slot computed first, then one all-or-nothing ``InputBatch.add``."""
         tokens = [*new.prompt_token_ids, *new.output_token_ids]
         params = new.sampling_params
-        slot = self.batch.add(new.req_id, {
+        penalty_ids, penalty_counts = penalty_tokens(new.prompt_token_ids, new.output_token_ids)
+        values = {
             "token_ids": tokens, "num_tokens": len(tokens), "num_prompt_tokens": len(new.prompt_token_ids),
             "num_computed_tokens": new.num_computed_tokens, "block_table": new.block_ids,
             "num_blocks": len(new.block_ids), "temperature": params.temperature, "top_p": params.top_p,
             "top_k": params.top_k, "min_p": params.min_p, "presence_penalty": params.presence_penalty,
             "frequency_penalty": params.frequency_penalty, "repetition_penalty": params.repetition_penalty,
-            "seed": params.seed, "num_logprobs": -1 if params.logprobs is None else params.logprobs,
-        })
-        for item in new.mm_positions:
-            if item.span_length:
-                self._set_spans(slot, item)
-        self.batch.mm_positions[slot] = tuple(new.mm_positions)
-        ids, counts = penalty_tokens(new.prompt_token_ids, new.output_token_ids)
-        self.batch.penalty_ids[slot, :len(ids)] = ids
-        self.batch.penalty_counts[slot, :len(ids)] = counts
-        self.batch.num_penalty_ids[slot] = len(ids)
+            "seed": 0 if params.seed is None else params.seed, "seeded": params.seed is not None,
+            "num_logprobs": -1 if params.logprobs is None else params.logprobs,
+            "mm_positions": tuple(new.mm_positions), "penalty_ids": penalty_ids, "penalty_counts": penalty_counts,
+            "num_penalty_ids": len(penalty_ids),
+        }
+        spans = [item for item in new.mm_positions if item.span_length]
+        if spans:
+            values["key_end_offset"] = self._span_offsets(spans)
+        self.batch.add(new.req_id, values)
 
-    def _set_spans(self, slot: int, item: Any) -> None:
-        """Mask spec of a bidirectional item: each token sees up to the end of its span."""
-        pos = np.arange(item.offset, item.end)
-        span_end = np.minimum(item.offset + ((pos - item.offset) // item.span_length + 1) * item.span_length, item.end)
-        self.batch.key_end_offset[slot, pos] = span_end - (pos + 1)
+    @staticmethod
+    def _span_offsets(items: list) -> np.ndarray:
+        """Mask spec of bidirectional items: each token sees up to the end of its span (0: causal)."""
+        offsets = np.zeros(max(item.end for item in items), dtype=np.int64)
+        for item in items:
+            pos = np.arange(item.offset, item.end)
+            span_end = np.minimum(item.offset + ((pos - item.offset) // item.span_length + 1) * item.span_length,
+                                  item.end)
+            offsets[pos] = span_end - (pos + 1)
+        return offsets
 
     def _mm_embeddings(self, so: SchedulerOutput, slots: np.ndarray, start: np.ndarray,
                        query_start: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None]:
@@ -162,8 +181,13 @@ class ModelRunner:
             for item in self.batch.mm_positions[slot]:
                 a, b = max(lo, item.offset), min(hi, item.end)
                 if a < b:
+                    features = so.mm_features.get(item.mm_hash)
+                    if features is None or features.shape != (item.length, self.model_config.hidden_size):
+                        raise RequestStepError([self.batch.req_id[slot]], f"the features of item {item.mm_hash} are "
+                                               f"{None if features is None else features.shape}, not "
+                                               f"({item.length}, {self.model_config.hidden_size})")
                     rows.append(np.arange(a, b) - lo + query_start[i])
-                    values.append(so.mm_features[item.mm_hash][a - item.offset:b - item.offset])
+                    values.append(features[a - item.offset:b - item.offset])
         if not rows:
             return None, None
         return np.concatenate(rows), np.concatenate(values)

@@ -13,8 +13,6 @@ from fdplug.core.worker.input_batch import InputBatch
 
 
 def sampling_metadata(batch: InputBatch, slots: np.ndarray) -> SamplingMetadata:
-    seeds = batch.seed[slots]
-    seeded = np.fromiter((s is not None for s in seeds), dtype=np.bool_, count=len(slots))
     penalised = ((batch.repetition_penalty[slots] != 1) | (batch.frequency_penalty[slots] != 0)
                  | (batch.presence_penalty[slots] != 0))
     ids = counts = None
@@ -25,7 +23,7 @@ def sampling_metadata(batch: InputBatch, slots: np.ndarray) -> SamplingMetadata:
         temperature=batch.temperature[slots], top_k=batch.top_k[slots], top_p=batch.top_p[slots],
         min_p=batch.min_p[slots], presence_penalty=batch.presence_penalty[slots],
         frequency_penalty=batch.frequency_penalty[slots], repetition_penalty=batch.repetition_penalty[slots],
-        seeds=np.array([s if s is not None else 0 for s in seeds], dtype=np.int64), seeded=seeded,
+        seeds=batch.seed[slots], seeded=batch.seeded[slots],
         steps=batch.num_tokens[slots] - batch.num_prompt_tokens[slots], num_logprobs=batch.num_logprobs[slots],
         penalty_token_ids=ids, penalty_token_counts=counts)
 
