@@ -218,8 +218,9 @@ def _normalize_message(message: Any, index: int, handler: ContentPartHandler | N
         raise InvalidRequestError(f"messages[{index}] is a {type(message).__name__}, not an object.",
                                   fix='give each message as {"role": ..., "content": ...}.')
     role = message.get("role")
-    if role not in ROLES:
-        raise InvalidRequestError(f"messages[{index}] has role {role!r}.", fix=f"use one of {sorted(ROLES)}.")
+    if not isinstance(role, str) or role not in ROLES:
+        raise InvalidRequestError(f"messages[{index}] has role {show_value(role)}.", fix=f"use one of {sorted(ROLES)}.",
+                                  param=f"messages.{index}.role")
     out = dict(message)
     out["content"] = _content_text(message.get("content"), index, role, handler)
     if message.get("tool_calls") is not None:

@@ -1,0 +1,106 @@
+"""The chat-template renderer: the same output as Jinja's own sandbox, and a bound on every kind of work."""
+
+from __future__ import annotations
+
+import pytest
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from fdplug.core.model import chat_template, template_budget
+from fdplug.core.model.chat_template import render_template
+from fdplug.errors import InvalidRequestError
+
+# Everything a real chat template does: loops with loop variables, a recursive loop, macros, a
+# namespace, filters (map, select, join, tojson, trim, indent, center, replace, format, truncate),
+# string methods, `~`, `+`, `*`, `%`, str.format, and a call block.
+RICH = """{%- macro show(m) -%}[{{ m.role|upper }}:{{ m.content|trim }}]{%- endmacro -%}
+{%- macro boxed(tag) -%}<{{ tag }}>{{ caller() }}</{{ tag }}>{%- endmacro -%}
+{%- set ns = namespace(last_user=-1, text='') -%}
+{%- for m in messages -%}
+  {%- if m.role == 'user' %}{% set ns.last_user = loop.index0 %}{% endif -%}
+  {{ loop.index }}/{{ loop.length }}{{ ' last' if loop.last }} {{ show(m) }}
+  {%- set ns.text = ns.text ~ m.content[:3] -%}
+{%- endfor %}
+{{ ns.last_user }} {{ ns.text }} {{ messages|map(attribute='role')|join(',') }}
+{{ messages|selectattr('role', 'equalto', 'user')|list|length }} {{ tools|tojson }}
+{% for item in tree recursive %}({{ item.name }}{% if item.children %}{{ loop(item.children) }}{% endif %}){% endfor %}
+{{ '%-6s|%3d' % ('ab', 7) }} {{ '{:>5}|{}'.format('x', 3) }} {{ '-' * 5 + '=' * 3 }} {{ 'a,b'.split(',') }}
+{{ 'hello'|center(11) }}|{{ 'x\ny'|indent(2) }}|{{ 'aaa'|replace('a', 'bb') }}|{{ '%s-%s'|format(1, 2) }}
+{{ 'long text here'|truncate(9, True, '...', 0) }} {{ 'Hi'.ljust(4) }}| {{ (3 ** 4) // 2 }} {{ range(3)|sum }}
+{%- call boxed('b') %}{{ show({'role': 'x', 'content': ' y '}) }}{% endcall %}
+{%- if add_generation_prompt %}<|assistant|>{% endif %}"""
+
+CONTEXT = {
+    "messages": [{"role": "system", "content": " be brief "}, {"role": "user", "content": "hello there"},
+                 {"role": "assistant", "content": "hi"}, {"role": "user", "content": "bye"}],
+    "tools": [{"name": "f", "args": [1, 2]}], "add_generation_prompt": True,
+    "tree": [{"name": "a", "children": [{"name": "b", "children": []}, {"name": "c", "children": [
+        {"name": "d", "children": []}]}]}],
+}
+
+
+def plain(source: str, context: dict) -> str:
+    """Jinja's sandbox with transformers' settings and ``tojson``, unmetered."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = chat_template._tojson
+    return env.from_string(source).render(**context)
+
+
+def test_metering_changes_nothing_a_template_renders():
+    assert render_template(RICH, CONTEXT) == plain(RICH, CONTEXT)
+
+
+@pytest.mark.parametrize("source, says", [
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "operations"),
+    ("{% for i in range(100000) recursive %}{{ loop(range(100000)) if loop.depth < 3 }}{% endfor %}",
+     "work budget"),                                # operations or time, whichever runs out first
+    ("{% macro f(n) %}{% for i in range(1000) %}{{ i }}{% endfor %}{{ f(n) if n < 5000 }}{% endmacro %}{{ f(1) }}",
+     ""),                                           # recursion too deep or too much work: either way a 400
+    ("{{ 'x' * 10**10 }}", "a value of 1 x 10000000000 items"),
+    ("{{ [1, 2] * 10**9 }}", "items"),
+    ("{{ 2 ** (10**9) }}", "integer power"),
+    ("{% set ns = namespace(n=3) %}{% for i in range(40) %}{% set ns.n = ns.n * ns.n %}{% endfor %}", "integer"),
+    ("{{ 'a'.ljust(10**9) }}", "a width of 1000000000"),
+    ("{{ 'a'.zfill(10**9) }}", "a width"),
+    ("{{ 'a\\tb'.expandtabs(10**9) }}", "expanded tabs"),
+    ("{{ 'a'|center(10**9) }}", "a width"),
+    ("{{ 'a'|indent(10**9) }}", "an indent"),
+    ("{{ 'a'|wordwrap(10**9) }}", "a width"),
+    ("{{ range(10)|batch(10**9, 'x')|list }}", "a batch size"),
+    ("{{ '%0999999999d' % 1 }}", "a format width"),
+    ("{{ '%*d' % (10**9, 1) }}", "'*' width"),
+    ("{{ '{:>999999999}'.format(1) }}", "a format width"),
+    ("{{ '{:{w}}'.format(1, w=10**9) }}", "nested field"),
+    ("{{ '%0999999999d'|format(1) }}", "a format width"),
+    ("{{ ('a' * 100000)|replace('a', 'a' * 1000) }}", "replace() result"),
+    ("{{ ('a' * 100000).replace('a', 'a' * 1000) }}", "replace() result"),
+    ("{% set ns = namespace(s='ab') %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}", "characters"),
+    ("{% set ns = namespace(s='ab') %}{% for i in range(60) %}{% set ns.s = ns.s + ns.s %}{% endfor %}", "characters"),
+    ("{% set s = 'x' * 1000000 %}{{ ([s] * 40)|join }}", "joined string"),
+    ("{% set s = 'x' * 1000000 %}{{ ''.join([s] * 40) }}", "joined string"),
+    ("{% for i in range(40) %}{{ 'x' * 1000000 }}{% endfor %}", "output"),
+    ("{{ x|tojson(indent=10**9) }}", "an indent"),
+])
+def test_every_kind_of_runaway_work_is_a_400(source, says):
+    with pytest.raises(InvalidRequestError) as info:
+        render_template(source, {"x": [1, [2]]})
+    assert info.value.http_status == 400 and says in info.value.message, info.value.message
+
+
+def test_the_budget_is_per_render(monkeypatch):
+    monkeypatch.setattr(template_budget, "MAX_OPERATIONS", 3000)
+    source = "{% for i in range(1000) %}{{ i|string }}{% endfor %}"    # ~2000 operations
+    assert render_template(source, {}) == render_template(source, {})   # the second starts afresh
+    with pytest.raises(InvalidRequestError, match="operations"):
+        render_template("{% for i in range(2000) %}{{ i|string }}{% endfor %}", {})
+
+
+def test_a_render_past_its_time_limit_stops(monkeypatch):
+    monkeypatch.setattr(template_budget, "TIMEOUT_S", 0.0)
+    with pytest.raises(InvalidRequestError, match="more than 0 s"):
+        render_template("{% for i in range(5000) %}{% endfor %}", {})
+
+
+def test_python_internals_stay_out_of_reach():
+    for source in ("{{ ''.__class__ }}", "{{ x.__init__ }}", "{{ cycler.__init__.__globals__ }}"):
+        with pytest.raises(InvalidRequestError, match="sandbox forbids|rendering the chat template failed"):
+            render_template(source, {"x": 1})
