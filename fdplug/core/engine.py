@@ -63,7 +63,8 @@ class EngineCore:
             max_waiting_requests=config.max_waiting_requests))
         self.timings = StepTimings()
         self.limits = ModelLimits(self.runner.model_config.vocab_size, config.max_model_len)
-        self.num_failed_steps = 0
+        self.num_failed_steps = 0    # steps that raised (their culprits failed, the rest re-ran)
+        self.num_rebuilds = 0        # times the runner disagreed with the scheduler afterwards
         self.encoder_cache = EncoderCache(config.encoder_cache_rows)
         self.feature_loader = FeatureLoader(FeatureFetcher(backend.storages, config), self.encoder_cache,
                                             self.runner.model_config.hidden_size,
@@ -234,13 +235,19 @@ class EngineCore:
             return
         logger.error("after a failed step the runner disagrees with the scheduler (%s); rebuilding it",
                      "; ".join(problems[:5]))
-        held = getattr(self.runner, "held_requests", lambda: set())
-        try:
-            ids = held()
-        except Exception:  # noqa: BLE001
-            ids = set()
-        drop(self.runner, [*ids, *(r.request_id for r in self.scheduler.running)])
+        self.num_rebuilds += 1
+        drop_all = getattr(self.runner, "drop_all_requests", None)
+        if drop_all is not None:
+            drop_all()
+        else:
+            drop(self.runner, [*self._held_or_empty(), *(r.request_id for r in self.scheduler.running)])
         self.scheduler.preempt_all_running()
+
+    def _held_or_empty(self) -> set[str]:
+        try:
+            return self.runner.held_requests()
+        except Exception:  # noqa: BLE001 -- the runner cannot say: drop what the scheduler knows
+            return set()
 
     def stats(self):
         return self.scheduler.make_stats()

@@ -53,8 +53,9 @@ class Recovered:
 
 
 def recover_step(runner: Any, scheduler: Scheduler, so: SchedulerOutput, exc: Exception,
-                 max_reruns: int = MAX_RERUNS) -> Recovered:
+                 max_reruns: int | None = None) -> Recovered:
     """Blame the requests of the failed step ``so`` that caused ``exc``; re-run the others."""
+    max_reruns = MAX_RERUNS if max_reruns is None else max_reruns
     step_ids = list(so.num_scheduled_tokens)
     out = Recovered()
     _blame(exc, step_ids, out.failed)

@@ -140,6 +140,11 @@ class ModelRunner:
             raise RuntimeError("input batch is inconsistent: " + "; ".join(problems))
         return set(self.batch.req_id_to_slot)
 
+    def drop_all_requests(self) -> None:
+        """Forget every request, whatever state the batch is in (the engine then rebuilds them all
+        from the scheduler). The KV cache is the scheduler's and stays as it is."""
+        self.batch = InputBatch(self.batch.max_num_seqs, self.config.max_model_len, self.batch.block_table.shape[1])
+
     def _add_request(self, new: NewRequestData) -> None:
         """Every value of the slot computed first, then one all-or-nothing ``InputBatch.add``."""
         tokens = [*new.prompt_token_ids, *new.output_token_ids]
