@@ -209,3 +209,26 @@ def test_repetition_penalty_changes_greedy_output(llm):
                              use_tqdm=False)[0].outputs[0].token_ids
     assert penalised != base
     assert len(set(penalised)) >= len(set(base))
+
+
+def test_generate_queues_any_number_of_prompts(llm):
+    """Offline, a generate() call queues all of its prompts at once: more than the server's default
+    waiting limit (1024) is not a "retry later"."""
+    prompts = [{"prompt_token_ids": [1 + i % 500, 7]} for i in range(1100)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), use_tqdm=False)
+    assert len(outs) == 1100 and all(o.outputs[0].finish_reason == "length" for o in outs)
+
+
+def test_a_refused_generate_leaves_nothing_queued(test_model_dir):
+    """With a waiting limit, a batch that does not fit is refused whole: nothing of it stays queued
+    to run (and be lost) with the next call."""
+    from fdplug.errors import QueueFullError
+
+    small = LLM(str(test_model_dir), max_model_len=64, num_kv_blocks=64, max_num_seqs=8, max_waiting_requests=3)
+    with pytest.raises(QueueFullError):
+        small.generate(["a", "b", {"prompt_token_ids": [5]}, "d"], GREEDY, use_tqdm=False)
+    assert not small.engine.has_unfinished_requests()
+    with pytest.raises(QueueFullError):
+        small.generate("x", SamplingParams(temperature=0, max_tokens=8, n=4), use_tqdm=False)
+    assert not small.engine.has_unfinished_requests()
+    assert small.generate("a", GREEDY, use_tqdm=False)[0].outputs[0].finish_reason == "length"

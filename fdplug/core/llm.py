@@ -24,6 +24,7 @@ from fdplug.errors import ConfigError
 
 logger = logging.getLogger("fdplug.llm")
 
+OFFLINE_MAX_WAITING = 1 << 30
 ENGINE_ARGS = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name not in ("model", "model_dir"))
 
 
@@ -86,6 +87,8 @@ class LLM:
                  attention_backend: str | None = None, moe_backend: str | None = None, **engine_args: Any) -> None:
         from fdplug.core.model.tokenizer import Tokenizer
 
+        # offline, every prompt of a generate() call is queued at once: no waiting limit unless asked for
+        engine_args.setdefault("max_waiting_requests", OFFLINE_MAX_WAITING)
         self.engine, self.config, self.model_config = create_engine(
             model, device, runner, attention_backend, moe_backend, **engine_args)
         self.tokenizer = Tokenizer.from_dir(self.config.model_dir)
@@ -112,7 +115,15 @@ class LLM:
         params_list = self._params_for(len(prompts), sampling_params)
         prepared = [(self.input_processor.process(p), self.input_processor.check_params(sp))
                     for p, sp in zip(prompts, params_list)]  # validate everything before queueing anything
-        request_ids = [self._submit(prompt, params) for prompt, params in prepared]
+        request_ids: list[str] = []
+        try:
+            for prompt, params in prepared:
+                request_ids.append(self._submit(prompt, params))
+        except BaseException:   # none of them, then: what was queued is taken back
+            for rid in request_ids:
+                self.engine.abort_requests(self.output_processor.child_ids(rid))
+                self.output_processor.pop(rid)
+            raise
         self._run(request_ids, use_tqdm)
         return [self.output_processor.pop(rid) for rid in request_ids]
 
@@ -159,9 +170,15 @@ class LLM:
 
     def _submit(self, prompt: ProcessedPrompt, params: SamplingParams) -> str:
         request_id = str(next(self._ids))
+        requests = self.input_processor.make_requests(request_id, prompt, params)
         self.output_processor.add(request_id, prompt.text, prompt.token_ids, params)
-        for request in self.input_processor.make_requests(request_id, prompt, params):
-            self.engine.add_request(request)
+        try:
+            for request in requests:
+                self.engine.add_request(request)
+        except BaseException:   # all of its sequences or none: the ones queued so far are taken back
+            self.engine.abort_requests([r.request_id for r in requests])
+            self.output_processor.pop(request_id)
+            raise
         return request_id
 
     def _step(self) -> list[Delta]:
