@@ -79,6 +79,23 @@ def test_metering_changes_nothing_a_template_renders():
     ("{% set s = 'x' * 1000000 %}{{ ''.join([s] * 40) }}", "joined string"),
     ("{% for i in range(40) %}{{ 'x' * 1000000 }}{% endfor %}", "output"),
     ("{{ x|tojson(indent=10**9) }}", "an indent"),
+    ("{% set big = 'y' * 100 %}{{ ([big] * 1000000)|tojson }}", "print as more than"),
+    ("{% set big = 'y' * 100 %}{{ [big] * 1000000 }}", "print as more than"),
+    ("{{ (range(100000)|list)|tojson(indent=1000) }}", "a JSON text"),
+    ("{{ [x] * 2000000 }}", "items"),
+    ("{% set ns = namespace(l=['ab']) %}{% for i in range(40) %}{% set ns.l = [ns.l, ns.l] %}{% endfor %}{{ ns.l }}",
+     "print as more than"),
+    ("{% set ns = namespace(l=['ab']) %}{% for i in range(40) %}{% set ns.l = [ns.l, ns.l] %}{% endfor %}"
+     "{{ ns.l|string }}", "print as more than"),
+    ("{% set ns = namespace(l=['ab']) %}{% for i in range(40) %}{% set ns.l = [ns.l, ns.l] %}{% endfor %}"
+     "{{ 'x' ~ ns.l }}", "characters"),
+    ("{% set ns = namespace(l=['ab']) %}{% for i in range(40) %}{% set ns.l = [ns.l, ns.l] %}{% endfor %}"
+     "{{ '%s' % [ns.l] }}", "print as more than"),
+    ("{% set ns = namespace(l=['ab']) %}{% for i in range(40) %}{% set ns.l = [ns.l, ns.l] %}{% endfor %}"
+     "{{ '{}'.format(ns.l) }}", "print as more than"),
+    ("{% set ns = namespace(l=['ab']) %}{% for i in range(40) %}{% set ns.l = [ns.l, ns.l] %}{% endfor %}"
+     "{{ [ns.l]|join }}", "joined string"),
+    ("{% set ns = namespace(l=[1]) %}{% for i in range(30) %}{% set ns.l = ns.l + ns.l %}{% endfor %}", "items"),
 ])
 def test_every_kind_of_runaway_work_is_a_400(source, says):
     with pytest.raises(InvalidRequestError) as info:

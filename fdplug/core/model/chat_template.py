@@ -36,8 +36,8 @@ from jinja2.runtime import LoopContext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.visitor import NodeTransformer
 
-from fdplug.core.model.template_budget import (MAX_VALUE, SIZE_CHECKS, RenderBudget, TemplateBudgetExceeded,
-                                               budget_var, check_format_string, check_width, current, join_size,
+from fdplug.core.model.template_budget import (MAX_ITEMS, MAX_VALUE, SIZE_CHECKS, RenderBudget, TemplateBudgetExceeded,
+                                               budget_var, check_format_string, check_printable, check_width, current, join_size,
                                                lenient, power_size, product_size)
 from fdplug.errors import InvalidRequestError
 
@@ -60,8 +60,14 @@ def _meter_iter(iterable: Any) -> Any:
 
 def _meter_concat(*pieces: Any) -> str:
     """``a ~ b ~ c``, sized before it is built."""
-    items = [p if isinstance(p, str) else jinja2.runtime.str_join((p,)) for p in pieces]
-    return current().built_value("".join(join_size(items)))
+    items = join_size(pieces)
+    return current().built_value(jinja2.runtime.str_join(items))
+
+
+def _finalize(value: Any) -> Any:
+    """Every ``{{ value }}`` before it is printed: a container must print within the budget."""
+    check_printable(value)
+    return value
 
 
 class _Meter(NodeTransformer):
@@ -90,8 +96,11 @@ def _metered_filter(name: str, filter_: Callable) -> Callable:
             separator = args[at + 1] if len(args) > at + 1 else kwargs.get("d", "")
             args = (*args[:at], join_size(args[at], separator if isinstance(separator, str) else ""),
                     *args[at + 1:])
-        elif check is not None:
-            lenient(check, args[at:], kwargs)
+        else:
+            if len(args) > at:
+                check_printable(args[at])     # most filters start with str(value)
+            if check is not None:
+                lenient(check, args[at:], kwargs)
         return budget.built_value(filter_(*args, **kwargs))
 
     return metered
@@ -138,8 +147,9 @@ class _Sandbox(ImmutableSandboxedEnvironment):
             power_size(left, right)
         elif operator_ == "%" and isinstance(left, str):
             check_format_string(left)
+            check_printable(right)
         elif operator_ == "+" and isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)):
-            if len(left) + len(right) > MAX_VALUE:
+            if len(left) + len(right) > (MAX_VALUE if isinstance(left, str) else MAX_ITEMS):
                 raise TemplateBudgetExceeded(f"a value of {len(left) + len(right)} characters or items")
         return current().built_value(super().call_binop(context, operator_, left, right))
 
@@ -151,6 +161,8 @@ class _Sandbox(ImmutableSandboxedEnvironment):
 
         @functools.wraps(wrapped)
         def metered(*args: Any, **kwargs: Any) -> str:
+            for arg in (*args, *kwargs.values()):
+                check_printable(arg)
             return current().built_value(wrapped(*args, **kwargs))
         return metered
 
@@ -171,9 +183,17 @@ def _raise_exception(message: str) -> None:
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
             separators: Any = None, sort_keys: bool = False) -> str:
-    """transformers' ``tojson``: no HTML escaping and key order kept, unlike Jinja's built-in."""
+    """transformers' ``tojson``: no HTML escaping and key order kept, unlike Jinja's built-in. Encoded
+    in pieces, so a value whose JSON would be too large stops at the limit instead of being built."""
     check_width(indent, "an indent")
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    encoder = json.JSONEncoder(ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    pieces, size = [], 0
+    for piece in encoder.iterencode(value):
+        size += len(piece)
+        if size > MAX_VALUE:
+            raise TemplateBudgetExceeded(f"a JSON text of more than {MAX_VALUE} characters")
+        pieces.append(piece)
+    return "".join(pieces)
 
 
 def _strftime_now(fmt: str) -> str:
@@ -181,7 +201,8 @@ def _strftime_now(fmt: str) -> str:
 
 
 def _environment() -> _Sandbox:
-    env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols],
+                   finalize=_finalize)
     env.filters["tojson"] = _tojson
     env.filters = {name: _metered_filter(name, f) for name, f in env.filters.items()}
     env.globals["raise_exception"] = _raise_exception

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 MAX_OPERATIONS = 1_000_000      # loop iterations, calls, lookups (a model template spends ~20 per message)
-MAX_VALUE = 32 << 20            # characters (or items) in any one value, and in the output
-MAX_BUILT = 4 * MAX_VALUE       # characters (or items) built in all, over the render
+MAX_VALUE = 32 << 20            # characters in any one string, and in the output
+MAX_ITEMS = 1 << 20             # items in any one list, tuple or dict (each may print as many characters)
+MAX_BUILT = 4 * MAX_VALUE       # characters and items built in all, over the render
 MAX_WIDTH = 1 << 20             # a width, count or padding argument
 TIMEOUT_S = 2.0
 _CHECK_TIME_EVERY = 1024        # operations between clock reads
@@ -53,9 +54,9 @@ class RenderBudget:
     def built_value(self, value: Any) -> Any:
         """Charge a value just built (strings and containers cost their length), and return it."""
         if isinstance(value, (str, list, tuple, dict)):
-            size = len(value)
-            if size > MAX_VALUE:
-                raise TemplateBudgetExceeded(f"a value of {size} characters or items (the limit is {MAX_VALUE})")
+            size, limit = len(value), MAX_VALUE if isinstance(value, str) else MAX_ITEMS
+            if size > limit:
+                raise TemplateBudgetExceeded(f"a value of {size} characters or items (the limit is {limit})")
             self.charge(0, size)
         return value
 
@@ -110,7 +111,7 @@ def product_size(left: Any, right: Any) -> None:
     """``left * right``: a repeated sequence, or two integers whose product is huge."""
     for seq, times in ((left, right), (right, left)):
         if isinstance(seq, (str, list, tuple)) and isinstance(times, int):
-            if len(seq) * max(times, 0) > MAX_VALUE:
+            if len(seq) * max(times, 0) > (MAX_VALUE if isinstance(seq, str) else MAX_ITEMS):
                 raise TemplateBudgetExceeded(f"a value of {len(seq)} x {times} items")
             return
     if isinstance(left, int) and isinstance(right, int) and left.bit_length() + right.bit_length() > 64 * 1024:
@@ -123,12 +124,45 @@ def power_size(base: Any, exponent: Any) -> None:
         raise TemplateBudgetExceeded("an integer power of more than 65536 bits")
 
 
+def printed_size(value: Any, limit: int = MAX_VALUE) -> int:
+    """About how many characters ``str(value)`` has, stopping past ``limit``. Shared references count
+    each time they print, but are measured once: a list that holds itself twice, thirty levels deep,
+    is measured in thirty steps and refused, rather than printed (2^30 times its leaves)."""
+    memo: dict[int, int] = {}
+
+    def size(v: Any) -> int:
+        if isinstance(v, str):
+            return len(v) + 2
+        if not isinstance(v, (list, tuple, dict, set, frozenset)):
+            return 24
+        key = id(v)
+        if key not in memo:
+            memo[key] = limit + 1            # a cycle prints as [...], but treat it as too large
+            total = 2
+            for item in (v.items() if isinstance(v, dict) else v):
+                total += size(item) + 2
+                if total > limit:
+                    break
+            memo[key] = total
+        return memo[key]
+
+    return size(value)
+
+
+def check_printable(value: Any) -> None:
+    """Refuse to turn a container into text when the text would be over MAX_VALUE characters."""
+    if isinstance(value, (list, tuple, dict, set, frozenset)) and printed_size(value) > MAX_VALUE:
+        raise TemplateBudgetExceeded(f"a value that would print as more than {MAX_VALUE} characters")
+
+
 def join_size(pieces: Any, separator: str = "") -> list:
     items = list(pieces)
     current().built_value(items)
-    size = sum(len(p) if isinstance(p, str) else 8 for p in items) + len(separator) * max(len(items) - 1, 0)
-    if size > MAX_VALUE:
-        raise TemplateBudgetExceeded(f"a joined string of {size} characters (the limit is {MAX_VALUE})")
+    size = len(separator) * max(len(items) - 1, 0)
+    for piece in items:
+        size += len(piece) if isinstance(piece, str) else printed_size(piece)
+        if size > MAX_VALUE:
+            raise TemplateBudgetExceeded(f"a joined string of more than {MAX_VALUE} characters")
     return items
 
 
