@@ -82,6 +82,25 @@ def test_metering_changes_nothing_a_template_renders():
     ("{% set big = 'y' * 100 %}{{ ([big] * 1000000)|tojson }}", "print as more than"),
     ("{% set big = 'y' * 100 %}{{ [big] * 1000000 }}", "print as more than"),
     ("{{ (range(100000)|list)|tojson(indent=1000) }}", "a JSON text"),
+    # found in review: bodies joined by Jinja itself, repeated fields, bytes
+    ("{% set big = 'y' * 30000000 %}{% set y %}{% for i in range(1000) %}{{ big }}{% endfor %}{% endset %}",
+     "joined string"),
+    ("{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s %}{{ ns.s }}{{ ns.s }}{% endset %}"
+     "{% endfor %}", "characters"),
+    ("{% macro twice(s) %}{{ s }}{{ s }}{% endmacro %}{% set ns = namespace(s='ab') %}"
+     "{% for i in range(40) %}{% set ns.s = twice(ns.s) %}{% endfor %}", "characters"),
+    ("{{ 'a'.encode() * 10**10 }}", "items"),
+    ("{% set x = 'a' * 30000000 %}{{ ('%s' * 1000) % ((x,) * 1000) }}", "a formatted string"),
+    ("{% set x = 'a' * 30000000 %}{{ ('%(a)s' * 1000) % {'a': x} }}", "a formatted string"),
+    ("{% set x = 'a' * 30000000 %}{{ ('{0}' * 1000).format(x) }}", "a formatted string"),
+    ("{% set x = 'a' * 30000000 %}{{ ('%s' * 1000)|format(*((x,) * 1000)) }}", "a formatted string"),
+    ("{{ ('%1000000s' * 1000) % ((1,) * 1000) }}", "a formatted string"),
+    ("{{ ('x\n' * 1000000)|indent(100) }}", "an indent of all lines"),
+    ("{{ ('a' * 1000000).translate({97: 'b' * 1000}) }}", "a translated string"),
+    ("{{ ('a ' * 15000000).split() }}", "a split"),
+    ("{{ ('a' * 30000000)|list }}", "a list of characters"),
+    ("{{ " + "(" * 2000 + "1" + ")" * 2000 + " }}", "could not be compiled"),
+    ("{% if 1 %}" * 1000 + "{% endif %}" * 1000, "could not be compiled"),
     ("{{ [x] * 2000000 }}", "items"),
     ("{% set ns = namespace(l=['ab']) %}{% for i in range(40) %}{% set ns.l = [ns.l, ns.l] %}{% endfor %}{{ ns.l }}",
      "print as more than"),
@@ -90,9 +109,9 @@ def test_metering_changes_nothing_a_template_renders():
     ("{% set ns = namespace(l=['ab']) %}{% for i in range(40) %}{% set ns.l = [ns.l, ns.l] %}{% endfor %}"
      "{{ 'x' ~ ns.l }}", "characters"),
     ("{% set ns = namespace(l=['ab']) %}{% for i in range(40) %}{% set ns.l = [ns.l, ns.l] %}{% endfor %}"
-     "{{ '%s' % [ns.l] }}", "print as more than"),
+     "{{ '%s' % [ns.l] }}", "a formatted string"),
     ("{% set ns = namespace(l=['ab']) %}{% for i in range(40) %}{% set ns.l = [ns.l, ns.l] %}{% endfor %}"
-     "{{ '{}'.format(ns.l) }}", "print as more than"),
+     "{{ '{}'.format(ns.l) }}", "a formatted string"),
     ("{% set ns = namespace(l=['ab']) %}{% for i in range(40) %}{% set ns.l = [ns.l, ns.l] %}{% endfor %}"
      "{{ [ns.l]|join }}", "joined string"),
     ("{% set ns = namespace(l=[1]) %}{% for i in range(30) %}{% set ns.l = ns.l + ns.l %}{% endfor %}", "items"),
@@ -101,6 +120,14 @@ def test_every_kind_of_runaway_work_is_a_400(source, says):
     with pytest.raises(InvalidRequestError) as info:
         render_template(source, {"x": [1, [2]]})
     assert info.value.http_status == 400 and says in info.value.message, info.value.message
+
+
+def test_percent_and_braces_are_told_apart():
+    """JSON-looking text in a ``%`` format is not a ``str.format`` field (found in review)."""
+    for source in ("""{{ '{"name": "%s", "args": {"x": 1}}' % fn }}""",
+                   """{{ '{"limit": 5000000, "f": "%s"}'|format(fn) }}""",
+                   "{{ '{}/{:>3}'.format(fn, 7) }}", "{{ '{a}'.format_map({'a': fn}) }}"):
+        assert render_template(source, {"fn": "f"}) == plain(source, {"fn": "f"})
 
 
 def test_the_budget_is_per_render(monkeypatch):

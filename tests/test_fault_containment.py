@@ -173,11 +173,12 @@ def test_4_n_over_the_cap_is_a_400_not_a_503(server):
 def test_5_chat_template_kwargs_colliding_with_fields_are_400s(server):
     base = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
     for key, value in (("add_generation_prompt", False), ("messages", []), ("tools", []), ("documents", []),
-                       ("content_part_handler", 1)):
+                       ("content_part_handler", 1), ("__fdplug_iter", 1), ("_x", 1)):
         r = post(server, "/v1/chat/completions", {**base, "chat_template_kwargs": {key: value}})
         assert_400(r, param=f"chat_template_kwargs.{key}")
-    ok = post(server, "/v1/chat/completions", {**base, "chat_template_kwargs": {"enable_thinking": False}})
-    assert ok.status_code == 200, ok.text
+    for kwargs in ({"enable_thinking": False}, {"self": 1, "variables": 2, "kwargs": 3, "chat_template_x": 4}):
+        ok = post(server, "/v1/chat/completions", {**base, "chat_template_kwargs": kwargs})
+        assert ok.status_code == 200, ok.text   # names of Python parameters are just template variables
 
 
 def test_6_request_chat_templates_are_refused_without_the_flag(server):

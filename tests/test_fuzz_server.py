@@ -176,7 +176,8 @@ def chat_body(draw, urls):
         "chat_template": field(st.sampled_from(["default", TEMPLATES[0]]), st.sampled_from(TEMPLATES)),
         "chat_template_kwargs": field(st.dictionaries(st.just("enable_thinking"), st.booleans()), st.dictionaries(
             st.sampled_from(["enable_thinking", "add_generation_prompt", "messages", "tools", "chat_template",
-                             "documents", "bos_token", "x"]), st.one_of(junk, st.sampled_from(TEMPLATES)), max_size=3)),
+                             "documents", "bos_token", "x", "self", "kwargs", "__fdplug_iter", "content_part_handler"]),
+            st.one_of(junk, st.sampled_from(TEMPLATES)), max_size=3)),
         "messages": field(st.lists(st.builds(message), min_size=1, max_size=3)),
     }
     body = draw_body(draw, fields, ("messages",))

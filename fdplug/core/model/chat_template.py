@@ -36,9 +36,10 @@ from jinja2.runtime import LoopContext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.visitor import NodeTransformer
 
-from fdplug.core.model.template_budget import (MAX_ITEMS, MAX_VALUE, SIZE_CHECKS, RenderBudget, TemplateBudgetExceeded,
-                                               budget_var, check_format_string, check_printable, check_width, current, join_size,
-                                               lenient, power_size, product_size)
+from fdplug.core.model.template_budget import (MAX_ITEMS, MAX_VALUE, SIZE_CHECKS, SIZED, RenderBudget,
+                                               TemplateBudgetExceeded, brace_format_size, budget_var, check_printable,
+                                               check_width, current, join_size, lenient, percent_format_size,
+                                               power_size, product_size)
 from fdplug.errors import InvalidRequestError
 
 # ---------------------------------------------------------------------------------------------------
@@ -62,6 +63,12 @@ def _meter_concat(*pieces: Any) -> str:
     """``a ~ b ~ c``, sized before it is built."""
     items = join_size(pieces)
     return current().built_value(jinja2.runtime.str_join(items))
+
+
+def _metered_join(pieces: Any) -> str:
+    """What Jinja joins a block's output with (macro and call bodies, ``{% set %}`` blocks, filter
+    blocks): sized before it is joined."""
+    return current().built_value("".join(join_size(pieces)))
 
 
 def _finalize(value: Any) -> Any:
@@ -115,6 +122,7 @@ class _Sandbox(ImmutableSandboxedEnvironment):
     """
 
     intercepted_binops = frozenset({"*", "**", "+", "%", "//"})
+    concat = staticmethod(_metered_join)
 
     def unsafe_undefined(self, obj: Any, attribute: str) -> Any:
         raise SecurityError(f"access to attribute {attribute!r} of a {type(obj).__name__!r} object is unsafe.")
@@ -146,10 +154,9 @@ class _Sandbox(ImmutableSandboxedEnvironment):
         elif operator_ == "**":
             power_size(left, right)
         elif operator_ == "%" and isinstance(left, str):
-            check_format_string(left)
-            check_printable(right)
-        elif operator_ == "+" and isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)):
-            if len(left) + len(right) > (MAX_VALUE if isinstance(left, str) else MAX_ITEMS):
+            percent_format_size(left, right)
+        elif operator_ == "+" and isinstance(left, SIZED) and isinstance(right, SIZED):
+            if len(left) + len(right) > (MAX_VALUE if isinstance(left, (str, bytes, bytearray)) else MAX_ITEMS):
                 raise TemplateBudgetExceeded(f"a value of {len(left) + len(right)} characters or items")
         return current().built_value(super().call_binop(context, operator_, left, right))
 
@@ -157,12 +164,14 @@ class _Sandbox(ImmutableSandboxedEnvironment):
         wrapped = super().wrap_str_format(value)
         if wrapped is None:
             return None
-        check_format_string(value.__self__)
+        fmt, is_format_map = value.__self__, value.__name__ == "format_map"
 
         @functools.wraps(wrapped)
         def metered(*args: Any, **kwargs: Any) -> str:
-            for arg in (*args, *kwargs.values()):
-                check_printable(arg)
+            if is_format_map and len(args) == 1 and isinstance(args[0], dict):
+                brace_format_size(fmt, (), args[0])
+            else:
+                brace_format_size(fmt, args, kwargs)
             return current().built_value(wrapped(*args, **kwargs))
         return metered
 
@@ -215,15 +224,28 @@ def _environment() -> _Sandbox:
 _ENV = _environment()
 
 
-@lru_cache(maxsize=32)
+CACHED_SOURCE_CHARS = 256 << 10   # a model's template is a few KB; a larger one is compiled each time
+
+
 def compile_template(source: str) -> jinja2.Template:
-    """Compile a chat template once per distinct source, its loops and ``~`` metered."""
+    """Compile a chat template, its loops and ``~`` metered; sources up to CACHED_SOURCE_CHARS once."""
+    return _compile_cached(source) if len(source) <= CACHED_SOURCE_CHARS else _compile(source)
+
+
+def _compile(source: str) -> jinja2.Template:
     try:
         tree = _Meter().visit(_ENV.parse(source))
         return _ENV.template_class.from_code(_ENV, _ENV.compile(tree), _ENV.make_globals(None), None)
     except TemplateSyntaxError as exc:
         raise InvalidRequestError(f"the chat template is not valid Jinja: {exc.message} (line {exc.lineno}).",
                                   fix="fix the template or pass a working one.", param="chat_template") from None
+    except (RecursionError, MemoryError) as exc:   # nested too deeply for the parser
+        raise InvalidRequestError(f"the chat template could not be compiled ({type(exc).__name__}).",
+                                  fix="use a template with less deeply nested blocks and expressions.",
+                                  param="chat_template") from None
+
+
+_compile_cached = lru_cache(maxsize=32)(_compile)
 
 
 def render_template(source: str, context: Mapping[str, Any]) -> str:

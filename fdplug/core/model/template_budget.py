@@ -22,6 +22,7 @@ MAX_ITEMS = 1 << 20             # items in any one list, tuple or dict (each may
 MAX_BUILT = 4 * MAX_VALUE       # characters and items built in all, over the render
 MAX_WIDTH = 1 << 20             # a width, count or padding argument
 TIMEOUT_S = 2.0
+SIZED = (str, bytes, bytearray, list, tuple)   # what ``*`` and ``+`` build by length
 _CHECK_TIME_EVERY = 1024        # operations between clock reads
 
 
@@ -53,11 +54,13 @@ class RenderBudget:
 
     def built_value(self, value: Any) -> Any:
         """Charge a value just built (strings and containers cost their length), and return it."""
-        if isinstance(value, (str, list, tuple, dict)):
-            size, limit = len(value), MAX_VALUE if isinstance(value, str) else MAX_ITEMS
+        if isinstance(value, (str, bytes, bytearray, list, tuple, dict)):
+            size, limit = len(value), MAX_VALUE if isinstance(value, (str, bytes, bytearray)) else MAX_ITEMS
             if size > limit:
                 raise TemplateBudgetExceeded(f"a value of {size} characters or items (the limit is {limit})")
             self.charge(0, size)
+            if size > _CHECK_TIME_EVERY and time.monotonic() > self.deadline:   # a large value took a while
+                raise TemplateBudgetExceeded(f"more than {TIMEOUT_S:g} s")
         return value
 
 
@@ -83,35 +86,60 @@ def check_width(value: Any, what: str) -> None:
         raise TemplateBudgetExceeded(f"{what} of {value} (the limit is {MAX_WIDTH})")
 
 
-_PERCENT_SPEC = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?")
+_PERCENT_SPEC = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?[a-zA-Z%]?")
 
 
-def check_format_string(fmt: str) -> None:
-    """Widths and precisions in a ``%`` or ``str.format`` string: numbers within MAX_WIDTH, no ``*``
-    or nested fields (whose width would come from an argument)."""
+def _spec_size(numbers: list[str], largest: int) -> int:
+    """What one conversion prints at most: its width or precision, or the largest argument."""
+    size = largest
+    for number in numbers:
+        if number == "*":
+            raise TemplateBudgetExceeded("a '*' width in a format string")
+        if number:
+            check_width(int(number), "a format width")
+            size = max(size, int(number))
+    return size
+
+
+def _largest_printed(values: Any) -> int:
+    return max((printed_size(v) for v in values), default=0)
+
+
+def percent_format_size(fmt: str, args: Any) -> None:
+    """``fmt % args`` (and the ``format`` filter), sized before it is built: its literal text plus,
+    per conversion, its width or the largest argument printed."""
+    values = list(args.values()) if isinstance(args, dict) else list(args) if isinstance(args, tuple) else [args]
+    largest = _largest_printed(values)
+    total = len(fmt)
     for width, precision in _PERCENT_SPEC.findall(fmt):
-        for number in (width, precision):
-            if number == "*":
-                raise TemplateBudgetExceeded("a '*' width in a format string")
-            if number:
-                check_width(int(number), "a format width")
-    if "{" in fmt:
-        try:
-            fields = list(string.Formatter().parse(fmt))
-        except ValueError:
-            return      # malformed: str.format itself will raise
-        for _, _, spec, _ in fields:
-            if spec and "{" in spec:
-                raise TemplateBudgetExceeded("a nested field in a format spec")
-            for number in re.findall(r"\d+", spec or ""):
-                check_width(int(number), "a format width")
+        total += _spec_size([width, precision], largest)
+        if total > MAX_VALUE:
+            raise TemplateBudgetExceeded(f"a formatted string of more than {MAX_VALUE} characters")
+
+
+def brace_format_size(fmt: str, args: tuple, kwargs: dict) -> None:
+    """``fmt.format(*args, **kwargs)``, sized the same way; no nested fields (a width from an argument)."""
+    try:
+        fields = list(string.Formatter().parse(fmt))
+    except ValueError:
+        return      # malformed: str.format itself will raise
+    largest = _largest_printed([*args, *kwargs.values()])
+    total = len(fmt)
+    for _, name, spec, _ in fields:
+        if name is None:
+            continue
+        if spec and "{" in spec:
+            raise TemplateBudgetExceeded("a nested field in a format spec")
+        total += _spec_size(re.findall(r"\d+", spec or ""), largest)
+        if total > MAX_VALUE:
+            raise TemplateBudgetExceeded(f"a formatted string of more than {MAX_VALUE} characters")
 
 
 def product_size(left: Any, right: Any) -> None:
     """``left * right``: a repeated sequence, or two integers whose product is huge."""
     for seq, times in ((left, right), (right, left)):
-        if isinstance(seq, (str, list, tuple)) and isinstance(times, int):
-            if len(seq) * max(times, 0) > (MAX_VALUE if isinstance(seq, str) else MAX_ITEMS):
+        if isinstance(seq, (str, bytes, bytearray, list, tuple)) and isinstance(times, int):
+            if len(seq) * max(times, 0) > (MAX_VALUE if isinstance(seq, (str, bytes, bytearray)) else MAX_ITEMS):
                 raise TemplateBudgetExceeded(f"a value of {len(seq)} x {times} items")
             return
     if isinstance(left, int) and isinstance(right, int) and left.bit_length() + right.bit_length() > 64 * 1024:
@@ -131,8 +159,8 @@ def printed_size(value: Any, limit: int = MAX_VALUE) -> int:
     memo: dict[int, int] = {}
 
     def size(v: Any) -> int:
-        if isinstance(v, str):
-            return len(v) + 2
+        if isinstance(v, (str, bytes, bytearray)):
+            return 4 * len(v) + 3 if not isinstance(v, str) else len(v) + 2
         if not isinstance(v, (list, tuple, dict, set, frozenset)):
             return 24
         key = id(v)
@@ -183,13 +211,17 @@ SIZE_CHECKS: dict[str, Callable[..., None]] = {
     "zfill": lambda s, width: check_width(width, "a width"),
     "expandtabs": lambda s, tabsize=8: check_width(tabsize * max(s.count("\t"), 1) if isinstance(s, str) else 0,
                                                     "expanded tabs"),
-    "indent": lambda s, width=4, *a, **k: check_width(width if isinstance(width, int) else len(str(width)),
-                                                       "an indent"),
+    "indent": lambda s, width=4, *a, **k: check_width(
+        (width if isinstance(width, int) else len(str(width))) * (str(s).count("\n") + 1), "an indent of all lines"),
     "wordwrap": lambda s, width=79, *a, **k: check_width(width, "a width"),
     "truncate": lambda s, length=255, *a, **k: check_width(length, "a length"),
     "batch": lambda s, count, *a, **k: check_width(count, "a batch size"),
     "slice": lambda s, count, *a, **k: check_width(count, "a slice count"),
-    "format": lambda s, *a, **k: check_format_string(s) if isinstance(s, str) else None,
+    "format": lambda s, *a, **k: percent_format_size(s, k or a) if isinstance(s, str) else None,
+    "translate": lambda s, table: check_width(len(s) * max((len(v) for v in table.values() if isinstance(v, str)),
+                                                           default=1), "a translated string"),
+    "split": lambda s, *a, **k: check_width(len(s) // 2, "a split") if len(s) > 2 * MAX_ITEMS else None,
+    "list": lambda s, *a, **k: check_width(len(s), "a list of characters") if isinstance(s, str) else None,
 }
 
 

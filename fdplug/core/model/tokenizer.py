@@ -133,17 +133,21 @@ class Tokenizer:
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                             tools: Sequence[Mapping[str, Any]] | None = None, *,
                             chat_template: str | None = None, documents: Sequence[Mapping[str, Any]] | None = None,
-                            content_part_handler: ContentPartHandler | None = None, **kwargs: Any) -> str:
+                            content_part_handler: ContentPartHandler | None = None,
+                            variables: Mapping[str, Any] | None = None, **kwargs: Any) -> str:
         """The prompt text for a conversation, rendered by the model's chat template in a sandbox.
 
-        ``chat_template`` is a template name (``"tool_use"``) or a template's source; ``kwargs``
-        become template variables (e.g. ``enable_thinking``; see ``check_template_kwargs``). Raises
-        ``InvalidRequestError`` for a malformed conversation, a model without a template, or a
-        template that fails, raises or goes over its work budget.
+        ``chat_template`` is a template name (``"tool_use"``) or a template's source; ``variables``
+        (a request's ``chat_template_kwargs``, checked by ``check_template_kwargs``: a dict, so no
+        name of it can collide with an argument of this method) and ``kwargs`` become template
+        variables (e.g. ``enable_thinking``). Raises ``InvalidRequestError`` for a malformed
+        conversation, a model without a template, or a template that fails, raises or goes over its
+        work budget.
         """
         source = self._select_template(chat_template, tools)
         context = {
             **self.special_tokens,
+            **(variables or {}),
             **kwargs,
             "messages": normalize_messages(messages, content_part_handler),
             "tools": _check_dicts(tools, "tools"),
@@ -196,6 +200,10 @@ def check_template_kwargs(kwargs: Mapping[str, Any] | None, param: str = "chat_t
         if name in TEMPLATE_ARGUMENTS:
             raise InvalidRequestError(f"{param} may not set {name!r}: it is an argument of its own.",
                                       fix=f"send {name} as a request field (where the API has one), not in {param}.",
+                                      param=f"{param}.{name}")
+        if name.startswith("_"):    # the renderer's own globals (and Python's) start with underscores
+            raise InvalidRequestError(f"{param} may not set {name!r}: names starting with '_' are reserved.",
+                                      fix="name template variables without a leading underscore.",
                                       param=f"{param}.{name}")
     return kwargs
 

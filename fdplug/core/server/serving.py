@@ -126,7 +126,7 @@ class Serving:
         collector = FeaturePartCollector(processor.mm_config, tokenizer, tenant)
         text = tokenizer.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt,
                                              chat_template=template, content_part_handler=collector,
-                                             **check_template_kwargs(kwargs))
+                                             variables=check_template_kwargs(kwargs))
         prompt = processor.process({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False),
                                     "mm_items": collector.parts}, tenant)
         processor.check_length(len(prompt.token_ids), max_tokens)
