@@ -10,7 +10,9 @@ every step that runs it fails in the way ``FAULT["mode"]`` names:
 - ``add``: its slot values do not fit the batch when it is (re)added (a ``top_k`` past int64);
 - ``oov``: the sampler returns a token outside the vocabulary for it (the runner's own check);
 - ``corrupt``: a RuntimeError, after also losing another request's slot mapping (the engine's
-  consistency check must notice and rebuild every running request from the scheduler).
+  consistency check must notice and rebuild every running request from the scheduler);
+- ``broken``: every step fails, whoever is in it (a runner broken as a whole);
+- ``broken_until_rebuilt``: the same, until the engine rebuilds the runner's requests.
 
 ``times`` > 0 limits how many steps fail (a transient fault). ``FAULT`` starts from the
 ``FAULTY_RUNNER`` environment variable (JSON), so a server's engine process can be given one.
@@ -53,6 +55,8 @@ class FaultyRunner(ModelRunner):
     def _armed(self, req_ids) -> list[str]:
         if _spent():
             return []
+        if FAULT["mode"] in ("broken", "broken_until_rebuilt"):
+            return list(req_ids)
         hit = []
         for rid in req_ids:
             if rid in self.poisoned and rid in self.batch.req_id_to_slot:
@@ -73,7 +77,7 @@ class FaultyRunner(ModelRunner):
     def _prepare_inputs(self, so):
         inputs = super()._prepare_inputs(so)
         hit = self._armed(so.num_scheduled_tokens)
-        if hit and FAULT["mode"] in ("raise", "blame", "corrupt"):
+        if hit and FAULT["mode"] in ("raise", "blame", "corrupt", "broken", "broken_until_rebuilt"):
             FAULT["fired"] += 1
             if FAULT["mode"] == "blame":
                 raise RequestStepError(hit, "injected: blamed")
@@ -85,6 +89,11 @@ class FaultyRunner(ModelRunner):
         self._oov = hit if FAULT["mode"] == "oov" else []
         self._sampling_ids = inputs.sampling_req_ids
         return inputs
+
+    def drop_all_requests(self) -> None:
+        if FAULT["mode"] == "broken_until_rebuilt":
+            FAULT["mode"] = None
+        super().drop_all_requests()
 
     def initialize_kv_cache(self):
         plan = super().initialize_kv_cache()

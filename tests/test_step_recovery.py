@@ -125,19 +125,61 @@ def test_a_transient_fault_fails_nobody(llm, clean):
     assert llm.engine.consistency_problems() == []
 
 
-def test_past_the_rerun_budget_the_undecided_requests_fail(llm, clean, monkeypatch):
-    """With no re-runs allowed, an unattributed failure fails the whole step: never a stall, nothing
-    left half-done."""
+def test_requests_left_undecided_by_the_budget_are_requeued_not_failed(llm, clean, monkeypatch):
+    """With no re-runs allowed, a failed step decides nothing: its requests go back to the queue and
+    are recomputed; a transient fault then fails nobody, and nothing is left half-done."""
     from fdplug.core import step_recovery
 
-    monkeypatch.setattr(step_recovery, "MAX_RERUNS", 0)
+    monkeypatch.setattr(step_recovery, "rerun_budget", lambda n: 0)
     fault_plugin.inject("raise", marker=MARKER, after=AFTER, times=1)
     try:
         bystanders, (poisoned,) = run(llm, 1)
     finally:
         fault_plugin.inject(None)
-    assert {o.outputs[0].finish_reason for o in [*bystanders, poisoned]} == {"error"}
+    assert [o.outputs[0].token_ids for o in bystanders] == clean
+    assert poisoned.outputs[0].finish_reason == "length"
     assert llm.engine.consistency_problems() == [] and not llm.engine.scheduler.requests
+
+
+def test_a_tiny_budget_still_finds_the_culprit_over_several_steps(llm, clean, monkeypatch):
+    from fdplug.core import step_recovery
+
+    monkeypatch.setattr(step_recovery, "rerun_budget", lambda n: 2)
+    fault_plugin.inject("raise", marker=MARKER, after=AFTER)
+    failed_before = llm.engine.num_failed_steps
+    try:
+        bystanders, poisoned = run(llm, 1)
+    finally:
+        fault_plugin.inject(None)
+    assert llm.engine.num_failed_steps - failed_before >= 2     # it took more than one failed step
+    assert_contained(llm, clean, bystanders, poisoned)
+
+
+def test_a_runner_broken_as_a_whole_is_rebuilt_once_and_then_fails_the_step(llm, clean):
+    """Every request of a step failing even alone points at the runner: its requests are rebuilt
+    from the scheduler (nobody fails). If that cures it, everyone finishes as in a clean run; if the
+    very next steps fail the same way, those requests fail rather than loop."""
+    engine = llm.engine
+    rebuilds = engine.num_rebuilds
+    fault_plugin.inject("broken_until_rebuilt", after=AFTER)
+    try:
+        bystanders, (poisoned,) = run(llm, 1)
+    finally:
+        fault_plugin.inject(None)
+    assert engine.num_rebuilds == rebuilds + 1
+    assert [o.outputs[0].token_ids for o in bystanders] == clean and poisoned.outputs[0].finish_reason == "length"
+
+    engine._last_rebuild_step = -1000      # as if the last rebuild were long ago
+    fault_plugin.inject("broken", after=AFTER)
+    try:
+        bystanders, (poisoned,) = run(llm, 1)
+    finally:
+        fault_plugin.inject(None)
+    assert engine.num_rebuilds == rebuilds + 2
+    assert {o.outputs[0].finish_reason for o in [*bystanders, poisoned]} == {"error"}
+    assert engine.consistency_problems() == [] and not engine.scheduler.requests
+    again = llm.generate({"prompt_token_ids": BYSTANDERS[0]}, PARAMS[0], use_tqdm=False)[0]
+    assert again.outputs[0].token_ids == clean[0]
 
 
 # -- over HTTP ----------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ they disagree, every running request is rebuilt from the scheduler (preempted an
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from dataclasses import dataclass
 from typing import Iterable
@@ -26,10 +27,12 @@ from fdplug.core.request import Request, RequestStatus
 from fdplug.core.scheduler.output import EngineCoreOutput, SchedulerOutput
 from fdplug.core.scheduler.scheduler import Scheduler, SchedulerConfig
 from fdplug.core.selection import Backend
-from fdplug.core.step_recovery import RequestStepError, drop, recover_step
+from fdplug.core.step_recovery import Recovered, RequestStepError, drop, recover_step
 from fdplug.errors import EngineRequestError, FdplugError, error_to_dict
 
 logger = logging.getLogger("fdplug.engine")
+
+REBUILD_WINDOW_STEPS = 16   # a runner-wide failure within this many steps of a rebuild is not retried again
 
 
 @dataclass(slots=True)
@@ -64,7 +67,8 @@ class EngineCore:
         self.timings = StepTimings()
         self.limits = ModelLimits(self.runner.model_config.vocab_size, config.max_model_len)
         self.num_failed_steps = 0    # steps that raised (their culprits failed, the rest re-ran)
-        self.num_rebuilds = 0        # times the runner disagreed with the scheduler afterwards
+        self.num_rebuilds = 0        # times the runner's requests were rebuilt from the scheduler
+        self._last_rebuild_step = -REBUILD_WINDOW_STEPS - 1
         self.encoder_cache = EncoderCache(config.encoder_cache_rows)
         self.feature_loader = FeatureLoader(FeatureFetcher(backend.storages, config), self.encoder_cache,
                                             self.runner.model_config.hidden_size,
@@ -127,29 +131,61 @@ class EngineCore:
     def _run(self, so: SchedulerOutput) -> list[EngineCoreOutput]:
         """Execute a scheduled step, recovering from a failure; then update the scheduler."""
         scheduled = {rid: self.scheduler.requests[rid] for rid in so.num_scheduled_tokens}
-        recovered = None
+        failed: dict[str, FdplugError] = {}
         try:
             self._attach_features(so)
             result = self.runner.execute_model(so)
             sampled, logprobs, timings = result.sampled_token_ids, result.logprobs, result.timings
+            step_failed = False
         except Exception as exc:
             logger.exception("a model step of %d requests failed; finding the requests that caused it",
                              len(scheduled))
             recovered = recover_step(self.runner, self.scheduler, so, exc)
             sampled, logprobs, timings = recovered.sampled_token_ids, recovered.logprobs, {}
+            failed, step_failed = self._settle(recovered), True
+        sampled = self._checked_tokens(sampled, failed)
         t2 = time.perf_counter()
-        outputs = self._fail(recovered.failed) if recovered is not None else []
+        outputs = self._fail(failed)
         outputs += self.scheduler.update_from_output(so, sampled)
         for out in outputs:
             if out.request_id in logprobs:
                 out.new_logprobs = [logprobs[out.request_id]] if out.new_token_ids else None
             if out.finished and out.request_id in scheduled:
                 self._release(scheduled[out.request_id])
-        if recovered is not None:
+        if step_failed or failed:
             self.num_failed_steps += 1
             self._verify_or_rebuild()
         self._count(timings, time.perf_counter() - t2)
         return outputs
+
+    def _settle(self, recovered: Recovered) -> dict[str, FdplugError]:
+        """What a recovered step leaves to do: requests it could not decide go back to the queue
+        (recomputed next time); when every suspect failed even alone, the runner itself is the more
+        likely culprit, so it is rebuilt once (nobody fails) before such a verdict stands."""
+        self.scheduler.preempt_requests(recovered.undecided)
+        runner_wide = not recovered.passed and len(recovered.isolated) >= 2
+        if runner_wide and self.timings.steps - self._last_rebuild_step > REBUILD_WINDOW_STEPS:
+            self._rebuild(f"all {len(recovered.isolated)} requests of a failed step failed even alone")
+            return {rid: e for rid, e in recovered.failed.items() if rid not in recovered.isolated}
+        return recovered.failed
+
+    def _checked_tokens(self, sampled: dict[str, list[int]],
+                        failed: dict[str, FdplugError]) -> dict[str, list[int]]:
+        """The runner's tokens as Python ints in the vocabulary; a request given anything else fails
+        (whatever a runner returns, it never reaches the scheduler, the block hashes or the API)."""
+        checked = {}
+        for rid, tokens in sampled.items():
+            try:
+                ids = [operator.index(t) for t in tokens]
+            except Exception:  # noqa: BLE001 -- not a list of integers
+                ids = None
+            if ids is not None and all(0 <= t < self.limits.vocab_size for t in ids):
+                checked[rid] = ids
+            else:
+                failed.setdefault(rid, EngineRequestError(
+                    f"the model runner produced tokens outside the vocabulary for this request ({str(tokens)[:80]}).",
+                    fix="retry; if it fails again, report it with the server log."))
+        return checked
 
     def _count(self, timings: dict[str, float], update: float) -> None:
         t = self.timings
@@ -197,21 +233,24 @@ class EngineCore:
                 for rid in ids]
 
     def _fail_step(self, so: SchedulerOutput) -> list[EngineCoreOutput]:
-        """The last resort: fail every request of the step, then rebuild the runner from the scheduler."""
-        error = EngineRequestError("the engine failed while finishing the step that ran this request.",
-                                   fix="retry; if it fails again, report it with the server log.")
-        outputs = self._fail({rid: error for rid in so.num_scheduled_tokens})
+        """The last resort: end every request of the step with an error (those the failed update
+        had already finished too, or their clients would wait forever), then check the runner."""
+        error = error_to_dict(EngineRequestError("the engine failed while finishing the step that ran this request.",
+                                                 fix="retry; if it fails again, report it with the server log."))
+        self.abort_requests(so.num_scheduled_tokens, RequestStatus.FINISHED_ERROR)
         self.num_failed_steps += 1
         self._verify_or_rebuild()
-        return outputs
+        return [EngineCoreOutput(rid, [], finished=True, finish_reason="error", error=error)
+                for rid in so.num_scheduled_tokens]
 
     # -- invariants -------------------------------------------------------------------------------
 
     def consistency_problems(self) -> list[str]:
         """Where the runner's requests and the scheduler's running set disagree (empty: they agree).
 
-        Between steps the runner holds exactly the running requests, plus the finished ones the next
-        step tells it to drop. A runner without ``held_requests`` is taken at its word.
+        Between steps the runner holds exactly the running requests, each with the scheduler's
+        computed and known token counts, plus the finished ones the next step tells it to drop. A
+        runner without ``held_requests`` is taken at its word.
         """
         held_requests = getattr(self.runner, "held_requests", None)
         if held_requests is None:
@@ -220,32 +259,43 @@ class EngineCore:
             held = held_requests()
         except Exception as exc:  # noqa: BLE001 -- an inconsistent batch is a finding, not a crash
             return [str(exc)]
+        problems = []
+        for request in self.scheduler.running:
+            state = held.get(request.request_id)
+            if state is None:
+                problems.append(f"running request {request.request_id!r} is not in the runner")
+            elif tuple(state) != (request.num_computed_tokens, request.num_tokens):
+                problems.append(f"request {request.request_id!r} is at {tuple(state)} (computed, known tokens) in "
+                                f"the runner, at {(request.num_computed_tokens, request.num_tokens)} in the scheduler")
         running = {r.request_id for r in self.scheduler.running}
-        problems = [f"running request {rid!r} is not in the runner" for rid in sorted(running - held)]
-        stale = held - running - self.scheduler.finished_req_ids
+        stale = set(held) - running - self.scheduler.finished_req_ids
         problems += [f"the runner holds {rid!r}, which is not running" for rid in sorted(stale)]
         return problems
 
     def _verify_or_rebuild(self) -> None:
-        """After a failed step: if the runner and the scheduler disagree, rebuild the runner's state
-        from the scheduler: every running request is preempted (its computed blocks stay cached) and
-        comes back in full, recomputed, with the same tokens."""
+        """After a failed step: if the runner and the scheduler disagree, rebuild the runner's state."""
         problems = self.consistency_problems()
-        if not problems:
-            return
-        logger.error("after a failed step the runner disagrees with the scheduler (%s); rebuilding it",
-                     "; ".join(problems[:5]))
+        if problems:
+            self._rebuild("after a failed step the runner disagrees with the scheduler (" + "; ".join(problems[:5]) + ")")
+
+    def _rebuild(self, why: str) -> None:
+        """Rebuild the runner's state from the scheduler: it forgets every request, and every running
+        request is preempted and comes back in full, recomputed with the same tokens. The prefix cache
+        is emptied first, so no KV this runner wrote is reused."""
+        logger.error("%s; rebuilding every running request from the scheduler", why)
         self.num_rebuilds += 1
+        self._last_rebuild_step = self.timings.steps
         drop_all = getattr(self.runner, "drop_all_requests", None)
         if drop_all is not None:
             drop_all()
         else:
             drop(self.runner, [*self._held_or_empty(), *(r.request_id for r in self.scheduler.running)])
         self.scheduler.preempt_all_running()
+        self.scheduler.reset_prefix_cache()
 
     def _held_or_empty(self) -> set[str]:
         try:
-            return self.runner.held_requests()
+            return set(self.runner.held_requests())
         except Exception:  # noqa: BLE001 -- the runner cannot say: drop what the scheduler knows
             return set()
 

@@ -119,12 +119,12 @@ class LLM:
         try:
             for prompt, params in prepared:
                 request_ids.append(self._submit(prompt, params))
-        except BaseException:   # none of them, then: what was queued is taken back
+            self._run(request_ids, use_tqdm)
+        except BaseException:   # refused, Ctrl-C in a notebook, an engine error: nothing of the call stays
             for rid in request_ids:
                 self.engine.abort_requests(self.output_processor.child_ids(rid))
                 self.output_processor.pop(rid)
             raise
-        self._run(request_ids, use_tqdm)
         return [self.output_processor.pop(rid) for rid in request_ids]
 
     def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
@@ -141,7 +141,7 @@ class LLM:
         collector = FeaturePartCollector(self.model_config.multimodal, self.tokenizer)
         text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
                                                   chat_template=chat_template, content_part_handler=collector)
-        return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False),
+        return {"prompt": text, "prompt_token_ids": self.input_processor.encode(text, add_special_tokens=False),
                 "mm_items": collector.parts}
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[Delta]:

@@ -69,15 +69,26 @@ class InputProcessor:
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """``"text"``, ``{"prompt": "text"}`` or ``{"prompt_token_ids": [...]}`` -> (text, ids)."""
         if isinstance(prompt, str):
-            text, ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+            text, ids = prompt, self.encode(prompt, add_special_tokens=True)
         elif isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
             text, ids = prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
         elif isinstance(prompt, Mapping) and isinstance(prompt.get("prompt"), str):
-            text, ids = prompt["prompt"], self.tokenizer.encode(prompt["prompt"], add_special_tokens=True)
+            text, ids = prompt["prompt"], self.encode(prompt["prompt"], add_special_tokens=True)
         else:
             raise InvalidRequestError(f"a prompt must be a string, {{'prompt': str}} or {{'prompt_token_ids': [...]}}, "
                                       f"got {type(prompt).__name__}.", fix="pass the prompt in one of those forms.")
         return text, ids
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Token ids of a prompt text; one that cannot fit ``max_model_len`` is refused before it is
+        tokenized (tokenizing megabytes takes seconds)."""
+        chars = getattr(self.tokenizer, "max_token_chars", None)
+        if chars and len(text) >= self.max_model_len * chars:
+            raise InvalidRequestError(
+                f"the prompt has {len(text)} characters: more than {self.max_model_len - 1} tokens (max_model_len is "
+                f"{self.max_model_len}) of at most {chars} characters each.",
+                fix="shorten the prompt, or start the engine with a larger max_model_len.", param="prompt")
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def check_length(self, num_prompt_tokens: int, max_tokens: int | None = None) -> None:
         check_prompt_length(num_prompt_tokens, self.max_model_len, max_tokens)

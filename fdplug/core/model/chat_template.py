@@ -255,7 +255,7 @@ def render_template(source: str, context: Mapping[str, Any]) -> str:
     token = budget_var.set(RenderBudget.fresh())
     try:
         pieces, size = [], 0
-        for piece in template.generate(**context):
+        for piece in template.generate(dict(context)):   # a dict: a variable named 'self' is fine
             size += len(piece)
             if size > MAX_VALUE:
                 raise TemplateBudgetExceeded(f"more than {MAX_VALUE} characters of output")

@@ -42,6 +42,7 @@ class Tokenizer:
     eos_token_ids: tuple[int, ...]  # every id that ends generation, the tokenizer's EOS first
     special_token_ids: frozenset[int]
     add_bos_token: bool | None = None  # None: as tokenizer.json's post-processor does
+    _max_token_chars: int | None = field(default=None, init=False, repr=False)
 
     # ------------------------------------------------------------------------------------------------
     # loading
@@ -106,7 +107,9 @@ class Tokenizer:
         Encode a rendered chat template with ``add_special_tokens=False``: the template already
         wrote the BOS it wants, and adding another one changes what the model sees.
         """
-        encoding = self.backend.encode(text, add_special_tokens=add_special_tokens)
+        # encode_batch releases the GIL (encode holds it for the whole call: the API process's event
+        # loop stood still for the seconds a megabyte prompt takes)
+        encoding = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
         ids = encoding.ids
         bos = self.bos_token_id
         if not add_special_tokens or bos is None or self.add_bos_token is None:
@@ -117,6 +120,14 @@ class Tokenizer:
         if not self.add_bos_token and added_bos:
             return ids[1:]  # ... or forbids one it adds (transformers rebuilds the post-processor)
         return ids
+
+    @property
+    def max_token_chars(self) -> int:
+        """The most characters one token can stand for: a text of n characters has at least
+        n / max_token_chars tokens, so a text too long for any context is refused untokenized."""
+        if self._max_token_chars is None:
+            self._max_token_chars = max((len(t) for t in self.backend.get_vocab(with_added_tokens=True)), default=1)
+        return self._max_token_chars
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         """Text of ``token_ids``; ids the tokenizer does not know (embedding padding) are dropped."""

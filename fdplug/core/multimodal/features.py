@@ -78,6 +78,9 @@ def validate_feature(arr: np.ndarray, url: str, expected_rows: int | None, hidde
             f"feature {url} has {arr.shape[0]} rows (shape {tuple(arr.shape)}), but its placeholder "
             f"spans {expected_rows} tokens.", url=url,
             fix="make the number of placeholder tokens in the prompt equal the feature's rows.")
+    if expected_rows is None and not np.isfinite(arr).all():   # once per piece, before the rows are joined
+        raise FeatureFormatError(f"feature {url} has NaN or infinite values.", url=url,
+                                 fix="check the encoder's output; features must be finite numbers.")
 
 
 # ---------------------------------------------------------------------------------------------------

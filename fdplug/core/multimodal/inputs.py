@@ -37,6 +37,10 @@ class MMFeatureInput:
         urls = _urls(modality, part)
         grid = part.get("grid_thw")
         num_tokens = mm_config.num_tokens(modality, grid)
+        if len(urls) > num_tokens:   # every piece holds at least one row
+            raise InvalidRequestError(f"a {modality}_feature has {len(urls)} urls for {num_tokens} placeholder tokens.",
+                                      fix="send at most one piece per feature row (grid_thw t*h*w/4 of them).",
+                                      param="messages")
         uuid = part.get("uuid")
         if uuid is not None and (not isinstance(uuid, str) or not uuid):
             raise InvalidRequestError("uuid must be a non-empty string.", fix="leave it out or send a string.")

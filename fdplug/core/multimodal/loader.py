@@ -20,7 +20,7 @@ from fdplug.core.multimodal.encoder_cache import EncoderCache
 from fdplug.core.multimodal.fetch import FeatureFetcher, display_url
 from fdplug.core.multimodal.inputs import MMFeatureInput, content_hash
 from fdplug.core.request import Request
-from fdplug.errors import FdplugError, InvalidRequestError, StorageError
+from fdplug.errors import FdplugError, FeatureFormatError, InvalidRequestError, StorageError
 
 logger = logging.getLogger("fdplug.multimodal")
 
@@ -117,9 +117,16 @@ class FeatureLoader:
         out = []
         for i, item in zip(indices, items):
             parts = [next(blobs) for _ in item.urls]
-            arrays = [decode_feature(data, display_url(url)) for data, url in zip(parts, item.urls)]
-            for array, url in zip(arrays, item.urls):
+            arrays, rows = [], 0
+            for data, url in zip(parts, item.urls):   # checked piece by piece, before joining them
+                array = decode_feature(data, display_url(url))
                 validate_feature(array, display_url(url), None, self.hidden_size)
+                rows += len(array)
+                if rows > item.num_tokens:
+                    raise FeatureFormatError(f"feature {display_url(item.urls[0])} has at least {rows} rows, more than "
+                                             f"the {item.num_tokens} its grid_thw {list(item.grid_thw)} makes.",
+                                             url=display_url(url), fix="send the grid the features were encoded with.")
+                arrays.append(array)
             features = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
             validate_feature(features, display_url(item.urls[0]) + (f" (+{len(item.urls) - 1} more)" if
                              len(item.urls) > 1 else ""), item.num_tokens, self.hidden_size)

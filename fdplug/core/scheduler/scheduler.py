@@ -243,14 +243,19 @@ class Scheduler:
         new_reqs.append(NewRequestData.from_request(
             request, self.kv_cache_manager.get_block_ids(request.request_id), resumed))
 
-    def preempt_all_running(self) -> list[str]:
-        """Send every running request back to the front of the waiting queue, in order, to be
-        recomputed (the engine rebuilds a runner it cannot trust this way). Their ids."""
-        victims = list(self.running)
-        self.running = []
+    def preempt_requests(self, request_ids: Iterable[str]) -> list[str]:
+        """Send running requests back to the front of the waiting queue, in their order, to be
+        recomputed (how the engine requeues what a failed step left undecided, or rebuilds a runner
+        it cannot trust). Unknown or not running ids are ignored; the ids preempted."""
+        wanted = set(request_ids)
+        victims = [r for r in self.running if r.request_id in wanted]
+        self.running = [r for r in self.running if r.request_id not in wanted]
         for request in reversed(victims):
             self._preempt(request)
         return [r.request_id for r in victims]
+
+    def preempt_all_running(self) -> list[str]:
+        return self.preempt_requests(r.request_id for r in self.running)
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)

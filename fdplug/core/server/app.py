@@ -121,7 +121,7 @@ def build_app(client: EngineClient, model_name: str, api_key: str | None, max_bo
         queue: asyncio.Queue = asyncio.Queue()
         serving.submit(job, prepared, params, queue, req.cache_salt)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await serving.stream(job, queue, include_usage)
+        return await serving.stream(job, queue, include_usage, request)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:

@@ -25,7 +25,7 @@ from fdplug.core.processor import InputProcessor, OutputProcessor, ProcessedProm
 from fdplug.core.request import RequestStatus, SamplingParams
 from fdplug.core.server import protocol as P
 from fdplug.core.server.metrics import ServerMetrics
-from fdplug.errors import EngineDeadError, FdplugError, ServerShuttingDownError
+from fdplug.errors import EngineDeadError, EngineRequestError, FdplugError, ServerShuttingDownError
 
 logger = logging.getLogger("fdplug.server")
 
@@ -200,7 +200,11 @@ class EngineClient:
                                     send_abort=RequestStatus.FINISHED_ABORTED)
 
     def _on_outputs(self, outputs: list) -> None:
-        deltas, stopped = self.output_processor.process(outputs)
+        try:
+            deltas, stopped = self.output_processor.process(outputs)
+        except Exception:  # one output it cannot handle (a bug): find it, fail its request alone
+            logger.exception("failed to process a step's outputs; processing them one by one")
+            deltas, stopped = self._process_each(outputs)
         if stopped:
             self._send([P.ABORT, stopped, int(RequestStatus.FINISHED_STOPPED)])
         now = time.monotonic()
@@ -224,6 +228,23 @@ class EngineClient:
         for stream in touched.values():
             if self.output_processor.output(stream.request_id).finished:
                 self._finish_stream(stream, None, reason=None)
+
+    def _process_each(self, outputs: list) -> tuple[list, list]:
+        deltas, stopped = [], []
+        for out in outputs:
+            try:
+                d, s = self.output_processor.process([out])
+            except Exception:  # noqa: BLE001
+                stream = self.streams.get(self.child_to_parent.get(out.request_id, ""))
+                if stream is not None and not stream.done:
+                    self._finish_stream(stream, EngineRequestError(
+                        "the server failed to process this request's output.",
+                        fix="retry; if it fails again, report it with the server log."), reason="error",
+                        send_abort=RequestStatus.FINISHED_ABORTED)
+                continue
+            deltas += d
+            stopped += s
+        return deltas, stopped
 
     def _finish_stream(self, stream: RequestStream, error: FdplugError | None, reason: str | None,
                        send_abort: RequestStatus | None = None) -> None:

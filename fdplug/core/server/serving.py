@@ -127,7 +127,7 @@ class Serving:
         text = tokenizer.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt,
                                              chat_template=template, content_part_handler=collector,
                                              variables=check_template_kwargs(kwargs))
-        prompt = processor.process({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False),
+        prompt = processor.process({"prompt": text, "prompt_token_ids": processor.encode(text, add_special_tokens=False),
                                     "mm_items": collector.parts}, tenant)
         processor.check_length(len(prompt.token_ids), max_tokens)
         job = Job("chat", f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, params.n, num_logprobs)
@@ -225,14 +225,28 @@ class Serving:
             started.add(key)
         return delta
 
-    async def stream(self, job: Job, queue: asyncio.Queue, include_usage: bool) -> StreamingResponse:
-        try:  # admission first: a refused request gets its status code, not a 200 with an error inside
-            await asyncio.gather(*(s.admitted for s in job.streams))
+    async def stream(self, job: Job, queue: asyncio.Queue, include_usage: bool, http: HTTPRequest) -> Any:
+        """Admission first (a refused request gets its status code, not a 200 with an error inside),
+        watching for the client leaving meanwhile; then the events. However the response ends, the
+        job's sequences end with it: a client gone before the first event is not served for nothing."""
+        disconnect = asyncio.create_task(_wait_disconnect(http))
+        admitted = asyncio.ensure_future(asyncio.gather(*(s.admitted for s in job.streams)))
+        try:
+            done, _ = await asyncio.wait({admitted, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+            if admitted not in done:
+                admitted.cancel()
+                self.abort(job)
+                return JSONResponse({}, status_code=499)   # nobody reads it
+            admitted.result()
         except BaseException:
+            admitted.cancel()
             self.abort(job)
             raise
-        return StreamingResponse(self._events(job, queue, include_usage), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        finally:
+            disconnect.cancel()
+        return _JobStream(self._events(job, queue, include_usage), lambda: self.abort(job),
+                          media_type="text/event-stream", headers={"Cache-Control": "no-cache",
+                                                                   "X-Accel-Buffering": "no"})
 
     async def _events(self, job: Job, queue: asyncio.Queue, include_usage: bool) -> AsyncIterator[bytes]:
         obj = "text_completion" if job.kind == "completion" else "chat.completion.chunk"
@@ -299,6 +313,21 @@ class Serving:
             self.abort(job)
             raise
         yield b"data: [DONE]\n\n"
+
+
+class _JobStream(StreamingResponse):
+    """A streaming response that ends its job's sequences when it ends, even if its body never
+    started (a disconnect right after admission cancels the response before the first event)."""
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Any, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
 
 
 def _merge(items: list) -> dict[tuple[str, int], Delta]:

@@ -132,13 +132,16 @@ class ModelRunner:
             batch.num_computed_tokens[slot] = cached.num_computed_tokens
         batch.condense()
 
-    def held_requests(self) -> set[str]:
-        """The requests this runner holds state for; raises if its batch is inconsistent. The engine
-        compares them with the scheduler's running set after a failed step."""
+    def held_requests(self) -> dict[str, tuple[int, int]]:
+        """The requests this runner holds, each with (tokens whose KV is computed, tokens known);
+        raises if its batch is inconsistent. The engine compares them with the scheduler after a
+        failed step."""
         problems = self.batch.check()
         if problems:
             raise RuntimeError("input batch is inconsistent: " + "; ".join(problems))
-        return set(self.batch.req_id_to_slot)
+        batch = self.batch
+        return {rid: (int(batch.num_computed_tokens[slot]), int(batch.num_tokens[slot]))
+                for rid, slot in batch.req_id_to_slot.items()}
 
     def drop_all_requests(self) -> None:
         """Forget every request, whatever state the batch is in (the engine then rebuilds them all
