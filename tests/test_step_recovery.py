@@ -67,6 +67,15 @@ def run(llm, culprits: int) -> tuple[list, list]:
     return outs[:3] + outs[3 + culprits:], outs[3:3 + culprits]
 
 
+def run_with(llm, mode: str, culprits: int = 1, **fault) -> tuple[list, list]:
+    """``run`` with a fault injected for its duration; how many times it fired is in FAULT["fired"]."""
+    fault_plugin.inject(mode, **{"marker": MARKER, "after": AFTER, **fault})
+    try:
+        return run(llm, culprits)
+    finally:
+        fault_plugin.FAULT["mode"] = None
+
+
 def assert_contained(llm, clean, bystanders, culprits, after: int = AFTER) -> None:
     assert [o.outputs[0].token_ids for o in bystanders] == clean
     assert all(o.outputs[0].finish_reason == "length" for o in bystanders)
@@ -90,13 +99,9 @@ def assert_contained(llm, clean, bystanders, culprits, after: int = AFTER) -> No
     ("corrupt", 1, AFTER),   # the runner also lost a bystander's slot: rebuilt from the scheduler
 ])
 def test_a_failing_request_fails_alone_and_bystanders_match_a_clean_run(llm, clean, mode, culprits, after):
-    fault_plugin.inject(mode, marker=MARKER, after=after)
     failed_before, rebuilds_before = llm.engine.num_failed_steps, llm.engine.num_rebuilds
-    try:
-        bystanders, poisoned = run(llm, culprits)
-        assert fault_plugin.FAULT["fired"] >= culprits
-    finally:
-        fault_plugin.inject(None)
+    bystanders, poisoned = run_with(llm, mode, culprits, after=after)
+    assert fault_plugin.FAULT["fired"] >= culprits
     assert llm.engine.num_failed_steps > failed_before
     assert (llm.engine.num_rebuilds > rebuilds_before) == (mode == "corrupt")
     assert_contained(llm, clean, bystanders, poisoned, after)
@@ -105,21 +110,13 @@ def test_a_failing_request_fails_alone_and_bystanders_match_a_clean_run(llm, cle
 
 
 def test_the_error_names_the_cause(llm, clean):
-    fault_plugin.inject("oov", marker=MARKER, after=AFTER)
-    try:
-        _, (culprit,) = run(llm, 1)
-    finally:
-        fault_plugin.inject(None)
+    _, (culprit,) = run_with(llm, "oov")
     assert "outside the vocabulary" in culprit.error.message and culprit.error.http_status == 500
 
 
 def test_a_transient_fault_fails_nobody(llm, clean):
-    fault_plugin.inject("raise", marker=MARKER, after=AFTER, times=1)
-    try:
-        bystanders, (poisoned,) = run(llm, 1)
-        assert fault_plugin.FAULT["fired"] == 1
-    finally:
-        fault_plugin.inject(None)
+    bystanders, (poisoned,) = run_with(llm, "raise", times=1)
+    assert fault_plugin.FAULT["fired"] == 1
     assert [o.outputs[0].token_ids for o in bystanders] == clean
     assert poisoned.outputs[0].finish_reason == "length" and len(poisoned.outputs[0].token_ids) == MAX_TOKENS
     assert llm.engine.consistency_problems() == []
@@ -131,11 +128,7 @@ def test_requests_left_undecided_by_the_budget_are_requeued_not_failed(llm, clea
     from fdplug.core import step_recovery
 
     monkeypatch.setattr(step_recovery, "rerun_budget", lambda n: 0)
-    fault_plugin.inject("raise", marker=MARKER, after=AFTER, times=1)
-    try:
-        bystanders, (poisoned,) = run(llm, 1)
-    finally:
-        fault_plugin.inject(None)
+    bystanders, (poisoned,) = run_with(llm, "raise", times=1)
     assert [o.outputs[0].token_ids for o in bystanders] == clean
     assert poisoned.outputs[0].finish_reason == "length"
     assert llm.engine.consistency_problems() == [] and not llm.engine.scheduler.requests
@@ -145,12 +138,8 @@ def test_a_tiny_budget_still_finds_the_culprit_over_several_steps(llm, clean, mo
     from fdplug.core import step_recovery
 
     monkeypatch.setattr(step_recovery, "rerun_budget", lambda n: 2)
-    fault_plugin.inject("raise", marker=MARKER, after=AFTER)
     failed_before = llm.engine.num_failed_steps
-    try:
-        bystanders, poisoned = run(llm, 1)
-    finally:
-        fault_plugin.inject(None)
+    bystanders, poisoned = run_with(llm, "raise")
     assert llm.engine.num_failed_steps - failed_before >= 2     # it took more than one failed step
     assert_contained(llm, clean, bystanders, poisoned)
 
@@ -161,20 +150,12 @@ def test_a_runner_broken_as_a_whole_is_rebuilt_once_and_then_fails_the_step(llm,
     very next steps fail the same way, those requests fail rather than loop."""
     engine = llm.engine
     rebuilds = engine.num_rebuilds
-    fault_plugin.inject("broken_until_rebuilt", after=AFTER)
-    try:
-        bystanders, (poisoned,) = run(llm, 1)
-    finally:
-        fault_plugin.inject(None)
+    bystanders, (poisoned,) = run_with(llm, "broken_until_rebuilt")
     assert engine.num_rebuilds == rebuilds + 1
     assert [o.outputs[0].token_ids for o in bystanders] == clean and poisoned.outputs[0].finish_reason == "length"
 
     engine._last_rebuild_step = -1000      # as if the last rebuild were long ago
-    fault_plugin.inject("broken", after=AFTER)
-    try:
-        bystanders, (poisoned,) = run(llm, 1)
-    finally:
-        fault_plugin.inject(None)
+    bystanders, (poisoned,) = run_with(llm, "broken")
     assert engine.num_rebuilds == rebuilds + 2
     assert {o.outputs[0].finish_reason for o in [*bystanders, poisoned]} == {"error"}
     assert engine.consistency_problems() == [] and not engine.scheduler.requests
