@@ -8,7 +8,7 @@ every step that runs it fails in the way ``FAULT["mode"]`` names:
 - ``raise``: a RuntimeError after the batch was updated (nobody is blamed: the engine must find it);
 - ``blame``: a ``RequestStepError`` naming it (the runner knows whose fault it is);
 - ``add``: its slot values do not fit the batch when it is (re)added (a ``top_k`` past int64);
-- ``oov``: the sampler returns a token outside the vocabulary for it (the runner's own check);
+- ``oov``: the sampler returns a token outside the vocabulary for it (the engine's check);
 - ``corrupt``: a RuntimeError, after also losing another request's slot mapping (the engine's
   consistency check must notice and rebuild every running request from the scheduler);
 - ``broken``: every step fails, whoever is in it (a runner broken as a whole);

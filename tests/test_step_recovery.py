@@ -95,7 +95,7 @@ def assert_contained(llm, clean, bystanders, culprits, after: int = AFTER) -> No
     ("raise", 2, AFTER),     # two culprits in different halves
     ("blame", 1, AFTER),     # the runner names it
     ("add", 1, 0),           # its slot cannot be written when it arrives: InputBatch.add leaves no trace
-    ("oov", 1, AFTER),       # a token outside the vocabulary: the runner's own check
+    ("oov", 1, AFTER),       # a token outside the vocabulary: the engine checks what every runner returns
     ("corrupt", 1, AFTER),   # the runner also lost a bystander's slot: rebuilt from the scheduler
 ])
 def test_a_failing_request_fails_alone_and_bystanders_match_a_clean_run(llm, clean, mode, culprits, after):

@@ -39,8 +39,12 @@ def check_token_ids(ids: Any, vocab_size: int, param: str = "prompt") -> list[in
 
 
 def check_sampling(params: SamplingParams, vocab_size: int) -> SamplingParams:
-    """``params.validate()``, then the bounds the vocabulary sets: ``top_k`` and stop token ids."""
-    params.validate()
+    """``params.validate()``, then the bounds the vocabulary sets."""
+    return check_vocabulary_bounds(params.validate(), vocab_size)
+
+
+def check_vocabulary_bounds(params: SamplingParams, vocab_size: int) -> SamplingParams:
+    """The bounds the vocabulary sets: ``top_k`` and stop token ids."""
     if params.top_k > vocab_size:
         raise InvalidRequestError(f"top_k must be -1 or 0 (off), or at most the vocabulary size {vocab_size}, "
                                   f"got {params.top_k}.", fix=f"pass a top_k in [1, {vocab_size}], or -1.",
@@ -71,10 +75,12 @@ def check_prompt_length(num_prompt_tokens: int, max_model_len: int, max_tokens: 
 
 
 def check_request(request: Request, limits: ModelLimits) -> None:
-    """The engine's admission check: everything a step will read of this request fits the model."""
+    """The engine's admission check: everything a step will read of this request fits the model.
+
+    ``Request`` validated its sampling parameters when it was built, and the scheduler checks its
+    length; what is left is what only the model knows."""
     check_token_ids(request.prompt_token_ids, limits.vocab_size)
-    check_prompt_length(request.num_prompt_tokens, limits.max_model_len)
-    check_sampling(request.sampling_params, limits.vocab_size)
+    check_vocabulary_bounds(request.sampling_params, limits.vocab_size)
     for t in request.eos_token_ids:
         if not isinstance(t, int) or isinstance(t, bool) or t < 0:
             raise InvalidRequestError(f"eos token ids must be integers >= 0, got {show_value(t)}.",

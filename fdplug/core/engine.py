@@ -226,22 +226,21 @@ class EngineCore:
             raise RequestStepError(missing, "features of a scheduled item are not in the encoder cache")
 
     def _fail(self, errors: dict[str, FdplugError]) -> list[EngineCoreOutput]:
-        """Finish requests with finish reason "error" and their typed error."""
-        ids = [rid for rid in errors if rid in self.scheduler.requests]
-        self.abort_requests(ids, RequestStatus.FINISHED_ERROR)
-        return [EngineCoreOutput(rid, [], finished=True, finish_reason="error", error=error_to_dict(errors[rid]))
-                for rid in ids]
+        """End requests with finish reason "error" and their typed error (an output for each, also
+        for one the scheduler no longer holds: its client must not wait forever)."""
+        self.abort_requests(errors, RequestStatus.FINISHED_ERROR)
+        return [EngineCoreOutput(rid, [], finished=True, finish_reason="error", error=error_to_dict(error))
+                for rid, error in errors.items()]
 
     def _fail_step(self, so: SchedulerOutput) -> list[EngineCoreOutput]:
         """The last resort: end every request of the step with an error (those the failed update
-        had already finished too, or their clients would wait forever), then check the runner."""
-        error = error_to_dict(EngineRequestError("the engine failed while finishing the step that ran this request.",
-                                                 fix="retry; if it fails again, report it with the server log."))
-        self.abort_requests(so.num_scheduled_tokens, RequestStatus.FINISHED_ERROR)
+        had already finished too), then check the runner."""
+        error = EngineRequestError("the engine failed while finishing the step that ran this request.",
+                                   fix="retry; if it fails again, report it with the server log.")
+        outputs = self._fail(dict.fromkeys(so.num_scheduled_tokens, error))
         self.num_failed_steps += 1
         self._verify_or_rebuild()
-        return [EngineCoreOutput(rid, [], finished=True, finish_reason="error", error=error)
-                for rid in so.num_scheduled_tokens]
+        return outputs
 
     # -- invariants -------------------------------------------------------------------------------
 

@@ -122,8 +122,7 @@ class LLM:
             self._run(request_ids, use_tqdm)
         except BaseException:   # refused, Ctrl-C in a notebook, an engine error: nothing of the call stays
             for rid in request_ids:
-                self.engine.abort_requests(self.output_processor.child_ids(rid))
-                self.output_processor.pop(rid)
+                self._take_back(rid)
             raise
         return [self.output_processor.pop(rid) for rid in request_ids]
 
@@ -151,10 +150,8 @@ class LLM:
         try:
             while not self.output_processor.output(request_id).finished:
                 yield from (d for d in self._step() if d.request_id == request_id)
-        finally:
-            if not self.output_processor.output(request_id).finished:
-                self.engine.abort_requests(self.output_processor.child_ids(request_id))
-            self.output_processor.pop(request_id)
+        finally:   # finished children are no longer in the engine: aborting them is a no-op
+            self._take_back(request_id)
 
     # -- internals --------------------------------------------------------------------------------
 
@@ -176,10 +173,14 @@ class LLM:
             for request in requests:
                 self.engine.add_request(request)
         except BaseException:   # all of its sequences or none: the ones queued so far are taken back
-            self.engine.abort_requests([r.request_id for r in requests])
-            self.output_processor.pop(request_id)
+            self._take_back(request_id)
             raise
         return request_id
+
+    def _take_back(self, request_id: str) -> None:
+        """Abort whatever of a request the engine still runs and forget its output."""
+        self.engine.abort_requests(self.output_processor.child_ids(request_id))
+        self.output_processor.pop(request_id)
 
     def _step(self) -> list[Delta]:
         deltas, stopped = self.output_processor.process(self.engine.step())

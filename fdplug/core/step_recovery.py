@@ -1,7 +1,7 @@
 """When a model step raises: find the requests that caused it, fail only those, finish the others.
 
 A runner that knows whose fault a failure is raises ``RequestStepError`` naming those requests (a
-sampled token outside the vocabulary, a feature of the wrong size). Otherwise every request of the
+feature of the wrong size, a slot it cannot write). Otherwise every request of the
 step is a suspect. Either way the step's requests are first dropped from the runner, so whatever
 half-updated state it held for them is gone; then the requests not yet blamed are run again, as
 the runner's contract allows for any request it does not hold: rebuilt in full from the scheduler

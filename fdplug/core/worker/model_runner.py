@@ -75,8 +75,7 @@ class ModelRunner:
         plan = plan_kv_cache(config, per_block, config.max_model_len, free, self.model_bytes)
         self.kv_caches = allocate_kv_caches(self.attn_backend, plan, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                                             config.dtype)
-        max_blocks = -(-config.max_model_len // config.block_size)
-        self.batch = InputBatch(config.max_num_seqs, config.max_model_len, max_blocks)
+        self.batch = self._new_batch()
         self.sampler = Sampler(seed=config.seed)
         return plan
 
@@ -108,10 +107,6 @@ class ModelRunner:
         meta = sampling_metadata(self.batch, inputs.sampling_slots)
         result = self.sampler(logits, meta)
         sampled = result.sampled_token_ids
-        outside = np.nonzero((sampled < 0) | (sampled >= logits.shape[1]))[0]
-        if outside.size:   # NaN or inf logits in those rows: their requests fail, before anything is recorded
-            raise RequestStepError([inputs.sampling_req_ids[i] for i in outside],
-                                   f"sampled a token outside the vocabulary ({sampled[outside[0]]}): non-finite logits")
         self._record_sampled(inputs, sampled)
         t3 = time.perf_counter()
         tokens = {rid: [int(t)] for rid, t in zip(inputs.sampling_req_ids, sampled)}
@@ -146,7 +141,11 @@ class ModelRunner:
     def drop_all_requests(self) -> None:
         """Forget every request, whatever state the batch is in (the engine then rebuilds them all
         from the scheduler). The KV cache is the scheduler's and stays as it is."""
-        self.batch = InputBatch(self.batch.max_num_seqs, self.config.max_model_len, self.batch.block_table.shape[1])
+        self.batch = self._new_batch()
+
+    def _new_batch(self) -> InputBatch:
+        config = self.config
+        return InputBatch(config.max_num_seqs, config.max_model_len, -(-config.max_model_len // config.block_size))
 
     def _add_request(self, new: NewRequestData) -> None:
         """Every value of the slot computed first, then one all-or-nothing ``InputBatch.add``."""
