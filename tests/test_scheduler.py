@@ -119,7 +119,7 @@ def test_sampling_params_edges_are_valid():
 
 
 def test_child_seeds_wrap_within_64_bits():
-    from fdplug.core.request import child_seed
+    from fdplug.core.sampling_params import child_seed
 
     assert child_seed(None, 3) is None and child_seed(7, 2) == 9
     assert child_seed(2**63 - 1, 1) == -(2**63) and child_seed(2**63 - 1, 0) == 2**63 - 1

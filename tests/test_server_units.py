@@ -14,7 +14,8 @@ from fdplug.core.request import MMPlaceholder, Request, SamplingParams
 from fdplug.core.scheduler.output import EngineCoreOutput, SchedulerStats
 from fdplug.core.server import openai_types as T
 from fdplug.core.server import protocol as P
-from fdplug.core.server.serving import Serving, _merge, _prompts
+from fdplug.core.server.jobs import _prompts
+from fdplug.core.server.serving import Serving, _merge
 from fdplug.errors import ConfigError, FdplugError, InvalidRequestError, QueueFullError
 from tests.serverkit import kernel_honours_custom_slices
 
@@ -131,7 +132,7 @@ def test_merge_keeps_the_typed_error_of_a_failed_step():
 
 
 def test_stream_interval_holds_tokens_between_the_first_and_the_finish():
-    serving = Serving(client=None, model_name="m", stream_interval=3)
+    serving = Serving(client=None, stream_interval=3)
     held, started, key = {}, set(), ("a", 0)
 
     def step(token: int, finish: str | None = None):

@@ -13,7 +13,6 @@ they disagree, every running request is rebuilt from the scheduler (preempted an
 from __future__ import annotations
 
 import logging
-import operator
 import time
 from dataclasses import dataclass
 from typing import Iterable
@@ -27,6 +26,7 @@ from fdplug.core.request import Request, RequestStatus
 from fdplug.core.scheduler.output import EngineCoreOutput, SchedulerOutput
 from fdplug.core.scheduler.scheduler import Scheduler, SchedulerConfig
 from fdplug.core.selection import Backend
+from fdplug.core.runner_check import checked_tokens, disagreements, start_over
 from fdplug.core.step_recovery import Recovered, RequestStepError, drop, recover_step
 from fdplug.errors import EngineRequestError, FdplugError, error_to_dict
 
@@ -143,7 +143,7 @@ class EngineCore:
             recovered = recover_step(self.runner, self.scheduler, so, exc)
             sampled, logprobs, timings = recovered.sampled_token_ids, recovered.logprobs, {}
             failed, step_failed = self._settle(recovered), True
-        sampled = self._checked_tokens(sampled, failed)
+        sampled = checked_tokens(sampled, self.limits.vocab_size, failed)
         t2 = time.perf_counter()
         outputs = self._fail(failed)
         outputs += self.scheduler.update_from_output(so, sampled)
@@ -168,24 +168,6 @@ class EngineCore:
             self._rebuild(f"all {len(recovered.isolated)} requests of a failed step failed even alone")
             return {rid: e for rid, e in recovered.failed.items() if rid not in recovered.isolated}
         return recovered.failed
-
-    def _checked_tokens(self, sampled: dict[str, list[int]],
-                        failed: dict[str, FdplugError]) -> dict[str, list[int]]:
-        """The runner's tokens as Python ints in the vocabulary; a request given anything else fails
-        (whatever a runner returns, it never reaches the scheduler, the block hashes or the API)."""
-        checked = {}
-        for rid, tokens in sampled.items():
-            try:
-                ids = [operator.index(t) for t in tokens]
-            except Exception:  # noqa: BLE001 -- not a list of integers
-                ids = None
-            if ids is not None and all(0 <= t < self.limits.vocab_size for t in ids):
-                checked[rid] = ids
-            else:
-                failed.setdefault(rid, EngineRequestError(
-                    f"the model runner produced tokens outside the vocabulary for this request ({str(tokens)[:80]}).",
-                    fix="retry; if it fails again, report it with the server log."))
-        return checked
 
     def _count(self, timings: dict[str, float], update: float) -> None:
         t = self.timings
@@ -245,31 +227,8 @@ class EngineCore:
     # -- invariants -------------------------------------------------------------------------------
 
     def consistency_problems(self) -> list[str]:
-        """Where the runner's requests and the scheduler's running set disagree (empty: they agree).
-
-        Between steps the runner holds exactly the running requests, each with the scheduler's
-        computed and known token counts, plus the finished ones the next step tells it to drop. A
-        runner without ``held_requests`` is taken at its word.
-        """
-        held_requests = getattr(self.runner, "held_requests", None)
-        if held_requests is None:
-            return []
-        try:
-            held = held_requests()
-        except Exception as exc:  # noqa: BLE001 -- an inconsistent batch is a finding, not a crash
-            return [str(exc)]
-        problems = []
-        for request in self.scheduler.running:
-            state = held.get(request.request_id)
-            if state is None:
-                problems.append(f"running request {request.request_id!r} is not in the runner")
-            elif tuple(state) != (request.num_computed_tokens, request.num_tokens):
-                problems.append(f"request {request.request_id!r} is at {tuple(state)} (computed, known tokens) in "
-                                f"the runner, at {(request.num_computed_tokens, request.num_tokens)} in the scheduler")
-        running = {r.request_id for r in self.scheduler.running}
-        stale = set(held) - running - self.scheduler.finished_req_ids
-        problems += [f"the runner holds {rid!r}, which is not running" for rid in sorted(stale)]
-        return problems
+        """Where the runner and the scheduler disagree (``runner_check.disagreements``)."""
+        return disagreements(self.runner, self.scheduler)
 
     def _verify_or_rebuild(self) -> None:
         """After a failed step: if the runner and the scheduler disagree, rebuild the runner's state."""
@@ -278,25 +237,10 @@ class EngineCore:
             self._rebuild("after a failed step the runner disagrees with the scheduler (" + "; ".join(problems[:5]) + ")")
 
     def _rebuild(self, why: str) -> None:
-        """Rebuild the runner's state from the scheduler: it forgets every request, and every running
-        request is preempted and comes back in full, recomputed with the same tokens. The prefix cache
-        is emptied first, so no KV this runner wrote is reused."""
         logger.error("%s; rebuilding every running request from the scheduler", why)
         self.num_rebuilds += 1
         self._last_rebuild_step = self.timings.steps
-        drop_all = getattr(self.runner, "drop_all_requests", None)
-        if drop_all is not None:
-            drop_all()
-        else:
-            drop(self.runner, [*self._held_or_empty(), *(r.request_id for r in self.scheduler.running)])
-        self.scheduler.preempt_all_running()
-        self.scheduler.reset_prefix_cache()
-
-    def _held_or_empty(self) -> set[str]:
-        try:
-            return set(self.runner.held_requests())
-        except Exception:  # noqa: BLE001 -- the runner cannot say: drop what the scheduler knows
-            return set()
+        start_over(self.runner, self.scheduler)
 
     def stats(self):
         return self.scheduler.make_stats()

@@ -15,7 +15,8 @@ from fdplug.core.model.detokenizer import IncrementalDetokenizer
 from fdplug.core.multimodal.config import MultimodalConfig
 from fdplug.core.multimodal.inputs import FeaturePartCollector, MMFeatureInput, expand_placeholders
 from fdplug.core.outputs import CompletionOutput, Logprob, RequestOutput
-from fdplug.core.request import MMPlaceholder, Request, SamplingParams, child_seed
+from fdplug.core.request import MMPlaceholder, Request
+from fdplug.core.sampling_params import SamplingParams, child_seed
 from fdplug.core.scheduler.output import EngineCoreOutput
 from fdplug.errors import FdplugError, InvalidRequestError, error_from_dict
 

@@ -17,61 +17,15 @@ The engine's step is five lines::
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 from typing import Iterable
 
 from fdplug.core.multimodal.chunking import check_admission, legal_end, plan_chunks
 from fdplug.core.request import Request, RequestStatus
-from fdplug.core.scheduler.kv_cache_manager import KVCacheManager, cdiv
+from fdplug.core.scheduler.config import SchedulerConfig
+from fdplug.core.scheduler.kv_cache_manager import KVCacheManager
 from fdplug.core.scheduler.output import (CachedRequestData, EngineCoreOutput, NewRequestData,
                                           SchedulerOutput, SchedulerStats)
-from fdplug.errors import ConfigError, EngineRequestError, InvalidRequestError, QueueFullError, error_to_dict
-
-
-@dataclass(slots=True)
-class SchedulerConfig:
-    """Scheduling limits. ``num_kv_blocks`` counts the null block; it comes from memory profiling."""
-
-    max_model_len: int
-    num_kv_blocks: int
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    max_waiting_requests: int = 1024
-
-    def __post_init__(self) -> None:
-        for name in ("max_model_len", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens",
-                     "block_size", "max_waiting_requests"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}.",
-                                  fix=f"set {name} to an integer >= 1.")
-        if self.block_size & (self.block_size - 1):
-            raise ConfigError(f"block_size must be a power of two, got {self.block_size}.",
-                              fix="use 16 (the default) or another power of two such as 32 or 64.")
-        if self.max_model_len < 2:
-            raise ConfigError(f"max_model_len must be >= 2 (a prompt token and an output token), "
-                              f"got {self.max_model_len}.", fix="raise max_model_len.")
-        needed = cdiv(self.max_model_len, self.block_size) + 1
-        if self.num_kv_blocks < needed:
-            raise ConfigError(
-                f"the KV cache has {self.num_kv_blocks} blocks of {self.block_size} tokens; one request "
-                f"of max_model_len={self.max_model_len} needs {needed} (with the null block).",
-                fix=f"lower max_model_len to at most {(self.num_kv_blocks - 1) * self.block_size} "
-                    f"or give the KV cache more memory.")
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ConfigError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is below max_num_seqs "
-                f"({self.max_num_seqs}): the running requests could not all decode in one step.",
-                fix=f"set max_num_batched_tokens >= {self.max_num_seqs} or lower max_num_seqs.")
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ConfigError(
-                f"with chunked prefill disabled, max_num_batched_tokens ({self.max_num_batched_tokens}) "
-                f"must be >= max_model_len ({self.max_model_len}), or long prompts could never run.",
-                fix=f"set max_num_batched_tokens >= {self.max_model_len}, lower max_model_len, "
-                    f"or enable chunked prefill.")
+from fdplug.errors import EngineRequestError, InvalidRequestError, QueueFullError, error_to_dict
 
 
 class Scheduler:

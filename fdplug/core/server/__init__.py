@@ -4,8 +4,10 @@
     engine_process.py  the engine side: EngineCore's step loop behind ZMQ
     protocol.py        the msgpack messages between the two
     engine_client.py   the API side: submit, abort, route outputs, watchdog
+    request_stream.py  one request's way back to its HTTP handler
     app.py             FastAPI routes, error objects, API key and body-size guard
-    serving.py         completions and chat completions, streaming and not
+    jobs.py            an OpenAI request checked, templated and tokenized into a Job
+    serving.py         a Job's sequences answered: one JSON body or a stream
     openai_types.py    request models and response shapes
     metrics.py         Prometheus metrics
 """

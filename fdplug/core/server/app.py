@@ -25,6 +25,7 @@ import fdplug
 from fdplug.core.server import openai_types as T
 from fdplug.core.server.engine_client import EngineClient
 from fdplug.core.server.metrics import CONTENT_TYPE_LATEST
+from fdplug.core.server.jobs import JobBuilder
 from fdplug.core.server.serving import Serving
 from fdplug.errors import AuthenticationError, FdplugError, RequestTooLargeError
 
@@ -46,7 +47,8 @@ def build_app(client: EngineClient, model_name: str, api_key: str | None, max_bo
               stream_interval: int = 1, trust_request_chat_template: bool = False) -> Any:
     """The ASGI app uvicorn runs: the guard around the FastAPI routes."""
     app = FastAPI(title="fdplug", version=fdplug.__version__, docs_url=None, redoc_url=None, openapi_url=None)
-    serving = Serving(client, model_name, stream_interval, trust_request_chat_template)
+    jobs = JobBuilder(client, model_name, trust_request_chat_template)
+    serving = Serving(client, stream_interval)
     metrics = client.metrics
     started = int(time.time())
 
@@ -91,11 +93,11 @@ def build_app(client: EngineClient, model_name: str, api_key: str | None, max_bo
 
     def completion_job(body: bytes) -> tuple:
         req = T.parse_request(T.CompletionRequest, body)
-        return req, *serving.completion_job(req)
+        return req, *jobs.completion_job(req)
 
     def chat_job(body: bytes, tenant_id: str) -> tuple:
         req = T.parse_request(T.ChatCompletionRequest, body)
-        return req, *serving.chat_job(req, tenant_id)
+        return req, *jobs.chat_job(req, tenant_id)
 
     @app.post("/v1/completions")
     @guarded
