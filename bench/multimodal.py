@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from fdplug.core.demo import write_demo_files
-from fdplug.core.llm import LLM
-from fdplug.core.request import SamplingParams
+from fdplug.core.engine.request import SamplingParams
+from fdplug.core.frontend.llm import LLM
+from fdplug.demo.random_model import write_random_model
 from fdplug.testing.bos_server import LoopbackBos
 
 AK, SK = "AKbench", "SKbench"
@@ -92,7 +92,7 @@ def main() -> None:
         os.environ.update({"FDPLUG_BOS_ENDPOINT": bos.endpoint, "FDPLUG_BOS_AK": AK, "FDPLUG_BOS_SK": SK})
         model_dir = Path(tmp) / "demo"
         model_dir.mkdir()
-        write_demo_files(model_dir)
+        write_random_model(model_dir)
         rows = IMAGE_GRID[0] * IMAGE_GRID[1] * IMAGE_GRID[2] // 4
         urls = [bos.put("feats", f"img/{i}.npy", npy(rng.standard_normal((rows, HIDDEN)).astype(np.float32)))
                 for i in range(args.images)]

@@ -72,8 +72,8 @@ def workload(args, vocab_size: int, seed: int | None = None) -> tuple[list[list[
 
 
 def offline(args, prompts, outputs, warm) -> tuple[float, float]:
-    from fdplug.core.llm import LLM
-    from fdplug.core.request import SamplingParams
+    from fdplug.core.engine.request import SamplingParams
+    from fdplug.core.frontend.llm import LLM
 
     llm = LLM(args.model, args.device, **engine_args(args))
     params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in outputs]
@@ -314,10 +314,10 @@ def main() -> None:
     ap.add_argument("--prompt-seed", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
 
-    from fdplug.core.demo import ensure_demo_model
     from fdplug.core.model.config import ModelConfig
+    from fdplug.demo.random_model import ensure_random_model
 
-    args.model = args.model or str(ensure_demo_model())
+    args.model = args.model or str(ensure_random_model())
     vocab_size = ModelConfig.from_dir(args.model).vocab_size
     if args.offline_only:       # the child process of offline_in_subprocess
         prompts, outputs = workload(args, vocab_size, seed=args.prompt_seed)

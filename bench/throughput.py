@@ -20,10 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
-from fdplug.core.demo import write_demo_files
-from fdplug.core.llm import LLM
-from fdplug.core.processor import ProcessedPrompt
-from fdplug.core.request import SamplingParams
+from fdplug.core.engine.request import SamplingParams
+from fdplug.core.frontend.llm import LLM
+from fdplug.core.frontend.processor import ProcessedPrompt
+from fdplug.demo.random_model import write_random_model
 
 MODEL = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 12, "num_attention_heads": 8,
          "num_key_value_heads": 4, "vocab_size": 32000, "initializer_range": 0.05, "max_position_embeddings": 4096}
@@ -32,7 +32,7 @@ MODEL = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 12,
 def make_model(root: Path) -> Path:
     path = root / "qwen2-50m"
     path.mkdir()
-    write_demo_files(path, **MODEL)
+    write_random_model(path, **MODEL)
     return path
 
 

@@ -1,28 +1,37 @@
 """fdplug: an LLM inference server whose hardware support is a set of plugins.
 
+    fdplug/plugin_api/  the contract: hooks, specs, protocols, settings (what a plugin imports)
+    fdplug/core/        engine, scheduler, KV cache, runner, model, multimodal, plugin loading and
+                        selection, and the portable components every device gets
+    fdplug/server/      ``fdplug serve``: the OpenAI-compatible API process and the engine process
+    fdplug/plugins/     the built-in plugins: cpu, cuda, xpu, storage_fs, storage_bos
+    fdplug/demo/        the trained demo model and the generated test models
+    fdplug/testing/     the conformance kit for plugin authors (a pytest plugin)
+
 ``import fdplug`` is light: it never imports paddle or a vendor SDK.
 """
 
 from __future__ import annotations
 
-from fdplug.core.hookspecs import API_VERSION, hookimpl
-from fdplug.core.plugins import list_plugins, load_plugins
-from fdplug.core.selection import Backend, select_backend
+from fdplug.core.plugin_loading.loader import list_plugins, load_plugins
+from fdplug.core.plugin_loading.selection import select_components
+from fdplug.plugin_api.hookspecs import API_VERSION, hookimpl
+from fdplug.plugin_api.selection import Selection
 
 __version__ = "0.1.0"
 
-__all__ = ["API_VERSION", "LLM", "Backend", "SamplingParams", "hookimpl", "list_plugins", "load_plugins",
-           "select_backend", "__version__"]
+__all__ = ["API_VERSION", "LLM", "SamplingParams", "Selection", "hookimpl", "list_plugins", "load_plugins",
+           "select_components", "__version__"]
 
 
 def __getattr__(name: str):
     """``fdplug.LLM`` and ``fdplug.SamplingParams`` without importing the engine at ``import fdplug``."""
     if name == "LLM":
-        from fdplug.core.llm import LLM
+        from fdplug.core.frontend.llm import LLM
 
         return LLM
     if name == "SamplingParams":
-        from fdplug.core.request import SamplingParams
+        from fdplug.core.engine.request import SamplingParams
 
         return SamplingParams
     raise AttributeError(f"module 'fdplug' has no attribute {name!r}")

@@ -17,9 +17,9 @@ from typing import Any, Callable
 import click
 
 import fdplug
-from fdplug.core.config import ENV_VARS, env, env_is_set
-from fdplug.core.plugins import load_plugins
-from fdplug.core.selection import run_probe, select_backend
+from fdplug.plugin_api.settings import SETTINGS
+from fdplug.core.plugin_loading.loader import load_plugins
+from fdplug.core.plugin_loading.selection import run_probe, select_components
 from fdplug.errors import FdplugError
 
 
@@ -90,7 +90,7 @@ def plugins_command(as_json: bool) -> None:
 @user_errors
 def doctor_command() -> None:
     """Check this machine: paddle build, every device's probe, threads, settings."""
-    from fdplug.core.paddle_utils import INSTALL_FIX, import_paddle, paddle_installed
+    from fdplug.plugin_api.paddle import INSTALL_FIX, import_paddle, paddle_installed
     from fdplug.plugins.cpu.device import cpu_threads, is_amd_cpu, usable_cores
 
     click.echo(f"fdplug {fdplug.__version__} (plugin API {fdplug.API_VERSION}), "
@@ -115,10 +115,12 @@ def doctor_command() -> None:
     failed = plugin_set.failed()
     click.echo(f"plugins: {len(plugin_set.plugins())} seen, {len(failed)} failed"
                + (f" ({', '.join(p.name for p in failed)}; see `fdplug plugins`)" if failed else ""))
-    settings = [(name, var) for name, var in ENV_VARS.items() if env_is_set(name)]
+    from fdplug.server import settings as _server_settings  # noqa: F401  (declares the server's)
+
+    settings = [setting for _, setting in sorted(SETTINGS.items()) if setting.is_set()]
     click.echo("settings from the environment:" if settings else "settings from the environment: none")
-    for name, var in settings:
-        click.echo(f"  {name}={'<hidden>' if var.secret else env(name)!r}")
+    for setting in settings:
+        click.echo(f"  {setting.name}={'<hidden>' if setting.secret else setting.value()!r}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -142,15 +144,15 @@ def explain_command(device: str, runner: str | None, attention: str | None, moe:
 
     config = EngineConfig()
     plugin_set = load_plugins()
-    backend = select_backend(device, runner, attention, moe, config=config, plugins=plugin_set)
-    plugin_set.configure(config, backend)
+    selection = select_components(device, runner, attention, moe, config=config, plugins=plugin_set)
+    plugin_set.configure(config, selection)
     if as_json:
-        click.echo(json.dumps(backend.to_names(), indent=2))
+        click.echo(json.dumps(selection.to_names(), indent=2))
         return
-    click.echo(backend.explain())
-    click.echo(f"selected: device={backend.device.name} runner={backend.runner.name} "
-               f"attention={backend.attention.name} moe={backend.moe.name} "
-               f"storages={','.join(f'{s}:{spec.name}' for s, spec in backend.storages.items()) or 'none'}")
+    click.echo(selection.explain())
+    click.echo(f"selected: device={selection.device.name} runner={selection.runner.name} "
+               f"attention={selection.attention.name} moe={selection.moe.name} "
+               f"storages={','.join(f'{s}:{spec.name}' for s, spec in selection.storages.items()) or 'none'}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -166,6 +168,8 @@ def engine_options(fn: Callable) -> Callable:
         click.option("--runner", default=None, help="Model runner (default: by priority; `fdplug explain` lists them)."),
         click.option("--attention-backend", default=None, help="Attention backend (default: by priority)."),
         click.option("--moe-backend", default=None, help="MoE backend (default: by priority)."),
+        click.option("--op-kernel", "op_kernels", multiple=True, metavar="OP=NAME",
+                     help="Kernel for one op, e.g. swiglu=paddle_swiglu (repeatable; default: by priority)."),
         click.option("--max-model-len", type=int, default=None, help="Longest prompt + output, in tokens."),
         click.option("--max-num-seqs", type=int, default=64, show_default=True, help="Most requests in one step."),
         click.option("--max-num-batched-tokens", type=int, default=None, help="Token budget of one step."),
@@ -185,11 +189,23 @@ def engine_options(fn: Callable) -> Callable:
     return fn
 
 
+def parse_op_kernels(pairs: tuple[str, ...]) -> dict[str, str] | None:
+    """``("swiglu=paddle_swiglu", ...)`` -> ``{"swiglu": "paddle_swiglu"}``."""
+    chosen = {}
+    for pair in pairs:
+        op, sep, name = pair.partition("=")
+        if not sep or not op or not name:
+            raise click.BadParameter(f"{pair!r} is not OP=NAME (e.g. swiglu=paddle_swiglu)", param_hint="--op-kernel")
+        chosen[op.strip()] = name.strip()
+    return chosen or None
+
+
 def engine_kwargs(kw: dict[str, Any]) -> dict[str, Any]:
     """CLI flags -> LLM/engine keyword arguments (None means "use the default")."""
     args = {"model": kw.pop("model"), "device": kw.pop("device"), "runner": kw.pop("runner"),
             "attention_backend": kw.pop("attention_backend"),
-            "moe_backend": kw.pop("moe_backend"), "enable_prefix_caching": not kw.pop("no_prefix_caching"),
+            "moe_backend": kw.pop("moe_backend"), "op_kernels": parse_op_kernels(kw.pop("op_kernels")),
+            "enable_prefix_caching": not kw.pop("no_prefix_caching"),
             "enable_chunked_prefill": not kw.pop("no_chunked_prefill")}
     for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory",
                  "num_kv_blocks", "dtype", "encoder_cache_rows"):
@@ -215,8 +231,8 @@ def engine_kwargs(kw: dict[str, Any]) -> dict[str, Any]:
 def generate_command(prompts: tuple[str, ...], chat: bool, max_tokens: int, temperature: float, top_p: float,
                      top_k: int, seed: int | None, **kw: Any) -> None:
     """Generate text offline: one prompt streams to the terminal, several show a progress bar."""
-    from fdplug.core.llm import LLM
-    from fdplug.core.request import SamplingParams
+    from fdplug.core.engine.request import SamplingParams
+    from fdplug.core.frontend.llm import LLM
 
     llm = LLM(**engine_kwargs(kw))
     click.echo(f"[{llm.describe()}]", err=True)
@@ -260,7 +276,7 @@ def serve_command(host: str, port: int, api_key: str | None, served_model_name: 
                   stream_interval: int, max_waiting_requests: int, trust_request_chat_template: bool,
                   **kw: Any) -> None:
     """Serve the OpenAI API (chat, completions, streaming) with the engine in its own process."""
-    from fdplug.core.server.launcher import ServerSettings, serve
+    from fdplug.server.launcher import ServerSettings, serve
 
     logging.getLogger("fdplug").setLevel(min(logging.INFO, logging.getLogger().getEffectiveLevel()))
     args = engine_kwargs(kw)

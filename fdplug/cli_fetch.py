@@ -47,7 +47,7 @@ def fetch_features(urls: tuple[str, ...], out_dir: Path | None, timeout: float |
 def _fetch_and_report(fetcher, urls: list[str], out_dir: Path | None, timeout: float | None,
                       hidden_size: int | None) -> None:
     from fdplug.core.multimodal.features import decode_feature, validate_feature
-    from fdplug.core.multimodal.fetch import display_url
+    from fdplug.plugin_api.storage import display_url
 
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,7 @@ bug and becomes a 500.
 from __future__ import annotations
 
 import reprlib
-
+from typing import Iterable
 
 _SHOW = reprlib.Repr()
 _SHOW.maxstring, _SHOW.maxother, _SHOW.maxlist, _SHOW.maxdict, _SHOW.maxlevel = 60, 60, 6, 4, 2
@@ -245,3 +245,14 @@ def error_from_dict(item: dict) -> FdplugError:
     FdplugError.__init__(err, item.get("message") or "unknown error", fix=item.get("fix"),
                          param=param if isinstance(param, str) else None)
     return err
+
+
+class RequestStepError(Exception):
+    """A runner's step failed because of ``request_ids`` (the runner knows whose fault it is);
+    ``error`` is what to tell their clients (a typed error, or None for a 500 quoting ``message``).
+    Not an `FdplugError`: it travels from a runner to the engine, never to a user."""
+
+    def __init__(self, request_ids: Iterable[str], message: str, error: FdplugError | None = None) -> None:
+        super().__init__(message)
+        self.request_ids = list(request_ids)
+        self.error = error

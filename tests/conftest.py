@@ -20,7 +20,7 @@ def _clean_plugin_env(monkeypatch):
     """No test sees the developer's FDPLUG_* plugin settings, nor a previous test's loaded set."""
     for name in ("FDPLUG_PLUGINS", "FDPLUG_DISABLE_PLUGINS", "FDPLUG_STRICT_PLUGINS"):
         monkeypatch.delenv(name, raising=False)
-    from fdplug.core import plugins
+    from fdplug.core.plugin_loading import loader as plugins
 
     plugins._cache.clear()
     monkeypatch.setattr(plugins, "_current", None)
@@ -86,10 +86,10 @@ def write_test_model(out_dir: Path, **overrides) -> Path:
     The demo's N(0, 0.02) weights make greedy decoding repeat one token, which would hide attention
     bugs; a larger init makes the next token depend on the whole context.
     """
-    from fdplug.core import demo
+    from fdplug.demo import random_model as demo
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    demo.write_demo_files(out_dir, **{"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    demo.write_random_model(out_dir, **{"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                                       "num_attention_heads": 4, "num_key_value_heads": 2,
                                       "initializer_range": 0.25, **overrides})
     return out_dir

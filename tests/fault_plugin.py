@@ -27,11 +27,11 @@ import os
 import numpy as np
 
 from fdplug import hookimpl
-from fdplug.core.specs import ANY_DEVICE, ModelRunnerSpec
-from fdplug.core.step_recovery import RequestStepError
 from fdplug.core.worker.model_runner import ModelRunner
+from fdplug.errors import RequestStepError
+from fdplug.plugin_api.specs import ANY_DEVICE, ModelRunnerSpec
 
-FDPLUG_API_VERSION = "1.0"
+FDPLUG_API_VERSION = "2.0"
 FAULT: dict = {"mode": None, "marker": 77, "after": 0, "times": 0, "fired": 0,
                **json.loads(os.environ.get("FAULTY_RUNNER", "{}"))}
 

@@ -13,7 +13,7 @@ from typing import Sequence
 import numpy as np
 import paddle
 
-from fdplug.core.attention import AttentionMetadata
+from fdplug.plugin_api.attention import AttentionMetadata
 from fdplug.testing.cases import key_end_with_spans
 
 BLOCK = 16

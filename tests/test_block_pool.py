@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from fdplug.core.scheduler.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
+from fdplug.core.scheduler.block_pool import (
+    BlockPool,
+    FreeKVCacheBlockQueue,
+    KVCacheBlock,
+)
 
 
 def ids(blocks) -> list[int]:

@@ -77,12 +77,17 @@ def test_explain_unknown_component_exits_nonzero():
     assert out.returncode == 1 and "no attention named 'warp-speed'" in out.stderr
 
 
-@pytest.mark.parametrize("runner", ["default", "cpu_native"])
-def test_generate_runs_the_runner_named_on_the_command_line(runner):
-    out = run("generate", "--runner", runner, "--prompt", "Hello", "--max-tokens", "4", "--max-model-len", "256",
-              "--num-kv-blocks", "64")
+@pytest.mark.parametrize("swiglu", ["paddle_swiglu", "cpu_native"])
+def test_generate_runs_the_components_named_on_the_command_line(swiglu):
+    out = run("generate", "--runner", "default", "--op-kernel", f"swiglu={swiglu}", "--prompt", "Hello",
+              "--max-tokens", "4", "--max-model-len", "256", "--num-kv-blocks", "64")
     assert out.returncode == 0, out.stderr
-    assert f"runner={runner} " in out.stderr
+    assert "runner=default " in out.stderr and f"swiglu:{swiglu}" in out.stderr
+
+
+def test_a_malformed_op_kernel_flag_is_a_usage_error():
+    out = run("generate", "--op-kernel", "swiglu", "--prompt", "Hello")
+    assert out.returncode == 2 and "OP=NAME" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_unknown_runner_is_a_clear_error():

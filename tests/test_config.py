@@ -1,4 +1,5 @@
-"""Environment variables are declared once, parsed with clear errors, and paddle stays lazy."""
+"""Environment variables: declared by their owner (core, server, each plugin through the contract),
+collected in one registry, parsed with clear errors, all in the README; and paddle stays lazy."""
 
 from __future__ import annotations
 
@@ -7,17 +8,62 @@ from pathlib import Path
 
 import pytest
 
-from fdplug.core.config import ENV_VARS, EngineConfig, env
+import fdplug.server  # noqa: F401  (declares the server's settings)
+from fdplug.core.config import EngineConfig
+from fdplug.core.plugin_loading.loader import load_plugins
+from fdplug.core.settings import env
 from fdplug.errors import ConfigError
+from fdplug.plugin_api import hookimpl
+from fdplug.plugin_api.settings import SETTINGS, Setting, parse_positive_int
 from tests.conftest import PYTHON, subprocess_env
 
 
-def test_every_variable_is_documented():
-    for var in ENV_VARS.values():
-        assert var.help.strip(), var.name
+@pytest.fixture
+def all_settings() -> dict[str, Setting]:
+    """Every setting: the core's and the server's, and what every built-in plugin registers."""
+    plugin_set = load_plugins(reload=True)
+    assert not plugin_set.failed()
+    return dict(SETTINGS)
 
 
-def test_bad_values_name_the_variable_and_the_fix(monkeypatch):
+def test_plugins_declare_their_own_settings_through_the_contract(all_settings):
+    from fdplug.core import settings as core_settings
+
+    core_names = {name for name, value in vars(core_settings).items() if isinstance(value, Setting)}
+    registered = load_plugins().registry.by_plugin("cpu")["setting"]
+    assert "FDPLUG_CPU_KERNELS" in registered and "FDPLUG_CPU_KERNELS" in all_settings
+    assert "FDPLUG_BOS_AK" in load_plugins().registry.by_plugin("storage_bos")["setting"]
+    assert not core_names & {"FDPLUG_CPU_KERNELS", "FDPLUG_BOS_AK"}
+    source = Path(core_settings.__file__).read_text()
+    assert "FDPLUG_CPU" not in source and "BOS" not in source, "the core declares a plugin's variable"
+
+
+def test_a_plugin_setting_is_registered_and_read_and_a_clash_refused(monkeypatch):
+    mine = Setting("FDPLUG_TESTCHIP_QUEUES", 2, parse_positive_int, "Queues of the test chip.")
+
+    class Plugin:
+        FDPLUG_API_VERSION = "2.0"
+
+        @hookimpl
+        def fdplug_register_settings(self, register):
+            register(mine)
+
+    class Clash:
+        FDPLUG_API_VERSION = "2.0"
+
+        @hookimpl
+        def fdplug_register_settings(self, register):
+            register(Setting("FDPLUG_PLUGINS", None, str, "a different FDPLUG_PLUGINS"))
+
+    plugin_set = load_plugins(extra=[("testchip", Plugin()), ("clash", Clash())], reload=True)
+    assert SETTINGS["FDPLUG_TESTCHIP_QUEUES"] is mine
+    monkeypatch.setenv("FDPLUG_TESTCHIP_QUEUES", "5")
+    assert mine.value() == 5 and env("FDPLUG_TESTCHIP_QUEUES") == 5
+    assert plugin_set.infos["clash"].status == "failed" and "FDPLUG_PLUGINS" in plugin_set.infos["clash"].error
+    SETTINGS.pop("FDPLUG_TESTCHIP_QUEUES")
+
+
+def test_bad_values_name_the_variable_and_the_fix(monkeypatch, all_settings):
     monkeypatch.setenv("FDPLUG_CPU_THREADS", "0")
     with pytest.raises(ConfigError) as err:
         env("FDPLUG_CPU_THREADS")
@@ -44,7 +90,8 @@ def test_import_fdplug_and_loading_plugins_do_not_import_paddle():
     assert out.returncode == 0, out.stderr
 
 
-def test_every_variable_is_in_the_readme():
+def test_every_variable_is_in_the_readme(all_settings):
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    missing = [name for name in ENV_VARS if f"`{name}`" not in readme]
+    missing = [name for name in all_settings if f"`{name}`" not in readme]
     assert not missing, f"document these in README.md: {missing}"
+    assert all(setting.help.strip() for setting in all_settings.values())

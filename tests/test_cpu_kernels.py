@@ -15,14 +15,20 @@ import paddle
 import paddle.nn.functional as F
 import pytest
 
-from fdplug.core.llm import LLM
-from fdplug.core.request import SamplingParams
-from fdplug.core.selection import select_backend
+from fdplug.core.engine.request import SamplingParams
+from fdplug.core.frontend.llm import LLM
+from fdplug.core.plugin_loading.selection import select_components
+from fdplug.core.portable.attention import ReferenceAttention
 from fdplug.errors import ConfigError
 from fdplug.plugins.cpu import kernels
-from fdplug.plugins.cpu.attention import ReferenceAttention
 from fdplug.plugins.cpu.native_attention import NativeCpuAttention
-from fdplug.testing.cases import AttentionCase, SeqCase, attention_cases, naive_attention, run_attention
+from fdplug.testing.cases import (
+    AttentionCase,
+    SeqCase,
+    attention_cases,
+    naive_attention,
+    run_attention,
+)
 
 if kernels.compiler() is None:  # the reference still serves; say so rather than fail on a compiler-less box
     pytest.skip("no C compiler on PATH: the compiled cpu kernels cannot be built here", allow_module_level=True)
@@ -70,18 +76,18 @@ def test_write_kv_stores_the_rows_the_reference_stores():
 
 
 def test_out_of_range_slots_and_blocks_are_refused_before_the_c_code():
-    backend = NativeCpuAttention(1)
+    selection = NativeCpuAttention(1)
     cache = paddle.zeros([2, 4, 4, 8])
     row = paddle.zeros([1, 2, 8])
     with pytest.raises(ValueError, match="slot mapping outside the KV cache"):
-        backend.write_cache(row, row, cache, cache, backend.prepare(_decode_meta(np.array([16]))))
-    prepared = backend.prepare(_decode_meta(np.array([3]), block_table=[[9]]))
+        selection.write_cache(row, row, cache, cache, selection.prepare(_decode_meta(np.array([16]))))
+    prepared = selection.prepare(_decode_meta(np.array([3]), block_table=[[9]]))
     with pytest.raises(ValueError, match="block id 9 is outside the KV cache"):
-        backend.attend(prepared.groups[0], paddle.zeros([1, 4, 8]), cache, cache, 1.0)
+        selection.attend(prepared.groups[0], paddle.zeros([1, 4, 8]), cache, cache, 1.0)
 
 
 def _decode_meta(slots: np.ndarray, block_table=None):
-    from fdplug.core.attention import AttentionMetadata
+    from fdplug.plugin_api.attention import AttentionMetadata
 
     n = len(slots)
     table = np.asarray(block_table if block_table is not None else [[0]] * n, dtype=np.int32)
@@ -111,10 +117,10 @@ def test_a_failing_compiler_falls_back_to_the_reference_and_says_why(fresh_kerne
     monkeypatch.setenv("CC", "false")
     reason = kernels.unavailable_reason()
     assert reason is not None and "false failed" in reason
-    backend = select_backend("cpu")
-    assert backend.attention.name == "reference" and backend.runner.name == "default"
-    rejected = [d for d in backend.decisions if d.name == "cpu_native"]
-    assert {d.role for d in rejected} == {"runner", "attention"}
+    selection = select_components("cpu")
+    assert selection.attention.name == "reference" and selection.ops["swiglu"].name == "paddle_swiglu"
+    rejected = [d for d in selection.decisions if d.name == "cpu_native"]
+    assert {d.role for d in rejected} == {"op:swiglu", "attention"}
     assert all("false failed" in d.reason for d in rejected)
 
 
@@ -127,9 +133,9 @@ def test_kernels_on_makes_a_failed_build_a_startup_error(fresh_kernels, monkeypa
 
 def test_kernels_off_selects_the_reference(fresh_kernels, monkeypatch):
     monkeypatch.setenv("FDPLUG_CPU_KERNELS", "off")
-    backend = select_backend("cpu")
-    assert backend.attention.name == "reference" and backend.runner.name == "default"
-    assert any(d.name == "cpu_native" and "FDPLUG_CPU_KERNELS=off" in d.reason for d in backend.decisions)
+    selection = select_components("cpu")
+    assert selection.attention.name == "reference" and selection.ops["swiglu"].name == "paddle_swiglu"
+    assert any(d.name == "cpu_native" and "FDPLUG_CPU_KERNELS=off" in d.reason for d in selection.decisions)
     assert not (fresh_kernels / "kernels").exists()  # off means not even a build
 
 
@@ -137,14 +143,15 @@ def test_native_is_the_cpu_default_and_generates_what_the_reference_generates(te
     prompts = [[5, 9, 3] * 11, [7], list(range(40, 90))]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outputs = {}
-    for runner, attention in ((None, None), ("default", "reference")):
-        llm = LLM(str(test_model_dir), runner=runner, attention_backend=attention, num_kv_blocks=64, max_model_len=256)
-        backend = llm.engine.backend
-        outputs[backend.runner.name, backend.attention.name] = [
+    for swiglu, attention in ((None, None), ("paddle_swiglu", "reference")):
+        llm = LLM(str(test_model_dir), attention_backend=attention, op_kernels=swiglu and {"swiglu": swiglu},
+                  num_kv_blocks=64, max_model_len=256)
+        selection = llm.engine.selection
+        outputs[selection.ops["swiglu"].name, selection.attention.name] = [
             o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                                          use_tqdm=False)]
-    assert set(outputs) == {("cpu_native", "cpu_native"), ("default", "reference")}
-    assert outputs["cpu_native", "cpu_native"] == outputs["default", "reference"]
+    assert set(outputs) == {("cpu_native", "cpu_native"), ("paddle_swiglu", "reference")}
+    assert outputs["cpu_native", "cpu_native"] == outputs["paddle_swiglu", "reference"]
 
 
 # Row counts on both sides of the thresholds (paddle below SWIGLU_MIN_OUTPUTS, one thread below

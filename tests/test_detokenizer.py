@@ -9,14 +9,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fdplug.core.demo import ensure_demo_model
 from fdplug.core.model.detokenizer import IncrementalDetokenizer
 from fdplug.core.model.tokenizer import Tokenizer
+from fdplug.demo.random_model import ensure_random_model
 
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory) -> Tokenizer:
-    return Tokenizer.from_dir(ensure_demo_model(tmp_path_factory.mktemp("demo")))
+    return Tokenizer.from_dir(ensure_random_model(tmp_path_factory.mktemp("demo")))
 
 
 def stream(tok, ids, chunks=None, **kwargs) -> tuple[list[str], IncrementalDetokenizer]:

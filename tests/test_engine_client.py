@@ -8,15 +8,15 @@ import asyncio
 import pytest
 import zmq
 
-from fdplug.core.demo import ensure_demo_model
+from fdplug.core.engine.request import SamplingParams
+from fdplug.core.frontend.processor import ProcessedPrompt
 from fdplug.core.model.tokenizer import Tokenizer
-from fdplug.core.processor import ProcessedPrompt
-from fdplug.core.request import SamplingParams
 from fdplug.core.scheduler.output import EngineCoreOutput
-from fdplug.core.server import protocol as P
-from fdplug.core.server.engine_client import EngineClient
-from fdplug.core.server.metrics import ServerMetrics
+from fdplug.demo.random_model import ensure_random_model
 from fdplug.errors import EngineRequestError
+from fdplug.server import protocol as P
+from fdplug.server.engine_client import EngineClient
+from fdplug.server.metrics import ServerMetrics
 
 
 class _Engine:
@@ -47,12 +47,12 @@ class _Engine:
 
 @pytest.fixture
 def client(tmp_path):
-    model_dir = ensure_demo_model()
+    model_dir = ensure_random_model()
     tokenizer = Tokenizer.from_dir(model_dir)
     info = P.EngineInfo(pid=0, model_dir=str(model_dir), architecture="x", dtype="float32",
                         vocab_size=tokenizer.vocab_size, eos_token_ids=[0], max_model_len=64, max_num_seqs=4,
                         max_num_batched_tokens=64, max_waiting_requests=8, block_size=16, num_kv_blocks=8,
-                        kv_cache_tokens=128, kv_cache_description="", backend={})
+                        kv_cache_tokens=128, kv_cache_description="", selection={})
     engine = _Engine(f"ipc://{tmp_path}/input")
     yield EngineClient(engine, info, tokenizer, ServerMetrics("m"), stall_timeout=60.0)
     engine.close()

@@ -12,7 +12,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import save as st_save
 
-from fdplug.core.multimodal.features import decode_feature, detect_format, validate_feature
+from fdplug.core.multimodal.features import (
+    decode_feature,
+    detect_format,
+    validate_feature,
+)
 from fdplug.errors import FeatureFormatError
 
 URL = "bos://bucket/feats/img_0.bin"

@@ -1,17 +1,19 @@
-"""The contract itself: every role of the architecture has a documented hook, and only those."""
+"""The contract itself: every role of the architecture has a typed hook, and only those."""
 
 from __future__ import annotations
 
 import inspect
+import typing
 
 import fdplug
-from fdplug.core import hookspecs
-from fdplug.core.plugins import REGISTRATION_HOOKS
-from fdplug.core.specs import SPEC_TYPES
+from fdplug.core.plugin_loading.loader import REGISTRATION_HOOKS
+from fdplug.plugin_api import hookspecs
+from fdplug.plugin_api.specs import SPEC_TYPES
 
 EXPECTED_HOOKS = {
     "fdplug_register_devices", "fdplug_register_model_runners", "fdplug_register_attention_backends",
-    "fdplug_register_moe_backends", "fdplug_register_feature_storages", "fdplug_configure",
+    "fdplug_register_moe_backends", "fdplug_register_ops", "fdplug_register_feature_storages",
+    "fdplug_register_settings", "fdplug_configure",
 }
 
 
@@ -21,21 +23,25 @@ def hook_functions():
 
 def test_exactly_the_architecture_hooks():
     assert set(hook_functions()) == EXPECTED_HOOKS
+    assert all(hasattr(fn, "fdplug_spec") for fn in hook_functions().values())
 
 
-def test_every_hook_is_a_spec_with_a_docstring_saying_when_it_is_called():
-    for name, fn in hook_functions().items():
-        assert hasattr(fn, "fdplug_spec"), f"{name} is not marked @hookspec"
-        doc = inspect.getdoc(fn) or ""
-        assert len(doc) > 100, f"{name} needs a real docstring"
-        assert "Called" in doc, f"{name}'s docstring must say when it is called"
-
-
-def test_registration_hooks_take_register_and_map_to_a_spec_type():
+def test_registration_hooks_are_typed_with_the_spec_they_take():
+    """pytest-style typed hooks: ``register`` is a callback taking exactly the role's spec type."""
     for hook, role in REGISTRATION_HOOKS.items():
-        assert list(inspect.signature(hook_functions()[hook]).parameters) == ["register"]
-        assert role in SPEC_TYPES
+        fn = hook_functions()[hook]
+        assert list(inspect.signature(fn).parameters) == ["register"]
+        register = typing.get_type_hints(fn)["register"]
+        assert typing.get_args(register) == ([SPEC_TYPES[role]], type(None)), hook
     assert set(REGISTRATION_HOOKS.values()) == set(SPEC_TYPES)
+
+
+def test_configure_is_typed_with_the_config_and_the_selection():
+    from fdplug.core.config import EngineConfig
+    from fdplug.plugin_api.selection import Selection
+
+    hints = typing.get_type_hints(hookspecs.fdplug_configure, {"EngineConfig": EngineConfig, "Selection": Selection})
+    assert hints["config"] is EngineConfig and hints["selection"] is Selection
 
 
 def test_api_version_and_reexports():

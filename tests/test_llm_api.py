@@ -11,10 +11,15 @@ from pathlib import Path
 import pytest
 
 import fdplug
-from fdplug.core.llm import LLM
-from fdplug.core.request import SamplingParams
-from fdplug.errors import (ConfigError, DeviceUnavailableError, InvalidRequestError, ModelLoadError,
-                           UnsupportedModelError)
+from fdplug.core.engine.request import SamplingParams
+from fdplug.core.frontend.llm import LLM
+from fdplug.errors import (
+    ConfigError,
+    DeviceUnavailableError,
+    InvalidRequestError,
+    ModelLoadError,
+    UnsupportedModelError,
+)
 from tests.conftest import subprocess_env
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -145,7 +150,7 @@ def test_model_dir_errors(tmp_path, test_model_dir):
 def test_engine_argument_errors(test_model_dir):
     with pytest.raises(ConfigError, match="unknown engine argument"):
         LLM(str(test_model_dir), max_batch_size=3)
-    with pytest.raises(ConfigError, match="float32 only"):
+    with pytest.raises(ConfigError, match="computes in float32"):
         LLM(str(test_model_dir), dtype="bfloat16")
     with pytest.raises(DeviceUnavailableError, match="xpu"):
         LLM(str(test_model_dir), device="xpu")

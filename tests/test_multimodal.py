@@ -12,9 +12,9 @@ import io
 import numpy as np
 import pytest
 
-from fdplug.core.llm import LLM
+from fdplug.core.engine.request import SamplingParams
+from fdplug.core.frontend.llm import LLM
 from fdplug.core.multimodal.inputs import uuid_hash
-from fdplug.core.request import SamplingParams
 from fdplug.errors import InvalidRequestError
 from fdplug.testing.bos_server import LoopbackBos
 from fdplug.testing.cases import key_end_with_spans

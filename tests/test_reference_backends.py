@@ -5,12 +5,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fdplug.core.moe import ExpertWeights
+from fdplug.core.portable.attention import ReferenceAttention
+from fdplug.core.portable.moe import ReferenceMoE
 from fdplug.errors import ConfigError
-from fdplug.plugins.cpu.attention import ReferenceAttention
-from fdplug.plugins.cpu.moe import ReferenceMoE
-from fdplug.testing.cases import (AttentionCase, SeqCase, attention_cases, moe_cases, naive_attention, naive_moe,
-                                  run_attention, run_moe)
+from fdplug.plugin_api.moe import ExpertWeights
+from fdplug.testing.cases import (
+    AttentionCase,
+    SeqCase,
+    attention_cases,
+    moe_cases,
+    naive_attention,
+    naive_moe,
+    run_attention,
+    run_moe,
+)
 
 
 @pytest.mark.parametrize("case", attention_cases(seed=1), ids=lambda c: c.describe())
@@ -42,7 +50,7 @@ def test_reference_moe_refuses_quantized_weights():
 def test_long_prefills_split_into_pieces_match_the_definition(backend):
     """Prefill rows go in pieces of PREFILL_PIECE, each seeing only the keys it can: pieces must not
     change the result, also with a context before the chunk and a bidirectional span across a piece edge."""
-    from fdplug.plugins.cpu import attention
+    from fdplug.core.portable import attention
 
     seqs = [SeqCase(0, 2 * attention.PREFILL_PIECE + 45), SeqCase(37, attention.PREFILL_PIECE + 9, [(200, 300)]),
             SeqCase(20, 1)]

@@ -10,16 +10,21 @@ import pytest
 
 from fdplug import hookimpl
 from fdplug.core.config import EngineConfig, ModelTraits
-from fdplug.core.plugins import load_plugins
-from fdplug.core.selection import select_backend
-from fdplug.core.specs import DeviceSpec, FeatureStorageSpec, MoEBackendSpec, Probe
+from fdplug.core.plugin_loading.loader import load_plugins
+from fdplug.core.plugin_loading.selection import select_components
 from fdplug.errors import DeviceUnavailableError, SelectionError, UnknownComponentError
+from fdplug.plugin_api.specs import (
+    DeviceSpec,
+    FeatureStorageSpec,
+    MoEBackendSpec,
+    Probe,
+)
 from tests.conftest import PYTHON, subprocess_env, write_dist
 from tests.test_plugin_loading import AttnPlugin, attention_spec
 
 
 class DevicePlugin:
-    FDPLUG_API_VERSION = "1.0"
+    FDPLUG_API_VERSION = "2.0"
 
     def __init__(self, *devices):
         self.devices = devices
@@ -36,18 +41,18 @@ def device(name, available=True, priority=0, probe=None):
 
 
 def test_auto_picks_cpu_here_and_says_why_the_others_were_rejected():
-    backend = select_backend("auto")
-    assert backend.device.name == "cpu"
-    reasons = {d.name: d for d in backend.decisions if d.role == "device"}
+    selection = select_components("auto")
+    assert selection.device.name == "cpu"
+    reasons = {d.name: d for d in selection.decisions if d.role == "device"}
     assert reasons["cpu"].chosen and "highest priority" in reasons["cpu"].reason
     assert not reasons["cuda"].chosen and "not compiled with CUDA" in reasons["cuda"].reason
     assert not reasons["xpu"].chosen and "not compiled with XPU" in reasons["xpu"].reason
-    assert "rejected xpu" in backend.explain()
+    assert "rejected xpu" in selection.explain()
 
 
 def test_explicit_unavailable_device_is_an_error_with_reason_and_fix():
     with pytest.raises(DeviceUnavailableError) as err:
-        select_backend("xpu")
+        select_components("xpu")
     assert "not compiled with XPU support" in err.value.message
     assert "XPU build" in err.value.fix
     assert err.value.decisions and not err.value.decisions[0].chosen
@@ -56,15 +61,15 @@ def test_explicit_unavailable_device_is_an_error_with_reason_and_fix():
 def test_explicit_device_never_falls_back():
     plugin_set = load_plugins(extra=[("dev", DevicePlugin(device("gone", available=False, priority=1000)))])
     with pytest.raises(DeviceUnavailableError, match="gone"):
-        select_backend("gone", plugins=plugin_set)
-    assert select_backend("auto", plugins=plugin_set).device.name == "cpu"
+        select_components("gone", plugins=plugin_set)
+    assert select_components("auto", plugins=plugin_set).device.name == "cpu"
 
 
 def test_auto_prefers_the_highest_priority_available_device():
     plugin_set = load_plugins(extra=[("dev", DevicePlugin(device("fast", priority=50), device("faster", False, 60)))])
-    backend = select_backend(plugins=plugin_set)
-    assert backend.device.name == "fast"
-    cpu = next(d for d in backend.decisions if d.name == "cpu")
+    selection = select_components(plugins=plugin_set)
+    assert selection.device.name == "fast"
+    cpu = next(d for d in selection.decisions if d.name == "cpu")
     assert "priority 0 is below fast's 50" in cpu.reason
 
 
@@ -72,7 +77,7 @@ def test_unknown_device_lists_known_ones_and_failed_plugins(site):
     write_dist(site, "fdplug-mychip", "0.1", {"mychip": "fdplug_mychip"},
                {"fdplug_mychip": "raise ImportError('libmychip.so: cannot open shared object file')\n"})
     with pytest.raises(UnknownComponentError) as err:
-        select_backend("mychip")
+        select_components("mychip")
     message = str(err.value)
     assert "known: cpu, cuda, xpu" in message
     assert "libmychip.so: cannot open shared object file" in message
@@ -83,9 +88,9 @@ def test_probe_that_raises_means_unavailable_not_a_crash():
         raise OSError("driver hung")
 
     plugin_set = load_plugins(extra=[("dev", DevicePlugin(device("flaky", priority=99, probe=explode)))])
-    backend = select_backend(plugins=plugin_set)
-    flaky = next(d for d in backend.decisions if d.name == "flaky")
-    assert backend.device.name == "cpu" and "OSError: driver hung" in flaky.reason
+    selection = select_components(plugins=plugin_set)
+    flaky = next(d for d in selection.decisions if d.name == "flaky")
+    assert selection.device.name == "cpu" and "OSError: driver hung" in flaky.reason
 
 
 def builtin_cpu_attention() -> str:
@@ -99,19 +104,19 @@ def test_priority_beats_name_and_name_breaks_ties():
     plugin_set = load_plugins(extra=[("p", AttnPlugin(attention_spec("zeta", priority=50),
                                                       attention_spec("alpha", priority=50),
                                                       attention_spec("omega", priority=1)))])
-    backend = select_backend(plugins=plugin_set)
-    assert backend.attention.name == "alpha"
-    reasons = {d.name: d.reason for d in backend.decisions if d.role == "attention"}
+    selection = select_components(plugins=plugin_set)
+    assert selection.attention.name == "alpha"
+    reasons = {d.name: d.reason for d in selection.decisions if d.role == "attention"}
     assert "same priority as alpha" in reasons["zeta"]
     assert "priority 1 is below alpha's 50" in reasons["omega"]
 
 
 def test_explicit_component_beats_priority():
     plugin_set = load_plugins(extra=[("p", AttnPlugin(attention_spec("turbo", priority=100)))])
-    assert select_backend(plugins=plugin_set).attention.name == "turbo"
-    backend = select_backend(attention="reference", plugins=plugin_set)
-    assert backend.attention.name == "reference"
-    assert any(d.name == "turbo" and "asked for explicitly" in d.reason for d in backend.decisions)
+    assert select_components(plugins=plugin_set).attention.name == "turbo"
+    selection = select_components(attention="reference", plugins=plugin_set)
+    assert selection.attention.name == "reference"
+    assert any(d.name == "turbo" and "asked for explicitly" in d.reason for d in selection.decisions)
 
 
 def test_components_for_other_devices_or_unsupported_configs_are_rejected_with_reasons():
@@ -121,14 +126,14 @@ def test_components_for_other_devices_or_unsupported_configs_are_rejected_with_r
     plugin_set = load_plugins(extra=[("p", AttnPlugin(attention_spec("gpu_only", devices=("cuda",), priority=90),
                                                       no_gqa))])
     config = EngineConfig(model=ModelTraits(num_attention_heads=8, num_kv_heads=2))
-    backend = select_backend(config=config, plugins=plugin_set)
-    reasons = {d.name: d.reason for d in backend.decisions if d.role == "attention"}
-    assert backend.attention.name == builtin_cpu_attention()
+    selection = select_components(config=config, plugins=plugin_set)
+    reasons = {d.name: d.reason for d in selection.decisions if d.role == "attention"}
+    assert selection.attention.name == builtin_cpu_attention()
     assert "not on the selected device 'cpu'" in reasons["gpu_only"]
     assert reasons["mha_only"] == "needs num_kv_heads == num_heads"
     with pytest.raises(SelectionError, match="'gpu_only' was asked for explicitly but cannot be used"):
-        select_backend(attention="gpu_only", plugins=plugin_set)
-    assert select_backend(attention="mha_only", plugins=plugin_set).attention.name == "mha_only"
+        select_components(attention="gpu_only", plugins=plugin_set)
+    assert select_components(attention="mha_only", plugins=plugin_set).attention.name == "mha_only"
 
 
 def test_supports_that_raises_is_a_rejection():
@@ -136,14 +141,14 @@ def test_supports_that_raises_is_a_rejection():
         raise ZeroDivisionError("bad math")
 
     plugin_set = load_plugins(extra=[("p", AttnPlugin(attention_spec("crashy", priority=9, supports=boom)))])
-    backend = select_backend(plugins=plugin_set)
-    assert backend.attention.name == builtin_cpu_attention()
-    assert any("ZeroDivisionError: bad math" in d.reason for d in backend.decisions if d.name == "crashy")
+    selection = select_components(plugins=plugin_set)
+    assert selection.attention.name == builtin_cpu_attention()
+    assert any("ZeroDivisionError: bad math" in d.reason for d in selection.decisions if d.name == "crashy")
 
 
 def test_moe_weight_format_must_match_the_model():
     class Fp8Plugin:
-        FDPLUG_API_VERSION = "1.0"
+        FDPLUG_API_VERSION = "2.0"
 
         @hookimpl
         def fdplug_register_moe_backends(self, register):
@@ -151,24 +156,37 @@ def test_moe_weight_format_must_match_the_model():
                                     weight_formats=("fp8_block",)))
 
     plugin_set = load_plugins(extra=[("fp8", Fp8Plugin())])
-    plain = select_backend(config=EngineConfig(model=ModelTraits(num_experts=8)), plugins=plugin_set)
+    plain = select_components(config=EngineConfig(model=ModelTraits(num_experts=8)), plugins=plugin_set)
     assert plain.moe.name == "reference"
-    quantized = select_backend(config=EngineConfig(model=ModelTraits(moe_weight_format="fp8_block")),
+    quantized = select_components(config=EngineConfig(model=ModelTraits(moe_weight_format="fp8_block")),
                                plugins=plugin_set)
     assert quantized.moe.name == "fp8"
     assert any("not the model's 'fp8_block'" in d.reason for d in quantized.decisions if d.name == "reference")
 
 
-def test_no_candidate_left_is_an_error_listing_every_reason():
+def test_a_plugin_that_registers_only_a_device_gets_the_portable_components():
+    """With the cpu plugin denied, a bare device still gets a runner, attention, MoE and op kernels:
+    the core registers them for every device."""
     plugin_set = load_plugins(deny=["cpu"], extra=[("dev", DevicePlugin(device("solo")))])
+    selection = select_components(plugins=plugin_set)
+    assert selection.device.name == "solo"
+    chosen = {d.role: d.plugin for d in selection.decisions if d.chosen and d.role != "storage"}
+    assert chosen == {"device": "dev", "runner": "core", "attention": "core", "moe": "core", "op:swiglu": "core",
+                      "op:rms_norm": "core"}
+    assert load_plugins(deny=["core"]).infos["core"].status == "loaded"   # the core's cannot be disabled
+
+
+def test_no_candidate_left_is_an_error_listing_every_reason():
+    config = EngineConfig(model=ModelTraits(num_experts=8, moe_weight_format="fp8_block"))
     with pytest.raises(SelectionError) as err:
-        select_backend(plugins=plugin_set)
-    assert "no runner can run on device 'solo'" in str(err.value)
+        select_components("cpu", config=config)
+    assert "no moe can run on device 'cpu'" in str(err.value)
+    assert "reference: executes weight formats none, not the model's 'fp8_block'" in str(err.value)
 
 
 def test_storages_are_chosen_per_scheme_by_priority_and_explicitly():
     class Stores:
-        FDPLUG_API_VERSION = "1.0"
+        FDPLUG_API_VERSION = "2.0"
 
         @hookimpl
         def fdplug_register_feature_storages(self, register):
@@ -176,25 +194,25 @@ def test_storages_are_chosen_per_scheme_by_priority_and_explicitly():
             register(FeatureStorageSpec(name="memfast", schemes=("mem",), factory=lambda c: None, priority=9))
 
     plugin_set = load_plugins(extra=[("stores", Stores())])
-    backend = select_backend(plugins=plugin_set)
-    assert backend.storages["mem"].name == "memfast" and backend.storages["s3"].name == "s3ish"
-    assert select_backend(storages={"mem": "s3ish"}, plugins=plugin_set).storages["mem"].name == "s3ish"
+    selection = select_components(plugins=plugin_set)
+    assert selection.storages["mem"].name == "memfast" and selection.storages["s3"].name == "s3ish"
+    assert select_components(storages={"mem": "s3ish"}, plugins=plugin_set).storages["mem"].name == "s3ish"
     with pytest.raises(SelectionError, match="handles mem"):
-        select_backend(storages={"s3": "memfast"}, plugins=plugin_set)
+        select_components(storages={"s3": "memfast"}, plugins=plugin_set)
 
 
 def test_backend_is_immutable():
-    backend = select_backend()
+    selection = select_components()
     with pytest.raises(dataclasses.FrozenInstanceError):
-        backend.device = None
+        selection.device = None
     with pytest.raises(TypeError):
-        backend.storages["x"] = None
+        selection.storages["x"] = None
 
 
 def test_names_rebuild_the_same_choice_in_another_process():
-    names = select_backend(attention="reference").to_names()
+    names = select_components(attention="reference").to_names()
     code = ("import json, sys, fdplug; names = json.loads(sys.argv[1]); "
-            "print(json.dumps(fdplug.select_backend(**names).to_names()))")
+            "print(json.dumps(fdplug.select_components(**names).to_names()))")
     out = subprocess.run([PYTHON, "-c", code, json.dumps(names)], capture_output=True, text=True, timeout=120,
                          env=subprocess_env(), check=True)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == names

@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fdplug.core.demo import ensure_demo_model
 from fdplug.core.model.tokenizer import Tokenizer
+from fdplug.demo.random_model import ensure_random_model
 from tests.conftest import GOLDEN, golden
 from tests.serverkit import Server
 
@@ -31,7 +31,7 @@ def golden_model(tmp_path_factory) -> Path:
     model = tmp_path_factory.mktemp("golden") / "llama"
     shutil.copytree(GOLDEN / "llama", model)
     for name in ("tokenizer.json", "tokenizer_config.json"):   # the fixture has weights only; the server
-        shutil.copy(ensure_demo_model() / name, model / name)   # needs a tokenizer to detokenize its output
+        shutil.copy(ensure_random_model() / name, model / name)   # needs a tokenizer to detokenize its output
     return model
 
 

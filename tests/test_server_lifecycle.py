@@ -12,9 +12,17 @@ import time
 import httpx
 import pytest
 
-from fdplug.core.server.scheduling import current_slice_ns
+from fdplug.server.os_timeslice import current_slice_ns
 from tests.conftest import subprocess_env
-from tests.serverkit import FDPLUG, SMALL, Server, alive, free_port, kernel_honours_custom_slices, wait_until
+from tests.serverkit import (
+    FDPLUG,
+    SMALL,
+    Server,
+    alive,
+    free_port,
+    kernel_honours_custom_slices,
+    wait_until,
+)
 
 
 def run_cli(*args, timeout=60):

@@ -8,15 +8,15 @@ import sys
 import numpy as np
 import pytest
 
-from fdplug.core.outputs import Logprob
-from fdplug.core.processor import Delta
-from fdplug.core.request import MMPlaceholder, Request, SamplingParams
+from fdplug.core.engine.request import MMPlaceholder, Request, SamplingParams
+from fdplug.core.frontend.outputs import Logprob
+from fdplug.core.frontend.processor import Delta
 from fdplug.core.scheduler.output import EngineCoreOutput, SchedulerStats
-from fdplug.core.server import openai_types as T
-from fdplug.core.server import protocol as P
-from fdplug.core.server.jobs import _prompts
-from fdplug.core.server.serving import Serving, _merge
 from fdplug.errors import ConfigError, FdplugError, InvalidRequestError, QueueFullError
+from fdplug.server import openai_types as T
+from fdplug.server import protocol as P
+from fdplug.server.jobs import _prompts
+from fdplug.server.serving import Serving, _merge
 from tests.serverkit import kernel_honours_custom_slices
 
 
@@ -151,7 +151,7 @@ def test_stream_interval_holds_tokens_between_the_first_and_the_finish():
 def test_event_loop_choice(monkeypatch):
     import uvloop
 
-    from fdplug.core.server.launcher import event_loop_factory
+    from fdplug.server.launcher import event_loop_factory
 
     monkeypatch.setenv("FDPLUG_EVENT_LOOP", "asyncio")
     assert event_loop_factory() is None
@@ -169,7 +169,7 @@ def test_event_loop_choice(monkeypatch):
 def test_freeze_startup_heap_keeps_collecting_new_garbage():
     code = """
 import gc
-from fdplug.core.server.heap import freeze_startup_heap
+from fdplug.server.heap import freeze_startup_heap
 survivors = [[i] for i in range(50_000)]
 frozen = freeze_startup_heap()
 class Cycle: pass
@@ -183,7 +183,7 @@ print(frozen, gc.collect(), gc.get_freeze_count() == frozen)
 
 SLICE_PROBE = """
 import os, sys, threading
-from fdplug.core.server.scheduling import current_slice_ns, shorten_scheduler_slice
+from fdplug.server.os_timeslice import current_slice_ns, shorten_scheduler_slice
 nice, policy = os.nice(3), os.sched_getscheduler(0)
 default = current_slice_ns()
 got, why = shorten_scheduler_slice(int(sys.argv[1]))

@@ -14,8 +14,8 @@ import json
 
 import pytest
 
-from fdplug.core.llm import LLM
-from fdplug.core.request import SamplingParams
+from fdplug.core.engine.request import SamplingParams
+from fdplug.core.frontend.llm import LLM
 from tests import fault_plugin
 from tests.conftest import REPO, write_dist
 from tests.serverkit import Server
@@ -42,7 +42,7 @@ def llm(test_model_dir, tmp_path_factory):
 
     sys.path.insert(0, str(site))
     try:
-        from fdplug.core import plugins
+        from fdplug.core.plugin_loading import loader as plugins
 
         plugins._cache.clear()
         yield LLM(str(test_model_dir), runner="faulty", max_model_len=128, num_kv_blocks=200, max_num_seqs=16)
@@ -125,7 +125,7 @@ def test_a_transient_fault_fails_nobody(llm, clean):
 def test_requests_left_undecided_by_the_budget_are_requeued_not_failed(llm, clean, monkeypatch):
     """With no re-runs allowed, a failed step decides nothing: its requests go back to the queue and
     are recomputed; a transient fault then fails nobody, and nothing is left half-done."""
-    from fdplug.core import step_recovery
+    from fdplug.core.engine import step_recovery
 
     monkeypatch.setattr(step_recovery, "rerun_budget", lambda n: 0)
     bystanders, (poisoned,) = run_with(llm, "raise", times=1)
@@ -135,7 +135,7 @@ def test_requests_left_undecided_by_the_budget_are_requeued_not_failed(llm, clea
 
 
 def test_a_tiny_budget_still_finds_the_culprit_over_several_steps(llm, clean, monkeypatch):
-    from fdplug.core import step_recovery
+    from fdplug.core.engine import step_recovery
 
     monkeypatch.setattr(step_recovery, "rerun_budget", lambda n: 2)
     failed_before = llm.engine.num_failed_steps

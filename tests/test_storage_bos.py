@@ -12,9 +12,15 @@ import traceback
 
 import pytest
 
-from fdplug.core.config import ENV_VARS, EngineConfig
-from fdplug.errors import (ConfigError, FeatureAccessDeniedError, FeatureNotFoundError, StorageError,
-                           StorageTimeoutError)
+from fdplug.core.config import EngineConfig
+from fdplug.plugins.storage_bos.settings import SETTINGS as BOS_SETTINGS
+from fdplug.errors import (
+    ConfigError,
+    FeatureAccessDeniedError,
+    FeatureNotFoundError,
+    StorageError,
+    StorageTimeoutError,
+)
 from fdplug.plugins.storage_bos import make_storage
 from fdplug.plugins.storage_bos.settings import BosSettings
 from fdplug.plugins.storage_bos.storage import BosStorage
@@ -268,7 +274,7 @@ def _traceback(exc: BaseException) -> str:
 def test_credentials_are_declared_secret():
     for name in ("FDPLUG_BOS_AK", "FDPLUG_BOS_SK", "FDPLUG_BOS_STS_TOKEN", "ENCODE_FEATURE_BOS_AK",
                  "ENCODE_FEATURE_BOS_SK"):
-        assert ENV_VARS[name].secret, name
+        assert {s.name: s for s in BOS_SETTINGS}[name].secret, name
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -321,7 +327,7 @@ def test_missing_settings_fail_at_first_fetch_naming_the_variables(monkeypatch):
 
 def test_bos_plugin_is_registered_and_light():
     code = ("import sys, fdplug.plugins.storage_bos, fdplug.plugins.storage_fs\n"
-            "from fdplug.core.plugins import load_plugins\n"
+            "from fdplug.core.plugin_loading.loader import load_plugins\n"
             "entry = load_plugins(reload=True).registry.get('storage', 'bos')\n"
             "assert entry is not None and entry.spec.schemes == ('bos',), entry\n"
             "heavy = [m for m in sys.modules if m.split('.')[0] in ('baidubce', 'httpx')]\n"

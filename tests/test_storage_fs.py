@@ -11,7 +11,11 @@ import numpy as np
 import pytest
 
 from fdplug.core.config import EngineConfig
-from fdplug.errors import FeatureAccessDeniedError, FeatureNotFoundError, StorageTimeoutError
+from fdplug.errors import (
+    FeatureAccessDeniedError,
+    FeatureNotFoundError,
+    StorageTimeoutError,
+)
 from fdplug.plugins.storage_fs import make_file_storage, make_http_storage
 from fdplug.plugins.storage_fs.file_storage import FileStorage
 from fdplug.plugins.storage_fs.http_storage import HttpStorage

@@ -11,14 +11,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fdplug.core.demo import ensure_demo_model
 from fdplug.core.model.tokenizer import Tokenizer
+from fdplug.demo.random_model import ensure_random_model
 from fdplug.errors import InvalidRequestError, ModelLoadError
 
 
 @pytest.fixture(scope="module")
 def demo_dir(tmp_path_factory) -> Path:
-    return ensure_demo_model(tmp_path_factory.mktemp("demo"))
+    return ensure_random_model(tmp_path_factory.mktemp("demo"))
 
 
 @pytest.fixture(scope="module")

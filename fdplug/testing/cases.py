@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fdplug.core.attention import AttentionMetadata, causal_key_end
+from fdplug.plugin_api.attention import AttentionMetadata, causal_key_end, cdiv
 
 
 @dataclass(slots=True)
@@ -91,7 +91,7 @@ def case_steps(case: AttentionCase) -> tuple[int, list[AttentionMetadata]]:
     """
     rng = np.random.default_rng(case.seed)
     bs = case.block_size
-    per_seq = [-(-(s.context + s.query) // bs) for s in case.seqs]
+    per_seq = [cdiv(s.context + s.query, bs) for s in case.seqs]
     ids = rng.permutation(np.arange(1, sum(per_seq) + 1))
     width = max(per_seq)
     tables = np.zeros((len(case.seqs), width), dtype=np.int64)
@@ -200,7 +200,7 @@ def moe_case_arrays(case: MoECase) -> dict[str, np.ndarray]:
 def run_moe(backend, case: MoECase, place: str = "cpu") -> np.ndarray:
     import paddle
 
-    from fdplug.core.moe import ExpertWeights
+    from fdplug.plugin_api.moe import ExpertWeights
 
     arrays = moe_case_arrays(case)
     previous = paddle.get_device()

@@ -18,7 +18,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def _components_for(config: pytest.Config, role: str) -> list[str]:
-    from fdplug.core.plugins import load_plugins
+    from fdplug.core.plugin_loading.loader import load_plugins
 
     device = config.getoption("--fdplug-device")
     registry = load_plugins().registry
@@ -45,21 +45,21 @@ def fdplug_atol(request: pytest.FixtureRequest) -> float:
 
 @pytest.fixture(scope="session")
 def fdplug_plugin_set():
-    from fdplug.core.plugins import load_plugins
+    from fdplug.core.plugin_loading.loader import load_plugins
 
     return load_plugins()
 
 
 @pytest.fixture(scope="session")
-def fdplug_backend(fdplug_device: str, fdplug_plugin_set):
-    """The backend selected for the device under test; the device must be available here."""
-    from fdplug.core.selection import select_backend
+def fdplug_selection(fdplug_device: str, fdplug_plugin_set):
+    """The selection selected for the device under test; the device must be available here."""
+    from fdplug.core.plugin_loading.selection import select_components
 
-    backend = select_backend(fdplug_device, plugins=fdplug_plugin_set)
-    backend.device.setup and backend.device.setup()
-    return backend
+    selection = select_components(fdplug_device, plugins=fdplug_plugin_set)
+    selection.device.setup and selection.device.setup()
+    return selection
 
 
 @pytest.fixture(scope="session")
-def fdplug_place(fdplug_backend) -> str:
-    return fdplug_backend.device.paddle_place_name(0)
+def fdplug_place(fdplug_selection) -> str:
+    return fdplug_selection.device.paddle_place_name(0)

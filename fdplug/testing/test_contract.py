@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from fdplug.core.selection import run_probe
-from fdplug.core.specs import DeviceSpec, Probe
+from fdplug.core.plugin_loading.selection import run_probe
+from fdplug.plugin_api.specs import DeviceSpec, Probe
 
 
 def test_device_is_registered_by_a_loaded_plugin(fdplug_device, fdplug_plugin_set):
@@ -31,18 +31,18 @@ def test_unavailable_probes_say_how_to_fix(fdplug_plugin_set):
             assert probe.fix.strip(), f"device {entry.spec.name!r} is unavailable ({probe.reason}) without a fix"
 
 
-def test_selection_picks_the_device_and_round_trips(fdplug_backend, fdplug_device, fdplug_plugin_set):
-    from fdplug.core.selection import select_backend
+def test_selection_picks_the_device_and_round_trips(fdplug_selection, fdplug_device, fdplug_plugin_set):
+    from fdplug.core.plugin_loading.selection import select_components
 
-    assert fdplug_backend.device.name == fdplug_device
-    rebuilt = select_backend(**fdplug_backend.to_names(), plugins=fdplug_plugin_set)
-    assert rebuilt.to_names() == fdplug_backend.to_names()
+    assert fdplug_selection.device.name == fdplug_device
+    rebuilt = select_components(**fdplug_selection.to_names(), plugins=fdplug_plugin_set)
+    assert rebuilt.to_names() == fdplug_selection.to_names()
 
 
-def test_components_build(fdplug_backend):
-    from fdplug.core.attention import AttentionBackend
+def test_components_build(fdplug_selection):
     from fdplug.core.config import EngineConfig
-    from fdplug.core.moe import MoEBackend
+    from fdplug.plugin_api.attention import AttentionBackend
+    from fdplug.plugin_api.moe import MoEBackend
 
-    assert isinstance(fdplug_backend.attention.factory(EngineConfig()), AttentionBackend)
-    assert isinstance(fdplug_backend.moe.factory(EngineConfig()), MoEBackend)
+    assert isinstance(fdplug_selection.attention.factory(EngineConfig()), AttentionBackend)
+    assert isinstance(fdplug_selection.moe.factory(EngineConfig()), MoEBackend)

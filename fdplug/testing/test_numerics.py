@@ -10,15 +10,15 @@ from fdplug.testing.cases import attention_cases, moe_cases, run_attention, run_
 
 
 def _reference(role: str):
-    from fdplug.plugins.cpu.attention import ReferenceAttention
-    from fdplug.plugins.cpu.moe import ReferenceMoE
+    from fdplug.core.portable.attention import ReferenceAttention
+    from fdplug.core.portable.moe import ReferenceMoE
 
     return ReferenceAttention() if role == "attention" else ReferenceMoE()
 
 
 @pytest.mark.parametrize("case", attention_cases(seed=7), ids=lambda c: c.describe())
 def test_attention_matches_cpu_reference(case, attention_backend_name, fdplug_plugin_set, fdplug_place,
-                                         fdplug_atol, fdplug_backend):
+                                         fdplug_atol, fdplug_selection):
     if attention_backend_name is None:
         pytest.fail("no attention backend runs on this device")
     spec = fdplug_plugin_set.registry.get("attention", attention_backend_name).spec
@@ -32,7 +32,7 @@ def test_attention_matches_cpu_reference(case, attention_backend_name, fdplug_pl
 
 @pytest.mark.parametrize("case", moe_cases(seed=3), ids=lambda c: f"T{c.num_tokens}-E{c.num_experts}-k{c.top_k}")
 def test_moe_matches_cpu_reference(case, moe_backend_name, fdplug_plugin_set, fdplug_place, fdplug_atol,
-                                   fdplug_backend):
+                                   fdplug_selection):
     if moe_backend_name is None:
         pytest.fail("no MoE backend runs on this device")
     spec = fdplug_plugin_set.registry.get("moe", moe_backend_name).spec
@@ -41,3 +41,23 @@ def test_moe_matches_cpu_reference(case, moe_backend_name, fdplug_plugin_set, fd
     got = run_moe(spec.factory(EngineConfig()), case, place=fdplug_place)
     expected = run_moe(_reference("moe"), case, place="cpu")
     np.testing.assert_allclose(got, expected, atol=fdplug_atol, rtol=fdplug_atol)
+
+
+@pytest.mark.parametrize("op", ["swiglu", "rms_norm"])
+def test_op_kernels_match_the_portable_ones(op, fdplug_selection, fdplug_place):
+    """The op kernel selected for the device (`fdplug.plugin_api.ops`) against the core's portable one."""
+    import paddle
+
+    from fdplug.core.portable import ops as portable
+
+    kernel = fdplug_selection.ops[op].factory(EngineConfig())
+    rng = np.random.default_rng(5)
+    paddle.set_device(fdplug_place)
+    for rows in (1, 7, 300):
+        x = paddle.to_tensor(rng.standard_normal((rows, 2 * 96), dtype=np.float32))
+        if op == "swiglu":
+            got, expected = kernel(x), portable.swiglu(x)
+        else:
+            weight = paddle.to_tensor(rng.standard_normal(2 * 96, dtype=np.float32))
+            got, expected = kernel(x, weight, 1e-6), portable.rms_norm(x, weight, 1e-6)
+        np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-5, atol=1e-6, err_msg=f"{rows} rows")

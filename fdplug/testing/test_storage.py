@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from fdplug.core.config import EngineConfig
-from fdplug.core.storage import FeatureStorage
 from fdplug.errors import StorageError
+from fdplug.plugin_api.storage import FeatureStorage
 
 
 def test_every_storage_builds_to_the_protocol(fdplug_plugin_set, tmp_path):
@@ -20,8 +20,8 @@ def test_every_storage_builds_to_the_protocol(fdplug_plugin_set, tmp_path):
             storage.close()
 
 
-def test_file_storage_round_trip_in_order(fdplug_backend, tmp_path):
-    spec = fdplug_backend.storages.get("file")
+def test_file_storage_round_trip_in_order(fdplug_selection, tmp_path):
+    spec = fdplug_selection.storages.get("file")
     if spec is None:
         pytest.skip("no storage handles file:// here")
     urls, blobs = [], []

@@ -10,9 +10,14 @@ from __future__ import annotations
 import importlib.util
 
 from fdplug import hookimpl
-from fdplug.core.specs import AttentionBackendSpec, DeviceSpec, MoEBackendSpec, Probe
+from fdplug.plugin_api.specs import (
+    AttentionBackendSpec,
+    DeviceSpec,
+    MoEBackendSpec,
+    Probe,
+)
 
-FDPLUG_API_VERSION = "1.0"
+FDPLUG_API_VERSION = "2.0"
 
 
 def probe() -> Probe:
@@ -27,7 +32,7 @@ class ExampleAttention:
     name = "example_attention"
 
     def __init__(self) -> None:
-        from fdplug.plugins.cpu.attention import ReferenceAttention
+        from fdplug.core.portable.attention import ReferenceAttention
 
         self._impl = ReferenceAttention()
 
@@ -45,7 +50,7 @@ class ExampleMoE:
     name = "example_moe"
 
     def __init__(self) -> None:
-        from fdplug.plugins.cpu.moe import ReferenceMoE
+        from fdplug.core.portable.moe import ReferenceMoE
 
         self._impl = ReferenceMoE()
 

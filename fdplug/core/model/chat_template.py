@@ -36,10 +36,24 @@ from jinja2.runtime import LoopContext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.visitor import NodeTransformer
 
-from fdplug.core.model.template_budget import (MAX_ITEMS, MAX_VALUE, SIZE_CHECKS, SIZED, RenderBudget,
-                                               TemplateBudgetExceeded, brace_format_size, budget_var, check_printable,
-                                               check_width, current, join_size, lenient, percent_format_size,
-                                               power_size, product_size)
+from fdplug.core.model.template_budget import (
+    MAX_ITEMS,
+    MAX_VALUE,
+    SIZE_CHECKS,
+    SIZED,
+    RenderBudget,
+    TemplateBudgetExceeded,
+    brace_format_size,
+    budget_var,
+    check_printable,
+    check_width,
+    current,
+    join_size,
+    lenient,
+    percent_format_size,
+    power_size,
+    product_size,
+)
 from fdplug.errors import InvalidRequestError
 
 # ---------------------------------------------------------------------------------------------------

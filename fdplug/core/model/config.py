@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fdplug.core.multimodal.config import MultimodalConfig
 from fdplug.core.config import ModelTraits
 from fdplug.core.model.rope import RopeConfig, parse_rope
+from fdplug.core.multimodal.config import MultimodalConfig
 from fdplug.errors import ModelLoadError, UnsupportedModelError
 
 

@@ -2,7 +2,8 @@
 
 Per layer a step is a handful of ops: RMSNorm, one fused q/k/v matmul, (Qwen3) one RMSNorm over the
 stacked q and k heads, one RoPE over them, the attention backend, the output projection, RMSNorm,
-one fused gate/up matmul, SwiGLU, the down projection. Tokens of every sequence in the step are flat
+one fused gate/up matmul, SwiGLU, the down projection. RMSNorm and SwiGLU run the op kernels
+chosen at startup (`fdplug.plugin_api.ops`). Tokens of every sequence in the step are flat
 rows; the attention backend (chosen at startup) owns the KV cache layout and the masking.
 """
 
@@ -15,13 +16,21 @@ import paddle.nn.functional as F
 from paddle import nn
 
 from fdplug.core.model.config import ModelConfig
-from fdplug.core.model.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, empty_parameter
+from fdplug.core.model.layers import (
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    SwiGLU,
+    empty_parameter,
+)
+from fdplug.core.portable.ops import PORTABLE
+from fdplug.plugin_api.ops import Kernels
 
 
 class Attention(nn.Layer):
     """GQA self-attention; q/k/v come out of one ``[hidden, (H + 2*KV) * D]`` matmul."""
 
-    def __init__(self, cfg: ModelConfig, attn_backend: Any, dtype: str) -> None:
+    def __init__(self, cfg: ModelConfig, attn_backend: Any, dtype: str, kernels: Kernels) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
@@ -30,7 +39,7 @@ class Attention(nn.Layer):
         self.qkv_proj = Linear(cfg.hidden_size, qkv_out, cfg.attention_bias, dtype)
         self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_proj_bias, dtype)
         # Qwen3: q_norm's weight on each q head, k_norm's on each k head -> one norm for both.
-        self.qk_norm = (RMSNorm([cfg.num_heads + cfg.num_kv_heads, cfg.head_dim], cfg.rms_norm_eps, dtype)
+        self.qk_norm = (RMSNorm([cfg.num_heads + cfg.num_kv_heads, cfg.head_dim], cfg.rms_norm_eps, dtype, kernels)
                         if cfg.qk_norm else None)
 
     def forward(self, x: Any, cos: Any, sin: Any, rope: RotaryEmbedding, kv_cache: tuple[Any, Any],
@@ -48,12 +57,12 @@ class Attention(nn.Layer):
 class DecoderLayer(nn.Layer):
     """Pre-norm transformer block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
 
-    def __init__(self, cfg: ModelConfig, attn_backend: Any, dtype: str) -> None:
+    def __init__(self, cfg: ModelConfig, attn_backend: Any, dtype: str, kernels: Kernels) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, attn_backend, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
+        self.self_attn = Attention(cfg, attn_backend, dtype, kernels)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype, kernels)
 
     def forward(self, x: Any, cos: Any, sin: Any, rope: RotaryEmbedding, kv_cache: tuple[Any, Any],
                 prepared: Any) -> Any:
@@ -69,13 +78,13 @@ class DecoderForCausalLM(nn.Layer):
     """
 
     def __init__(self, cfg: ModelConfig, attn_backend: Any, dtype: str = "float32",
-                 max_positions: int | None = None) -> None:
+                 max_positions: int | None = None, kernels: Kernels = PORTABLE) -> None:
         super().__init__()
         self.config = cfg
         self.dtype_name = dtype
         self.embed_tokens = empty_parameter([cfg.vocab_size, cfg.hidden_size], dtype)
-        self.layers = nn.LayerList([DecoderLayer(cfg, attn_backend, dtype) for _ in range(cfg.num_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.layers = nn.LayerList([DecoderLayer(cfg, attn_backend, dtype, kernels) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
         # Stored [vocab, hidden] like the embedding, so tying is sharing one tensor.
         self.lm_head = None if cfg.tie_word_embeddings else empty_parameter([cfg.vocab_size, cfg.hidden_size], dtype)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions or cfg.max_position_embeddings, dtype,

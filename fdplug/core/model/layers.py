@@ -15,6 +15,8 @@ import paddle.nn.functional as F
 from paddle import nn
 
 from fdplug.core.model.rope import RopeConfig, cos_sin
+from fdplug.core.portable.ops import PORTABLE
+from fdplug.plugin_api.ops import Kernels
 
 
 def empty_parameter(shape: list[int], dtype: str) -> Any:
@@ -27,21 +29,20 @@ def empty_parameter(shape: list[int], dtype: str) -> Any:
 
 
 class RMSNorm(nn.Layer):
-    """``weight * x / rms(x)``, computed in float32 and cast back before the weight (as HF does).
+    """``weight * x / rms(x)`` through the selected ``rms_norm`` kernel (`fdplug.plugin_api.ops`).
 
     ``shape`` may have a leading head axis (``[heads, head_dim]``): Qwen3's q/k norms share one
     weight per head, and stacking the q and k weights lets a single norm serve both.
     """
 
-    def __init__(self, shape: int | list[int], eps: float, dtype: str) -> None:
+    def __init__(self, shape: int | list[int], eps: float, dtype: str, kernels: Kernels = PORTABLE) -> None:
         super().__init__()
         self.eps = eps
         self.weight = empty_parameter([shape] if isinstance(shape, int) else list(shape), dtype)
+        self.kernel = kernels.rms_norm
 
     def forward(self, x: Any) -> Any:
-        h = x if x.dtype == paddle.float32 else x.astype("float32")
-        h = h * paddle.rsqrt((h * h).mean(axis=-1, keepdim=True) + self.eps)
-        return self.weight * (h if h.dtype == x.dtype else h.astype(x.dtype))
+        return self.kernel(x, self.weight, self.eps)
 
 
 class Linear(nn.Layer):
@@ -59,15 +60,15 @@ class Linear(nn.Layer):
 class SwiGLU(nn.Layer):
     """``down(silu(gate(x)) * up(x))`` with gate and up fused into one ``[hidden, 2*inter]`` matmul.
 
-    ``activation`` maps ``[..., 2*inter]`` to ``silu(first half) * second half`` (``F.swiglu``'s
-    contract); a device's model runner may install a faster kernel there after loading.
+    ``activation`` is the selected ``swiglu`` kernel: ``[..., 2*inter]`` to ``silu(first half) *
+    second half`` (`fdplug.plugin_api.ops`).
     """
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool, dtype: str) -> None:
+    def __init__(self, hidden: int, intermediate: int, bias: bool, dtype: str, kernels: Kernels = PORTABLE) -> None:
         super().__init__()
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias, dtype)
         self.down_proj = Linear(intermediate, hidden, bias, dtype)
-        self.activation: Callable[[Any], Any] = F.swiglu
+        self.activation: Callable[[Any], Any] = kernels.swiglu
 
     def forward(self, x: Any) -> Any:
         return self.down_proj(self.activation(self.gate_up_proj(x)))

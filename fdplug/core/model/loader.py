@@ -23,7 +23,9 @@ import paddle
 
 from fdplug.core.model.config import _DIR_FIX, ModelConfig
 from fdplug.core.model.decoder import DecoderForCausalLM
+from fdplug.core.portable.ops import PORTABLE
 from fdplug.errors import ModelLoadError, WeightMismatchError
+from fdplug.plugin_api.ops import Kernels
 
 logger = logging.getLogger("fdplug")
 
@@ -55,7 +57,8 @@ class Slot:
 
 
 def load_model(model_dir: str | Path, attn_backend: Any, dtype: str = "float32", *,
-               max_positions: int | None = None, show_progress: bool = True) -> tuple[DecoderForCausalLM, ModelConfig]:
+               max_positions: int | None = None, show_progress: bool = True,
+               kernels: Kernels = PORTABLE) -> tuple[DecoderForCausalLM, ModelConfig]:
     """Build the decoder for ``model_dir``'s config and fill it from its safetensors files.
 
     ``dtype`` is the compute dtype (float32 on CPU); checkpoint tensors are cast to it.
@@ -64,7 +67,7 @@ def load_model(model_dir: str | Path, attn_backend: Any, dtype: str = "float32",
     started = time.perf_counter()
     cfg = ModelConfig.from_dir(model_dir)
     files = weight_files(model_dir)
-    model = DecoderForCausalLM(cfg, attn_backend, dtype=dtype, max_positions=max_positions)
+    model = DecoderForCausalLM(cfg, attn_backend, dtype=dtype, max_positions=max_positions, kernels=kernels)
     load_weights(model, cfg, files, show_progress=show_progress)
     logger.info("loaded %s (%s, %d layers) from %d file(s) as %s in %.1f s", model_dir, cfg.architecture,
                 cfg.num_layers, len(files), dtype, time.perf_counter() - started)

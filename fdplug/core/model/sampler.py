@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from fdplug.core.paddle_utils import import_paddle
+from fdplug.plugin_api.paddle import import_paddle
 
 paddle = import_paddle()
 

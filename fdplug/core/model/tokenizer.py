@@ -17,7 +17,11 @@ from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from fdplug.core.model.chat_messages import ContentPartHandler, check_dicts, normalize_messages
+from fdplug.core.model.chat_messages import (
+    ContentPartHandler,
+    check_dicts,
+    normalize_messages,
+)
 from fdplug.core.model.chat_template import render_template
 from fdplug.errors import InvalidRequestError, ModelLoadError
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from fdplug.errors import InvalidRequestError
+from fdplug.plugin_api.attention import cdiv
 
 Span = tuple[int, int]
 
@@ -123,7 +124,7 @@ def _plan_segment(spans: Sequence[Span], a: int, b: int, budget: int, ends: list
     feasibility is monotone in the cap: binary search the cap between ceil(L / k_min) and budget.
     """
     k_min = _greedy(spans, a, b, budget)
-    lo, hi = -(-(b - a) // k_min), budget
+    lo, hi = cdiv(b - a, k_min), budget
     while lo < hi:
         mid = (lo + hi) // 2
         if _greedy(spans, a, b, mid, limit=k_min) <= k_min:

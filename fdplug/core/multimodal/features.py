@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from fdplug.core.config import env
+from fdplug.core.settings import env
 from fdplug.errors import FeatureFormatError
 
 NPY_MAGIC = b"\x93NUMPY"

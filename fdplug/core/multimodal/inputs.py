@@ -13,8 +13,8 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from fdplug.core.engine.request import MMPlaceholder
 from fdplug.core.multimodal.config import MultimodalConfig
-from fdplug.core.request import MMPlaceholder
 from fdplug.errors import InvalidRequestError
 
 MODALITIES = ("image", "video")

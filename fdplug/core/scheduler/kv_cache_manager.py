@@ -17,9 +17,15 @@ import hashlib
 import struct
 from typing import Sequence
 
+from fdplug.core.engine.request import Request
 from fdplug.core.multimodal.chunking import cut_back_hit
-from fdplug.core.request import Request
-from fdplug.core.scheduler.block_pool import BlockHash, BlockPool, KVCacheBlock, PrefixCacheStats
+from fdplug.core.scheduler.block_pool import (
+    BlockHash,
+    BlockPool,
+    KVCacheBlock,
+    PrefixCacheStats,
+)
+from fdplug.plugin_api.attention import cdiv
 
 HASH_VERSION = b"fdplug-kv-block-v1"
 ROOT_PARENT_HASH: BlockHash = hashlib.sha256(HASH_VERSION + b"/root").digest()
@@ -92,8 +98,6 @@ def update_block_hashes(request: Request, block_size: int) -> list[BlockHash]:
 # ---------------------------------------------------------------------------------------------------
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class KVCacheManager:

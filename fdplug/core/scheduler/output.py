@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from fdplug.core.request import MMPlaceholder, Request, SamplingParams
+from fdplug.core.engine.request import MMPlaceholder, Request, SamplingParams
 
 
 @dataclass(slots=True)

@@ -19,13 +19,23 @@ from __future__ import annotations
 from collections import deque
 from typing import Iterable
 
+from fdplug.core.engine.request import Request, RequestStatus
 from fdplug.core.multimodal.chunking import check_admission, legal_end, plan_chunks
-from fdplug.core.request import Request, RequestStatus
 from fdplug.core.scheduler.config import SchedulerConfig
 from fdplug.core.scheduler.kv_cache_manager import KVCacheManager
-from fdplug.core.scheduler.output import (CachedRequestData, EngineCoreOutput, NewRequestData,
-                                          SchedulerOutput, SchedulerStats)
-from fdplug.errors import EngineRequestError, InvalidRequestError, QueueFullError, error_to_dict
+from fdplug.core.scheduler.output import (
+    CachedRequestData,
+    EngineCoreOutput,
+    NewRequestData,
+    SchedulerOutput,
+    SchedulerStats,
+)
+from fdplug.errors import (
+    EngineRequestError,
+    InvalidRequestError,
+    QueueFullError,
+    error_to_dict,
+)
 
 
 class Scheduler:

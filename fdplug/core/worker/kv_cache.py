@@ -2,37 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from fdplug.core.config import EngineConfig
 from fdplug.errors import ConfigError
+from fdplug.plugin_api.attention import cdiv
+from fdplug.plugin_api.model_runner import GIB, KVCachePlan, format_bytes
 
-GIB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-@dataclass(frozen=True, slots=True)
-class KVCachePlan:
-    num_blocks: int          # includes the null block 0
-    block_size: int
-    bytes_per_block: int
-
-    @property
-    def num_tokens(self) -> int:
-        return (self.num_blocks - 1) * self.block_size
-
-    @property
-    def total_bytes(self) -> int:
-        return self.num_blocks * self.bytes_per_block
-
-    def describe(self) -> str:
-        return (f"{self.num_blocks - 1} blocks x {self.block_size} tokens = {self.num_tokens} tokens, "
-                f"{format_bytes(self.total_bytes)}")
-
-
-def format_bytes(n: float) -> str:
-    return f"{n / GIB:.2f} GiB" if n >= GIB / 10 else f"{n / (1 << 20):.1f} MiB"
 
 
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: str) -> int:
@@ -47,7 +24,7 @@ def plan_kv_cache(config: EngineConfig, per_block: int, max_model_len: int, free
     ``num_kv_blocks`` wins if given; otherwise ``kv_cache_memory`` GiB (default 2), capped at what
     ``max_num_seqs`` requests of ``max_model_len`` tokens can use at once (more could never be used).
     """
-    blocks_per_seq = -(-max_model_len // config.block_size)
+    blocks_per_seq = cdiv(max_model_len, config.block_size)
     if config.num_kv_blocks is not None:
         blocks = config.num_kv_blocks
     else:

@@ -1,4 +1,4 @@
-"""The device-agnostic model runner: one step of the scheduler's plan on the selected backend.
+"""The device-agnostic model runner: one step of the scheduler's plan on the selected selection.
 
 Per step: apply the scheduler's changes to the persistent ``InputBatch``, build the flattened
 inputs and the attention metadata with numpy (no Python loop over tokens), run the model once,
@@ -8,29 +8,26 @@ compute logits only for the rows that sample, sample, and record the sampled tok
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 
-from fdplug.core.attention import AttentionMetadata
 from fdplug.core.config import EngineConfig
 from fdplug.core.model.sampler import Sampler, penalty_tokens, record_tokens
-from fdplug.core.paddle_utils import import_paddle
 from fdplug.core.scheduler.output import NewRequestData, SchedulerOutput
-from fdplug.core.step_recovery import RequestStepError
 from fdplug.core.worker.input_batch import InputBatch
-from fdplug.core.worker.kv_cache import KVCachePlan, allocate_kv_caches, bytes_per_block, plan_kv_cache
-from fdplug.core.worker.sampling import sampling_metadata, sampled_logprobs
-
-
-@dataclass(slots=True)
-class ModelRunnerOutput:
-    """Sampled tokens per request (only requests that sampled), logprobs, and phase timings."""
-
-    sampled_token_ids: dict[str, list[int]]
-    logprobs: dict[str, tuple[list[int], list[float], list[int]]] = field(default_factory=dict)
-    timings: dict[str, float] = field(default_factory=dict)
+from fdplug.core.worker.kv_cache import (
+    allocate_kv_caches,
+    bytes_per_block,
+    plan_kv_cache,
+)
+from fdplug.core.worker.sampling import sampled_logprobs, sampling_metadata
+from fdplug.errors import RequestStepError
+from fdplug.plugin_api.attention import AttentionMetadata, cdiv
+from fdplug.plugin_api.model_runner import KVCachePlan, ModelInfo, ModelRunnerOutput
+from fdplug.plugin_api.ops import Kernels
+from fdplug.plugin_api.paddle import import_paddle
+from fdplug.plugin_api.selection import Selection
 
 
 @dataclass(slots=True)
@@ -48,30 +45,32 @@ class StepInputs:
 
 
 class ModelRunner:
-    """Owns the model, the KV caches and the input batch of one device."""
+    """Owns the model, the KV caches and the input batch of one device (`fdplug.plugin_api.model_runner`)."""
 
-    def __init__(self, config: EngineConfig, backend: Any) -> None:
+    def __init__(self, config: EngineConfig, selection: Selection) -> None:
         self.config = config
-        self.backend = backend
+        self.selection = selection
         self.paddle = import_paddle()
-        self.place = backend.device.paddle_place_name(0)
+        self.place = selection.device.paddle_place_name(0)
 
     # -- setup ------------------------------------------------------------------------------------
 
-    def load_model(self) -> None:
+    def load_model(self) -> ModelInfo:
         from fdplug.core.model.loader import load_model
 
         self.paddle.set_device(self.place)
-        self.attn_backend = self.backend.attention.factory(self.config)
+        self.attn_backend = self.selection.attention.factory(self.config)
+        kernels = Kernels(**{op: spec.factory(self.config) for op, spec in self.selection.ops.items()})
         self.model, self.model_config = load_model(self.config.model_dir, self.attn_backend, dtype=self.config.dtype,
-                                                   max_positions=self.config.max_model_len)
+                                                   max_positions=self.config.max_model_len, kernels=kernels)
         self.model.eval()
         self.model_bytes = sum(int(np.prod(p.shape)) * p.element_size() for p in self.model.parameters())
+        return ModelInfo(self.model_config.vocab_size, self.model_config.hidden_size, self.model_bytes)
 
     def initialize_kv_cache(self) -> KVCachePlan:
         cfg, config = self.model_config, self.config
         per_block = bytes_per_block(cfg.num_layers, config.block_size, cfg.num_kv_heads, cfg.head_dim, config.dtype)
-        free = self.backend.device.free_memory(0) if self.backend.device.free_memory else None
+        free = self.selection.device.free_memory(0) if self.selection.device.free_memory else None
         plan = plan_kv_cache(config, per_block, config.max_model_len, free, self.model_bytes)
         self.kv_caches = allocate_kv_caches(self.attn_backend, plan, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                                             config.dtype)
@@ -145,7 +144,7 @@ class ModelRunner:
 
     def _new_batch(self) -> InputBatch:
         config = self.config
-        return InputBatch(config.max_num_seqs, config.max_model_len, -(-config.max_model_len // config.block_size))
+        return InputBatch(config.max_num_seqs, config.max_model_len, cdiv(config.max_model_len, config.block_size))
 
     def _add_request(self, new: NewRequestData) -> None:
         """Every value of the slot computed first, then one all-or-nothing ``InputBatch.add``."""

@@ -6,9 +6,10 @@ import ctypes
 import os
 from types import MappingProxyType
 
-from fdplug.core.config import env, env_is_set
-from fdplug.core.paddle_utils import INSTALL_FIX, import_paddle, paddle_installed
-from fdplug.core.specs import Probe
+from fdplug.plugin_api.paddle import INSTALL_FIX, import_paddle, paddle_installed
+from fdplug.plugin_api.settings import OMP_NUM_THREADS
+from fdplug.plugin_api.specs import Probe
+from fdplug.plugins.cpu import settings
 
 
 def usable_cores() -> int:
@@ -21,7 +22,7 @@ def usable_cores() -> int:
 
 def cpu_threads() -> int:
     """Threads CPU compute will use: FDPLUG_CPU_THREADS, else a user's OMP_NUM_THREADS, else every usable core."""
-    return env("FDPLUG_CPU_THREADS") or env("OMP_NUM_THREADS") or usable_cores()
+    return settings.CPU_THREADS.value() or OMP_NUM_THREADS.value() or usable_cores()
 
 
 def is_amd_cpu() -> bool:
@@ -53,15 +54,15 @@ def setup() -> None:
     200 ms, taking the cores the compiled attention kernel's threads need (measured: decode step at
     64 sequences 163 -> 126 ms; the matmuls were not slower).
     """
-    if env("FDPLUG_CPU_MALLOC_TUNING"):
+    if settings.CPU_MALLOC_TUNING.value():
         keep_freed_memory()
-    if is_amd_cpu() and not env_is_set("MKL_DEBUG_CPU_TYPE"):
+    if is_amd_cpu() and not settings.MKL_DEBUG_CPU_TYPE.is_set():
         os.environ["MKL_DEBUG_CPU_TYPE"] = "5"
-    if not env_is_set("KMP_BLOCKTIME"):
+    if not settings.KMP_BLOCKTIME.is_set():
         os.environ["KMP_BLOCKTIME"] = "0"  # read when the OpenMP runtime starts...
         _set_openmp_blocktime(0)            # ...which paddle ops before this call may already have done
     threads = cpu_threads()
-    if not env_is_set("OMP_NUM_THREADS"):
+    if not OMP_NUM_THREADS.is_set():
         os.environ["OMP_NUM_THREADS"] = str(threads)
     import_paddle().base.core.set_num_threads(threads)
 

@@ -29,8 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from fdplug.core.config import env
 from fdplug.errors import ConfigError
+from fdplug.plugin_api.settings import cache_dir
+from fdplug.plugins.cpu import settings
 
 logger = logging.getLogger("fdplug")
 
@@ -47,12 +48,12 @@ class KernelsUnavailable(RuntimeError):
 
 
 def mode() -> str:
-    return env("FDPLUG_CPU_KERNELS")
+    return settings.CPU_KERNELS.value()
 
 
 def compiler() -> list[str] | None:
     """``$CC`` (split like a shell would), else the first of cc, gcc, clang on PATH."""
-    configured = env("CC")
+    configured = settings.CC.value()
     if configured:
         return shlex.split(configured)
     found = next((shutil.which(name) for name in ("cc", "gcc", "clang") if shutil.which(name)), None)
@@ -75,13 +76,11 @@ def _cpu_fingerprint() -> str:
 
 
 def library_path(cc: list[str]) -> Path:
-    from fdplug.core.demo import default_cache_root
-
     key = hashlib.sha256()
     for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), " ".join(cc).encode(), _cpu_fingerprint().encode()):
         key.update(part)
         key.update(b"\0")
-    return default_cache_root() / "kernels" / f"cpu_kernels-{platform.machine()}-{key.hexdigest()[:16]}.so"
+    return cache_dir() / "kernels" / f"cpu_kernels-{platform.machine()}-{key.hexdigest()[:16]}.so"
 
 
 def build(cc: list[str], target: Path) -> None:

@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from fdplug.core.attention import AttentionMetadata
+from fdplug.core.portable.attention import ReferenceAttention, _Prepared
+from fdplug.plugin_api.attention import AttentionMetadata, cdiv
 from fdplug.plugins.cpu import kernels
-from fdplug.plugins.cpu.attention import ReferenceAttention, _Prepared
 
 
 @dataclass(slots=True)
@@ -43,7 +43,7 @@ class NativeCpuAttention(ReferenceAttention):
             return super().build_group(meta, seqs, piece)
         rows = meta.query_start_loc[seqs]
         key_end = meta.key_end[rows]
-        blocks = -(-int(key_end.max()) // meta.block_size)
+        blocks = cdiv(int(key_end.max()), meta.block_size)
         if key_end.min() < 1 or blocks > meta.block_tables.shape[1]:
             raise ValueError(f"attention metadata: key_end must be in [1, {meta.block_tables.shape[1]} blocks], "
                              f"got {int(key_end.min())}..{int(key_end.max())}")

@@ -1,16 +1,16 @@
 """Built-in ``cuda`` plugin: NVIDIA GPUs through paddlepaddle-gpu.
 
-Only the device for now: on a GPU the portable reference components (cpu plugin) run through
+Only the device for now: on a GPU the core's portable components run through
 paddle's CUDA kernels; fused CUDA attention/MoE backends register here later with a higher priority.
 """
 
 from __future__ import annotations
 
-from fdplug.core.device_probe import probe_accelerator
-from fdplug.core.hookspecs import hookimpl
-from fdplug.core.specs import DeviceSpec, Probe
+from fdplug.plugin_api.device_probe import probe_accelerator
+from fdplug.plugin_api.hookspecs import hookimpl
+from fdplug.plugin_api.specs import DeviceSpec, Probe
 
-FDPLUG_API_VERSION = "1.0"
+FDPLUG_API_VERSION = "2.0"
 
 INSTALL_FIX = ("install the CUDA build of paddle for your CUDA version (`pip install 'fdplug[gpu]'`, or "
                "paddlepaddle-gpu from https://www.paddlepaddle.org.cn/install) and uninstall paddlepaddle (CPU build).")

@@ -7,10 +7,10 @@ fetched, and the SDK is imported when the first request is made.
 
 from __future__ import annotations
 
-from fdplug.core.hookspecs import hookimpl
-from fdplug.core.specs import FeatureStorageSpec
+from fdplug.plugin_api.hookspecs import hookimpl
+from fdplug.plugin_api.specs import FeatureStorageSpec
 
-FDPLUG_API_VERSION = "1.0"
+FDPLUG_API_VERSION = "2.0"
 
 
 def make_storage(config):
@@ -28,3 +28,11 @@ def make_storage(config):
 def fdplug_register_feature_storages(register):
     register(FeatureStorageSpec(name="bos", schemes=("bos",), factory=make_storage, priority=0,
                                 description="Baidu Object Storage via bce-python-sdk: parallel, ordered, retried"))
+
+
+@hookimpl
+def fdplug_register_settings(register):
+    from fdplug.plugins.storage_bos.settings import SETTINGS
+
+    for setting in SETTINGS:
+        register(setting)

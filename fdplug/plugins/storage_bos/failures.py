@@ -15,8 +15,12 @@ import socket
 import threading
 from dataclasses import dataclass
 
-from fdplug.errors import (FeatureAccessDeniedError, FeatureNotFoundError, StorageError,
-                           StorageTimeoutError)
+from fdplug.errors import (
+    FeatureAccessDeniedError,
+    FeatureNotFoundError,
+    StorageError,
+    StorageTimeoutError,
+)
 
 THROTTLE_CODES = frozenset({"SlowDown", "RequestRateLimitExceeded", "TooManyRequests"})
 RETRYABLE_KINDS = frozenset({"throttled", "server", "connection", "timeout"})

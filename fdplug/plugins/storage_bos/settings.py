@@ -8,10 +8,38 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-from fdplug.core.config import EngineConfig, env
 from fdplug.errors import ConfigError, FeatureAccessDeniedError
+from fdplug.plugin_api.settings import (
+    Setting,
+    env,
+    parse_positive_float,
+    parse_positive_int,
+)
+
+if TYPE_CHECKING:
+    from fdplug.core.config import EngineConfig
+
+SETTINGS = (
+    Setting("FD_BOS_DOWNLOAD_PARALLEL", 8, parse_positive_int,
+            "Parallel BOS feature downloads per request (1: sequential). FastDeploy's name."),
+    Setting("FDPLUG_BOS_MAX_RETRIES", 3, int,
+            "Retries per BOS feature after a throttling, 5xx or connection error (0: none); never after 403/404."),
+    Setting("FDPLUG_BOS_RETRY_DEADLINE", 60.0, parse_positive_float,
+            "Seconds one BOS feature may spend in retries (backoff included) before it fails."),
+    Setting("FDPLUG_BOS_ENDPOINT", None, str,
+            "BOS endpoint for bos:// features, e.g. bj.bcebos.com (overrides ENCODE_FEATURE_ENDPOINT)."),
+    Setting("FDPLUG_BOS_AK", None, str, "BOS access key id (overrides ENCODE_FEATURE_BOS_AK).", secret=True),
+    Setting("FDPLUG_BOS_SK", None, str, "BOS secret access key (overrides ENCODE_FEATURE_BOS_SK).", secret=True),
+    Setting("FDPLUG_BOS_STS_TOKEN", None, str, "BOS STS session token, with temporary AK/SK.", secret=True),
+    Setting("ENCODE_FEATURE_ENDPOINT", None, str, "BOS endpoint for bos:// features (FastDeploy's name)."),
+    Setting("ENCODE_FEATURE_BOS_AK", None, str, "BOS access key id (FastDeploy's name).", secret=True),
+    Setting("ENCODE_FEATURE_BOS_SK", None, str, "BOS secret access key (FastDeploy's name).", secret=True),
+)
+"""Registered through ``fdplug_register_settings``; read here with ``_setting(name)``."""
+_BY_NAME = {s.name: s for s in SETTINGS}
 
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9-]{1,61}[a-z0-9]$")  # the SDK's rule, checked before any download
 _URL_FIX = "write it as bos://<bucket>/<key>, e.g. bos://my-bucket/features/img_0.npy."
@@ -59,16 +87,20 @@ class BosSettings:
         if missing:
             raise ConfigError(f"bos:// features need BOS settings that are not set: {', '.join(missing)}.",
                               fix="export the endpoint (e.g. bj.bcebos.com) and an AK/SK that can read the bucket.")
-        timeout = config.fetch_timeout if config is not None else env("FDPLUG_FETCH_TIMEOUT")
+        timeout = config.fetch_timeout if config is not None else env("FDPLUG_FETCH_TIMEOUT")  # the core's
         return cls(endpoint=endpoint, access_key=access_key, secret_key=secret_key,
-                   sts_token=env("FDPLUG_BOS_STS_TOKEN") or None, timeout=timeout,
-                   parallel=env("FD_BOS_DOWNLOAD_PARALLEL"), max_retries=env("FDPLUG_BOS_MAX_RETRIES"),
-                   retry_deadline=env("FDPLUG_BOS_RETRY_DEADLINE"))
+                   sts_token=_setting("FDPLUG_BOS_STS_TOKEN") or None, timeout=timeout,
+                   parallel=_setting("FD_BOS_DOWNLOAD_PARALLEL"), max_retries=_setting("FDPLUG_BOS_MAX_RETRIES"),
+                   retry_deadline=_setting("FDPLUG_BOS_RETRY_DEADLINE"))
+
+
+def _setting(name: str):
+    return _BY_NAME[name].value()
 
 
 def _first(*names: str) -> str | None:
     for name in names:
-        value = env(name)
+        value = _setting(name)
         if value:
             return value.strip()
     return None

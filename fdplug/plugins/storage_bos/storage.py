@@ -20,9 +20,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator, Sequence
 
 from fdplug.core.config import EngineConfig
-from fdplug.core.multimodal.fetch import ordered_map
 from fdplug.errors import StorageError, StorageTimeoutError
-from fdplug.plugins.storage_bos.failures import classify, install_log_redaction, to_error
+from fdplug.plugin_api.storage import ordered_map
+from fdplug.plugins.storage_bos.failures import (
+    classify,
+    install_log_redaction,
+    to_error,
+)
 from fdplug.plugins.storage_bos.settings import BosObject, BosSettings, parse_bos_url
 
 logger = logging.getLogger("fdplug.storage.bos")

@@ -8,10 +8,17 @@ everything until the operator allows something. httpx is imported on the first h
 
 from __future__ import annotations
 
-from fdplug.core.hookspecs import hookimpl
-from fdplug.core.specs import FeatureStorageSpec
+from fdplug.plugin_api.hookspecs import hookimpl
+from fdplug.plugin_api.settings import Setting, parse_list, parse_positive_int
+from fdplug.plugin_api.specs import FeatureStorageSpec
 
-FDPLUG_API_VERSION = "1.0"
+FDPLUG_API_VERSION = "2.0"
+
+HTTP_MAX_BYTES = Setting("FDPLUG_HTTP_FEATURE_MAX_BYTES", 256 * 1024 * 1024, parse_positive_int,
+                         "Largest http(s):// feature accepted, in bytes (enforced while streaming).")
+ALLOWED_HOSTS = Setting("FDPLUG_ALLOWED_FEATURE_HOSTS", (), parse_list,
+                        "Comma-separated hosts (host, host:port or *.domain) http(s):// features may come from "
+                        "(default: none).")
 
 
 def make_file_storage(config):
@@ -21,10 +28,9 @@ def make_file_storage(config):
 
 
 def make_http_storage(config):
-    from fdplug.core.config import env
     from fdplug.plugins.storage_fs.http_storage import HttpStorage
 
-    return HttpStorage(env("FDPLUG_ALLOWED_FEATURE_HOSTS"), env("FDPLUG_HTTP_FEATURE_MAX_BYTES"), config.fetch_timeout)
+    return HttpStorage(ALLOWED_HOSTS.value(), HTTP_MAX_BYTES.value(), config.fetch_timeout)
 
 
 @hookimpl
@@ -33,3 +39,9 @@ def fdplug_register_feature_storages(register):
                                 description="local files under FDPLUG_ALLOWED_FEATURE_PATHS"))
     register(FeatureStorageSpec(name="http", schemes=("http", "https"), factory=make_http_storage, priority=0,
                                 description="http(s) from FDPLUG_ALLOWED_FEATURE_HOSTS, size-limited, via httpx"))
+
+
+@hookimpl
+def fdplug_register_settings(register):
+    register(HTTP_MAX_BYTES)
+    register(ALLOWED_HOSTS)

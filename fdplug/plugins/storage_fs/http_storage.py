@@ -15,9 +15,14 @@ import time
 from typing import Any, Iterator, Sequence
 from urllib.parse import urlsplit
 
-from fdplug.core.multimodal.fetch import display_url
-from fdplug.errors import (ConfigError, FeatureAccessDeniedError, FeatureNotFoundError, StorageError,
-                           StorageTimeoutError)
+from fdplug.errors import (
+    ConfigError,
+    FeatureAccessDeniedError,
+    FeatureNotFoundError,
+    StorageError,
+    StorageTimeoutError,
+)
+from fdplug.plugin_api.storage import display_url
 
 _HOSTS_FIX = "allow the host with FDPLUG_ALLOWED_FEATURE_HOSTS=features.example.com (comma-separated; " \
              "host, host:port or *.domain)."

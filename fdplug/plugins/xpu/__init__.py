@@ -6,11 +6,11 @@ kernels, and the multimodal prefix cache is the core's, so it is on here as on e
 
 from __future__ import annotations
 
-from fdplug.core.device_probe import probe_accelerator
-from fdplug.core.hookspecs import hookimpl
-from fdplug.core.specs import DeviceSpec, Probe
+from fdplug.plugin_api.device_probe import probe_accelerator
+from fdplug.plugin_api.hookspecs import hookimpl
+from fdplug.plugin_api.specs import DeviceSpec, Probe
 
-FDPLUG_API_VERSION = "1.0"
+FDPLUG_API_VERSION = "2.0"
 
 INSTALL_FIX = ("install paddle's XPU build (the paddlepaddle-xpu wheel from https://www.paddlepaddle.org.cn/install "
                "matching your XPU runtime) and uninstall the CPU build.")

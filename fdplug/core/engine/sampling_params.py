@@ -1,0 +1,146 @@
+"""How to sample one sequence: ``SamplingParams`` (vLLM's names) and the bounds of every field.
+
+OpenAI/vLLM clients map onto it one to one. The scheduler reads only the stop-related fields
+(``max_tokens``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``); the sampler reads the rest.
+Bounds that depend on the model (``top_k`` and stop token ids within the vocabulary, lengths within
+``max_model_len``) are checked by ``fdplug.core.engine.admission``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from fdplug.errors import InvalidRequestError, show_value
+
+SAMPLING_EPS = 1e-5  # temperatures below this are greedy, as in vLLM
+MAX_LOGPROBS = 20  # OpenAI's limit for top logprobs
+
+# Bounds of every numeric sampling field. Each is honoured end to end: by msgpack between the
+# processes, by the per-slot numpy arrays of the input batch (int64, float32) and by the sampler.
+MAX_N = 128                       # OpenAI's cap on sequences per request
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_COUNT = 2**31 - 1             # token counts and top_k before the model's own limits apply
+MAX_TEMPERATURE = 100.0
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 64, 1024
+MAX_STOP_TOKEN_IDS = 1024
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to sample one sequence. ``validate()`` says what is wrong and the allowed range.
+
+    ``top_k`` 0 or -1 means off; ``temperature`` 0 means greedy; ``max_tokens=None`` means "until
+    ``max_model_len``". ``stop`` strings are matched by the detokenizer, not the scheduler.
+    ``n > 1`` is fanned out by the engine into ``n`` requests; the scheduler sees one sequence each.
+    Limits that depend on the model (``top_k`` and stop token ids within the vocabulary, lengths
+    within ``max_model_len``) are checked by ``fdplug.core.engine.admission`` against the running model.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        # OpenAI clients send a single stop string or lists; store tuples so params can be shared.
+        # Anything else is kept as given for validate() to name.
+        if isinstance(self.stop, str):
+            self.stop = (self.stop,)
+        elif self.stop is None:
+            self.stop = ()
+        elif isinstance(self.stop, (list, tuple)):
+            self.stop = tuple(self.stop)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = ()
+        elif isinstance(self.stop_token_ids, (list, tuple)):
+            self.stop_token_ids = tuple(self.stop_token_ids)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < SAMPLING_EPS
+
+    def validate(self) -> "SamplingParams":
+        """Raise InvalidRequestError naming the first bad field (``param``) and its allowed range."""
+        _int_in("n", self.n, 1, MAX_N, f"an integer in [1, {MAX_N}]: fdplug caps sequences per request as OpenAI does")
+        _real_in("temperature", self.temperature, 0.0, MAX_TEMPERATURE, f"[0, {MAX_TEMPERATURE:g}]; 0 means greedy")
+        _real_in("top_p", self.top_p, 0.0, 1.0, "(0, 1]", low_open=True)
+        if self.top_k not in (-1, 0):
+            _int_in("top_k", self.top_k, 1, MAX_COUNT, "-1 or 0 (off), or an integer from 1 to the vocabulary size")
+        _real_in("min_p", self.min_p, 0.0, 1.0, "[0, 1]")
+        if self.seed is not None:
+            _int_in("seed", self.seed, INT64_MIN, INT64_MAX,
+                    f"null or a 64-bit signed integer [{INT64_MIN}, {INT64_MAX}]")
+        _real_in("presence_penalty", self.presence_penalty, -2.0, 2.0, "[-2, 2]")
+        _real_in("frequency_penalty", self.frequency_penalty, -2.0, 2.0, "[-2, 2]")
+        _real_in("repetition_penalty", self.repetition_penalty, MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY,
+                 f"[{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}]; 1 is off")
+        if self.max_tokens is not None:
+            _int_in("max_tokens", self.max_tokens, 1, MAX_COUNT, "null or an integer >= 1 (at most max_model_len)")
+        _int_in("min_tokens", self.min_tokens, 0, MAX_COUNT, "an integer >= 0 (at most max_tokens)")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens ({self.min_tokens}) is greater than max_tokens ({self.max_tokens}).",
+                fix="make min_tokens <= max_tokens.", param="min_tokens")
+        self._validate_stops()
+        for flag in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, flag), bool):
+                raise InvalidRequestError(f"{flag} must be true or false, got {show_value(getattr(self, flag))}.",
+                                          fix=f"pass {flag} as a boolean.", param=flag)
+        if self.logprobs is not None:
+            _int_in("logprobs", self.logprobs, 0, MAX_LOGPROBS, f"null or an integer in [0, {MAX_LOGPROBS}]")
+        return self
+
+    def _validate_stops(self) -> None:
+        if not isinstance(self.stop, tuple) or len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequestError(f"stop must be a string or a list of at most {MAX_STOP_STRINGS} strings.",
+                                      fix="send fewer stop strings.", param="stop")
+        for s in self.stop:
+            if not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_CHARS:
+                raise InvalidRequestError(f"stop strings must be non-empty strings of at most {MAX_STOP_CHARS} "
+                                          f"characters, got {show_value(s)} in it.",
+                                          fix="remove empty, long or non-string stop entries.", param="stop")
+        if not isinstance(self.stop_token_ids, tuple) or len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError(f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids.",
+                                      fix="send fewer stop token ids.", param="stop_token_ids")
+        for t in self.stop_token_ids:
+            _int_in("stop_token_ids", t, 0, MAX_COUNT, "a list of token ids of this model's vocabulary")
+
+
+def child_seed(seed: int | None, index: int) -> int | None:
+    """Sequence ``index`` of an ``n > 1`` request uses ``seed + index``, wrapped to stay a signed
+    64-bit integer (the largest seed's children must not overflow)."""
+    if seed is None:
+        return None
+    return (seed + index - INT64_MIN) % 2**64 + INT64_MIN
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int_in(name: str, value: object, low: int, high: int, allowed: str) -> None:
+    if not _is_int(value) or not low <= value <= high:
+        raise InvalidRequestError(f"{name} must be {allowed}, got {show_value(value)}.",
+                                  fix=f"pass {name} as {allowed}.", param=name)
+
+
+def _real_in(name: str, value: object, low: float, high: float, shown: str, *, low_open: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (value > low if low_open else value >= low) and value <= high
+    if not ok:
+        raise InvalidRequestError(f"{name} must be in {shown}, got {show_value(value)}.",
+                                  fix=f"pass a {name} in {shown}.", param=name)

@@ -1,0 +1,73 @@
+"""The portable components: plain Paddle, registered by the core for every device.
+
+A device plugin that registers nothing but a device gets a working engine from these: the model
+runner (`fdplug.core.worker.model_runner`), the reference attention (`attention`), the reference
+MoE (`moe`) and one kernel per op of `fdplug.plugin_api.ops` (`ops`). They are correct anywhere
+and fast nowhere in particular: a device plugin registers faster ones with a higher priority.
+The plugin loader registers this module first, as the plugin ``core``, which cannot be disabled.
+"""
+
+from __future__ import annotations
+
+from fdplug.plugin_api.hookspecs import API_VERSION, hookimpl
+from fdplug.plugin_api.specs import (
+    ANY_DEVICE,
+    AttentionBackendSpec,
+    ModelRunnerSpec,
+    MoEBackendSpec,
+    OpSpec,
+)
+
+FDPLUG_API_VERSION = API_VERSION
+
+
+def _runner_factory(config, selection):
+    from fdplug.core.worker.model_runner import ModelRunner
+
+    return ModelRunner(config, selection)
+
+
+def _attention_factory(config):
+    from fdplug.core.portable.attention import ReferenceAttention
+
+    return ReferenceAttention()
+
+
+def _moe_factory(config):
+    from fdplug.core.portable.moe import ReferenceMoE
+
+    return ReferenceMoE()
+
+
+def _op_factory(op: str):
+    def factory(config):
+        from fdplug.core.portable import ops
+
+        return getattr(ops, op)
+    return factory
+
+
+@hookimpl
+def fdplug_register_model_runners(register):
+    register(ModelRunnerSpec(name="default", devices=(ANY_DEVICE,), factory=_runner_factory, priority=0,
+                             description="the core's device-agnostic Paddle model runner"))
+
+
+@hookimpl
+def fdplug_register_attention_backends(register):
+    register(AttentionBackendSpec(name="reference", devices=(ANY_DEVICE,), factory=_attention_factory, priority=0,
+                                  description="plain Paddle matmuls over the paged cache, masks from the mask spec"))
+
+
+@hookimpl
+def fdplug_register_moe_backends(register):
+    register(MoEBackendSpec(name="reference", devices=(ANY_DEVICE,), factory=_moe_factory, priority=0,
+                            weight_formats=("none",), description="softmax top-k routing, a loop over experts"))
+
+
+@hookimpl
+def fdplug_register_ops(register):
+    register(OpSpec(name="paddle_swiglu", op="swiglu", devices=(ANY_DEVICE,), factory=_op_factory("swiglu"),
+                    description="paddle.nn.functional.swiglu"))
+    register(OpSpec(name="paddle_rms_norm", op="rms_norm", devices=(ANY_DEVICE,), factory=_op_factory("rms_norm"),
+                    description="float32 mean of squares, rsqrt, weight (four Paddle ops)"))

@@ -1,0 +1,52 @@
+"""Reference MoE: softmax top-k routing and a loop over the experts that received tokens.
+
+Plain Paddle ops, so it runs on every device; it is the numerics reference the conformance kit
+checks other MoE backends against, not a fast path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import paddle
+import paddle.nn.functional as F
+
+from fdplug.errors import ConfigError
+from fdplug.plugin_api.moe import ExpertWeights, select_experts
+
+
+@dataclass(slots=True)
+class _Layer:
+    gate: Any   # [E, H, I]: transposed once so the hot path is x @ W
+    up: Any     # [E, H, I]
+    down: Any   # [E, I, H]
+
+
+class ReferenceMoE:
+    name = "reference"
+
+    def load_weights(self, weights: ExpertWeights) -> _Layer:
+        if weights.format != "none":
+            raise ConfigError(f"the reference MoE backend runs plain float experts, not {weights.format!r}.",
+                              fix="select a MoE backend that executes this format (`fdplug explain --moe ...`).")
+        return _Layer(weights.gate.transpose([0, 2, 1]), weights.up.transpose([0, 2, 1]),
+                      weights.down.transpose([0, 2, 1]))
+
+    def forward(self, hidden: Any, router_logits: Any, layer: _Layer, top_k: int, renormalize: bool) -> Any:
+        routing_weights, expert_ids = select_experts(router_logits, top_k, renormalize)
+        flat_ids = expert_ids.numpy().reshape(-1)
+        order = np.argsort(flat_ids, kind="stable")            # assignments grouped by expert
+        experts, first = np.unique(flat_ids[order], return_index=True)
+        bounds = np.append(first, len(order))
+        flat_weights = routing_weights.reshape([-1]).astype(hidden.dtype)
+        out = paddle.zeros_like(hidden)
+        for e, lo, hi in zip(experts, bounds[:-1], bounds[1:]):
+            assignments = order[lo:hi]
+            tokens = paddle.to_tensor(assignments // top_k)
+            x = paddle.gather(hidden, tokens)
+            h = F.silu(x @ layer.gate[int(e)]) * (x @ layer.up[int(e)])
+            y = (h @ layer.down[int(e)]) * paddle.gather(flat_weights, paddle.to_tensor(assignments)).unsqueeze(-1)
+            out = paddle.index_add(out, tokens, 0, y)
+        return out

@@ -1,0 +1,36 @@
+"""The core's environment variables (the server's are in `fdplug.server.settings`, each plugin
+registers its own through ``fdplug_register_settings``). Read them with ``env(name)``."""
+
+from __future__ import annotations
+
+from fdplug.plugin_api.settings import (
+    Setting,
+    declare,
+    env,
+    env_is_set,
+    parse_bool,
+    parse_list,
+    parse_paths,
+    parse_positive_float,
+    parse_positive_int,
+)
+
+__all__ = ["env", "env_is_set"]
+
+for _setting in (
+    Setting("FDPLUG_PLUGINS", None, parse_list,
+            "Comma-separated allow-list of third-party plugins to load (unset: all installed)."),
+    Setting("FDPLUG_DISABLE_PLUGINS", (), parse_list,
+            "Comma-separated deny-list of plugins (built-ins included) not to load."),
+    Setting("FDPLUG_STRICT_PLUGINS", False, parse_bool,
+            "1: any plugin that fails to import or register is a fatal error."),
+    Setting("FDPLUG_ALLOWED_FEATURE_PATHS", (), parse_paths,
+            "os.pathsep-separated directories that file:// feature URLs may read from (default: none)."),
+    Setting("FDPLUG_ALLOW_PICKLE_FEATURES", False, parse_bool,
+            "1: accept Python pickle features (FastDeploy's format). Trusted sources only."),
+    Setting("FD_PREFILL_PREPARE_REQ_THREAD_NUM", 4, parse_positive_int,
+            "Threads that fetch multimodal features for requests, off the step loop (FastDeploy's name)."),
+    Setting("FDPLUG_FETCH_TIMEOUT", 30.0, parse_positive_float,
+            "Seconds one feature fetch may take before it fails."),
+):
+    declare(_setting)

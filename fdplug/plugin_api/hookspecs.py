@@ -1,0 +1,119 @@
+"""The hooks: what a plugin implements. Read with `fdplug.plugin_api.specs` (what it registers).
+
+A plugin is a module (or object) with functions decorated by ``fdplug.hookimpl`` whose names are
+the hooks below, and a module-level ``FDPLUG_API_VERSION = "2.0"`` naming the API it was written
+for. Registration hooks are called once, when plugins load, with a ``register`` callback that
+accepts one spec object; the core validates what is registered, so a bad registration fails loudly
+and only that plugin is skipped.
+
+Selection happens once at startup (`fdplug.core.plugin_loading.selection`); the hot path calls the
+selected objects directly and never goes through pluggy.
+
+Compatibility: a change that breaks an existing plugin bumps the major of ``API_VERSION``; adding a
+hook or an optional spec field bumps the minor. 2.0: ``fdplug_configure`` and runner factories take
+the `Selection` (was ``backend``); settings and op kernels are registered through hooks.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import pluggy
+
+from fdplug.plugin_api.settings import Setting
+from fdplug.plugin_api.specs import (
+    AttentionBackendSpec,
+    DeviceSpec,
+    FeatureStorageSpec,
+    ModelRunnerSpec,
+    MoEBackendSpec,
+    OpSpec,
+)
+
+if TYPE_CHECKING:
+    from fdplug.core.config import EngineConfig
+    from fdplug.plugin_api.selection import Selection
+
+PROJECT_NAME = "fdplug"
+API_VERSION = "2.0"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+@hookspec
+def fdplug_register_devices(register: Callable[[DeviceSpec], None]) -> None:
+    """Register the kinds of device this plugin drives: ``register(DeviceSpec(...))`` once per device.
+
+    ``probe()`` answers whether the device is usable on this machine and why; it runs when a device
+    is selected or listed, never at registration. With ``--device auto`` the available device with
+    the highest priority wins. A device needs nothing else: the core's portable runner, attention,
+    MoE and op kernels run on every device through Paddle.
+    """
+
+
+@hookspec
+def fdplug_register_model_runners(register: Callable[[ModelRunnerSpec], None]) -> None:
+    """Register model runners (`fdplug.plugin_api.model_runner.ModelRunner`).
+
+    ``factory(config, selection)`` builds the runner. The core registers a portable runner for every
+    device; register your own only when the device needs a different execution model (graphs, a
+    vendor runtime). A faster kernel for one op is an `OpSpec`, not a runner.
+    """
+
+
+@hookspec
+def fdplug_register_attention_backends(register: Callable[[AttentionBackendSpec], None]) -> None:
+    """Register attention backends (`fdplug.plugin_api.attention.AttentionBackend`).
+
+    ``factory(config)`` returns the backend: it chooses the KV cache layout, turns the core's mask
+    spec (per query token, the exclusive end of its visible key range) into its kernel's mask once
+    per step, and computes attention per layer.
+    """
+
+
+@hookspec
+def fdplug_register_moe_backends(register: Callable[[MoEBackendSpec], None]) -> None:
+    """Register mixture-of-experts backends (`fdplug.plugin_api.moe.MoEBackend`).
+
+    ``factory(config)`` returns the backend, which converts expert weights to its layout once at
+    load time and computes routed experts per layer. ``weight_formats`` lists the checkpoint formats
+    it can execute (``none``, ``fp8_block``, ...); selection rejects one that cannot run the model's.
+    """
+
+
+@hookspec
+def fdplug_register_ops(register: Callable[[OpSpec], None]) -> None:
+    """Register faster kernels for single ops of the portable model (`fdplug.plugin_api.ops`).
+
+    ``register(OpSpec(op="swiglu", name=..., devices=(...), factory=..., priority=...))``:
+    ``factory(config)`` returns a callable with the op's contract. The core registers a portable
+    Paddle implementation of every op; the highest-priority one that fits the device wins.
+    """
+
+
+@hookspec
+def fdplug_register_feature_storages(register: Callable[[FeatureStorageSpec], None]) -> None:
+    """Register storages that fetch pre-encoded multimodal features by URL
+    (`fdplug.plugin_api.storage.FeatureStorage`); the highest-priority storage of each scheme wins."""
+
+
+@hookspec
+def fdplug_register_settings(register: Callable[[Setting], None]) -> None:
+    """Register the environment variables this plugin reads (`fdplug.plugin_api.settings.Setting`).
+
+    Read them with ``setting.value()``. Registered settings are listed by ``fdplug doctor`` and must
+    appear in the README's table of variables (checked by a test for built-in plugins).
+    """
+
+
+@hookspec
+def fdplug_configure(config: "EngineConfig", selection: "Selection") -> None:
+    """Validate or adjust the engine config for the selection just made.
+
+    ``config`` is mutable at this point, ``selection`` is not. Act only if one of your components
+    was selected (compare ``selection.device.name`` etc.). Raise `fdplug.errors.ConfigError` with a
+    ``fix=`` when a setting cannot work (for example a block size the kernel does not support).
+
+    Called once, after selection and before the engine is built, in every process that builds one.
+    """

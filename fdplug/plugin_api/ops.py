@@ -1,0 +1,35 @@
+"""Op kernels: the seam for a device plugin that has a faster kernel for one op of the model.
+
+The portable model (`fdplug.core.model`) calls these ops through a `Kernels` table built once at
+startup from the selected `OpSpec` of each op. The core registers a plain-Paddle implementation of
+every op for every device (`fdplug.core.portable.ops`); a device plugin registers its own with a
+higher priority, e.g. the cpu plugin's compiled SwiGLU. No runner subclass, no patching after load.
+
+Contracts (``T`` tokens as rows; inputs are never modified; results in the input's dtype):
+
+``swiglu(x) -> y``
+    ``x [T, 2*I]`` -> ``y [T, I]`` with ``y = silu(x[:, :I]) * x[:, I:]`` (``paddle.nn.functional.swiglu``).
+``rms_norm(x, weight, eps) -> y``
+    ``x [..., D]``, ``weight`` broadcast over the trailing axes of ``x`` -> ``weight * x / rms(x)``,
+    with ``rms`` computed in float32 over the last axis and the result cast back before the weight
+    (as Hugging Face does).
+
+A kernel must agree with the portable implementation to float32 rounding (relative 1e-5); the
+conformance kit (`fdplug.testing`) checks every registered op against it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+OPS: tuple[str, ...] = ("swiglu", "rms_norm")
+"""Every op a plugin may override, in the order `Kernels` lists them."""
+
+
+@dataclass(frozen=True, slots=True)
+class Kernels:
+    """The op implementations the model calls: one callable per name in `OPS`."""
+
+    swiglu: Callable[[Any], Any]
+    rms_norm: Callable[[Any, Any, float], Any]

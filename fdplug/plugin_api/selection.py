@@ -1,0 +1,66 @@
+"""What selection produced: the device and one component per role, with every decision's reason.
+
+Selection itself (the rules) is the core's (`fdplug.core.plugin_loading.selection`); plugins see the
+result in ``fdplug_configure`` and in a runner's factory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from fdplug.plugin_api.specs import (
+    AttentionBackendSpec,
+    DeviceSpec,
+    FeatureStorageSpec,
+    ModelRunnerSpec,
+    MoEBackendSpec,
+    OpSpec,
+    Probe,
+)
+
+COMPONENT_ROLES = ("runner", "attention", "moe")
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Why one candidate was chosen or rejected for a role."""
+
+    role: str
+    name: str
+    plugin: str
+    chosen: bool
+    reason: str
+
+    def line(self) -> str:
+        mark = "chosen  " if self.chosen else "rejected"
+        return f"  {mark} {self.name} (plugin {self.plugin}): {self.reason}"
+
+
+@dataclass(frozen=True, slots=True)
+class Selection:
+    """The selected device and components; the hot path calls these objects directly."""
+
+    device: DeviceSpec
+    probe: Probe
+    runner: ModelRunnerSpec
+    attention: AttentionBackendSpec
+    moe: MoEBackendSpec
+    ops: Mapping[str, OpSpec]
+    storages: Mapping[str, FeatureStorageSpec]
+    decisions: tuple[Decision, ...]
+
+    def to_names(self) -> dict[str, Any]:
+        """The choice as plain names: ``select_components(**names)`` rebuilds it in another process."""
+        return {"device": self.device.name, "runner": self.runner.name, "attention": self.attention.name,
+                "moe": self.moe.name, "ops": {op: spec.name for op, spec in self.ops.items()},
+                "storages": {scheme: spec.name for scheme, spec in self.storages.items()}}
+
+    def explain(self) -> str:
+        """Every role's decisions, the chosen candidate first."""
+        lines = []
+        for role in ("device", *COMPONENT_ROLES, *(f"op:{op}" for op in self.ops), "storage"):
+            decisions = sorted((d for d in self.decisions if d.role == role), key=lambda d: not d.chosen)
+            lines.append(f"{role}:")
+            lines.extend(d.line() for d in decisions)
+        return "\n".join(lines)

@@ -1,0 +1,199 @@
+"""What a plugin registers: one frozen dataclass per role.
+
+The registration hooks hand plugins a ``register`` callback that accepts exactly one of these types,
+so the core validates every registration in one place (`fdplug.core.plugin_loading.registry`). Factories and
+probes are plain callables: vendor SDKs are imported inside them, never at registration time.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
+
+from fdplug.plugin_api.ops import OPS
+from fdplug.plugin_api.settings import Setting
+
+ANY_DEVICE = "*"
+"""In ``devices=``: the component is portable Paddle code that runs on every device."""
+
+_NAME_RE = re.compile(r"^[a-z][a-z0-9_\-]*$")
+_ENV_NAME_RE = re.compile(r"^[A-Z_][A-Z0-9_]*$")
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """A device probe's answer.
+
+    ``reason`` says why the device is (not) usable in words a user understands; ``fix`` says what to
+    do about it (what to install, which variable to set) and is empty when there is nothing to do.
+    ``info`` carries facts worth showing in ``fdplug doctor`` (device count, driver, build).
+    """
+
+    available: bool
+    reason: str
+    fix: str = ""
+    info: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceSpec:
+    """A kind of device.
+
+    ``probe`` must be cheap, side-effect free and honest: never report available when a kernel
+    launch would fail. ``paddle_device`` is the prefix given to ``paddle.set_device`` (``cpu``,
+    ``gpu``, ``xpu``, or a custom device type). ``setup`` does process-level initialisation (threads,
+    env knobs) and is called once, in the process that will run the engine, before the model is built.
+    ``free_memory(index)`` returns the bytes free on that device (None: unknown); the engine uses it
+    to say, with numbers, when the model and the KV cache cannot fit. ``dtypes`` are the compute
+    dtypes it runs, preferred first: ``dtype="auto"`` takes the model's if listed, else the first.
+    """
+
+    name: str
+    probe: Callable[[], Probe]
+    paddle_device: str
+    priority: int = 0
+    setup: Callable[[], None] | None = None
+    description: str = ""
+    free_memory: Callable[[int], int | None] | None = None
+    dtypes: tuple[str, ...] = ("bfloat16", "float16", "float32")
+
+    def paddle_place_name(self, index: int = 0) -> str:
+        """The string ``paddle.set_device`` takes for device ``index`` of this kind."""
+        return self.paddle_device if self.paddle_device == "cpu" else f"{self.paddle_device}:{index}"
+
+
+@dataclass(frozen=True, slots=True)
+class ComponentSpec:
+    """Common shape of the per-device components: model runners, attention and MoE backends.
+
+    ``devices`` lists the device names the component runs on (``"*"``: any). ``supports(config)``
+    returns ``None`` if the component can serve the given `EngineConfig`, else the reason it cannot;
+    it must not raise for an unsupported model. ``factory`` builds the object the core calls.
+    """
+
+    name: str
+    devices: tuple[str, ...]
+    factory: Callable[..., Any]
+    priority: int = 0
+    supports: Callable[[Any], str | None] | None = None
+    description: str = ""
+
+    role = "component"
+
+    def runs_on(self, device: str) -> bool:
+        return ANY_DEVICE in self.devices or device in self.devices
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRunnerSpec(ComponentSpec):
+    """A model runner. ``factory(config, selection)`` returns a `fdplug.plugin_api.model_runner.ModelRunner`."""
+
+    role = "runner"
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionBackendSpec(ComponentSpec):
+    """An attention backend. ``factory(config)`` returns a `fdplug.plugin_api.attention.AttentionBackend`."""
+
+    role = "attention"
+
+
+@dataclass(frozen=True, slots=True)
+class MoEBackendSpec(ComponentSpec):
+    """A MoE backend. ``factory(config)`` returns a `fdplug.plugin_api.moe.MoEBackend`.
+
+    ``weight_formats`` are the expert weight formats it executes: ``none`` (plain float weights),
+    ``fp8_block`` (float8_e4m3 weights with per-block scales), ...
+    """
+
+    weight_formats: tuple[str, ...] = ("none",)
+
+    role = "moe"
+
+
+@dataclass(frozen=True, slots=True)
+class OpSpec(ComponentSpec):
+    """A kernel for one op of the portable model (``op`` names one of `fdplug.plugin_api.ops.OPS`).
+
+    ``factory(config)`` returns a callable with that op's contract. Selected per op, like the other
+    components: the highest priority that runs on the device and whose ``supports`` does not object.
+    """
+
+    op: str = ""
+
+    role = "op"
+
+
+@dataclass(frozen=True, slots=True)
+class FeatureStorageSpec:
+    """A feature storage for the URL ``schemes`` it handles.
+
+    ``factory(config)`` returns a `fdplug.plugin_api.storage.FeatureStorage`; it is called lazily, the first
+    time a URL of one of these schemes is fetched, so credentials are read only when needed.
+    """
+
+    name: str
+    schemes: tuple[str, ...]
+    factory: Callable[[Any], Any]
+    priority: int = 0
+    description: str = ""
+
+    role = "storage"
+
+
+SPEC_TYPES: dict[str, type] = {
+    "device": DeviceSpec,
+    "runner": ModelRunnerSpec,
+    "attention": AttentionBackendSpec,
+    "moe": MoEBackendSpec,
+    "op": OpSpec,
+    "storage": FeatureStorageSpec,
+    "setting": Setting,
+}
+
+
+def validate_spec(spec: Any, expected: type) -> None:
+    """Raise TypeError/ValueError describing what is wrong with a registration, if anything."""
+    if not isinstance(spec, expected):
+        raise TypeError(f"expected a {expected.__name__}, got {type(spec).__name__}")
+    if isinstance(spec, Setting):
+        return _validate_setting(spec)
+    if not isinstance(spec.name, str) or not _NAME_RE.match(spec.name):
+        raise ValueError(f"name {spec.name!r} must be lower-case letters, digits, '_' or '-', "
+                         "starting with a letter")
+    if not isinstance(spec.priority, int):
+        raise TypeError(f"priority of {spec.name!r} must be an int, got {type(spec.priority).__name__}")
+    if isinstance(spec, DeviceSpec):
+        _require_callable(spec, "probe")
+        if spec.setup is not None:
+            _require_callable(spec, "setup")
+    else:
+        _require_callable(spec, "factory")
+    if isinstance(spec, ComponentSpec):
+        if isinstance(spec.devices, str) or not spec.devices:
+            raise TypeError(f"devices of {spec.name!r} must be a non-empty tuple of device names")
+        if spec.supports is not None:
+            _require_callable(spec, "supports")
+    if isinstance(spec, OpSpec) and spec.op not in OPS:
+        raise ValueError(f"op {spec.op!r} of {spec.name!r} is not one of {', '.join(OPS)}")
+    if isinstance(spec, DeviceSpec) and (isinstance(spec.dtypes, str) or not spec.dtypes):
+        raise TypeError(f"dtypes of {spec.name!r} must be a non-empty tuple such as ('float32',)")
+    if isinstance(spec, FeatureStorageSpec):
+        if isinstance(spec.schemes, str) or not spec.schemes:
+            raise TypeError(f"schemes of {spec.name!r} must be a non-empty tuple such as ('file',)")
+
+
+def _require_callable(spec: Any, attr: str) -> None:
+    if not callable(getattr(spec, attr)):
+        raise TypeError(f"{attr} of {spec.name!r} must be callable")
+
+
+def _validate_setting(spec: Setting) -> None:
+    if not isinstance(spec.name, str) or not _ENV_NAME_RE.match(spec.name):
+        raise ValueError(f"setting name {spec.name!r} must be an environment variable name (A-Z, 0-9, _)")
+    if not callable(spec.parse):
+        raise TypeError(f"parse of {spec.name!r} must be callable")
+    if not isinstance(spec.help, str) or not spec.help:
+        raise ValueError(f"setting {spec.name!r} needs a help text (fdplug doctor and the README show it)")

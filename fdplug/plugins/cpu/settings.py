@@ -1,0 +1,33 @@
+"""The cpu plugin's environment variables, registered through ``fdplug_register_settings``.
+
+``OMP_NUM_THREADS`` is everyone's (`fdplug.plugin_api.settings`); the cpu device honours it.
+"""
+
+from __future__ import annotations
+
+from fdplug.plugin_api.settings import (
+                      Setting,
+                      parse_bool,
+                      parse_choice,
+                      parse_positive_int,
+)
+
+CPU_THREADS = Setting("FDPLUG_CPU_THREADS", None, parse_positive_int,
+                      "Threads for CPU compute (default: the number of usable cores).")
+CPU_MALLOC_TUNING = Setting("FDPLUG_CPU_MALLOC_TUNING", True, parse_bool,
+                            "1 (default): the cpu device makes glibc keep freed memory (no mmap per large tensor); "
+                            "0: leave malloc alone.")
+CPU_KERNELS = Setting("FDPLUG_CPU_KERNELS", "auto", parse_choice("auto", "on", "off"),
+                      "The cpu device's compiled kernels (paged attention read in place, SwiGLU; built once with the "
+                      "system C compiler into FDPLUG_CACHE_DIR): auto (default) uses them if they build, on requires "
+                      "them, off keeps plain Paddle.")
+CC = Setting("CC", None, str, "C compiler for the cpu device's kernels (default: cc, then gcc, then clang on PATH).")
+MKL_DEBUG_CPU_TYPE = Setting("MKL_DEBUG_CPU_TYPE", None, str,
+                             "Honoured if set; otherwise the cpu device sets 5 on AMD CPUs (MKL's fast AVX2 path).",
+                             as_set_by_user=True)
+KMP_BLOCKTIME = Setting("KMP_BLOCKTIME", None, str,
+                        "Honoured if set; otherwise the cpu device sets 0 so MKL's idle threads sleep instead of "
+                        "spinning for 200 ms (they took the cores from the compiled attention kernel's threads).",
+                        as_set_by_user=True)
+
+SETTINGS = (CPU_THREADS, CPU_MALLOC_TUNING, CPU_KERNELS, CC, MKL_DEBUG_CPU_TYPE, KMP_BLOCKTIME)

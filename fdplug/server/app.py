@@ -1,0 +1,203 @@
+"""The FastAPI app: routes, OpenAI error objects, and the guard in front of it (API key, body size).
+
+Every error a client can cause is an ``FdplugError`` and leaves as ``{"error": {message, type,
+param, code}}`` with the error's ``http_status``; pydantic problems are 400s (not FastAPI's 422);
+anything else is a bug: logged with its traceback, answered with a 500 that reveals nothing.
+The guard is plain ASGI (not ``BaseHTTPMiddleware``, which would buffer streaming responses).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import logging
+import time
+from typing import Any, Awaitable, Callable
+
+from fastapi import FastAPI
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+import fdplug
+from fdplug.errors import AuthenticationError, FdplugError, RequestTooLargeError
+from fdplug.server import openai_types as T
+from fdplug.server.engine_client import EngineClient
+from fdplug.server.jobs import JobBuilder
+from fdplug.server.metrics import CONTENT_TYPE_LATEST
+from fdplug.server.serving import Serving
+
+logger = logging.getLogger("fdplug.server")
+
+OPEN_PATHS = ("/health", "/metrics", "/version")   # never need the API key: probes and scrapers
+
+
+def error_response(exc: FdplugError, metrics: Any = None) -> JSONResponse:
+    message = exc.message + (f" Fix: {exc.fix}" if exc.fix else "")
+    code = getattr(exc, "code", None) or exc.http_status
+    if metrics is not None:
+        metrics.http_error(exc.http_status)
+    return JSONResponse(T.error_body(message, exc.error_type, getattr(exc, "param", None), code),
+                        status_code=exc.http_status)
+
+
+def build_app(client: EngineClient, model_name: str, api_key: str | None, max_body_bytes: int,
+              stream_interval: int = 1, trust_request_chat_template: bool = False) -> Any:
+    """The ASGI app uvicorn runs: the guard around the FastAPI routes."""
+    app = FastAPI(title="fdplug", version=fdplug.__version__, docs_url=None, redoc_url=None, openapi_url=None)
+    jobs = JobBuilder(client, model_name, trust_request_chat_template)
+    serving = Serving(client, stream_interval)
+    metrics = client.metrics
+    started = int(time.time())
+
+    def guarded(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+        async def wrapper(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except FdplugError as exc:
+                return error_response(exc, metrics)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("bug while serving %s", request.url.path)
+                metrics.http_error(500)
+                return JSONResponse(T.error_body("internal server error (a bug; the server log has the details).",
+                                                 "server_error", None, 500), status_code=500)
+        return wrapper
+
+    @app.get("/health")
+    async def health() -> Response:
+        if client.healthy:
+            return JSONResponse({"status": "ok"})
+        error = client.error
+        return JSONResponse(T.error_body(error.message, "server_error", None, 503), status_code=503)
+
+    @app.get("/version")
+    async def version() -> Response:
+        return JSONResponse({"version": fdplug.__version__, "api_version": fdplug.API_VERSION})
+
+    @app.get("/metrics")
+    async def metrics_route() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        card = T.model_card(model_name, started, client.info.model_dir, client.info.max_model_len)
+        return JSONResponse({"object": "list", "data": [card]})
+
+    # Parsing, the chat template and tokenizing run in a worker thread: a large body or a long
+    # conversation costs its sender time, not every stream on the event loop (/health included).
+    # Nothing is registered with the engine there, so a failure leaves nothing behind.
+
+    def completion_job(body: bytes) -> tuple:
+        req = T.parse_request(T.CompletionRequest, body)
+        return req, *jobs.completion_job(req)
+
+    def chat_job(body: bytes, tenant_id: str) -> tuple:
+        req = T.parse_request(T.ChatCompletionRequest, body)
+        return req, *jobs.chat_job(req, tenant_id)
+
+    @app.post("/v1/completions")
+    @guarded
+    async def completions(request: Request) -> Response:
+        req, job, prepared, params = await asyncio.to_thread(completion_job, await request.body())
+        return await _run(job, prepared, params, req, request)
+
+    @app.post("/v1/chat/completions")
+    @guarded
+    async def chat_completions(request: Request) -> Response:
+        req, job, prepared, params = await asyncio.to_thread(chat_job, await request.body(), tenant(request))
+        return await _run(job, prepared, params, req, request)
+
+    def tenant(request: Request) -> str:
+        """Whose multimodal uuids these are: a digest of the presented API key (no key: one tenant)."""
+        token = request.headers.get("authorization", "").partition(" ")[2].strip()
+        return hashlib.sha256(token.encode()).hexdigest()[:32] if token else ""
+
+    async def _run(job: Any, prepared: list, params: Any, req: Any, request: Request) -> Response:
+        if not req.stream:
+            serving.submit(job, prepared, params, None, req.cache_salt)
+            return await serving.respond(job, request)
+        queue: asyncio.Queue = asyncio.Queue()
+        serving.submit(job, prepared, params, queue, req.cache_salt)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return await serving.stream(job, queue, include_usage, request)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        metrics.http_error(exc.status_code)
+        return JSONResponse(T.error_body(f"{request.method} {request.url.path}: {exc.detail}.", kind, None,
+                                         exc.status_code), status_code=exc.status_code)
+
+    return Guard(app, api_key, max_body_bytes, metrics)
+
+
+class Guard:
+    """API key (constant-time compare) on ``/v1/*``, then the body size limit, before the app runs.
+
+    The limit is checked on ``Content-Length`` and again while the body is read (chunked uploads
+    have none); an accepted body is handed to the app as one message.
+    """
+
+    def __init__(self, app: Any, api_key: str | None, max_body_bytes: int, metrics: Any) -> None:
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.max_body_bytes = max_body_bytes
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or ())
+        if self.api_key is not None and not scope["path"].startswith(OPEN_PATHS) and not self._authorized(headers):
+            return await self._reject(send, AuthenticationError(
+                "missing or incorrect API key.", fix="send it as the header `Authorization: Bearer <key>`."),
+                code="invalid_api_key", extra_headers=[(b"www-authenticate", b"Bearer")])
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        too_large = RequestTooLargeError(f"the request body is over this server's limit of {self.max_body_bytes} "
+                                         "bytes.", fix="send a smaller request, or start the server with a larger "
+                                                       "--max-body-bytes.")
+        length = headers.get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+            return await self._reject(send, too_large)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body = message.get("body", b"")
+            size += len(body)
+            if size > self.max_body_bytes:
+                return await self._reject(send, too_large)
+            chunks.append(body)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)
+
+    def _authorized(self, headers: dict) -> bool:
+        auth = headers.get(b"authorization", b"")
+        scheme, _, token = auth.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key)
+
+    async def _reject(self, send: Callable, exc: FdplugError, code: str | None = None,
+                      extra_headers: list | None = None) -> None:
+        self.metrics.http_error(exc.http_status)
+        message = exc.message + (f" Fix: {exc.fix}" if exc.fix else "")
+        body = json.dumps(T.error_body(message, exc.error_type, None, code or exc.http_status)).encode()
+        await send({"type": "http.response.start", "status": exc.http_status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close"), *(extra_headers or [])]})
+        await send({"type": "http.response.body", "body": body, "more_body": False})

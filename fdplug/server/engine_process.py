@@ -1,0 +1,254 @@
+"""The engine process: EngineCore's step loop behind two ZMQ sockets.
+
+Why a process of its own: the step loop is compute-bound Python; next to the HTTP server in one
+process, the GIL would make tokenizing, SSE and step interleave badly. Here the loop only ever
+blocks in a ZMQ poll when it has nothing to do, and never waits on a client.
+
+The API process starts it with ``python -m fdplug.server.engine_process SPEC_JSON`` and binds
+both sockets first; this side connects. The selection is rebuilt from ``Selection.to_names()`` with
+``resolve_engine`` (the same code the API process ran), so both processes agree on the selection.
+It exits when told to ("shutdown"), when its parent dies (PR_SET_PDEATHSIG, and ``getppid()``
+polled every loop), or with status 1 after reporting an error it cannot serve past.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from fdplug.errors import FdplugError, InvalidRequestError
+from fdplug.server import protocol as P
+from fdplug.server.heap import freeze_startup_heap
+from fdplug.server.os_timeslice import shorten_scheduler_slice
+
+logger = logging.getLogger("fdplug.engine_process")
+
+IDLE_POLL_MS = 100        # nothing to run: wait this long for a message, then check the parent
+STALLED_POLL_MS = 5       # requests exist but none could be scheduled (e.g. waiting for features)
+STATS_INTERVAL_S = 0.25   # busy: attach stats to outputs at most this often
+HEARTBEAT_S = 1.0         # idle: send stats at least this often (the API's /metrics stays fresh)
+
+
+@dataclass(slots=True)
+class EngineSpec:
+    """Everything the engine process needs, as JSON on its command line."""
+
+    input_address: str      # the API's PUSH socket: this process PULLs requests from it
+    output_address: str     # the API's PULL socket: this process PUSHes outputs to it
+    model_dir: str
+    selection: dict           # Selection.to_names()
+    engine_args: dict       # EngineConfig fields (vLLM names)
+    parent_pid: int
+    log_level: int = logging.WARNING
+    scheduler_slice_us: int = 0   # FDPLUG_ENGINE_SLICE_US, read (and checked) by the API process; 0: kernel default
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "EngineSpec":
+        return cls(**json.loads(text))
+
+
+class EngineLoop:
+    """Drain messages, step, send outputs; until shutdown or the parent is gone."""
+
+    def __init__(self, core: Any, input_socket: Any, output_socket: Any, parent_pid: int) -> None:
+        self.core = core
+        self.input = input_socket
+        self.output = output_socket
+        self.parent_pid = parent_pid
+        self.poller = zmq.Poller()
+        self.poller.register(input_socket, zmq.POLLIN)
+        self.running = True
+        self._last_stats_time = 0.0
+        self._last_stats: dict | None = None
+
+    def run(self) -> None:
+        from fdplug.core.engine.request import RequestStatus
+
+        stalled = False
+        while self.running:
+            if os.getppid() != self.parent_pid:
+                logger.warning("the API process is gone; the engine process exits")
+                return
+            busy = self.core.has_unfinished_requests()
+            self._drain(0 if busy and not stalled else STALLED_POLL_MS if busy else IDLE_POLL_MS)
+            if not self.running:
+                break
+            if self.core.has_unfinished_requests():
+                steps = self.core.timings.steps
+                outputs = self.core.step()
+                stalled = not outputs and self.core.timings.steps == steps  # nothing could be scheduled
+                stats = self._stats_if(due=time.monotonic() - self._last_stats_time >= STATS_INTERVAL_S)
+                if outputs or stats is not None:
+                    self._send([P.OUTPUTS, [P.encode_output(o) for o in outputs], stats])
+            else:
+                stalled = False
+                stats = self._stats_if(due=time.monotonic() - self._last_stats_time >= HEARTBEAT_S, changed=True)
+                if stats is not None:
+                    self._send([P.STATS, stats])
+        # told to shut down: free every request's blocks before the process goes
+        self.core.abort_requests(list(self.core.scheduler.requests), RequestStatus.FINISHED_ABORTED)
+
+    def _drain(self, timeout_ms: int) -> None:
+        if not self.poller.poll(timeout_ms):
+            return
+        admitted: list[str] = []
+        rejected: list[list] = []
+        while self.running:
+            try:
+                data = self.input.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            try:
+                self._handle(P.unpack(data), admitted, rejected)
+            except Exception:   # a malformed message (a bug in the sender) must not stop the loop
+                logger.exception("ignoring a message the engine could not handle")
+        if admitted or rejected:
+            self._send([P.ADMITTED, admitted, rejected])
+
+    def _handle(self, message: list, admitted: list[str], rejected: list[list]) -> None:
+        from fdplug.core.engine.request import RequestStatus
+
+        tag = message[0]
+        if tag == P.ADD:
+            for item in message[1]:
+                try:
+                    request = P.decode_request(item)
+                    self.core.add_request(request)
+                    admitted.append(request.request_id)
+                except FdplugError as exc:
+                    rejected.append([_request_id(item), P.encode_error(exc)])
+                except Exception as exc:  # not a request this engine can read: refuse it, keep serving
+                    logger.exception("could not admit a request")
+                    rejected.append([_request_id(item), P.encode_error(InvalidRequestError(
+                        f"the engine could not read this request ({type(exc).__name__}).",
+                        fix="report it with the server log: the API process sent a malformed request."))])
+        elif tag == P.ABORT:
+            self.core.abort_requests(message[1], RequestStatus(message[2]))
+        elif tag == P.SHUTDOWN:
+            self.running = False
+        else:
+            logger.error("ignoring an unknown message %r", tag)
+
+    def _stats_if(self, due: bool, changed: bool = False) -> dict | None:
+        if not (due or changed):
+            return None
+        stats = P.encode_stats(self.core.stats())
+        if due or (changed and stats != self._last_stats):
+            self._last_stats, self._last_stats_time = stats, time.monotonic()
+            return stats
+        return None
+
+    def _send(self, message: list) -> None:
+        self.output.send(P.pack(message), copy=False)
+
+
+def _request_id(item: Any) -> str:
+    return item[0] if isinstance(item, list) and item and isinstance(item[0], str) else ""
+
+
+def _die_with_parent() -> None:
+    """Linux: get SIGTERM when the parent dies, even by SIGKILL (getppid() polling is the fallback)."""
+    if sys.platform != "linux":
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def run_engine(spec: EngineSpec) -> int:
+    """Build the engine, report ready (or the typed error), run the loop. Returns the exit status."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the API process decides
+    _die_with_parent()
+    if os.getppid() != spec.parent_pid:
+        return 1
+    slice_ns, why = shorten_scheduler_slice(spec.scheduler_slice_us)   # before any thread starts: they inherit it
+    logger.info("engine process scheduler slice: %s, %s", "unknown" if slice_ns is None else f"{slice_ns / 1e6:g} ms",
+                why)
+    context = zmq.Context()
+    input_socket = context.socket(zmq.PULL)
+    output_socket = context.socket(zmq.PUSH)
+    output_socket.setsockopt(zmq.SNDHWM, 0)   # never block a step on a slow reader; the parent's death ends us
+    for sock in (input_socket, output_socket):
+        sock.setsockopt(zmq.LINGER, 1000)
+    input_socket.connect(spec.input_address)
+    output_socket.connect(spec.output_address)
+    try:
+        try:
+            core, info = _build(spec)
+        except Exception as exc:  # typed errors carry their fix; anything else is reported as a bug
+            if not isinstance(exc, FdplugError):
+                logger.exception("the engine failed to start")
+            output_socket.send(P.pack([P.STARTUP_ERROR, P.encode_error(exc)]))
+            return 1
+        output_socket.send(P.pack([P.READY, info.to_dict()]))
+        loop = EngineLoop(core, input_socket, output_socket, spec.parent_pid)
+        freeze_startup_heap()
+        # after paddle's import (which installs its own SIGTERM handler): SIGTERM, also what the parent's
+        # death sends, ends the loop after its current step, so the cleanup below runs
+        signal.signal(signal.SIGTERM, lambda *_: setattr(loop, "running", False))
+        try:
+            loop.run()
+        except Exception as exc:
+            logger.exception("the engine loop crashed")
+            output_socket.send(P.pack([P.FATAL, P.encode_error(exc)]))
+            return 1
+        return 0
+    finally:
+        input_socket.close()
+        output_socket.close()
+        context.term()
+        if os.getppid() != spec.parent_pid:  # the API process died without removing its socket directory
+            _remove_socket_dir(spec.input_address)
+
+
+def _remove_socket_dir(address: str) -> None:
+    directory = Path(address.removeprefix("ipc://")).parent
+    if directory.name.startswith("fdplug-"):
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _build(spec: EngineSpec) -> tuple[Any, P.EngineInfo]:
+    from fdplug.core.engine.engine_core import EngineCore
+    from fdplug.core.engine.startup import resolve_engine
+    from fdplug.core.model.tokenizer import Tokenizer
+
+    config, model_config, selection = resolve_engine(spec.model_dir, **spec.selection, **spec.engine_args)
+    core = EngineCore(config, selection)
+    plan = core.kv_plan
+    eos = model_config.eos_token_ids or Tokenizer.from_dir(config.model_dir).eos_token_ids
+    info = P.EngineInfo(
+        pid=os.getpid(), model_dir=config.model_dir, architecture=model_config.architecture, dtype=config.dtype,
+        vocab_size=model_config.vocab_size, eos_token_ids=list(eos), max_model_len=config.max_model_len,
+        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+        max_waiting_requests=config.max_waiting_requests,
+        block_size=plan.block_size, num_kv_blocks=plan.num_blocks - 1, kv_cache_tokens=plan.num_tokens,
+        kv_cache_description=plan.describe(), selection=selection.to_names())
+    return core, info
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    spec = EngineSpec.from_json(argv[0])
+    logging.basicConfig(level=spec.log_level, format="%(levelname)s %(name)s[engine]: %(message)s")
+    return run_engine(spec)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

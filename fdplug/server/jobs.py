@@ -1,0 +1,143 @@
+"""From an OpenAI request to a ``Job``: every field checked, the chat template rendered, every prompt
+tokenized, before anything is registered with the engine (``app.py`` runs it in a worker thread).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from fdplug.core.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from fdplug.core.frontend.processor import ProcessedPrompt
+from fdplug.core.model.chat_messages import check_template_kwargs
+from fdplug.core.multimodal.inputs import FeaturePartCollector
+from fdplug.errors import InvalidRequestError, ModelNotFoundError
+from fdplug.server import openai_types as T
+from fdplug.server.engine_client import EngineClient
+from fdplug.server.request_stream import RequestStream
+
+
+@dataclass(slots=True)
+class Job:
+    """One HTTP request's sequences: prompt ``i`` is stream ``i``; choice index = i * n + child."""
+
+    kind: str                        # "chat" or "completion"
+    id: str
+    created: int
+    model: str
+    n: int
+    num_logprobs: int | None
+    streams: list[RequestStream] = field(default_factory=list)
+    prompt_tokens: int = 0
+
+    def choice_index(self, stream_index: int, child: int) -> int:
+        return stream_index * self.n + child
+
+
+class JobBuilder:
+    def __init__(self, client: EngineClient, model_name: str, trust_request_chat_template: bool = False) -> None:
+        self.client = client
+        self.model_name = model_name
+        # a chat template is code: one from a request runs only if the operator trusts the clients
+        # (--trust-request-chat-template, vLLM's flag since CVE-2025-61620); it is budgeted either way
+        self.trust_request_chat_template = trust_request_chat_template
+
+    def check_model(self, model: str | None) -> str:
+        if model is not None and model != self.model_name:
+            err = ModelNotFoundError(f"the model {model!r} does not exist on this server.",
+                                     fix=f"use model {self.model_name!r} (GET /v1/models lists it).")
+            err.param, err.code = "model", "model_not_found"  # type: ignore[attr-defined]
+            raise err
+        return self.model_name
+
+    def sampling_params(self, req: Any, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        def pick(value: Any, default: Any) -> Any:
+            return default if value is None else value
+
+        params = SamplingParams(
+            n=req.n, temperature=pick(req.temperature, 1.0), top_p=pick(req.top_p, 1.0), top_k=pick(req.top_k, 0),
+            min_p=pick(req.min_p, 0.0), seed=req.seed, presence_penalty=pick(req.presence_penalty, 0.0),
+            frequency_penalty=pick(req.frequency_penalty, 0.0),
+            repetition_penalty=pick(req.repetition_penalty, 1.0), max_tokens=max_tokens, min_tokens=req.min_tokens,
+            stop=req.stop or (), stop_token_ids=req.stop_token_ids or (), ignore_eos=req.ignore_eos,
+            logprobs=logprobs, skip_special_tokens=req.skip_special_tokens)
+        return self.client.input_processor.check_params(params)
+
+    def check_sequences(self, num_prompts: int, n: int) -> None:
+        """A request may ask for at most as many sequences as the engine can ever queue: beyond that a
+        503 "retry later" would be a lie, so it is a 400 (checked before anything is tokenized)."""
+        limit = self.client.info.max_waiting_requests
+        if num_prompts * n > limit:
+            raise InvalidRequestError(
+                f"this request asks for {num_prompts * n} sequences ({num_prompts} prompt(s) x n={n}), but this "
+                f"server queues at most {limit} (--max-waiting-requests).",
+                fix="send fewer prompts per request or a smaller n, or start the server with a larger "
+                    "--max-waiting-requests.", param="n" if n > 1 else "prompt")
+
+    def completion_job(self, req: T.CompletionRequest) -> tuple[Job, list[ProcessedPrompt], SamplingParams]:
+        T.unsupported(req)
+        model = self.check_model(req.model)
+        params = self.sampling_params(req, req.max_tokens, req.logprobs)
+        prompts = _prompts(req.prompt)
+        self.check_sequences(len(prompts), params.n)
+        prepared = [self.client.input_processor.process(p) for p in prompts]
+        for prompt in prepared:
+            self.client.input_processor.check_length(len(prompt.token_ids), params.max_tokens)
+        job = Job("completion", f"cmpl-{uuid.uuid4().hex}", int(time.time()), model, params.n, req.logprobs)
+        return job, prepared, params
+
+    def chat_job(self, req: T.ChatCompletionRequest, tenant: str = "") -> tuple[Job, list[ProcessedPrompt],
+                                                                                 SamplingParams]:
+        T.unsupported(req)
+        model = self.check_model(req.model)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}.",
+                                      fix=f"ask for at most {MAX_LOGPROBS} alternatives.", param="top_logprobs")
+        num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = self.sampling_params(req, max_tokens, num_logprobs)
+        self.check_sequences(1, params.n)
+        kwargs = dict(req.chat_template_kwargs or {})
+        template, where = req.chat_template, "chat_template"
+        if "chat_template" in kwargs:
+            template, where = kwargs.pop("chat_template"), "chat_template_kwargs.chat_template"
+        self.check_template(template, where)
+        tokenizer, processor = self.client.tokenizer, self.client.input_processor
+        collector = FeaturePartCollector(processor.mm_config, tokenizer, tenant)
+        text = tokenizer.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt,
+                                             chat_template=template, content_part_handler=collector,
+                                             variables=check_template_kwargs(kwargs))
+        prompt = processor.process({"prompt": text, "prompt_token_ids": processor.encode(text, add_special_tokens=False),
+                                    "mm_items": collector.parts}, tenant)
+        processor.check_length(len(prompt.token_ids), max_tokens)
+        job = Job("chat", f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, params.n, num_logprobs)
+        return job, [prompt], params
+
+    def check_template(self, template: Any, where: str) -> None:
+        """A template named in a request: one of the model's own, or (trusted clients only) its source."""
+        if template is None:
+            return
+        if not isinstance(template, str):
+            raise InvalidRequestError(f"{where} must be a string.", fix="name a template or leave it out.", param=where)
+        if self.client.tokenizer.is_named_template(template) or self.trust_request_chat_template:
+            return
+        raise InvalidRequestError(
+            f"{where}: this server does not run chat templates sent in requests (a template is code), and "
+            f"{template!r:.40} is not one of the model's ({', '.join(sorted(self.client.tokenizer.chat_templates))}).",
+            fix="leave it out to use the model's template, or start the server with --trust-request-chat-template "
+                "if every client is trusted.", param=where)
+
+
+def _prompts(prompt: Any) -> list:
+    """OpenAI's four prompt forms -> a list of prompts for ``InputProcessor.tokenize``."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise InvalidRequestError("prompt is empty.", fix="send a string, a list of strings or token ids.")
+    if isinstance(prompt[0], int):
+        return [{"prompt_token_ids": prompt}]
+    if isinstance(prompt[0], str):
+        return list(prompt)
+    return [{"prompt_token_ids": ids} for ids in prompt]

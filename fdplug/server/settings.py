@@ -1,0 +1,42 @@
+"""The server's environment variables (``fdplug serve``); read them with ``env(name)``."""
+
+from __future__ import annotations
+
+from fdplug.plugin_api.settings import (
+    Setting,
+    declare,
+    env,
+    env_is_set,
+    parse_choice,
+    parse_positive_float,
+)
+
+__all__ = ["env", "env_is_set"]
+
+
+def parse_slice_us(raw: str) -> int:
+    value = int(raw)
+    if value != 0 and not 100 <= value <= 100_000:
+        raise ValueError(f"must be 0 (the kernel's default) or 100-100000 microseconds, got {value}")
+    return value
+
+
+for _setting in (
+    Setting("FDPLUG_API_KEY", None, str,
+            "API key `fdplug serve` requires as `Authorization: Bearer KEY` (--api-key overrides; unset: no key).",
+            secret=True),
+    Setting("FDPLUG_ENGINE_STARTUP_TIMEOUT", 600.0, parse_positive_float,
+            "Seconds `fdplug serve` waits for the engine process to load the model and report ready."),
+    Setting("FDPLUG_SHUTDOWN_TIMEOUT", 5.0, parse_positive_float,
+            "Seconds `fdplug serve` waits for responses and the engine process to finish when stopping."),
+    Setting("FDPLUG_ENGINE_STALL_TIMEOUT", 600.0, parse_positive_float,
+            "Seconds the engine may send nothing while requests are in flight before `fdplug serve` kills it as hung."),
+    Setting("FDPLUG_ENGINE_SLICE_US", 100, parse_slice_us,
+            "Scheduler slice the engine process asks Linux (6.12+) for, in microseconds: short, so its compute "
+            "threads preempt the API process on the shared cores instead of waiting out its slice; 0 keeps the "
+            "kernel's default."),
+    Setting("FDPLUG_EVENT_LOOP", "auto", parse_choice("auto", "uvloop", "asyncio"),
+            "The API process's event loop: auto (default) uses uvloop where it is installed (a dependency on Linux "
+            "and macOS: its C sockets cost about a fifth less CPU per streamed token), else asyncio's."),
+):
+    declare(_setting)
