@@ -55,9 +55,10 @@ def run(llm: LLM, prompts: list[dict], concurrency: int, max_tokens: int) -> tup
         while queue and len(submitted) - done < concurrency:
             rid = llm._submit(llm.input_processor.process(queue.pop(0)), params)
             submitted[rid] = time.perf_counter()
-        if not llm.engine.has_schedulable_work():
-            time.sleep(0.001)
-        for delta in llm._step():
+        deltas, scheduled = llm._step()
+        if not scheduled and not deltas:
+            time.sleep(0.001)   # only feature downloads are in flight
+        for delta in deltas:
             if delta.token_ids and delta.request_id not in ttft:
                 ttft[delta.request_id] = time.perf_counter() - submitted[delta.request_id]
             tokens += len(delta.token_ids)

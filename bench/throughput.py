@@ -84,10 +84,10 @@ def step_breakdown(llm: LLM, steps: int = 48) -> dict[str, float]:
         llm._submit(ProcessedPrompt(None, rng.integers(0, MODEL["vocab_size"], size=32).tolist()), params(steps + 40))
     for _ in range(8):  # past the prefill
         llm._step()
-    before = {k: getattr(llm.engine.timings, k) for k in ("schedule", "prepare", "forward", "sample", "update")}
+    before = llm.engine.profiler.snapshot()
     for _ in range(steps):
         llm._step()
-    after = {k: getattr(llm.engine.timings, k) for k in before}
+    after = llm.engine.profiler.snapshot()
     for rid in list(llm.output_processor._parents):
         llm.engine.abort_requests(llm.output_processor.child_ids(rid))
         llm.output_processor.pop(rid)
@@ -190,10 +190,10 @@ def main() -> None:
         runs: dict[str, list[tuple[float, float]]] = {"on": [], "off": []}  # (wall, forward) seconds
         for i, which in enumerate(["on", "off", "off", "on"] * 2):
             engine = engines[which]
-            forward_before = engine.engine.timings.forward
+            forward_before = engine.engine.profiler.seconds["forward"]
             # fresh prompts per pair, the same for both: a repeated prompt would be a prefix hit
             elapsed, _ = run_fdplug(engine, *workload(min(n, 32), seed=5 + i // 2))
-            runs[which].append((elapsed, engine.engine.timings.forward - forward_before))
+            runs[which].append((elapsed, engine.engine.profiler.seconds["forward"] - forward_before))
         wall = {k: sum(r[0] for r in v) for k, v in runs.items()}
         # With 0% hits both engines run the same batches through the same forward; caching only adds
         # host work (hashing, cache bookkeeping). Host time = wall - forward, which the drift barely

@@ -17,10 +17,10 @@ from typing import Any, Callable
 import click
 
 import fdplug
-from fdplug.plugin_api.settings import SETTINGS
 from fdplug.core.plugin_loading.loader import load_plugins
 from fdplug.core.plugin_loading.selection import run_probe, select_components
 from fdplug.errors import FdplugError
+from fdplug.plugin_api.settings import SETTINGS
 
 
 def user_errors(fn: Callable) -> Callable:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-EXAMPLE_PLUGIN = REPO / "examples" / "fdplug-example-device"
+EXAMPLE_PLUGIN = REPO / "examples" / "fdplug-fakechip"   # the README's "Writing a plugin"
 
 
 @pytest.fixture(autouse=True)
@@ -45,7 +45,7 @@ def write_dist(site: Path, dist: str, version: str, entry_points: dict[str, str]
 
 
 def install_example_plugin(site: Path) -> list[str]:
-    """The example plugin as installed: its dist-info from its pyproject, its package on the path."""
+    """The fakechip example plugin as installed: its dist-info from its pyproject, its package on the path."""
     import tomllib
 
     meta = tomllib.loads((EXAMPLE_PLUGIN / "pyproject.toml").read_text())["project"]

@@ -41,12 +41,12 @@ def test_plugins_shows_the_example_and_a_broken_plugin_and_still_exits_0(tmp_pat
     out = run("plugins", "--json", paths=paths)
     assert out.returncode == 0, out.stderr
     plugins = {p["name"]: p for p in json.loads(out.stdout)["plugins"]}
-    assert plugins["example"]["status"] == "loaded"
-    assert plugins["example"]["source"] == "distribution fdplug-example-device"
-    assert plugins["example"]["registered"]["attention"] == ["example_attention"]
+    assert plugins["fakechip"]["status"] == "loaded"
+    assert plugins["fakechip"]["source"] == "distribution fdplug-fakechip"
+    assert plugins["fakechip"]["registered"] == {"device": ["fakechip"]}
     assert plugins["broken"]["status"] == "failed" and "no libbroken.so" in plugins["broken"]["error"]
     table = run("plugins", paths=paths).stdout
-    assert "broken" in table and "failed" in table and "example" in table
+    assert "broken" in table and "failed" in table and "fakechip" in table
 
 
 def test_explain_auto_picks_cpu_and_says_why():
@@ -64,12 +64,14 @@ def test_explain_xpu_fails_with_the_probes_reason_and_the_fix():
     assert "Traceback" not in out.stderr
 
 
-def test_explain_example_device_selects_its_components(tmp_path):
-    out = run("explain", "--device", "example", "--json", paths=install_example_plugin(tmp_path / "site"))
+def test_explain_a_bare_device_gets_the_core_components(tmp_path):
+    out = run("explain", "--device", "fakechip", "--json", paths=install_example_plugin(tmp_path / "site"),
+              FDPLUG_DISABLE_PLUGINS="cpu")
     assert out.returncode == 0, out.stderr
     names = json.loads(out.stdout)
-    assert names["device"] == "example" and names["attention"] == "example_attention"
-    assert names["moe"] == "example_moe" and names["runner"] == "default"
+    assert names["device"] == "fakechip" and names["attention"] == "reference"
+    assert names["moe"] == "reference" and names["runner"] == "default"
+    assert names["ops"] == {"swiglu": "paddle_swiglu", "rms_norm": "paddle_rms_norm"}
 
 
 def test_explain_unknown_component_exits_nonzero():
@@ -109,10 +111,10 @@ def test_bad_environment_value_is_a_clear_error():
     assert "FDPLUG_STRICT_PLUGINS='maybe' is invalid" in out.stderr and "Traceback" not in out.stderr
 
 
-@pytest.mark.parametrize("device", ["cpu", "example"])
+@pytest.mark.parametrize("device", ["cpu", "fakechip"])
 def test_conformance_kit_passes(device, tmp_path):
     """The kit as a third-party author runs it: pytest --pyargs fdplug.testing --fdplug-device NAME."""
-    paths = install_example_plugin(tmp_path / "site") if device == "example" else []
+    paths = install_example_plugin(tmp_path / "site") if device == "fakechip" else []
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pyargs", "fdplug.testing",
                           "--fdplug-device", device], capture_output=True, text=True, timeout=300,
                          cwd=tmp_path, env=subprocess_env(paths))

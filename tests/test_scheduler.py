@@ -20,6 +20,7 @@ from fdplug.core.engine.request import (
 from fdplug.core.scheduler.output import SchedulerOutput
 from fdplug.core.scheduler.scheduler import Scheduler, SchedulerConfig
 from fdplug.errors import ConfigError, InvalidRequestError, QueueFullError
+from fdplug.plugin_api.model_runner import ModelRunnerOutput
 
 V = 50  # vocabulary of the fake models
 
@@ -41,7 +42,7 @@ def step(s: Scheduler, sampled: dict[str, list[int]] | None = None):
     out = s.schedule()
     if sampled is None:
         sampled = {rid: [(s.requests[rid].all_token_ids[-1] + 1) % V] for rid in out.num_scheduled_tokens}
-    return out, s.update_from_output(out, sampled)
+    return out, s.update_from_output(out, ModelRunnerOutput(sampled))
 
 
 def free_blocks(s: Scheduler) -> int:
@@ -259,7 +260,7 @@ def test_abort_between_schedule_and_update_is_skipped():
     s.add_request(req("b"))
     out = s.schedule()
     s.finish_requests("a", RequestStatus.FINISHED_ABORTED)
-    res = s.update_from_output(out, {"a": [1], "b": [2]})
+    res = s.update_from_output(out, ModelRunnerOutput({"a": [1], "b": [2]}))
     assert [r.request_id for r in res] == ["b"] and free_blocks(s) == 63 - 2  # b holds 8 tokens
 
 
@@ -268,7 +269,7 @@ def test_a_request_the_runner_sampled_nothing_for_fails_alone():
     s.add_request(req("a"))
     s.add_request(req("b", start=3))
     out = s.schedule()
-    res = s.update_from_output(out, {"b": [5]})
+    res = s.update_from_output(out, ModelRunnerOutput({"b": [5]}))
     by_id = {r.request_id: r for r in res}
     assert by_id["a"].finished and by_id["a"].finish_reason == "error" and "no token" in by_id["a"].error["message"]
     assert by_id["b"].new_token_ids == [5] and not by_id["b"].finished
@@ -373,7 +374,7 @@ def test_engine_may_multi_token_append_and_stops_at_the_first_stop():
     s = make()
     s.add_request(req("r", 8, eos=2, max_tokens=10))
     out = s.schedule()
-    (res,) = s.update_from_output(out, {"r": [5, 2, 7]})
+    (res,) = s.update_from_output(out, ModelRunnerOutput({"r": [5, 2, 7]}))
     assert res.new_token_ids == [5, 2] and res.finished and s.requests == {}
 
 
@@ -497,7 +498,7 @@ def simulate(cfg: SchedulerConfig, specs: list[dict], max_steps: int = 4000) -> 
             for new in out.scheduled_new_reqs:
                 whole = len(new.prompt_token_ids) + len(new.output_token_ids) - new.num_computed_tokens
                 assert out.num_scheduled_tokens[new.req_id] == whole
-        for res in s.update_from_output(out, runner.execute(out)):
+        for res in s.update_from_output(out, ModelRunnerOutput(runner.execute(out))):
             got[res.request_id] += res.new_token_ids
             if res.finished:
                 reasons[res.request_id] = res.finish_reason

@@ -13,7 +13,6 @@ import traceback
 import pytest
 
 from fdplug.core.config import EngineConfig
-from fdplug.plugins.storage_bos.settings import SETTINGS as BOS_SETTINGS
 from fdplug.errors import (
     ConfigError,
     FeatureAccessDeniedError,
@@ -22,6 +21,7 @@ from fdplug.errors import (
     StorageTimeoutError,
 )
 from fdplug.plugins.storage_bos import make_storage
+from fdplug.plugins.storage_bos.settings import SETTINGS as BOS_SETTINGS
 from fdplug.plugins.storage_bos.settings import BosSettings
 from fdplug.plugins.storage_bos.storage import BosStorage
 from fdplug.testing.bos_server import LoopbackBos

@@ -87,9 +87,8 @@ class EngineLoop:
             if not self.running:
                 break
             if self.core.has_unfinished_requests():
-                steps = self.core.timings.steps
-                outputs = self.core.step()
-                stalled = not outputs and self.core.timings.steps == steps  # nothing could be scheduled
+                outputs, scheduled = self.core.step()
+                stalled = not outputs and not scheduled   # only feature downloads are in flight
                 stats = self._stats_if(due=time.monotonic() - self._last_stats_time >= STATS_INTERVAL_S)
                 if outputs or stats is not None:
                     self._send([P.OUTPUTS, [P.encode_output(o) for o in outputs], stats])

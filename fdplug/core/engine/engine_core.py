@@ -1,55 +1,42 @@
 """EngineCore: the step loop every device shares.
 
-    schedule -> execute -> update, once per step.
+    def step(self):
+        outputs = self._poll_features()                                   # arrived or failed
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty: return outputs, False
+        executed = self.executor.execute(scheduler_output)                # runner, recovery
+        return outputs + self._update(scheduler_output, executed), True
 
 Requests are checked against the running model when they are admitted (``admission``), so a value
 the model cannot take is refused before it can reach a step. When a step raises anyway (a kernel
-error, a bug, a runner that blames a request), ``step_recovery`` finds the requests that caused it:
-they finish with finish reason "error" and a typed error, and the others finish the step as if
-nothing had happened. Afterwards the runner's requests are checked against the scheduler's; if
-they disagree, every running request is rebuilt from the scheduler (preempted and recomputed).
+error, a bug, a runner that blames a request), the executor finds the requests that caused it: they
+finish with finish reason "error" and a typed error, and the others finish the step as if nothing
+had happened (``executor``, ``step_recovery``). Time is measured by one ``StepProfiler``, which
+nothing reads to decide anything.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from dataclasses import dataclass
 from typing import Iterable
 
 from fdplug.core.config import EngineConfig
 from fdplug.core.engine.admission import ModelLimits, check_request
+from fdplug.core.engine.executor import ExecutedStep, StepExecutor
+from fdplug.core.engine.profiler import StepProfiler
 from fdplug.core.engine.request import Request, RequestStatus
-from fdplug.core.engine.runner_check import checked_tokens, disagreements, start_over
-from fdplug.core.engine.step_recovery import (
-    Recovered,
-    RequestStepError,
-    drop,
-    recover_step,
-)
+from fdplug.core.engine.runner_check import disagreements
+from fdplug.core.engine.step_recovery import drop
 from fdplug.core.multimodal.encoder_cache import EncoderCache
 from fdplug.core.multimodal.fetch import FeatureFetcher
 from fdplug.core.multimodal.loader import FeatureLoader
-from fdplug.core.plugin_loading.selection import Selection
+from fdplug.core.scheduler.config import SchedulerConfig
 from fdplug.core.scheduler.output import EngineCoreOutput, SchedulerOutput
-from fdplug.core.scheduler.scheduler import Scheduler, SchedulerConfig
+from fdplug.core.scheduler.scheduler import Scheduler
 from fdplug.errors import EngineRequestError, FdplugError, error_to_dict
+from fdplug.plugin_api.selection import Selection
 
 logger = logging.getLogger("fdplug.engine")
-
-REBUILD_WINDOW_STEPS = 16   # a runner-wide failure within this many steps of a rebuild is not retried again
-
-
-@dataclass(slots=True)
-class StepTimings:
-    """Seconds spent per phase, summed over steps (the bench prints the breakdown)."""
-
-    steps: int = 0
-    schedule: float = 0.0
-    prepare: float = 0.0
-    forward: float = 0.0
-    sample: float = 0.0
-    update: float = 0.0
 
 
 class EngineCore:
@@ -61,23 +48,16 @@ class EngineCore:
         if selection.device.setup is not None:
             selection.device.setup()
         self.runner = selection.runner.factory(config, selection)
-        self.runner.load_model()
+        model = self.runner.load_model()
         self.kv_plan = self.runner.initialize_kv_cache()
-        self.scheduler = Scheduler(SchedulerConfig(
-            max_model_len=config.max_model_len, num_kv_blocks=self.kv_plan.num_blocks,
-            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-            block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching,
-            enable_chunked_prefill=config.enable_chunked_prefill,
-            max_waiting_requests=config.max_waiting_requests))
-        self.timings = StepTimings()
-        self.limits = ModelLimits(self.runner.model_config.vocab_size, config.max_model_len)
-        self.num_failed_steps = 0    # steps that raised (their culprits failed, the rest re-ran)
-        self.num_rebuilds = 0        # times the runner's requests were rebuilt from the scheduler
-        self._last_rebuild_step = -REBUILD_WINDOW_STEPS - 1
+        self.scheduler = Scheduler(SchedulerConfig.from_engine_config(config, self.kv_plan.num_blocks))
+        self.limits = ModelLimits(model.vocab_size, config.max_model_len)
+        self.profiler = StepProfiler()
         self.encoder_cache = EncoderCache(config.encoder_cache_rows)
+        self.executor = StepExecutor(self.runner, self.scheduler, self.encoder_cache, model.vocab_size)
         self.feature_loader = FeatureLoader(FeatureFetcher(selection.storages, config), self.encoder_cache,
-                                            self.runner.model_config.hidden_size,
-                                            workers=config.feature_fetch_workers, timeout=config.fetch_timeout)
+                                            model.hidden_size, workers=config.feature_fetch_workers,
+                                            timeout=config.fetch_timeout)
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -108,79 +88,44 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    # -- the loop ---------------------------------------------------------------------------------
-
     def has_pending_features(self) -> bool:
         return self.feature_loader.has_pending()
 
-    def has_schedulable_work(self) -> bool:
-        """Whether a step could run something now (not only wait for feature downloads)."""
-        return bool(self.scheduler.running) or any(
-            r.status != RequestStatus.WAITING_FOR_FEATURES for r in self.scheduler.waiting)
+    # -- the loop ---------------------------------------------------------------------------------
 
-    def step(self) -> list[EngineCoreOutput]:
-        t0 = time.perf_counter()
+    def step(self) -> tuple[list[EngineCoreOutput], bool]:
+        """One step: the outputs it produced and whether it ran anything (False: nothing could be
+        scheduled, e.g. only feature downloads are in flight)."""
         outputs = self._poll_features()
-        so = self.scheduler.schedule()
-        self.timings.schedule += time.perf_counter() - t0
-        if so.is_empty:
-            drop(self.runner, [*so.finished_req_ids, *so.preempted_req_ids])  # frees the runner's slots
-            return outputs
+        with self.profiler.phase("schedule"):
+            scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            drop(self.runner, [*scheduler_output.finished_req_ids, *scheduler_output.preempted_req_ids])
+            return outputs, False
         try:
-            return outputs + self._run(so)
+            executed = self.executor.execute(scheduler_output)
+            return outputs + self._update(scheduler_output, executed), True
         except Exception:   # a bug past the runner, in the engine's own bookkeeping: contain it too
             logger.exception("the engine failed to finish a step; failing its %d requests",
-                             len(so.num_scheduled_tokens))
-            return outputs + self._fail_step(so)
+                             len(scheduler_output.num_scheduled_tokens))
+            return outputs + self._fail_step(scheduler_output), True
 
-    def _run(self, so: SchedulerOutput) -> list[EngineCoreOutput]:
-        """Execute a scheduled step, recovering from a failure; then update the scheduler."""
-        scheduled = {rid: self.scheduler.requests[rid] for rid in so.num_scheduled_tokens}
-        failed: dict[str, FdplugError] = {}
-        try:
-            self._attach_features(so)
-            result = self.runner.execute_model(so)
-            sampled, logprobs, timings = result.sampled_token_ids, result.logprobs, result.timings
-            step_failed = False
-        except Exception as exc:
-            logger.exception("a model step of %d requests failed; finding the requests that caused it",
-                             len(scheduled))
-            recovered = recover_step(self.runner, self.scheduler, so, exc)
-            sampled, logprobs, timings = recovered.sampled_token_ids, recovered.logprobs, {}
-            failed, step_failed = self._settle(recovered), True
-        sampled = checked_tokens(sampled, self.limits.vocab_size, failed)
-        t2 = time.perf_counter()
-        outputs = self._fail(failed)
-        outputs += self.scheduler.update_from_output(so, sampled)
-        for out in outputs:
-            if out.request_id in logprobs:
-                out.new_logprobs = [logprobs[out.request_id]] if out.new_token_ids else None
-            if out.finished and out.request_id in scheduled:
-                self._release(scheduled[out.request_id])
-        if step_failed or failed:
-            self.num_failed_steps += 1
-            self._verify_or_rebuild()
-        self._count(timings, time.perf_counter() - t2)
+    def _update(self, so: SchedulerOutput, executed: ExecutedStep) -> list[EngineCoreOutput]:
+        """The scheduler records the step; failed requests end with their error; finished ones
+        release their features."""
+        self.profiler.steps += 1
+        self.profiler.add(executed.model_output.timings)
+        with self.profiler.phase("update"):
+            scheduled = {rid: self.scheduler.requests[rid] for rid in so.num_scheduled_tokens
+                         if rid in self.scheduler.requests}
+            outputs = self._fail(executed.failed)
+            outputs += self.scheduler.update_from_output(so, executed.model_output)
+            for out in outputs:
+                if out.finished and out.request_id in scheduled:
+                    self._release(scheduled[out.request_id])
+            if executed.step_failed or executed.failed:
+                self.executor.after_failure()
         return outputs
-
-    def _settle(self, recovered: Recovered) -> dict[str, FdplugError]:
-        """What a recovered step leaves to do: requests it could not decide go back to the queue
-        (recomputed next time); when every suspect failed even alone, the runner itself is the more
-        likely culprit, so it is rebuilt once (nobody fails) before such a verdict stands."""
-        self.scheduler.preempt_requests(recovered.undecided)
-        runner_wide = not recovered.passed and len(recovered.isolated) >= 2
-        if runner_wide and self.timings.steps - self._last_rebuild_step > REBUILD_WINDOW_STEPS:
-            self._rebuild(f"all {len(recovered.isolated)} requests of a failed step failed even alone")
-            return {rid: e for rid, e in recovered.failed.items() if rid not in recovered.isolated}
-        return recovered.failed
-
-    def _count(self, timings: dict[str, float], update: float) -> None:
-        t = self.timings
-        t.steps += 1
-        t.prepare += timings.get("prepare", 0.0)
-        t.forward += timings.get("forward", 0.0)
-        t.sample += timings.get("sample", 0.0)
-        t.update += update
 
     def _poll_features(self) -> list[EngineCoreOutput]:
         """Requests whose features arrived become schedulable; a failed fetch fails its request alone."""
@@ -197,21 +142,6 @@ class EngineCore:
                                              error=error_to_dict(error)))
         return failures
 
-    def _attach_features(self, so: SchedulerOutput) -> None:
-        """Give the runner the features of every item that overlaps a token it runs this step."""
-        missing = []
-        for req_id, num_tokens in so.num_scheduled_tokens.items():
-            request = self.scheduler.requests[req_id]
-            start = request.num_computed_tokens
-            for item in request.mm_positions:
-                if item.offset < start + num_tokens and item.end > start:
-                    if item.mm_hash not in self.encoder_cache:
-                        missing.append(req_id)
-                        continue
-                    so.mm_features[item.mm_hash] = self.encoder_cache.get(item.mm_hash)
-        if missing:
-            raise RequestStepError(missing, "features of a scheduled item are not in the encoder cache")
-
     def _fail(self, errors: dict[str, FdplugError]) -> list[EngineCoreOutput]:
         """End requests with finish reason "error" and their typed error (an output for each, also
         for one the scheduler no longer holds: its client must not wait forever)."""
@@ -225,27 +155,22 @@ class EngineCore:
         error = EngineRequestError("the engine failed while finishing the step that ran this request.",
                                    fix="retry; if it fails again, report it with the server log.")
         outputs = self._fail(dict.fromkeys(so.num_scheduled_tokens, error))
-        self.num_failed_steps += 1
-        self._verify_or_rebuild()
+        self.executor.after_failure()
         return outputs
 
-    # -- invariants -------------------------------------------------------------------------------
+    # -- invariants and counters ------------------------------------------------------------------
 
     def consistency_problems(self) -> list[str]:
         """Where the runner and the scheduler disagree (``runner_check.disagreements``)."""
         return disagreements(self.runner, self.scheduler)
 
-    def _verify_or_rebuild(self) -> None:
-        """After a failed step: if the runner and the scheduler disagree, rebuild the runner's state."""
-        problems = self.consistency_problems()
-        if problems:
-            self._rebuild("after a failed step the runner disagrees with the scheduler (" + "; ".join(problems[:5]) + ")")
+    @property
+    def num_failed_steps(self) -> int:
+        return self.executor.num_failed_steps
 
-    def _rebuild(self, why: str) -> None:
-        logger.error("%s; rebuilding every running request from the scheduler", why)
-        self.num_rebuilds += 1
-        self._last_rebuild_step = self.timings.steps
-        start_over(self.runner, self.scheduler)
+    @property
+    def num_rebuilds(self) -> int:
+        return self.executor.num_rebuilds
 
     def stats(self):
         return self.scheduler.make_stats()

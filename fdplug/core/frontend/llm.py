@@ -103,7 +103,10 @@ class LLM:
         request_id = self._submit(processed, self.input_processor.check_params(sampling_params or SamplingParams()))
         try:
             while not self.output_processor.output(request_id).finished:
-                yield from (d for d in self._step() if d.request_id == request_id)
+                deltas, scheduled = self._step()
+                if not scheduled and not deltas:
+                    time.sleep(0.002)  # only feature downloads are in flight: do not spin
+                yield from (d for d in deltas if d.request_id == request_id)
         finally:   # finished children are no longer in the engine: aborting them is a no-op
             self._take_back(request_id)
 
@@ -136,11 +139,13 @@ class LLM:
         self.engine.abort_requests(self.output_processor.child_ids(request_id))
         self.output_processor.pop(request_id)
 
-    def _step(self) -> list[Delta]:
-        deltas, stopped = self.output_processor.process(self.engine.step())
+    def _step(self) -> tuple[list[Delta], bool]:
+        """The deltas of one engine step, and whether it ran anything."""
+        outputs, scheduled = self.engine.step()
+        deltas, stopped = self.output_processor.process(outputs)
         if stopped:
             self.engine.abort_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        return deltas
+        return deltas, scheduled
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> None:
         bar = None
@@ -150,9 +155,9 @@ class LLM:
             bar = tqdm(total=len(request_ids), desc="Generating", unit="req", dynamic_ncols=True)
         pending = set(request_ids)
         while pending:
-            if not self.engine.has_schedulable_work():
+            deltas, scheduled = self._step()
+            if not scheduled and not deltas:
                 time.sleep(0.002)  # only feature downloads are in flight: do not spin
-            self._step()
             done = {rid for rid in pending if self.output_processor.output(rid).finished}
             pending -= done
             if bar is not None and done:

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from fdplug.core.scheduler.kv_cache_manager import cdiv
 from fdplug.errors import ConfigError
+from fdplug.plugin_api.attention import cdiv
+
+if TYPE_CHECKING:
+    from fdplug.core.config import EngineConfig
 
 
 @dataclass(slots=True)
@@ -20,6 +24,16 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     max_waiting_requests: int = 1024
+
+    @classmethod
+    def from_engine_config(cls, config: "EngineConfig", num_kv_blocks: int) -> "SchedulerConfig":
+        """The engine's settings (resolved by ``startup.build_engine_config``) and the KV cache the
+        runner allocated: the one place the scheduler's limits come from."""
+        return cls(max_model_len=config.max_model_len, num_kv_blocks=num_kv_blocks,
+                   max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                   block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching,
+                   enable_chunked_prefill=config.enable_chunked_prefill,
+                   max_waiting_requests=config.max_waiting_requests)
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens",

@@ -83,7 +83,7 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None  # the stop token id, when a stop_token_ids entry ended it
     num_cached_tokens: int = 0
     # One entry per new token when the request asked for logprobs: (token ids, logprobs, ranks),
-    # the sampled token first, then the top-N alternatives. Filled in by the engine from the runner.
+    # the sampled token first, then the top-N alternatives, from the runner's ModelRunnerOutput.
     new_logprobs: list[tuple[list[int], list[float], list[int]]] | None = None
     error: dict | None = None   # with finish_reason "error": the typed error as data (errors.error_to_dict)
 

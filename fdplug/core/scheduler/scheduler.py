@@ -8,10 +8,10 @@ in the prefix cache), and it goes back to the front of the waiting queue.
 
 The engine's step is five lines::
 
-    out = scheduler.schedule()
-    sampled = runner.execute_model(out)           # {request_id: [token ids]}
-    results = scheduler.update_from_output(out, sampled)
-    ...stream results; scheduler.finish_requests(ids, FINISHED_STOPPED) when a stop string matched
+    scheduler_output = scheduler.schedule()                    # {request_id: num_tokens} and changes
+    model_output = runner.execute_model(scheduler_output)      # ModelRunnerOutput: sampled tokens
+    outputs = scheduler.update_from_output(scheduler_output, model_output)
+    ...stream outputs; scheduler.finish_requests(ids, FINISHED_STOPPED) when a stop string matched
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections import deque
 from typing import Iterable
 
 from fdplug.core.engine.request import Request, RequestStatus
-from fdplug.core.multimodal.chunking import check_admission, legal_end, plan_chunks
+from fdplug.core.multimodal.chunking import check_admission
 from fdplug.core.scheduler.config import SchedulerConfig
 from fdplug.core.scheduler.kv_cache_manager import KVCacheManager
 from fdplug.core.scheduler.output import (
@@ -30,12 +30,14 @@ from fdplug.core.scheduler.output import (
     SchedulerOutput,
     SchedulerStats,
 )
+from fdplug.core.scheduler.request_rules import check_stop, chunk_size, oversize_span
 from fdplug.errors import (
     EngineRequestError,
     InvalidRequestError,
     QueueFullError,
     error_to_dict,
 )
+from fdplug.plugin_api.model_runner import ModelRunnerOutput
 
 
 class Scheduler:
@@ -100,7 +102,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = self._chunk(request, request.num_computed_tokens, budget)
+            num_new = chunk_size(request, request.num_computed_tokens, budget, self.config.max_num_batched_tokens)
             if num_new <= 0:  # nothing to run (waits for update_from_output, or for a roomier step)
                 i += 1
                 continue
@@ -132,7 +134,7 @@ class Scheduler:
             num_new = request.num_tokens - num_hit
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
-            num_new = self._chunk(request, num_hit, budget)
+            num_new = chunk_size(request, num_hit, budget, self.config.max_num_batched_tokens)
             if num_new <= 0 or kv.allocate_slots(request, num_new, hit_blocks) is None:
                 break
             self._admit(request, num_hit, new_reqs)
@@ -140,42 +142,17 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))  # they keep their place in line
 
-    # -- multimodal chunking ----------------------------------------------------------------------
-
-    def _chunk(self, request: Request, start: int, budget: int) -> int:
-        """Tokens to run from ``start`` within ``budget``; never ends inside a bidirectional span.
-
-        With spans ahead in the prompt, the chunk follows the balanced plan (fewest chunks of the
-        full budget, then the smallest largest chunk), cut back to a legal end if this step has less
-        room. 0 means "not this step".
-        """
-        num_new = min(request.num_tokens - start, budget)
-        if not request.mm_spans or start >= request.num_prompt_tokens or num_new <= 0:
-            return num_new
-        full = self.config.max_num_batched_tokens
-        if request.num_prompt_tokens - start > num_new:
-            plan = plan_chunks(request.num_prompt_tokens, request.mm_spans, full, start)
-            if not plan.oversize[0]:
-                num_new = min(num_new, plan.ends[0] - start)
-        return legal_end(request.mm_spans, start, start + num_new) - start
-
-    def _needs_oversize(self, request: Request, start: int) -> int:
-        """The length of the span at ``start`` if it is larger than a whole step's budget, else 0."""
-        full = self.config.max_num_batched_tokens
-        if not request.mm_spans or start >= request.num_prompt_tokens:
-            return 0
-        if legal_end(request.mm_spans, start, min(start + full, request.num_tokens)) > start:
-            return 0
-        return next(e - s for s, e in request.mm_spans if s >= start)
+    # -- an item larger than a step ---------------------------------------------------------------
 
     def _oversize_request(self) -> Request | None:
         for request in self.running:
-            if request.mm_spans and self._needs_oversize(request, request.num_computed_tokens):
+            if request.mm_spans and oversize_span(request, request.num_computed_tokens, self.config.max_num_batched_tokens):
                 return request
         head = next((r for r in self.waiting if r.status != RequestStatus.WAITING_FOR_FEATURES), None)
         if (head is not None and head is self.waiting[0] and head.mm_spans
                 and len(self.running) < self.config.max_num_seqs
-                and self._needs_oversize(head, self.kv_cache_manager.get_computed_blocks(head)[1])):
+                and oversize_span(head, self.kv_cache_manager.get_computed_blocks(head)[1],
+                                  self.config.max_num_batched_tokens)):
             return head
         return None
 
@@ -184,7 +161,7 @@ class Scheduler:
         kv = self.kv_cache_manager
         is_new = request.status != RequestStatus.RUNNING
         hit_blocks, start = kv.get_computed_blocks(request) if is_new else ([], request.num_computed_tokens)
-        num_new = self._needs_oversize(request, start)
+        num_new = oversize_span(request, start, self.config.max_num_batched_tokens)
         new_blocks = kv.allocate_slots(request, num_new, hit_blocks)
         if new_blocks is None:
             return  # no room even for this: wait for running requests to finish
@@ -232,13 +209,15 @@ class Scheduler:
     # -- results ----------------------------------------------------------------------------------
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
-                           sampled_token_ids: dict[str, list[int]]) -> list[EngineCoreOutput]:
-        """Record that the step ran: advance progress, append sampled tokens, apply stop rules.
+                           model_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Record that the step ran: advance progress, append sampled tokens (with their logprobs
+        when asked for), apply stop rules.
 
         A request still mid-prefill after this step gets nothing appended (whatever was sampled
         for it is ignored) and no output. Requests aborted since ``schedule()`` are skipped. A
         request that should have sampled and got no token from the runner fails alone.
         """
+        sampled_token_ids, logprobs = model_output.sampled_token_ids, model_output.logprobs
         outputs: list[EngineCoreOutput] = []
         any_finished = False
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
@@ -258,7 +237,8 @@ class Scheduler:
                 self._free_request(request)
             outputs.append(EngineCoreOutput(req_id, new_token_ids, request.is_finished(),
                                             request.finish_reason, request.stop_reason,
-                                            request.num_cached_tokens))
+                                            request.num_cached_tokens,
+                                            new_logprobs=[logprobs[req_id]] if req_id in logprobs else None))
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished()]
         return outputs
@@ -276,28 +256,9 @@ class Scheduler:
         for token_id in token_ids:
             request.append_output_token(token_id)
             appended.append(token_id)
-            if self._check_stop(request):
+            if check_stop(request, self.config.max_model_len):
                 break
         return appended
-
-    def _check_stop(self, request: Request) -> bool:
-        """Stop token (after min_tokens) before length: a natural stop on the last allowed token is "stop"."""
-        params = request.sampling_params
-        last = request.output_token_ids[-1]
-        if request.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and last in request.eos_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
-                return True
-            if last in params.stop_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = last
-                return True
-        max_tokens = params.max_tokens
-        if request.num_tokens >= self.config.max_model_len or (
-                max_tokens is not None and request.num_output_tokens >= max_tokens):
-            request.status = RequestStatus.FINISHED_LENGTH
-            return True
-        return False
 
     # -- finishing --------------------------------------------------------------------------------
 

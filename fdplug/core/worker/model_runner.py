@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from fdplug.core.config import EngineConfig
-from fdplug.core.model.sampler import Sampler, penalty_tokens, record_tokens
+from fdplug.core.model.penalties import penalty_tokens, record_tokens
+from fdplug.core.model.sampler import Sampler
 from fdplug.core.scheduler.output import NewRequestData, SchedulerOutput
 from fdplug.core.worker.input_batch import InputBatch
 from fdplug.core.worker.kv_cache import (

@@ -6,7 +6,7 @@ happens here: exponential backoff with jitter, at most ``max_retries`` per objec
 ``retry_deadline``; 403/404 fail at once. (The SDK still re-signs once by itself on a 403, for clock
 skew; that is its only hidden attempt.)
 
-Parallel downloads go through `fdplug.core.multimodal.fetch.ordered_map`: results in submission
+Parallel downloads go through `fdplug.plugin_api.storage.ordered_map`: results in submission
 order, a bounded window of futures, and once a download fails nothing after it starts.
 """
 
@@ -17,9 +17,8 @@ import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
-from fdplug.core.config import EngineConfig
 from fdplug.errors import StorageError, StorageTimeoutError
 from fdplug.plugin_api.storage import ordered_map
 from fdplug.plugins.storage_bos.failures import (
@@ -28,6 +27,9 @@ from fdplug.plugins.storage_bos.failures import (
     to_error,
 )
 from fdplug.plugins.storage_bos.settings import BosObject, BosSettings, parse_bos_url
+
+if TYPE_CHECKING:
+    from fdplug.core.config import EngineConfig
 
 logger = logging.getLogger("fdplug.storage.bos")
 
