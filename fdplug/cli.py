@@ -120,7 +120,7 @@ def doctor_command() -> None:
     settings = [setting for _, setting in sorted(SETTINGS.items()) if setting.is_set()]
     click.echo("settings from the environment:" if settings else "settings from the environment: none")
     for setting in settings:
-        click.echo(f"  {setting.name}={'<hidden>' if setting.secret else setting.value()!r}")
+        click.echo(f"  {setting.name}={'<hidden>' if setting.secret else repr(setting.value())}")
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -85,6 +85,11 @@ def test_generate_runs_the_components_named_on_the_command_line(swiglu):
               "--max-tokens", "4", "--max-model-len", "256", "--num-kv-blocks", "64")
     assert out.returncode == 0, out.stderr
     assert "runner=default " in out.stderr and f"swiglu:{swiglu}" in out.stderr
+    # the text it streams is what the offline API generates with the same components and parameters
+    llm = fdplug.LLM(runner="default", op_kernels={"swiglu": swiglu}, max_model_len=256, num_kv_blocks=64)
+    [expected] = llm.generate("Hello", fdplug.SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+    assert len(expected.outputs[0].token_ids) == 4
+    assert out.stdout == expected.outputs[0].text + "\n"
 
 
 def test_a_malformed_op_kernel_flag_is_a_usage_error():

@@ -6,9 +6,9 @@ import inspect
 import typing
 
 import fdplug
-from fdplug.core.plugin_loading.loader import REGISTRATION_HOOKS
+from fdplug.core.plugin_loading.loader import REGISTRATION_HOOKS, load_plugins
 from fdplug.plugin_api import hookspecs
-from fdplug.plugin_api.specs import SPEC_TYPES
+from fdplug.plugin_api.specs import SPEC_TYPES, AttentionBackendSpec
 
 EXPECTED_HOOKS = {
     "fdplug_register_devices", "fdplug_register_model_runners", "fdplug_register_attention_backends",
@@ -44,8 +44,30 @@ def test_configure_is_typed_with_the_config_and_the_selection():
     assert hints["config"] is EngineConfig and hints["selection"] is Selection
 
 
+def versioned_plugin(version: str):
+    """A throwaway plugin written for plugin API ``version``, registering one attention backend."""
+
+    class Plugin:
+        FDPLUG_API_VERSION = version
+
+        @fdplug.hookimpl
+        def fdplug_register_attention_backends(self, register):
+            register(AttentionBackendSpec(name=f"attn_v{version.replace('.', '_')}", devices=("cpu",),
+                                          factory=lambda config: None))
+
+    return Plugin()
+
+
 def test_api_version_and_reexports():
-    major, minor = hookspecs.API_VERSION.split(".")
-    assert major.isdigit() and minor.isdigit()
+    """A newer minor only adds to the API, so its plugins load; another major is refused, naming both."""
+    major, minor = (int(part) for part in hookspecs.API_VERSION.split("."))
+    newer_minor, next_major, last_major = f"{major}.{minor + 1}", f"{major + 1}.0", f"{major - 1}.{minor}"
+    infos = load_plugins(extra=[(f"v{v}", versioned_plugin(v)) for v in (newer_minor, next_major, last_major)]).infos
+    assert infos[f"v{newer_minor}"].status == "loaded"
+    assert infos[f"v{newer_minor}"].registered == {"attention": [f"attn_v{major}_{minor + 1}"]}
+    for refused in (next_major, last_major):
+        info = infos[f"v{refused}"]
+        assert info.status == "failed" and not info.registered, refused
+        assert f"API {refused}" in info.error and f"API {hookspecs.API_VERSION}" in info.error, info.error
     assert fdplug.hookimpl is hookspecs.hookimpl
     assert fdplug.API_VERSION == hookspecs.API_VERSION

@@ -47,12 +47,19 @@ def test_chat_applies_the_template(llm):
     assert out.prompt_token_ids == llm.tokenizer.encode(out.prompt, add_special_tokens=False)
 
 
-def test_max_tokens_and_eos(llm):
-    eos = llm.input_processor.eos_token_ids[0]
-    stop_at_eos = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[])
-    out = llm.generate({"prompt_token_ids": [1, 2]}, stop_at_eos, use_tqdm=False)[0].outputs[0]
-    assert out.finish_reason in ("stop", "length")
-    assert (eos in out.token_ids) == (out.finish_reason == "stop")
+def test_max_tokens_and_eos(llm, monkeypatch):
+    """The random model never picks its real EOS, so the 4th greedy token is made the EOS."""
+    prompt = {"prompt_token_ids": [9, 8, 7]}
+    base = llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0]
+    assert len(base.token_ids) == GREEDY.max_tokens and base.finish_reason == "length"
+    eos = base.token_ids[3]
+    assert eos not in base.token_ids[:3]    # so generation must run exactly 4 tokens to reach it
+    monkeypatch.setattr(llm.input_processor, "eos_token_ids", (eos,))
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == base.token_ids[:4]
+    assert out.finish_reason == "stop" and out.stop_reason is None      # an EOS, not a stop token
+    ignored = llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0]
+    assert ignored.token_ids == base.token_ids and ignored.finish_reason == "length"
 
 
 def test_stop_token_ids_and_stop_strings(llm):

@@ -193,8 +193,10 @@ def test_uuid_items_skip_their_download_and_are_scoped_by_tenant(test_model_dir,
         assert bos.request_count("feats", "img/7.npy") == 1
         second = llm.generate(chat(llm, [part], "again"), GREEDY, use_tqdm=False)[0].outputs[0].token_ids
         assert bos.request_count("feats", "img/7.npy") == 1  # served from the encoder cache
-        assert first and second
         assert llm.engine.encoder_cache.hits >= 1
+        # the cached rows are the item's own: both runs equal the reference with the rows placed by hand
+        assert first == naive_mm_greedy(llm, chat(llm, [part]), [feature(7, 4)], GREEDY.max_tokens)
+        assert second == naive_mm_greedy(llm, chat(llm, [part], "again"), [feature(7, 4)], GREEDY.max_tokens)
     assert uuid_hash("tenant-a", "img-7") != uuid_hash("tenant-b", "img-7")
 
 

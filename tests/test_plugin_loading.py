@@ -11,7 +11,7 @@ from fdplug.core.plugin_loading.loader import (
     load_plugins,
 )
 from fdplug.errors import PluginError
-from fdplug.plugin_api.specs import AttentionBackendSpec, DeviceSpec, Probe
+from fdplug.plugin_api.specs import SPEC_TYPES, AttentionBackendSpec, DeviceSpec, Probe
 from tests.conftest import write_dist
 
 
@@ -45,12 +45,20 @@ def test_builtins_load_and_report_what_they_registered():
     assert infos["cuda"].registered == {"device": ["cuda"]}
 
 
-def test_loading_is_idempotent_and_reload_builds_afresh():
+def test_loading_is_idempotent_and_reload_builds_afresh(site):
     first = load_plugins()
     assert load_plugins() is first
-    assert len(first.registry.entries("device")) == len(load_plugins().registry.entries("device"))
-    assert load_plugins(reload=True) is not first
-    assert [p.name for p in list_plugins()] == [p.name for p in first.plugins()]
+    fresh = load_plugins(reload=True)
+    assert fresh is not first and fresh.registry is not first.registry
+    assert first.registry.names("device")
+    assert {role: fresh.registry.names(role) for role in SPEC_TYPES} == \
+        {role: first.registry.names(role) for role in SPEC_TYPES}
+    assert load_plugins() is fresh                  # the reload replaced the cached set
+    assert [p.name for p in list_plugins()] == [p.name for p in fresh.plugins()]
+    # a plugin installed after loading shows up on a reload, and only then
+    write_dist(site, "fdplug-late", "1.0", {"late": "fdplug_late"}, {"fdplug_late": 'FDPLUG_API_VERSION = "2.0"\n'})
+    assert "late" not in load_plugins().infos
+    assert load_plugins(reload=True).infos["late"].status == "loaded"
 
 
 def test_deny_list_disables_builtins_too(monkeypatch):

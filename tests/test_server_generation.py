@@ -125,7 +125,11 @@ def test_completion_logprobs(client):
     r = complete(client, PROMPTS[5], max_tokens=4, logprobs=2, ignore_eos=True)
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
-    assert all(x <= 0 for x in lp.token_logprobs) and all(len(t) <= 2 for t in lp.top_logprobs)
+    assert all(x <= 0 for x in lp.token_logprobs)
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert 1 <= len(top) <= 2                      # two byte pieces that decode alike share one key
+        assert max(top, key=top.get) == token          # greedy picks the most likely token
+        assert top[token] == pytest.approx(logprob)
     assert lp.text_offset == sorted(lp.text_offset)
 
 

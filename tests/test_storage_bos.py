@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 import traceback
+from pathlib import Path
 
 import pytest
 
@@ -20,11 +21,13 @@ from fdplug.errors import (
     StorageError,
     StorageTimeoutError,
 )
+from fdplug.plugin_api.settings import Setting, parse_positive_int
 from fdplug.plugins.storage_bos import make_storage
 from fdplug.plugins.storage_bos.settings import SETTINGS as BOS_SETTINGS
 from fdplug.plugins.storage_bos.settings import BosSettings
 from fdplug.plugins.storage_bos.storage import BosStorage
 from fdplug.testing.bos_server import LoopbackBos
+from tests.conftest import subprocess_env
 
 AK = "AKfdplugTESTak7f3e9d1"
 SK = "SKfdplugTESTsk2c81d44"
@@ -275,6 +278,37 @@ def test_credentials_are_declared_secret():
     for name in ("FDPLUG_BOS_AK", "FDPLUG_BOS_SK", "FDPLUG_BOS_STS_TOKEN", "ENCODE_FEATURE_BOS_AK",
                  "ENCODE_FEATURE_BOS_SK"):
         assert {s.name: s for s in BOS_SETTINGS}[name].secret, name
+
+
+def test_doctor_lists_credentials_without_their_values():
+    env = {"FDPLUG_BOS_SK": "SKdoctorMUSTnotSHOW6d2e", "ENCODE_FEATURE_BOS_AK": "AKdoctorMUSTnotSHOW91ab",
+           "FDPLUG_BOS_ENDPOINT": "http://bos.example.test:8080"}
+    out = subprocess.run([str(Path(sys.executable).parent / "fdplug"), "doctor"], capture_output=True, text=True,
+                         timeout=120, env=subprocess_env(**env))
+    assert out.returncode == 0, out.stderr
+    listed = {line.strip().partition("=")[0]: line.strip().partition("=")[2] for line in out.stdout.splitlines()
+              if "=" in line and line.strip().partition("=")[0] in env}
+    assert listed == {"FDPLUG_BOS_SK": "<hidden>", "ENCODE_FEATURE_BOS_AK": "<hidden>",
+                      "FDPLUG_BOS_ENDPOINT": "'http://bos.example.test:8080'"}   # a non-secret shows its value
+    for name in ("FDPLUG_BOS_SK", "ENCODE_FEATURE_BOS_AK"):
+        assert env[name] not in out.stdout + out.stderr
+
+
+def test_a_malformed_secret_setting_is_not_echoed(monkeypatch):
+    """A parser's own message may quote the value (int(): "invalid literal ... 'VALUE'"): not for a secret."""
+    value = "SKmalformedMUSTnotSHOW77f0"
+    monkeypatch.setenv("FDPLUG_TEST_SECRET_NUMBER", value)
+    err = _error_of(Setting("FDPLUG_TEST_SECRET_NUMBER", None, parse_positive_int, "A secret number.",
+                            secret=True).value)
+    assert isinstance(err, ConfigError) and "FDPLUG_TEST_SECRET_NUMBER=<hidden> is invalid" in str(err)
+    assert value not in str(err) + repr(err) + (err.fix or "") + _traceback(err)
+
+
+def test_a_malformed_plain_setting_shows_its_value(monkeypatch):
+    """The counterpart of the test above: what a secret hides, any other setting shows."""
+    monkeypatch.setenv("FDPLUG_TEST_PLAIN_NUMBER", "notanumber")
+    err = _error_of(Setting("FDPLUG_TEST_PLAIN_NUMBER", None, parse_positive_int, "A number.").value)
+    assert isinstance(err, ConfigError) and "FDPLUG_TEST_PLAIN_NUMBER='notanumber' is invalid" in str(err)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -49,7 +49,7 @@ def build_tokenizer(text: str, vocab_size: int) -> Any:
     byte_tokens = [ch for _, ch in sorted(bytes_to_unicode().items())]
     pieces = [piece for piece, _ in pre.pre_tokenize_str(text)]
     n_learned = vocab_size - 256 - len(SPECIAL_TOKENS) - len(VISION_TOKENS) - len(EXTRA_TOKENS)
-    vocab, merges = _learn_bpe(byte_tokens, pieces, n_learned)
+    vocab, merges = learn_bpe(byte_tokens, pieces, n_learned)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=None, fuse_unk=False, byte_fallback=False))
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre
@@ -60,7 +60,7 @@ def build_tokenizer(text: str, vocab_size: int) -> Any:
     return tok
 
 
-def _learn_bpe(alphabet: list[str], pieces: list[str], n_tokens: int) -> tuple[dict[str, int], list[tuple[str, str]]]:
+def learn_bpe(alphabet: list[str], pieces: list[str], n_tokens: int) -> tuple[dict[str, int], list[tuple[str, str]]]:
     """Plain BPE training: the most frequent pair wins, ties go to the smallest pair."""
     vocab = {ch: i for i, ch in enumerate(alphabet)}
     words = Counter(tuple(piece) for piece in pieces)

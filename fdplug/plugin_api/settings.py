@@ -45,9 +45,10 @@ class Setting:
             return self.default
         try:
             return self.parse(raw)
-        except ValueError as exc:
+        except ValueError as exc:   # a parser's message may quote the value: never for a secret
+            why = "it does not parse" if self.secret else str(exc)
             shown = "<hidden>" if self.secret else repr(raw)
-            raise ConfigError(f"environment variable {self.name}={shown} is invalid: {exc}.",
+            raise ConfigError(f"environment variable {self.name}={shown} is invalid: {why}.",
                               fix=f"{self.help} Unset it or give a valid value.") from None
 
     def is_set(self) -> bool:

@@ -1,4 +1,4 @@
-"""The device-agnostic model runner: one step of the scheduler's plan on the selected selection.
+"""The device-agnostic model runner: one step of the scheduler's plan on the selected device.
 
 Per step: apply the scheduler's changes to the persistent ``InputBatch``, build the flattened
 inputs and the attention metadata with numpy (no Python loop over tokens), run the model once,
