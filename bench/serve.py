@@ -1,6 +1,6 @@
 """Online serving benchmark (like ``vllm bench serve``), with the offline engine as baseline in the same run.
 
-    python bench/serve.py                          # demo model: offline, then a server, rates inf and half
+    python bench/serve.py                          # the random test model: offline, then a server, rates inf and half
     python bench/serve.py --model DIR --num-prompts 128 --rates half,0.5 --repeat 5
     python bench/serve.py --url http://127.0.0.1:8000 --model DIR   # against a running server
 
@@ -287,7 +287,8 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", help="a running server (default: start one)")
-    ap.add_argument("--model", default=None, help="model directory (default: the demo model)")
+    ap.add_argument("--model", default=None, help="model directory (default: the seeded random model, "
+                    "fdplug.demo.random_model: 4 layers, hidden 256, vocab 512)")
     ap.add_argument("--served-model-name", default="bench", help="model name on a --url server")
     ap.add_argument("--api-key", default=None, help="API key of a --url server")
     ap.add_argument("--device", default="auto")

@@ -79,7 +79,7 @@ def test_explain_unknown_component_exits_nonzero():
     assert out.returncode == 1 and "no attention named 'warp-speed'" in out.stderr
 
 
-@pytest.mark.parametrize("swiglu", ["paddle_swiglu", "cpu_native"])
+@pytest.mark.parametrize("swiglu", ["paddle_swiglu", "cpu_native_swiglu"])
 def test_generate_runs_the_components_named_on_the_command_line(swiglu):
     out = run("generate", "--runner", "default", "--op-kernel", f"swiglu={swiglu}", "--prompt", "Hello",
               "--max-tokens", "4", "--max-model-len", "256", "--num-kv-blocks", "64")

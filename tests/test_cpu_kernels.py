@@ -1,7 +1,7 @@
 """The cpu device's compiled kernels: numerics against the definition, the build cache, and fallbacks.
 
 ``cpu_native`` must agree with the plain-Paddle reference on every case (decode rows go through C,
-prefill rows through the reference's matmuls, the cache write through C; the ``cpu_native`` runner's
+prefill rows through the reference's matmuls, the cache write through C; the ``cpu_native_swiglu`` op kernel's
 SwiGLU against paddle's), and a machine that cannot build the kernels must still serve with the
 reference, saying why.
 """
@@ -119,7 +119,7 @@ def test_a_failing_compiler_falls_back_to_the_reference_and_says_why(fresh_kerne
     assert reason is not None and "false failed" in reason
     selection = select_components("cpu")
     assert selection.attention.name == "reference" and selection.ops["swiglu"].name == "paddle_swiglu"
-    rejected = [d for d in selection.decisions if d.name == "cpu_native"]
+    rejected = [d for d in selection.decisions if d.name.startswith("cpu_native")]
     assert {d.role for d in rejected} == {"op:swiglu", "attention"}
     assert all("false failed" in d.reason for d in rejected)
 
@@ -135,7 +135,7 @@ def test_kernels_off_selects_the_reference(fresh_kernels, monkeypatch):
     monkeypatch.setenv("FDPLUG_CPU_KERNELS", "off")
     selection = select_components("cpu")
     assert selection.attention.name == "reference" and selection.ops["swiglu"].name == "paddle_swiglu"
-    assert any(d.name == "cpu_native" and "FDPLUG_CPU_KERNELS=off" in d.reason for d in selection.decisions)
+    assert any(d.name == "cpu_native_swiglu" and "FDPLUG_CPU_KERNELS=off" in d.reason for d in selection.decisions)
     assert not (fresh_kernels / "kernels").exists()  # off means not even a build
 
 
@@ -150,8 +150,8 @@ def test_native_is_the_cpu_default_and_generates_what_the_reference_generates(te
         outputs[selection.ops["swiglu"].name, selection.attention.name] = [
             o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                                          use_tqdm=False)]
-    assert set(outputs) == {("cpu_native", "cpu_native"), ("paddle_swiglu", "reference")}
-    assert outputs["cpu_native", "cpu_native"] == outputs["paddle_swiglu", "reference"]
+    assert set(outputs) == {("cpu_native_swiglu", "cpu_native"), ("paddle_swiglu", "reference")}
+    assert outputs["cpu_native_swiglu", "cpu_native"] == outputs["paddle_swiglu", "reference"]
 
 
 # Row counts on both sides of the thresholds (paddle below SWIGLU_MIN_OUTPUTS, one thread below

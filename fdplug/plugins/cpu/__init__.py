@@ -56,7 +56,7 @@ def fdplug_register_attention_backends(register):
 
 @hookimpl
 def fdplug_register_ops(register):
-    register(OpSpec(name="cpu_native", op="swiglu", devices=("cpu",), factory=_native_swiglu_factory, priority=10,
+    register(OpSpec(name="cpu_native_swiglu", op="swiglu", devices=("cpu",), factory=_native_swiglu_factory, priority=10,
                     supports=_native_kernels_supports,
                     description="AVX2 SwiGLU on every core (compiled C): 4-5x paddle's single-threaded one "
                                 "(FDPLUG_CPU_KERNELS)"))
