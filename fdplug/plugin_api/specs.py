@@ -10,10 +10,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from fdplug.plugin_api.ops import OPS
 from fdplug.plugin_api.settings import Setting
+
+if TYPE_CHECKING:
+    from fdplug.core.config import EngineConfig
+    from fdplug.plugin_api.storage import FeatureStorage
 
 ANY_DEVICE = "*"
 """In ``devices=``: the component is portable Paddle code that runs on every device."""
@@ -66,18 +70,19 @@ class DeviceSpec:
 
 @dataclass(frozen=True, slots=True)
 class ComponentSpec:
-    """Common shape of the per-device components: model runners, attention and MoE backends.
+    """Common shape of the per-device components: model runners, attention and MoE backends, op kernels.
 
     ``devices`` lists the device names the component runs on (``"*"``: any). ``supports(config)``
     returns ``None`` if the component can serve the given `EngineConfig`, else the reason it cannot;
-    it must not raise for an unsupported model. ``factory`` builds the object the core calls.
+    it must not raise for an unsupported model. ``factory`` builds the object the core calls (its
+    arguments per role: ``(config, selection)`` for a runner, ``(config)`` for the others).
     """
 
     name: str
     devices: tuple[str, ...]
     factory: Callable[..., Any]
     priority: int = 0
-    supports: Callable[[Any], str | None] | None = None
+    supports: Callable[["EngineConfig"], str | None] | None = None
     description: str = ""
 
     role = "component"
@@ -136,7 +141,7 @@ class FeatureStorageSpec:
 
     name: str
     schemes: tuple[str, ...]
-    factory: Callable[[Any], Any]
+    factory: Callable[["EngineConfig"], "FeatureStorage"]
     priority: int = 0
     description: str = ""
 
