@@ -29,11 +29,9 @@ from typing import Any
 import numpy as np
 import paddle
 import paddle.nn.functional as F
-import tokenizers
 from safetensors.numpy import save_file
 
-from fdplug.demo import chatml
-from fdplug.demo.bpe import QWEN2_SPLIT, bytes_to_unicode, learn_bpe
+from fdplug.demo import bpe, chatml
 from fdplug.demo.chatml import EXTRA_TOKENS, SPECIAL_TOKENS, VISION_TOKENS
 from fdplug.demo.publish import write_json
 from fdplug.demo.random_model import build_config, tensor_shapes
@@ -114,30 +112,12 @@ def build_samples(topics: list[tuple[str, str]], sched: Schedule) -> list[str]:
 
 
 def build_tokenizer(texts: list[str], vocab_size: int) -> Any:
-    """``fdplug.demo.bpe``'s tokenizer (same regex, ByteLevel, NFC, decoder), merges learned on ``texts``.
-
-    Its plain-Python BPE, given many texts with the added tokens cut out of them first (so no merge
-    is spent on pieces of ``<|im_end|>``); ``bpe.build_tokenizer`` takes one text as it is.
-    """
-    pre = tokenizers.pre_tokenizers.Sequence([
-        tokenizers.pre_tokenizers.Split(tokenizers.Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
-        tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
-    ])
-    byte_tokens = [ch for _, ch in sorted(bytes_to_unicode().items())]
+    """``fdplug.demo.bpe``'s tokenizer, merges learned on ``texts`` with the added tokens cut out of them
+    first (so no merge is spent on pieces of ``<|im_end|>``); ``bpe.build_tokenizer`` takes one text as it is."""
+    pre = bpe.pre_tokenizer()
     added = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS + VISION_TOKENS + EXTRA_TOKENS))
     pieces = [piece for text in texts for part in added.split(text) for piece, _ in pre.pre_tokenize_str(part)]
-    n_learned = vocab_size - 256 - len(SPECIAL_TOKENS) - len(VISION_TOKENS) - len(EXTRA_TOKENS)
-    vocab, merges = learn_bpe(byte_tokens, pieces, n_learned)
-    bpe = tokenizers.models.BPE(vocab, merges, unk_token=None, fuse_unk=False, byte_fallback=False)
-    tok = tokenizers.Tokenizer(bpe)
-    tok.normalizer = tokenizers.normalizers.NFC()
-    tok.pre_tokenizer = pre
-    tok.decoder = tokenizers.decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
-    tok.post_processor = tokenizers.processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
-    added_token = tokenizers.AddedToken
-    tok.add_special_tokens([added_token(t, special=True, normalized=False) for t in SPECIAL_TOKENS + VISION_TOKENS])
-    tok.add_tokens([added_token(t, special=False, normalized=False) for t in EXTRA_TOKENS])
-    return tok
+    return bpe.tokenizer_from_pieces(pieces, vocab_size, pre)
 
 
 def model_config(tok: Any, shape: Shape) -> dict[str, Any]:

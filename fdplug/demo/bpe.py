@@ -31,23 +31,32 @@ def bytes_to_unicode() -> dict[int, str]:
 
 def build_tokenizer(text: str, vocab_size: int) -> Any:
     """A Qwen2-style byte-level BPE tokenizer of exactly ``vocab_size`` tokens, merges learned from ``text``."""
+    pre = pre_tokenizer()
+    return tokenizer_from_pieces([piece for piece, _ in pre.pre_tokenize_str(text)], vocab_size, pre)
+
+
+def pre_tokenizer() -> Any:
+    """Qwen2's split regex, then byte-level: the pieces merges are learned from and applied to."""
+    from tokenizers import Regex, pre_tokenizers
+
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+    ])
+
+
+def tokenizer_from_pieces(pieces: list[str], vocab_size: int, pre: Any) -> Any:
+    """The tokenizer whose merges are learned from pre-tokenized ``pieces``, with the demo's added tokens."""
     from tokenizers import (
         AddedToken,
-        Regex,
         Tokenizer,
         decoders,
         models,
         normalizers,
-        pre_tokenizers,
         processors,
     )
 
-    pre = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
-    ])
     byte_tokens = [ch for _, ch in sorted(bytes_to_unicode().items())]
-    pieces = [piece for piece, _ in pre.pre_tokenize_str(text)]
     n_learned = vocab_size - 256 - len(SPECIAL_TOKENS) - len(VISION_TOKENS) - len(EXTRA_TOKENS)
     vocab, merges = learn_bpe(byte_tokens, pieces, n_learned)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=None, fuse_unk=False, byte_fallback=False))
