@@ -116,13 +116,13 @@ class EngineCore:
         self.profiler.steps += 1
         self.profiler.add(executed.model_output.timings)
         with self.profiler.phase("update"):
-            scheduled = {rid: self.scheduler.requests[rid] for rid in so.num_scheduled_tokens
-                         if rid in self.scheduler.requests}
+            with_features = {rid: request for rid in so.num_scheduled_tokens
+                             if (request := self.scheduler.requests.get(rid)) is not None and request.mm_inputs}
             outputs = self._fail(executed.failed)
             outputs += self.scheduler.update_from_output(so, executed.model_output)
-            for out in outputs:
-                if out.finished and out.request_id in scheduled:
-                    self._release(scheduled[out.request_id])
+            for out in outputs:   # the scheduler forgets a finished request: release its features now
+                if out.finished and out.request_id in with_features:
+                    self._release(with_features[out.request_id])
             if executed.step_failed or executed.failed:
                 self.executor.after_failure()
         return outputs
