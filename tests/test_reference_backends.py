@@ -36,7 +36,7 @@ def test_bidirectional_span_changes_the_output_only_inside_the_span():
     assert changed[4:11].all()  # the span's last token already saw the whole span causally
 
 
-@pytest.mark.parametrize("case", moe_cases(seed=2), ids=lambda c: f"T{c.num_tokens}-E{c.num_experts}-k{c.top_k}")
+@pytest.mark.parametrize("case", moe_cases(seed=2), ids=lambda c: c.label)
 def test_reference_moe_matches_the_definition(case):
     np.testing.assert_allclose(run_moe(ReferenceMoE(), case), naive_moe(case), atol=1e-5, rtol=1e-5)
 

@@ -24,7 +24,7 @@ from tests.test_plugin_loading import AttnPlugin, attention_spec
 
 
 class DevicePlugin:
-    FDPLUG_API_VERSION = "2.0"
+    FDPLUG_API_VERSION = "3.0"
 
     def __init__(self, *devices):
         self.devices = devices
@@ -148,7 +148,7 @@ def test_supports_that_raises_is_a_rejection():
 
 def test_moe_weight_format_must_match_the_model():
     class Fp8Plugin:
-        FDPLUG_API_VERSION = "2.0"
+        FDPLUG_API_VERSION = "3.0"
 
         @hookimpl
         def fdplug_register_moe_backends(self, register):
@@ -157,11 +157,12 @@ def test_moe_weight_format_must_match_the_model():
 
     plugin_set = load_plugins(extra=[("fp8", Fp8Plugin())])
     plain = select_components(config=EngineConfig(model=ModelTraits(num_experts=8)), plugins=plugin_set)
-    assert plain.moe.name == "reference"
+    assert plain.moe.name == "cpu_native"     # the plain-float backends outrank fp8 (5) on a plain model
     quantized = select_components(config=EngineConfig(model=ModelTraits(moe_weight_format="fp8_block")),
                                plugins=plugin_set)
     assert quantized.moe.name == "fp8"
-    assert any("not the model's 'fp8_block'" in d.reason for d in quantized.decisions if d.name == "reference")
+    assert all("not the model's 'fp8_block'" in d.reason for d in quantized.decisions
+               if d.role == "moe" and d.name in ("reference", "cpu_native"))
 
 
 def test_a_plugin_that_registers_only_a_device_gets_the_portable_components():
@@ -186,7 +187,7 @@ def test_no_candidate_left_is_an_error_listing_every_reason():
 
 def test_storages_are_chosen_per_scheme_by_priority_and_explicitly():
     class Stores:
-        FDPLUG_API_VERSION = "2.0"
+        FDPLUG_API_VERSION = "3.0"
 
         @hookimpl
         def fdplug_register_feature_storages(self, register):
@@ -216,3 +217,14 @@ def test_names_rebuild_the_same_choice_in_another_process():
     out = subprocess.run([PYTHON, "-c", code, json.dumps(names)], capture_output=True, text=True, timeout=120,
                          env=subprocess_env(), check=True)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == names
+
+
+def test_fd_moe_backend_names_the_moe_backend_and_the_flag_wins(monkeypatch):
+    monkeypatch.setenv("FD_MOE_BACKEND", "reference")
+    chosen = select_components("cpu")
+    assert chosen.moe.name == "reference"
+    assert any(d.chosen and d.reason == "asked for FD_MOE_BACKEND" for d in chosen.decisions if d.role == "moe")
+    assert select_components("cpu", moe="cpu_native").moe.name == "cpu_native"
+    monkeypatch.setenv("FD_MOE_BACKEND", "cutlass")          # FastDeploy's GPU kernels are not fdplug's
+    with pytest.raises(UnknownComponentError, match="no moe named 'cutlass'.*known: cpu_native, reference"):
+        select_components("cpu")

@@ -26,6 +26,7 @@ class ModelTraits:
     num_kv_heads: int = 0
     head_dim: int = 0
     num_experts: int = 0
+    experts_per_token: int = 0
     moe_weight_format: str = "none"
     mask_policy: str = "causal"
 

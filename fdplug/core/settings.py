@@ -17,6 +17,10 @@ from fdplug.plugin_api.settings import (
 
 __all__ = ["env", "env_is_set"]
 
+
+def _parse_name(raw: str) -> str | None:
+    return raw.strip() or None
+
 for _setting in (
     Setting("FDPLUG_PLUGINS", None, parse_list,
             "Comma-separated allow-list of third-party plugins to load (unset: all installed)."),
@@ -32,5 +36,8 @@ for _setting in (
             "Threads that fetch multimodal features for requests, off the step loop (FastDeploy's name)."),
     Setting("FDPLUG_FETCH_TIMEOUT", 30.0, parse_positive_float,
             "Seconds one feature fetch may take before it fails."),
+    Setting("FD_MOE_BACKEND", None, _parse_name,
+            "MoE backend for the routed experts, by name (`fdplug explain` lists them; FastDeploy's name, "
+            "but its values cutlass/marlin/triton are GPU kernels fdplug does not have). --moe-backend wins."),
 ):
     declare(_setting)

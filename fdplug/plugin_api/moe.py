@@ -1,8 +1,16 @@
-"""The MoE contract: expert weights in, routed expert output out.
+"""The MoE contract: the routing rule every model uses, and what a MoE backend computes.
 
-The model computes the router logits (a plain linear layer, shared code); a MoE backend owns the
-expert weights in its own layout and the routed computation. ``select_experts`` is the routing rule
-every backend must reproduce, so it lives here once.
+A MoE layer is three parts, and only the last belongs to a backend:
+
+1. the router: a plain linear layer in the model giving ``router_logits [T, E]``;
+2. the routing rule, `select_experts` with the layer's `Routing`: which ``top_k`` experts each
+   token goes to and with what weight. It lives here, once, so no backend can route differently;
+3. the routed experts: `MoEBackend.forward` takes the hidden states and the chosen
+   ``(weights, ids)`` and returns ``sum_k weight_k * expert_{id_k}(x)``. The backend owns the
+   expert weights in its own layout (``load_weights`` converts them once at load time).
+
+Shared experts (Qwen2-MoE's gated one, ERNIE-4.5's ungated ones) are ordinary MLPs of the model,
+not a backend's business.
 """
 
 from __future__ import annotations
@@ -10,10 +18,115 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+SCORINGS = ("softmax", "sigmoid")
+
+
+@dataclass(frozen=True, slots=True)
+class Routing:
+    """How one MoE layer picks and weighs its experts (from the checkpoint's config.json).
+
+    - ``scoring``: ``softmax`` over the experts (Qwen-MoE, ERNIE-4.5) or an independent
+      ``sigmoid`` per expert (DeepSeek-V3, GLM-4.5). Scores are always computed in float32.
+    - ``bias``: whether the layer has a selection bias (``e_score_correction_bias``): added to the
+      scores to *choose* experts, never to weigh them.
+    - ``num_groups`` / ``topk_groups``: grouped routing. Experts are split into ``num_groups``
+      equal groups, a group scores the sum of its two best (biased) scores, and only the
+      ``topk_groups`` best groups may be chosen from.
+    - ``renormalize``: divide the chosen weights by their sum, clamped below at ``norm_floor``
+      (ERNIE-4.5's ``moe_norm_min``; 0 for Qwen's ``norm_topk_prob``).
+    - ``scaling``: every weight times this (``routed_scaling_factor``).
+    - ``router_dtype``: ``model`` (the router matmul runs in the model's dtype, Qwen) or ``float32``
+      (ERNIE-4.5 keeps its router weight and matmul in float32).
+    """
+
+    top_k: int
+    scoring: str = "softmax"
+    bias: bool = False
+    num_groups: int = 1
+    topk_groups: int = 1
+    renormalize: bool = False
+    norm_floor: float = 0.0
+    scaling: float = 1.0
+    router_dtype: str = "model"
+
+    def problems(self, num_experts: int) -> list[str]:
+        """What makes this routing impossible for ``num_experts`` experts (empty: fine)."""
+        out = []
+        if self.scoring not in SCORINGS:
+            out.append(f"scoring {self.scoring!r} is not one of {', '.join(SCORINGS)}")
+        if not 1 <= self.top_k <= num_experts:
+            out.append(f"top_k={self.top_k} must be between 1 and the {num_experts} experts")
+        if self.num_groups < 1 or num_experts % self.num_groups:
+            out.append(f"{num_experts} experts do not split into n_group={self.num_groups} equal groups")
+        elif not 1 <= self.topk_groups <= self.num_groups:
+            out.append(f"topk_group={self.topk_groups} must be between 1 and n_group={self.num_groups}")
+        elif self.top_k > self.topk_groups * (num_experts // self.num_groups):
+            out.append(f"top_k={self.top_k} exceeds the {self.topk_groups * (num_experts // self.num_groups)} "
+                       f"experts in the topk_group={self.topk_groups} groups kept")
+        if self.norm_floor < 0 or self.scaling <= 0:
+            out.append(f"moe_norm_min={self.norm_floor} must be >= 0 and the scaling factor {self.scaling} > 0")
+        if self.router_dtype not in ("model", "float32"):
+            out.append(f"router_dtype {self.router_dtype!r} is not 'model' or 'float32'")
+        return out
+
+    def describe(self) -> str:
+        parts = [f"{self.scoring} top-{self.top_k}"]
+        if self.num_groups > 1:
+            parts.append(f"{self.topk_groups} of {self.num_groups} groups")
+        if self.bias:
+            parts.append("selection bias")
+        if self.renormalize:
+            parts.append("renormalised" + (f" (floor {self.norm_floor:g})" if self.norm_floor else ""))
+        if self.scaling != 1.0:
+            parts.append(f"x{self.scaling:g}")
+        return ", ".join(parts)
+
+
+def select_experts(router_logits: Any, routing: Routing, bias: Any | None = None) -> tuple[Any, Any]:
+    """The routing rule: per token, ``routing.top_k`` experts and their weights.
+
+    ``router_logits [T, E]`` (any float dtype), ``bias [E]`` float32 when ``routing.bias``.
+    Returns ``(weights [T, top_k] float32, expert_ids [T, top_k] int64)``, best expert first.
+    """
+    import paddle
+    import paddle.nn.functional as F
+
+    logits = router_logits.astype("float32")
+    scores = F.softmax(logits, axis=-1) if routing.scoring == "softmax" else F.sigmoid(logits)
+    choice = scores if bias is None else scores + bias.astype("float32").reshape([1, -1])
+    if routing.num_groups > 1:
+        choice = _keep_best_groups(choice, routing.num_groups, routing.topk_groups)
+    _, ids = paddle.topk(choice, k=routing.top_k, axis=-1)
+    weights = paddle.take_along_axis(scores, ids, axis=-1)   # the unbiased scores weigh the experts
+    if routing.renormalize:
+        weights = weights / weights.sum(axis=-1, keepdim=True).clip(min=routing.norm_floor)
+    if routing.scaling != 1.0:
+        weights = weights * routing.scaling
+    return weights, ids
+
+
+def _keep_best_groups(choice: Any, num_groups: int, topk_groups: int) -> Any:
+    """``choice`` with the experts outside each token's ``topk_groups`` best groups set to -inf.
+
+    A group's score is the sum of its two best choice scores (one if a group has one expert).
+    Dropped experts become -inf rather than 0 (HF's DeepSeek-V3 uses 0): with a negative selection
+    bias a kept expert can score below 0, and a dropped group must still never win.
+    """
+    import paddle
+
+    tokens, experts = choice.shape
+    grouped = choice.reshape([tokens, num_groups, experts // num_groups])
+    best, _ = paddle.topk(grouped, k=min(2, experts // num_groups), axis=-1)
+    _, kept = paddle.topk(best.sum(axis=-1), k=topk_groups, axis=-1)
+    keep = paddle.zeros([tokens, num_groups], dtype="float32")
+    keep = paddle.put_along_axis(keep, kept, paddle.ones_like(kept, dtype="float32"), axis=-1)
+    mask = keep.unsqueeze(-1).expand_as(grouped).reshape([tokens, experts])
+    return paddle.where(mask > 0, choice, paddle.full_like(choice, float("-inf")))
+
 
 @dataclass(slots=True)
 class ExpertWeights:
-    """One MoE layer's experts, in Hugging Face ``nn.Linear`` layout (``[out, in]`` per expert).
+    """One MoE layer's routed experts, in Hugging Face ``nn.Linear`` layout (``[out, in]`` per expert).
 
     ``gate`` and ``up`` are ``[num_experts, intermediate, hidden]``, ``down`` is
     ``[num_experts, hidden, intermediate]``. For quantized formats (``format != "none"``) the tensors
@@ -31,21 +144,6 @@ class ExpertWeights:
         return int(self.gate.shape[0])
 
 
-def select_experts(router_logits: Any, top_k: int, renormalize: bool) -> tuple[Any, Any]:
-    """Softmax routing: per token, the ``top_k`` experts and their weights (fp32).
-
-    With ``renormalize`` the chosen weights are rescaled to sum to 1 (Qwen-MoE ``norm_topk_prob``).
-    Returns ``(weights [T, top_k] float32, expert_ids [T, top_k] int64)``.
-    """
-    import paddle
-
-    probs = paddle.nn.functional.softmax(router_logits.astype("float32"), axis=-1)
-    weights, ids = paddle.topk(probs, k=top_k, axis=-1)
-    if renormalize:
-        weights = weights / weights.sum(axis=-1, keepdim=True)
-    return weights, ids
-
-
 @runtime_checkable
 class MoEBackend(Protocol):
     """What a MoE backend's factory returns."""
@@ -53,13 +151,15 @@ class MoEBackend(Protocol):
     name: str
 
     def load_weights(self, weights: ExpertWeights) -> Any:
-        """Convert one layer's expert weights to this backend's layout; called once at load time."""
+        """Convert one layer's expert weights to this backend's layout; called once per layer at load
+        time. The returned object is what ``forward`` gets as ``layer``; the backend may keep the
+        given tensors or copy them, and the model drops its own references afterwards."""
         ...
 
-    def forward(self, hidden: Any, router_logits: Any, layer: Any, top_k: int, renormalize: bool) -> Any:
-        """``hidden [T, H]`` and ``router_logits [T, E]`` -> routed expert output ``[T, H]``.
+    def forward(self, hidden: Any, topk_weights: Any, topk_ids: Any, layer: Any) -> Any:
+        """``hidden [T, H]``, ``topk_weights [T, K]`` float32 and ``topk_ids [T, K]`` int64 from
+        `select_experts` -> ``[T, H]`` in ``hidden``'s dtype::
 
-        ``layer`` is what ``load_weights`` returned. Activation is SwiGLU:
-        ``down(silu(gate(x)) * up(x))``, weighted by the routing weights and summed over the top-k.
+            out[t] = sum_k topk_weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)),  e = topk_ids[t, k]
         """
         ...

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fdplug.plugin_api.attention import AttentionMetadata, causal_key_end, cdiv
+from fdplug.plugin_api.moe import Routing
 
 
 @dataclass(slots=True)
@@ -177,14 +178,28 @@ class MoECase:
     hidden: int
     intermediate: int
     num_experts: int
-    top_k: int
-    renormalize: bool
+    routing: Routing
     seed: int
+
+    @property
+    def label(self) -> str:
+        r = self.routing
+        return (f"T{self.num_tokens}-E{self.num_experts}-k{r.top_k}-{r.scoring}"
+                f"{'-bias' if r.bias else ''}{f'-g{r.topk_groups}of{r.num_groups}' if r.num_groups > 1 else ''}")
 
 
 def moe_cases(seed: int = 0) -> list[MoECase]:
-    return [MoECase(1, 32, 16, 4, 1, False, seed), MoECase(17, 64, 32, 8, 2, True, seed + 1),
-            MoECase(64, 32, 48, 16, 4, False, seed + 2), MoECase(5, 16, 8, 3, 3, True, seed + 3)]
+    """Every routing variant: Qwen (softmax, renormalised or not), ERNIE-4.5 (biased selection, floor),
+    DeepSeek-V3/GLM-4.5 (sigmoid, groups, scaling), and shapes from one token to a prefill's worth."""
+    return [MoECase(1, 32, 16, 4, Routing(1), seed),
+            MoECase(17, 64, 32, 8, Routing(2, renormalize=True), seed + 1),
+            MoECase(64, 32, 48, 16, Routing(4), seed + 2),
+            MoECase(5, 16, 8, 3, Routing(3, renormalize=True), seed + 3),
+            MoECase(33, 32, 24, 8, Routing(2, bias=True, renormalize=True, norm_floor=1e-12, router_dtype="float32"),
+                    seed + 4),
+            MoECase(40, 32, 16, 16, Routing(4, scoring="sigmoid", bias=True, num_groups=4, topk_groups=2,
+                                            renormalize=True, norm_floor=1e-20, scaling=2.5), seed + 5),
+            MoECase(9, 24, 40, 6, Routing(2, scoring="sigmoid", scaling=1.5), seed + 6)]
 
 
 def moe_case_arrays(case: MoECase) -> dict[str, np.ndarray]:
@@ -194,13 +209,15 @@ def moe_case_arrays(case: MoECase) -> dict[str, np.ndarray]:
             "logits": rng.standard_normal((case.num_tokens, e)).astype(np.float32),
             "gate": (rng.standard_normal((e, i, h)) / np.sqrt(h)).astype(np.float32),
             "up": (rng.standard_normal((e, i, h)) / np.sqrt(h)).astype(np.float32),
-            "down": (rng.standard_normal((e, h, i)) / np.sqrt(i)).astype(np.float32)}
+            "down": (rng.standard_normal((e, h, i)) / np.sqrt(i)).astype(np.float32),
+            "bias": (0.2 * rng.standard_normal(e)).astype(np.float32)}
 
 
 def run_moe(backend, case: MoECase, place: str = "cpu") -> np.ndarray:
+    """The backend's output for the case, routed by the core's `select_experts`."""
     import paddle
 
-    from fdplug.plugin_api.moe import ExpertWeights
+    from fdplug.plugin_api.moe import ExpertWeights, select_experts
 
     arrays = moe_case_arrays(case)
     previous = paddle.get_device()
@@ -208,22 +225,48 @@ def run_moe(backend, case: MoECase, place: str = "cpu") -> np.ndarray:
     try:
         t = {name: paddle.to_tensor(a) for name, a in arrays.items()}
         layer = backend.load_weights(ExpertWeights(t["gate"], t["up"], t["down"]))
-        out = backend.forward(t["hidden"], t["logits"], layer, case.top_k, case.renormalize)
-        return out.astype("float32").numpy()
+        weights, ids = select_experts(t["logits"], case.routing, t["bias"] if case.routing.bias else None)
+        return backend.forward(t["hidden"], weights, ids, layer).astype("float32").numpy()
     finally:
         paddle.set_device(previous)
 
 
+def naive_routing(logits: np.ndarray, routing: Routing, bias: np.ndarray | None = None
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """The routing rule written from the formulas, token by token in float64: ``(weights, ids)``."""
+    logits = logits.astype(np.float64)
+    if routing.scoring == "softmax":
+        z = np.exp(logits - logits.max(axis=1, keepdims=True))
+        scores = z / z.sum(axis=1, keepdims=True)
+    else:
+        scores = 1.0 / (1.0 + np.exp(-logits))
+    weights, ids = [], []
+    for row in scores:
+        choice = row + (bias if routing.bias else 0.0)
+        if routing.num_groups > 1:
+            groups = choice.reshape(routing.num_groups, -1)
+            group_score = np.sort(groups, axis=1)[:, ::-1][:, :2].sum(axis=1)
+            kept = np.argsort(-group_score, kind="stable")[:routing.topk_groups]
+            allowed = np.zeros_like(groups, dtype=bool)
+            allowed[kept] = True
+            choice = np.where(allowed.reshape(-1), choice, -np.inf)
+        top = np.argsort(-choice, kind="stable")[:routing.top_k]
+        w = row[top]
+        if routing.renormalize:
+            w = w / max(w.sum(), routing.norm_floor)
+        weights.append(w * routing.scaling)
+        ids.append(top)
+    return np.array(weights).reshape(-1, routing.top_k), np.array(ids).reshape(-1, routing.top_k)
+
+
 def naive_moe(case: MoECase) -> np.ndarray:
-    a = moe_case_arrays(case)
-    logits = a["logits"] - a["logits"].max(axis=1, keepdims=True)
-    probs = np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True)
+    """The case's MoE output from the formulas: naive routing, then each chosen expert in float64."""
+    a = {k: v.astype(np.float64) for k, v in moe_case_arrays(case).items()}
+    weights, ids = naive_routing(a["logits"], case.routing, a["bias"])
     out = np.zeros_like(a["hidden"])
     for t in range(case.num_tokens):
-        top = np.argsort(-probs[t], kind="stable")[:case.top_k]
-        weights = probs[t, top] / (probs[t, top].sum() if case.renormalize else 1.0)
-        for e, w in zip(top, weights):
+        for e, w in zip(ids[t], weights[t]):
             x = a["hidden"][t]
             g, u = a["gate"][e] @ x, a["up"][e] @ x
             out[t] += w * (a["down"][e] @ (g / (1 + np.exp(-g)) * u))
-    return out
+    return out.astype(np.float32)

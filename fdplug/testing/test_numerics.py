@@ -30,7 +30,7 @@ def test_attention_matches_cpu_reference(case, attention_backend_name, fdplug_pl
         np.testing.assert_allclose(g, e, atol=fdplug_atol, rtol=fdplug_atol, err_msg=f"step {step}")
 
 
-@pytest.mark.parametrize("case", moe_cases(seed=3), ids=lambda c: f"T{c.num_tokens}-E{c.num_experts}-k{c.top_k}")
+@pytest.mark.parametrize("case", moe_cases(seed=3), ids=lambda c: c.label)
 def test_moe_matches_cpu_reference(case, moe_backend_name, fdplug_plugin_set, fdplug_place, fdplug_atol,
                                    fdplug_selection):
     if moe_backend_name is None:

@@ -15,6 +15,7 @@ from typing import Any, Mapping
 from fdplug.core.config import EngineConfig
 from fdplug.core.plugin_loading.loader import PluginSet, current_plugins
 from fdplug.core.plugin_loading.registry import Entry
+from fdplug.core.settings import env
 from fdplug.errors import DeviceUnavailableError, SelectionError, UnknownComponentError
 from fdplug.plugin_api.ops import OPS
 from fdplug.plugin_api.selection import COMPONENT_ROLES, Decision, Selection
@@ -37,7 +38,10 @@ def select_components(device: str = AUTO, runner: str | None = None, attention: 
     config = config or EngineConfig()
     decisions: list[Decision] = []
     device_entry, probe = _select_device(plugins, device, decisions)
-    chosen = {role: _select_component(plugins, role, explicit, device_entry.spec.name, config, decisions)
+    asked_by = {"moe": "FD_MOE_BACKEND"} if moe is None and env("FD_MOE_BACKEND") else {}
+    moe = moe if moe is not None else env("FD_MOE_BACKEND")
+    chosen = {role: _select_component(plugins, role, explicit, device_entry.spec.name, config, decisions,
+                                      asked_by=asked_by.get(role, "explicitly"))
               for role, explicit in zip(COMPONENT_ROLES, (runner, attention, moe))}
     op_specs = {op: _select_component(plugins, "op", (ops or {}).get(op), device_entry.spec.name, config,
                                       decisions, op=op) for op in OPS}
@@ -127,8 +131,9 @@ def _rejection(spec: Any, device: str, config: EngineConfig) -> str | None:
 
 
 def _select_component(plugins: PluginSet, role: str, explicit: str | None, device: str, config: EngineConfig,
-                      decisions: list[Decision], op: str | None = None) -> Any:
-    """The component of ``role`` (for ``role == "op"``: the kernel of ``op``) for this device and config."""
+                      decisions: list[Decision], op: str | None = None, asked_by: str = "explicitly") -> Any:
+    """The component of ``role`` (for ``role == "op"``: the kernel of ``op``) for this device and config;
+    ``asked_by`` says who named ``explicit`` (a flag, or a setting's name)."""
     registry = plugins.registry
     entries = [e for e in registry.entries(role) if op is None or e.spec.op == op]
     if op is not None:
@@ -140,14 +145,14 @@ def _select_component(plugins: PluginSet, role: str, explicit: str | None, devic
         reason = _rejection(entry.spec, device, config)
         if reason is not None:
             decisions.append(Decision(role, explicit, entry.plugin, False, reason))
-            raise SelectionError(f"{role} {explicit!r} was asked for explicitly but cannot be used: {reason}.",
+            raise SelectionError(f"{role} {explicit!r} was asked for {asked_by} but cannot be used: {reason}.",
                                  fix=f"choose another {role} (see `fdplug explain`) or another device.",
                                  decisions=tuple(decisions))
-        decisions.append(Decision(role, explicit, entry.plugin, True, "asked for explicitly"))
+        decisions.append(Decision(role, explicit, entry.plugin, True, f"asked for {asked_by}"))
         for other in entries:
             if other.spec.name != explicit:
                 decisions.append(Decision(role, other.spec.name, other.plugin, False,
-                                          f"{explicit!r} was asked for explicitly"))
+                                          f"{explicit!r} was asked for {asked_by}"))
         return entry.spec
     chosen: Entry | None = None
     for entry in sorted(entries, key=lambda e: (-e.spec.priority, e.spec.name)):

@@ -62,7 +62,7 @@ def fdplug_register_attention_backends(register):
 @hookimpl
 def fdplug_register_moe_backends(register):
     register(MoEBackendSpec(name="reference", devices=(ANY_DEVICE,), factory=_moe_factory, priority=0,
-                            weight_formats=("none",), description="softmax top-k routing, a loop over experts"))
+                            weight_formats=("none",), description="a Paddle loop over the experts that got tokens"))
 
 
 @hookimpl

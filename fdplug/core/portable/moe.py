@@ -1,4 +1,4 @@
-"""Reference MoE: softmax top-k routing and a loop over the experts that received tokens.
+"""Reference MoE: a loop over the experts that received tokens (routing is the core's `select_experts`).
 
 Plain Paddle ops, so it runs on every device; it is the numerics reference the conformance kit
 checks other MoE backends against, not a fast path.
@@ -14,7 +14,7 @@ import paddle
 import paddle.nn.functional as F
 
 from fdplug.errors import ConfigError
-from fdplug.plugin_api.moe import ExpertWeights, select_experts
+from fdplug.plugin_api.moe import ExpertWeights
 
 
 @dataclass(slots=True)
@@ -34,13 +34,13 @@ class ReferenceMoE:
         return _Layer(weights.gate.transpose([0, 2, 1]), weights.up.transpose([0, 2, 1]),
                       weights.down.transpose([0, 2, 1]))
 
-    def forward(self, hidden: Any, router_logits: Any, layer: _Layer, top_k: int, renormalize: bool) -> Any:
-        routing_weights, expert_ids = select_experts(router_logits, top_k, renormalize)
-        flat_ids = expert_ids.numpy().reshape(-1)
+    def forward(self, hidden: Any, topk_weights: Any, topk_ids: Any, layer: _Layer) -> Any:
+        top_k = int(topk_ids.shape[1])
+        flat_ids = topk_ids.numpy().reshape(-1)
         order = np.argsort(flat_ids, kind="stable")            # assignments grouped by expert
         experts, first = np.unique(flat_ids[order], return_index=True)
         bounds = np.append(first, len(order))
-        flat_weights = routing_weights.reshape([-1]).astype(hidden.dtype)
+        flat_weights = topk_weights.reshape([-1]).astype(hidden.dtype)
         out = paddle.zeros_like(hidden)
         for e, lo, hi in zip(experts, bounds[:-1], bounds[1:]):
             assignments = order[lo:hi]

@@ -10,7 +10,7 @@ from fdplug.plugin_api.device_probe import probe_accelerator
 from fdplug.plugin_api.hookspecs import hookimpl
 from fdplug.plugin_api.specs import DeviceSpec, Probe
 
-FDPLUG_API_VERSION = "2.0"
+FDPLUG_API_VERSION = "3.0"
 
 INSTALL_FIX = ("install the CUDA build of paddle for your CUDA version (`pip install 'fdplug[gpu]'`, or "
                "paddlepaddle-gpu from https://www.paddlepaddle.org.cn/install) and uninstall paddlepaddle (CPU build).")

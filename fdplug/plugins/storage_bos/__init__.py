@@ -10,7 +10,7 @@ from __future__ import annotations
 from fdplug.plugin_api.hookspecs import hookimpl
 from fdplug.plugin_api.specs import FeatureStorageSpec
 
-FDPLUG_API_VERSION = "2.0"
+FDPLUG_API_VERSION = "3.0"
 
 
 def make_storage(config):
