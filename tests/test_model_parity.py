@@ -23,7 +23,7 @@ pytest.importorskip("safetensors")
 from fdplug.core.config import ModelTraits  # noqa: E402
 from fdplug.core.model.config import ModelConfig  # noqa: E402
 from fdplug.core.model.loader import load_model  # noqa: E402
-from fdplug.core.model.rope import RopeConfig, inv_freq, parse_rope  # noqa: E402
+from fdplug.core.model.rope import RopeConfig, cos_sin, inv_freq, parse_rope, rope_permutation  # noqa: E402
 from fdplug.core.portable.attention import ReferenceAttention  # noqa: E402
 from fdplug.errors import ModelLoadError, UnsupportedModelError, WeightMismatchError  # noqa: E402
 from fdplug.plugin_api.attention import AttentionMetadata, causal_key_end  # noqa: E402
@@ -189,12 +189,54 @@ def test_remote_code_ernie_name_is_an_alias():
     ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, ["dynamic", "yarn"]),
     ({"hidden_act": "gelu"}, ["gelu"]),
     ({"use_sliding_window": True, "max_window_layers": 1}, ["sliding"]),
-    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}}, ["partial_rotary"]),
 ])
 def test_unsupported_models_are_refused_by_name(change, words):
     with pytest.raises(UnsupportedModelError) as err:
         ModelConfig.from_dict(_raw("qwen2_linear_bf16") | change)
     assert all(w in str(err.value) for w in words), str(err.value)
+
+
+@pytest.mark.parametrize("partial", [1.5, 0.0, "half", 0.1])
+def test_impossible_partial_rotary_is_refused(partial):
+    with pytest.raises(ModelLoadError, match="partial_rotary_factor"):   # 0.1 of head_dim 16 rotates 1 dim
+        ModelConfig.from_dict(_raw("qwen2_linear_bf16") | {"partial_rotary_factor": partial})
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("partial", [1.0, 0.5, 0.25])
+def test_rope_permutation_rotates_as_the_checkpoint_did(partial, interleaved):
+    """The decoder's NeoX RoPE over permuted q/k gives the checkpoint's q.k for every position pair.
+
+    Reference, from the formulas: the first ``r`` dims rotate (pairs ``(i, i + r/2)``, or ``(2i, 2i+1)``
+    interleaved) by angle ``pos * theta^(-2i/r)``; the rest pass unchanged.
+    """
+    head_dim, positions = 16, np.array([0, 1, 5, 40])
+    rope = RopeConfig(theta=100.0, partial=partial, interleaved=interleaved)
+    r = rope.rotary_dim(head_dim)
+    rng = np.random.default_rng(0)
+    q, k = rng.standard_normal((2, len(positions), head_dim))
+
+    def reference(x):
+        out = x.copy()
+        for t, pos in enumerate(positions):
+            for i in range(r // 2):
+                a, b = (2 * i, 2 * i + 1) if interleaved else (i, i + r // 2)
+                angle = pos * 100.0 ** (-2 * i / r)
+                out[t, a] = x[t, a] * np.cos(angle) - x[t, b] * np.sin(angle)
+                out[t, b] = x[t, b] * np.cos(angle) + x[t, a] * np.sin(angle)
+        return out
+
+    perm = rope_permutation(rope, head_dim)
+    assert (perm is None) == (partial == 1.0 and not interleaved)
+    perm = np.arange(head_dim) if perm is None else perm
+    assert sorted(perm) == list(range(head_dim))
+    cos, sin = (table[positions] for table in cos_sin(rope, head_dim, 64))
+
+    def decoder(x):
+        x = x[:, perm]
+        return x * cos + np.concatenate([-x[:, head_dim // 2:], x[:, :head_dim // 2]], axis=-1) * sin
+
+    np.testing.assert_allclose(decoder(q) @ decoder(k).T, reference(q) @ reference(k).T, rtol=1e-5, atol=1e-5)
 
 
 def test_yarn_attention_factor():

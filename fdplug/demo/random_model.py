@@ -92,6 +92,8 @@ def write_random_model(out_dir: Path, **config_overrides: Any) -> None:
                "vision_end_token_id": tokenizer.token_to_id("<|vision_end|>"),
                "vision_config": {"spatial_merge_size": 2},
                "fdplug_mm_mask_policy": "bidirectional_items"} | config_overrides
+    if config["architectures"][0].startswith("Qwen3"):   # Qwen3 defaults head_dim to 128: say it
+        config.setdefault("head_dim", config["hidden_size"] // config["num_attention_heads"])
     write_json(out_dir / "config.json", config)
     write_json(out_dir / "generation_config.json", {
         "bos_token_id": ids["<|endoftext|>"],
@@ -139,23 +141,49 @@ def build_config(vocab_size: int, *, bos_id: int, eos_id: int) -> dict[str, Any]
 
 
 def tensor_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """Hugging Face Qwen2 tensor names and shapes (Linear weights are [out, in])."""
-    hidden, inter = config["hidden_size"], config["intermediate_size"]
-    head_dim = hidden // config["num_attention_heads"]
+    """Hugging Face tensor names and shapes (Linear weights are [out, in]) of a Qwen2 model, or, when
+    ``config`` names them, a Qwen3 (q/k norms, no q/k/v bias) or Qwen2-/Qwen3-MoE one (per-expert keys)."""
+    from fdplug.core.model.moe_config import parse_moe
+
+    arch = config["architectures"][0]
+    hidden, inter, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
     q_dim, kv_dim = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    qwen3 = arch.startswith("Qwen3")
+    moe = parse_moe(config, arch, layers)
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config["vocab_size"], hidden)}
-    for i in range(config["num_hidden_layers"]):
+    for i in range(layers):
         p = f"model.layers.{i}."
-        shapes |= {
-            p + "self_attn.q_proj.weight": (q_dim, hidden), p + "self_attn.q_proj.bias": (q_dim,),
-            p + "self_attn.k_proj.weight": (kv_dim, hidden), p + "self_attn.k_proj.bias": (kv_dim,),
-            p + "self_attn.v_proj.weight": (kv_dim, hidden), p + "self_attn.v_proj.bias": (kv_dim,),
-            p + "self_attn.o_proj.weight": (hidden, q_dim),
-            p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
-            p + "mlp.down_proj.weight": (hidden, inter),
-            p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
-        }
+        shapes |= {p + "self_attn.q_proj.weight": (q_dim, hidden), p + "self_attn.k_proj.weight": (kv_dim, hidden),
+                   p + "self_attn.v_proj.weight": (kv_dim, hidden), p + "self_attn.o_proj.weight": (hidden, q_dim),
+                   p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,)}
+        if qwen3:
+            shapes |= {p + "self_attn.q_norm.weight": (head_dim,), p + "self_attn.k_norm.weight": (head_dim,)}
+        else:
+            shapes |= {p + "self_attn.q_proj.bias": (q_dim,), p + "self_attn.k_proj.bias": (kv_dim,),
+                       p + "self_attn.v_proj.bias": (kv_dim,)}
+        if moe is not None and i in moe.layers:
+            shapes |= _moe_shapes(p + "mlp.", hidden, moe)
+        else:
+            shapes |= _mlp_shapes(p + "mlp.", hidden, inter)
     shapes["model.norm.weight"] = (hidden,)
+    if not config.get("tie_word_embeddings", False):
+        shapes["lm_head.weight"] = (config["vocab_size"], hidden)
+    return shapes
+
+
+def _mlp_shapes(prefix: str, hidden: int, inter: int) -> dict[str, tuple[int, ...]]:
+    return {prefix + "gate_proj.weight": (inter, hidden), prefix + "up_proj.weight": (inter, hidden),
+            prefix + "down_proj.weight": (hidden, inter)}
+
+
+def _moe_shapes(prefix: str, hidden: int, moe: Any) -> dict[str, tuple[int, ...]]:
+    shapes = {prefix + "gate.weight": (moe.num_experts, hidden)}
+    for e in range(moe.num_experts):
+        shapes |= _mlp_shapes(f"{prefix}experts.{e}.", hidden, moe.intermediate_size)
+    if moe.shared_intermediate_size:
+        shapes |= _mlp_shapes(prefix + "shared_expert.", hidden, moe.shared_intermediate_size)
+        shapes[prefix + "shared_expert_gate.weight"] = (1, hidden)
     return shapes
 
 

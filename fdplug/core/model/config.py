@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from fdplug.core.config import ModelTraits
+from fdplug.core.model.moe_config import MoEConfig, parse_moe
 from fdplug.core.model.rope import RopeConfig, parse_rope
 from fdplug.core.multimodal.config import MultimodalConfig
 from fdplug.errors import ModelLoadError, UnsupportedModelError
@@ -32,8 +33,9 @@ class _Arch:
     qkv_bias: str | bool = "attention_bias"  # a config key, or fixed
     o_bias: str | bool = "attention_bias"
     mlp_bias: str | bool = False
-    qk_norm: bool = False
+    qk_norm: str | bool = False              # a config key, or fixed
     interleaved_rope: bool = False
+    default_partial_rotary: float = 1.0
 
 
 ARCHITECTURES: dict[str, _Arch] = {
@@ -43,6 +45,15 @@ ARCHITECTURES: dict[str, _Arch] = {
     "Ernie4_5ForCausalLM": _Arch(default_theta=500000.0, default_head_dim=128, default_tie=True,
                                  default_eps=1e-5, default_max_positions=131072, qkv_bias="use_bias",
                                  o_bias="use_bias", mlp_bias="use_bias", interleaved_rope=True),
+}
+# The MoE architectures: attention as their dense siblings', the MLPs per `moe_config`.
+ARCHITECTURES |= {
+    "Qwen2MoeForCausalLM": ARCHITECTURES["Qwen2ForCausalLM"],
+    "Qwen3MoeForCausalLM": ARCHITECTURES["Qwen3ForCausalLM"],
+    "Ernie4_5_MoeForCausalLM": ARCHITECTURES["Ernie4_5ForCausalLM"],
+    # GLM-4.5/4.6 (transformers' Glm4MoeForCausalLM): NeoX RoPE on the first half of each head.
+    "Glm4MoeForCausalLM": _Arch(default_eps=1e-5, default_max_positions=131072, o_bias=False, qk_norm="use_qk_norm",
+                                default_partial_rotary=0.5),
 }
 
 # Names the same architecture goes by (Baidu's remote-code configs say Ernie4_5_ForCausalLM).
@@ -71,12 +82,14 @@ class ModelConfig:
     attention_bias: bool          # q/k/v projections carry a bias
     o_proj_bias: bool
     mlp_bias: bool
-    qk_norm: bool                 # per-head RMSNorm of q and k before RoPE (Qwen3)
+    qk_norm: bool                 # per-head RMSNorm of q and k before RoPE (Qwen3, GLM-4.5)
     dtype: str = "float32"
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     pad_token_id: int | None = None
     multimodal: MultimodalConfig | None = None   # placeholder tokens and mask policy, if the model takes features
+    moe: MoEConfig | None = None                  # routed experts, if any layer is mixture-of-experts
+    mtp_layers: int = 0           # multi-token-prediction layers stored after the decoder's (weights ignored)
 
     @property
     def rope_theta(self) -> float:
@@ -108,29 +121,32 @@ class ModelConfig:
         head_dim = raw["head_dim"] if "head_dim" in raw else arch.default_head_dim
         head_dim = int(head_dim) if head_dim is not None else hidden // heads
         max_pos = int(raw.get("max_position_embeddings") or arch.default_max_positions)
+        num_layers = _need_int(raw, "num_hidden_layers")
         cfg = cls(
             architecture=arch_name,
             vocab_size=_need_int(raw, "vocab_size"),
             hidden_size=hidden,
             intermediate_size=_need_int(raw, "intermediate_size"),
-            num_layers=_need_int(raw, "num_hidden_layers"),
+            num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=int(raw.get("num_key_value_heads") or heads),
             head_dim=head_dim,
             rms_norm_eps=float(raw.get("rms_norm_eps", arch.default_eps)),
             rope=parse_rope(raw, default_theta=arch.default_theta, max_position_embeddings=max_pos,
-                            interleaved=arch.interleaved_rope),
+                            interleaved=arch.interleaved_rope, default_partial=arch.default_partial_rotary),
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", arch.default_tie)),
             attention_bias=_flag(raw, arch.qkv_bias),
             o_proj_bias=_flag(raw, arch.o_bias),
             mlp_bias=_flag(raw, arch.mlp_bias),
-            qk_norm=arch.qk_norm,
+            qk_norm=_flag(raw, arch.qk_norm),
             dtype=_dtype(raw),
             eos_token_ids=_eos_ids(raw, generation),
             bos_token_id=_first_int((generation or {}).get("bos_token_id"), raw.get("bos_token_id")),
             pad_token_id=_first_int((generation or {}).get("pad_token_id"), raw.get("pad_token_id")),
             multimodal=MultimodalConfig.from_hf(raw, arch_name),
+            moe=parse_moe(raw, arch_name, num_layers),
+            mtp_layers=int(raw.get("num_nextn_predict_layers") or raw.get("num_mtp_layers") or 0),
         )
         cfg.validate()
         return cfg
@@ -142,12 +158,18 @@ class ModelConfig:
                                  f"num_key_value_heads={self.num_kv_heads}.", fix=_CONFIG_FIX)
         if self.head_dim % 2:
             raise ModelLoadError(f"head_dim={self.head_dim} is odd; RoPE needs an even head_dim.", fix=_CONFIG_FIX)
+        rotary = self.rope.rotary_dim(self.head_dim)
+        if rotary < 2 or rotary % 2:
+            raise ModelLoadError(f"partial_rotary_factor={self.rope.partial:g} of head_dim={self.head_dim} rotates "
+                                 f"{rotary} dims; RoPE needs a positive even number.", fix=_CONFIG_FIX)
 
     def traits(self, dtype: str | None = None) -> ModelTraits:
         """What backends see in ``supports(config)``; ``dtype`` is the compute dtype (default: the checkpoint's)."""
         return ModelTraits(architecture=self.architecture, dtype=dtype or self.dtype,
                            num_attention_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                           head_dim=self.head_dim, num_experts=0, moe_weight_format="none",
+                           head_dim=self.head_dim, num_experts=self.moe.num_experts if self.moe else 0,
+                           experts_per_token=self.moe.routing.top_k if self.moe else 0,
+                           moe_weight_format=self.moe.weight_format if self.moe else "none",
                            mask_policy=self.multimodal.mask_policy if self.multimodal else "causal")
 
 

@@ -1,8 +1,9 @@
-"""One decoder for Llama, Qwen2, Qwen3 and ERNIE-4.5 (dense): the differences are config flags.
+"""One decoder for Llama, Qwen2, Qwen3, ERNIE-4.5 and their MoE variants: the differences are config flags.
 
 Per layer a step is a handful of ops: RMSNorm, one fused q/k/v matmul, (Qwen3) one RMSNorm over the
 stacked q and k heads, one RoPE over them, the attention backend, the output projection, RMSNorm,
-one fused gate/up matmul, SwiGLU, the down projection. RMSNorm and SwiGLU run the op kernels
+one fused gate/up matmul, SwiGLU, the down projection (in a MoE layer, `moe_block.SparseMoEBlock`
+instead: router, routing rule, the selected MoE backend). RMSNorm and SwiGLU run the op kernels
 chosen at startup (`fdplug.plugin_api.ops`). Tokens of every sequence in the step are flat
 rows; the attention backend (chosen at startup) owns the KV cache layout and the masking.
 """
@@ -23,6 +24,7 @@ from fdplug.core.model.layers import (
     SwiGLU,
     empty_parameter,
 )
+from fdplug.core.model.moe_block import SparseMoEBlock
 from fdplug.core.portable.ops import PORTABLE
 from fdplug.plugin_api.ops import Kernels
 
@@ -57,12 +59,16 @@ class Attention(nn.Layer):
 class DecoderLayer(nn.Layer):
     """Pre-norm transformer block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
 
-    def __init__(self, cfg: ModelConfig, attn_backend: Any, dtype: str, kernels: Kernels) -> None:
+    def __init__(self, cfg: ModelConfig, attn_backend: Any, dtype: str, kernels: Kernels,
+                 moe_backend: Any | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
         self.self_attn = Attention(cfg, attn_backend, dtype, kernels)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype, kernels)
+        if moe_backend is not None:
+            self.mlp = SparseMoEBlock(cfg.hidden_size, cfg.moe, moe_backend, dtype, kernels)
+        else:
+            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype, kernels)
 
     def forward(self, x: Any, cos: Any, sin: Any, rope: RotaryEmbedding, kv_cache: tuple[Any, Any],
                 prepared: Any) -> Any:
@@ -78,12 +84,19 @@ class DecoderForCausalLM(nn.Layer):
     """
 
     def __init__(self, cfg: ModelConfig, attn_backend: Any, dtype: str = "float32",
-                 max_positions: int | None = None, kernels: Kernels = PORTABLE) -> None:
+                 max_positions: int | None = None, kernels: Kernels = PORTABLE, moe_backend: Any | None = None) -> None:
+        """``moe_backend`` runs the routed experts of MoE layers (default: the portable reference)."""
         super().__init__()
         self.config = cfg
         self.dtype_name = dtype
         self.embed_tokens = empty_parameter([cfg.vocab_size, cfg.hidden_size], dtype)
-        self.layers = nn.LayerList([DecoderLayer(cfg, attn_backend, dtype, kernels) for _ in range(cfg.num_layers)])
+        moe_layers = set(cfg.moe.layers) if cfg.moe else set()
+        if moe_layers and moe_backend is None:
+            from fdplug.core.portable.moe import ReferenceMoE
+
+            moe_backend = ReferenceMoE()
+        self.layers = nn.LayerList([DecoderLayer(cfg, attn_backend, dtype, kernels, moe_backend if i in moe_layers else None)
+                                    for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
         # Stored [vocab, hidden] like the embedding, so tying is sharing one tensor.
         self.lm_head = None if cfg.tie_word_embeddings else empty_parameter([cfg.vocab_size, cfg.hidden_size], dtype)

@@ -79,7 +79,8 @@ class RotaryEmbedding(nn.Layer):
 
     ``x * cos + roll(x, d/2) * sin_signed`` where ``sin_signed`` holds ``-sin`` in its first half:
     that is ``x * cos + rotate_half(x) * sin`` in four ops. Interleaved (GPT-J) checkpoints are
-    permuted to this layout at load time (see ``loader.neox_permutation``).
+    and partial-rotary ones are
+    permuted to this layout at load time (see ``rope.rope_permutation``).
 
     ``lookup`` tiles the rows over the ``heads`` that get rotated, once per step for every layer:
     on Paddle's CPU a broadcasting multiply ``[T, H, D] * [T, 1, D]`` took 10 ms where the

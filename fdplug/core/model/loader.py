@@ -1,6 +1,6 @@
 """Loading a Hugging Face safetensors checkpoint into ``DecoderForCausalLM``.
 
-Every checkpoint tensor has exactly one *slot*: the Paddle parameter it lands in, the shape it must
+Every checkpoint tensor has exactly one *slot* (`weight_slots`): the Paddle parameter it lands in, the shape it must
 have, and how it gets there (HF ``nn.Linear`` weights are ``[out, in]``, ours ``[in, out]``; q/k/v
 and gate/up are fused, so several tensors share one parameter). Shapes are checked from the
 safetensors header before any data is read, so a wrong checkpoint fails fast with the tensor's name
@@ -14,15 +14,16 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-import numpy as np
 import paddle
 
 from fdplug.core.model.config import _DIR_FIX, ModelConfig
 from fdplug.core.model.decoder import DecoderForCausalLM
+from fdplug.core.model.moe_block import EXPERT_PARAMS
+from fdplug.core.model.rope import rope_permutation
+from fdplug.core.model.weight_slots import Slot, weight_slots
 from fdplug.core.portable.ops import PORTABLE
 from fdplug.errors import ModelLoadError, WeightMismatchError
 from fdplug.plugin_api.ops import Kernels
@@ -37,37 +38,20 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _IGNORED_SUBSTRING = "mtp"
 
 
-@dataclass(frozen=True, slots=True)
-class Slot:
-    """Where one checkpoint tensor goes.
-
-    ``kind``: ``copy`` (same layout), ``linear`` (HF ``[out, in]`` -> columns ``start:stop`` of an
-    ``[in, out]`` parameter), ``vec`` (a bias -> entries ``start:stop``), ``heads`` (one per-head
-    norm weight ``[D]`` -> rows ``start:stop`` of a ``[heads, D]`` parameter). ``permute`` applies the
-    interleaved->NeoX RoPE permutation to each head's dimensions (ERNIE-4.5 q and k). A parameter
-    fed by several slots is assembled when its last piece arrives, whichever shard holds it.
-    """
-
-    param: str
-    shape: tuple[int, ...]
-    kind: str = "copy"
-    start: int = 0
-    stop: int = 0
-    permute: bool = False
-
-
 def load_model(model_dir: str | Path, attn_backend: Any, dtype: str = "float32", *,
                max_positions: int | None = None, show_progress: bool = True,
-               kernels: Kernels = PORTABLE) -> tuple[DecoderForCausalLM, ModelConfig]:
+               kernels: Kernels = PORTABLE, moe_backend: Any | None = None) -> tuple[DecoderForCausalLM, ModelConfig]:
     """Build the decoder for ``model_dir``'s config and fill it from its safetensors files.
 
     ``dtype`` is the compute dtype (float32 on CPU); checkpoint tensors are cast to it.
     ``max_positions`` sizes the RoPE tables (default: the config's ``max_position_embeddings``).
+    ``moe_backend`` runs the routed experts of a MoE model (default: the portable reference).
     """
     started = time.perf_counter()
     cfg = ModelConfig.from_dir(model_dir)
     files = weight_files(model_dir)
-    model = DecoderForCausalLM(cfg, attn_backend, dtype=dtype, max_positions=max_positions, kernels=kernels)
+    model = DecoderForCausalLM(cfg, attn_backend, dtype=dtype, max_positions=max_positions, kernels=kernels,
+                               moe_backend=moe_backend)
     load_weights(model, cfg, files, show_progress=show_progress)
     logger.info("loaded %s (%s, %d layers) from %d file(s) as %s in %.1f s", model_dir, cfg.architecture,
                 cfg.num_layers, len(files), dtype, time.perf_counter() - started)
@@ -101,52 +85,12 @@ def weight_files(model_dir: str | Path) -> list[Path]:
                          fix=_DIR_FIX + " Convert .bin/.pdparams checkpoints to safetensors first.")
 
 
-def weight_slots(cfg: ModelConfig) -> dict[str, Slot]:
-    """HF tensor name -> slot, for every tensor the checkpoint must hold."""
-    hid, inter, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    heads, kv = cfg.num_heads, cfg.num_kv_heads
-    slots = {"model.embed_tokens.weight": Slot("embed_tokens", (cfg.vocab_size, hid)),
-             "model.norm.weight": Slot("norm.weight", (hid,))}
-    if not cfg.tie_word_embeddings:
-        slots["lm_head.weight"] = Slot("lm_head", (cfg.vocab_size, hid))
-    for i in range(cfg.num_layers):
-        src, dst = f"model.layers.{i}.", f"layers.{i}."
-        slots[src + "input_layernorm.weight"] = Slot(dst + "input_layernorm.weight", (hid,))
-        slots[src + "post_attention_layernorm.weight"] = Slot(dst + "post_attention_layernorm.weight", (hid,))
-        offset = 0
-        for name, n in (("q", heads), ("k", kv), ("v", kv)):
-            rows = (offset * d, (offset + n) * d)
-            permute = cfg.rope.interleaved and name != "v"
-            slots[src + f"self_attn.{name}_proj.weight"] = Slot(dst + "self_attn.qkv_proj.weight", (n * d, hid),
-                                                                "linear", *rows, permute)
-            if cfg.attention_bias:
-                slots[src + f"self_attn.{name}_proj.bias"] = Slot(dst + "self_attn.qkv_proj.bias", (n * d,),
-                                                                  "vec", *rows, permute)
-            offset += n
-        slots[src + "self_attn.o_proj.weight"] = Slot(dst + "self_attn.o_proj.weight", (hid, heads * d),
-                                                      "linear", 0, hid)
-        if cfg.o_proj_bias:
-            slots[src + "self_attn.o_proj.bias"] = Slot(dst + "self_attn.o_proj.bias", (hid,))
-        if cfg.qk_norm:
-            for name, (start, stop) in (("q", (0, heads)), ("k", (heads, heads + kv))):
-                slots[src + f"self_attn.{name}_norm.weight"] = Slot(dst + "self_attn.qk_norm.weight", (d,),
-                                                                    "heads", start, stop, cfg.rope.interleaved)
-        for name, cols in (("gate", (0, inter)), ("up", (inter, 2 * inter))):
-            slots[src + f"mlp.{name}_proj.weight"] = Slot(dst + "mlp.gate_up_proj.weight", (inter, hid),
-                                                          "linear", *cols)
-            if cfg.mlp_bias:
-                slots[src + f"mlp.{name}_proj.bias"] = Slot(dst + "mlp.gate_up_proj.bias", (inter,), "vec", *cols)
-        slots[src + "mlp.down_proj.weight"] = Slot(dst + "mlp.down_proj.weight", (hid, inter), "linear", 0, hid)
-        if cfg.mlp_bias:
-            slots[src + "mlp.down_proj.bias"] = Slot(dst + "mlp.down_proj.bias", (hid,))
-    return slots
-
-
 def load_weights(model: DecoderForCausalLM, cfg: ModelConfig, files: list[Path], *, show_progress: bool = True) -> None:
     """Fill every parameter of ``model`` from ``files``; any mismatch is a WeightMismatchError."""
     from tqdm.auto import tqdm
 
-    slots = weight_slots(cfg)
+    names = [name for path in files for name in _tensor_names(path)]
+    slots = weight_slots(cfg, fused_experts=any(name.endswith("mlp.experts.gate_up_proj") for name in names))
     params = dict(model.named_parameters())
     pending = {name: 0 for name in params}
     for slot in slots.values():
@@ -154,8 +98,7 @@ def load_weights(model: DecoderForCausalLM, cfg: ModelConfig, files: list[Path],
     unfed = [name for name, count in pending.items() if count == 0]
     assert not unfed, f"decoder parameters with no checkpoint slot (a loader bug): {unfed}"
     pieces: dict[str, list[tuple[Slot, Any]]] = {}
-    total = sum(_count_tensors(path) for path in files)
-    with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not show_progress) as bar:
+    with tqdm(total=len(names), desc="Loading weights", unit="tensor", disable=not show_progress) as bar:
         for name, read, shape, path in _iter_tensors(files):
             bar.update(1)
             slot = _claim(slots, name, cfg, path)
@@ -168,10 +111,11 @@ def load_weights(model: DecoderForCausalLM, cfg: ModelConfig, files: list[Path],
                     fix="check that config.json belongs to these weights (hidden_size, heads, head_dim, vocab).")
             param = params[slot.param]
             value = read().astype(param.dtype)
-            pieces.setdefault(slot.param, []).append((slot, _permute(value, cfg.head_dim) if slot.permute else value))
+            pieces.setdefault(slot.param, []).append((slot, _permute(value, cfg) if slot.permute else value))
             pending[slot.param] -= 1
             if pending[slot.param] == 0:
                 _assign(param, pieces.pop(slot.param))
+                _experts_complete(model, slot.param, pending)
     if slots:
         missing = sorted(slots)
         raise WeightMismatchError(f"{len(missing)} tensor(s) missing from the checkpoint, first {missing[0]!r} "
@@ -180,24 +124,33 @@ def load_weights(model: DecoderForCausalLM, cfg: ModelConfig, files: list[Path],
                                       "these weights.")
 
 
-def _count_tensors(path: Path) -> int:
+def _open(path: Path) -> Any:
     from safetensors import safe_open
 
-    with safe_open(str(path), framework="paddle") as f:
-        return len(list(f.keys()))
+    try:
+        return safe_open(str(path), framework="paddle")
+    except Exception as exc:  # safetensors raises its own error types for corrupt headers
+        raise ModelLoadError(f"cannot open weight file {str(path)!r}: {exc}.",
+                             fix="download the checkpoint again; the file looks truncated or corrupt.") from None
+
+
+def _tensor_names(path: Path) -> list[str]:
+    with _open(path) as f:
+        return list(f.keys())
+
+
+def _experts_complete(model: DecoderForCausalLM, param: str, pending: dict[str, int]) -> None:
+    """Once both expert parameters of a MoE layer are filled, its backend takes them over (one layer
+    at a time, so the stacked copies of only one layer are alive at once)."""
+    prefix, _, name = param.rpartition(".")
+    if name in EXPERT_PARAMS and all(pending[f"{prefix}.{other}"] == 0 for other in EXPERT_PARAMS):
+        model.get_sublayer(prefix).load_experts()
 
 
 def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, Any, list[int], Path]]:
     """``(name, load(), shape, file)`` per tensor; ``load`` reads the data only when called."""
-    from safetensors import safe_open
-
     for path in files:
-        try:
-            handle = safe_open(str(path), framework="paddle")
-        except Exception as exc:  # safetensors raises its own error types for corrupt headers
-            raise ModelLoadError(f"cannot open weight file {str(path)!r}: {exc}.",
-                                 fix="download the checkpoint again; the file looks truncated or corrupt.") from None
-        with handle as f:
+        with _open(path) as f:
             for name in f.keys():
                 shape = f.get_slice(name).get_shape()
                 yield name, (lambda f=f, name=name: f.get_tensor(name)), shape, path
@@ -211,25 +164,24 @@ def _claim(slots: dict[str, Slot], name: str, cfg: ModelConfig, path: Path) -> S
         return None
     if name == "lm_head.weight" and cfg.tie_word_embeddings:
         return None  # HF ties lm_head to the embedding and ignores a stored copy
+    if cfg.mtp_layers and _layer_index(name) in range(cfg.num_layers, cfg.num_layers + cfg.mtp_layers):
+        return None  # GLM-4.5/DeepSeek-V3 store their multi-token-prediction layer as the next layer
     raise WeightMismatchError(f"unexpected tensor {name!r} in {path.name}: {cfg.architecture} with this config.json "
                               "has no such weight (or it was already loaded from another file).", tensor=name,
                               fix="check that config.json's architectures and sizes match the checkpoint.")
 
 
-def neox_permutation(head_dim: int) -> np.ndarray:
-    """Per-head dim order mapping interleaved RoPE pairs ``(2i, 2i+1)`` to NeoX pairs ``(i, i + d/2)``.
-
-    Applied to the q and k projections alike it leaves every q.k dot product unchanged, so an
-    interleaved checkpoint runs through the NeoX RoPE with no per-step cost.
-    """
-    return np.concatenate([np.arange(0, head_dim, 2), np.arange(1, head_dim, 2)])
+def _layer_index(name: str) -> int | None:
+    """``7`` for ``model.layers.7.mlp...``, None for a tensor outside the layers."""
+    parts = name.split(".")
+    return int(parts[2]) if len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() else None
 
 
-def _permute(t: Any, head_dim: int) -> Any:
-    """Apply ``neox_permutation`` to each head's dims of a q/k weight ``[heads*D, in]``, bias or norm ``[D]``."""
+def _permute(t: Any, cfg: ModelConfig) -> Any:
+    """Apply `rope_permutation` to each head's dims of a q/k weight ``[heads*D, in]``, bias or norm ``[D]``."""
     shape = list(t.shape)
-    perm = paddle.to_tensor(neox_permutation(head_dim))
-    return paddle.gather(t.reshape([-1, head_dim] + shape[1:]), perm, axis=1).reshape(shape)
+    perm = paddle.to_tensor(rope_permutation(cfg.rope, cfg.head_dim))
+    return paddle.gather(t.reshape([-1, cfg.head_dim] + shape[1:]), perm, axis=1).reshape(shape)
 
 
 def _assign(param: Any, parts: list[tuple[Slot, Any]]) -> None:
@@ -246,6 +198,8 @@ def _assign(param: Any, parts: list[tuple[Slot, Any]]) -> None:
     else:
         values = [v for _, v in parts]
     value = values[0] if len(values) == 1 else paddle.concat(values, axis=0)
+    if kind == "stack":
+        value = value.reshape(param.shape)
     if kind == "linear":
         value = paddle.transpose(value, [1, 0])
     device = paddle.device.get_device()

@@ -24,8 +24,10 @@ class RopeConfig:
     """One model's RoPE: the base ``theta``, the scaling ``type`` and that type's parameters.
 
     ``interleaved`` is the GPT-J/GLM pairing (dims ``2i, 2i+1`` rotate together, ERNIE-4.5) rather
-    than the GPT-NeoX one (dims ``i, i + d/2``); the loader permutes q/k weights so the decoder only
-    ever applies the NeoX form.
+    than the GPT-NeoX one (dims ``i, i + d/2``); ``partial`` is the fraction of each head's dims
+    that rotate (``partial_rotary_factor``, GLM-4.5: the first half; the rest pass through). The
+    loader permutes q/k weights (`rope_permutation`) so the decoder only ever applies the NeoX form
+    over the whole head, with ``cos = 1, sin = 0`` on the dims that do not rotate.
     """
 
     theta: float
@@ -41,10 +43,15 @@ class RopeConfig:
     mscale_all_dim: float | None = None
     truncate: bool = True
     interleaved: bool = False
+    partial: float = 1.0
+
+    def rotary_dim(self, head_dim: int) -> int:
+        """How many of a head's ``head_dim`` dims rotate (transformers: ``int(head_dim * partial)``)."""
+        return int(head_dim * self.partial)
 
 
 def parse_rope(raw: dict[str, Any], *, default_theta: float, max_position_embeddings: int,
-               interleaved: bool = False) -> RopeConfig:
+               interleaved: bool = False, default_partial: float = 1.0) -> RopeConfig:
     """Read RoPE settings from an HF ``config.json`` dict, transformers 4.x or 5.x style.
 
     4.x keeps ``rope_theta`` at the top level and scaling in ``rope_scaling`` (``type`` or
@@ -55,17 +62,18 @@ def parse_rope(raw: dict[str, Any], *, default_theta: float, max_position_embedd
     params = dict(raw.get("rope_scaling") or raw.get("rope_parameters") or {})
     theta = params.get("rope_theta", raw.get("rope_theta", default_theta))
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
-    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", default_partial))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedModelError(f"RoPE type {rope_type!r} is not supported (supported: "
                                     f"{', '.join(SUPPORTED_ROPE_TYPES)}).",
                                     fix="use a checkpoint whose rope_scaling/rope_parameters uses a supported type.")
-    if partial not in (None, 1, 1.0):
-        raise UnsupportedModelError(f"partial_rotary_factor={partial} is not supported (only full rotary).",
-                                    fix="use a checkpoint that rotates the whole head dimension.")
+    partial = default_partial if partial is None else partial
+    if isinstance(partial, bool) or not isinstance(partial, (int, float)) or not 0 < partial <= 1:
+        raise ModelLoadError(f"partial_rotary_factor={partial!r} must be a number in (0, 1].",
+                             fix="fix the model's config.json (compare with the original checkpoint's).")
     original = raw.get("original_max_position_embeddings",
                        params.get("original_max_position_embeddings", max_position_embeddings))
-    kw: dict[str, Any] = {"theta": float(theta), "type": rope_type, "interleaved": interleaved,
+    kw: dict[str, Any] = {"theta": float(theta), "type": rope_type, "interleaved": interleaved, "partial": float(partial),
                           "original_max_position_embeddings": int(original)}
     if rope_type == "linear":
         kw["factor"] = float(_need(params, "factor", rope_type))
@@ -91,8 +99,8 @@ def _need(params: dict[str, Any], key: str, rope_type: str) -> Any:
 
 
 def inv_freq(rope: RopeConfig, head_dim: int) -> tuple[np.ndarray, float]:
-    """Inverse frequencies ``[head_dim // 2]`` (float32) and the factor applied to cos/sin."""
-    dim = head_dim
+    """Inverse frequencies ``[rotary_dim // 2]`` (float32) and the factor applied to cos/sin."""
+    dim = rope.rotary_dim(head_dim)
     base = rope.theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
     inv = 1.0 / base
     scale = 1.0
@@ -151,9 +159,32 @@ def cos_sin(rope: RopeConfig, head_dim: int, num_positions: int) -> tuple[np.nda
     """``cos`` and ``sin`` tables ``[num_positions, head_dim]`` (float32) in NeoX layout.
 
     The angle is computed as transformers does (float32 position times float32 frequency), so the
-    tables match the reference bit-for-bit up to the last ulp of ``cos``/``sin``.
+    tables match the reference bit-for-bit up to the last ulp of ``cos``/``sin``. With partial
+    rotary each half is ``[rotating dims, passing dims]`` (the layout `rope_permutation` makes),
+    the passing ones ``cos = 1, sin = 0`` (no attention factor: transformers leaves them untouched).
     """
     inv, scale = inv_freq(rope, head_dim)
-    freqs = np.arange(num_positions, dtype=np.float32)[:, None] * inv[None, :]
-    emb = np.concatenate([freqs, freqs], axis=-1).astype(np.float64)
-    return (np.cos(emb) * scale).astype(np.float32), (np.sin(emb) * scale).astype(np.float32)
+    freqs = (np.arange(num_positions, dtype=np.float32)[:, None] * inv[None, :]).astype(np.float64)
+    passing = np.zeros((num_positions, (head_dim - rope.rotary_dim(head_dim)) // 2))
+    cos = np.concatenate([np.cos(freqs) * scale, passing + 1.0], axis=-1)
+    sin = np.concatenate([np.sin(freqs) * scale, passing], axis=-1)
+    return np.tile(cos, 2).astype(np.float32), np.tile(sin, 2).astype(np.float32)
+
+
+def rope_permutation(rope: RopeConfig, head_dim: int) -> np.ndarray | None:
+    """Per-head dim order that turns a checkpoint's q/k into the decoder's layout; None: as stored.
+
+    The decoder rotates pairs ``(i, i + d/2)`` over the whole head (GPT-NeoX). An interleaved
+    checkpoint pairs ``(2i, 2i+1)``; a partial one rotates only its first ``r`` dims (pairs
+    ``(i, i + r/2)``) and passes the rest. The permutation puts each pair's halves at ``i`` and
+    ``i + d/2`` and the passing dims after them in each half. Applied to q and k alike (weights,
+    biases, per-head norms) it leaves every q.k dot product unchanged: no per-step cost.
+    """
+    r = rope.rotary_dim(head_dim)
+    if not rope.interleaved and r == head_dim:
+        return None
+    rotating = np.arange(r)
+    first, second = (rotating[0::2], rotating[1::2]) if rope.interleaved else (rotating[: r // 2], rotating[r // 2:])
+    passing = np.arange(r, head_dim)
+    half = (head_dim - r) // 2
+    return np.concatenate([first, passing[:half], second, passing[half:]])

@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from fdplug.core.config import EngineConfig
+from fdplug.core.model.footprint import DTYPE_BYTES
 from fdplug.errors import ConfigError
 from fdplug.plugin_api.attention import cdiv
 from fdplug.plugin_api.model_runner import GIB, KVCachePlan, format_bytes
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: str) -> int:

@@ -7,8 +7,10 @@ compute logits only for the rows that sample, sample, and record the sampled tok
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -23,12 +25,28 @@ from fdplug.core.worker.kv_cache import (
     plan_kv_cache,
 )
 from fdplug.core.worker.sampling import sampled_logprobs, sampling_metadata
-from fdplug.errors import RequestStepError
+from fdplug.errors import ConfigError, RequestStepError
 from fdplug.plugin_api.attention import AttentionMetadata, cdiv
-from fdplug.plugin_api.model_runner import KVCachePlan, ModelInfo, ModelRunnerOutput
+from fdplug.plugin_api.model_runner import KVCachePlan, ModelInfo, ModelRunnerOutput, format_bytes
 from fdplug.plugin_api.ops import Kernels
 from fdplug.plugin_api.paddle import import_paddle
 from fdplug.plugin_api.selection import Selection
+
+logger = logging.getLogger("fdplug")
+
+
+def check_weights_fit(cfg: Any, dtype: str, selection: Selection) -> Any:
+    """The weights' footprint from config.json; a ConfigError with the numbers, before anything is
+    read, if the device has less free memory than they need."""
+    from fdplug.core.model.footprint import weight_footprint
+
+    footprint = weight_footprint(cfg, dtype)
+    free = selection.device.free_memory(0) if selection.device.free_memory else None
+    if free is not None and footprint.total_bytes > free:
+        raise ConfigError(f"the model's weights need {footprint.describe(cfg)} as {dtype}, but only "
+                          f"{format_bytes(free)} are free on device {selection.device.name!r}.",
+                          fix="use a device with more memory, a smaller model, or free memory on this one.")
+    return footprint
 
 
 @dataclass(slots=True)
@@ -57,15 +75,25 @@ class ModelRunner:
     # -- setup ------------------------------------------------------------------------------------
 
     def load_model(self) -> ModelInfo:
+        from fdplug.core.model.config import ModelConfig
+        from fdplug.core.model.footprint import model_summary
         from fdplug.core.model.loader import load_model
 
         self.paddle.set_device(self.place)
+        cfg = ModelConfig.from_dir(self.config.model_dir)
+        footprint = check_weights_fit(cfg, self.config.dtype, self.selection)
         self.attn_backend = self.selection.attention.factory(self.config)
+        self.moe_backend = self.selection.moe.factory(self.config) if cfg.moe is not None else None
         kernels = Kernels(**{op: spec.factory(self.config) for op, spec in self.selection.ops.items()})
         self.model, self.model_config = load_model(self.config.model_dir, self.attn_backend, dtype=self.config.dtype,
-                                                   max_positions=self.config.max_model_len, kernels=kernels)
+                                                   max_positions=self.config.max_model_len, kernels=kernels,
+                                                   moe_backend=self.moe_backend)
         self.model.eval()
-        self.model_bytes = sum(int(np.prod(p.shape)) * p.element_size() for p in self.model.parameters())
+        # The routed experts live in the MoE backend's layout, not as parameters: count them as loaded.
+        params = sum(int(np.prod(p.shape)) * p.element_size() for p in self.model.parameters())
+        self.model_bytes = params + footprint.expert_bytes
+        for line in model_summary(cfg, self.config.dtype, self.selection.moe.name).splitlines():
+            logger.info(line)
         return ModelInfo(self.model_config.vocab_size, self.model_config.hidden_size, self.model_bytes)
 
     def initialize_kv_cache(self) -> KVCachePlan:

@@ -1,0 +1,73 @@
+"""How many bytes a checkpoint's weights take once loaded, from config.json alone.
+
+Known before a byte of weights is read, so a model that cannot fit says so with the numbers
+instead of failing halfway through loading; and the KV-cache plan counts the routed experts, which
+a MoE backend holds in its own layout (not as model parameters).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fdplug.core.model.config import ModelConfig
+from fdplug.plugin_api.model_runner import format_bytes
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True, slots=True)
+class WeightFootprint:
+    total_bytes: int
+    expert_bytes: int          # the routed experts of every MoE layer (part of the total)
+
+    def describe(self, cfg: ModelConfig) -> str:
+        if cfg.moe is None:
+            return format_bytes(self.total_bytes)
+        moe = cfg.moe
+        return (f"{format_bytes(self.total_bytes)}, of which the routed experts take {format_bytes(self.expert_bytes)} "
+                f"({len(moe.layers)} MoE layers x {moe.num_experts} experts x 3 x {moe.intermediate_size} x "
+                f"{cfg.hidden_size})")
+
+
+def _mlp(hidden: int, inter: int, bias: bool) -> int:
+    return 3 * hidden * inter + (2 * inter + hidden if bias else 0)
+
+
+def parameter_counts(cfg: ModelConfig) -> tuple[int, int]:
+    """``(all parameters, routed-expert parameters)`` of the decoder built for ``cfg``."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    total = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2) + h
+    moe = cfg.moe
+    for i in range(cfg.num_layers):
+        total += h * (q + 2 * kv) + (q + 2 * kv if cfg.attention_bias else 0) + q * h + (h if cfg.o_proj_bias else 0)
+        total += 2 * h + ((cfg.num_heads + cfg.num_kv_heads) * d if cfg.qk_norm else 0)
+        if moe is None or i not in moe.layers:
+            total += _mlp(h, cfg.intermediate_size, cfg.mlp_bias)
+            continue
+        total += h * moe.num_experts + (moe.num_experts if moe.routing.bias else 0)
+        total += moe.num_experts * _mlp(h, moe.intermediate_size, False)
+        total += _mlp(h, moe.shared_intermediate_size, False) if moe.shared_intermediate_size else 0
+        total += h if moe.shared_gate else 0
+    experts = moe.expert_parameters(h) if moe else 0
+    return total, experts
+
+
+def weight_footprint(cfg: ModelConfig, dtype: str) -> WeightFootprint:
+    total, experts = parameter_counts(cfg)
+    size = DTYPE_BYTES[dtype]
+    return WeightFootprint(total * size, experts * size)
+
+
+def model_summary(cfg: ModelConfig, dtype: str, moe_backend: str) -> str:
+    """What `fdplug explain --model` and the startup log say about a model: architecture, dtype,
+    weights, and for a MoE model which backend runs its experts and how tokens are routed."""
+    lines = [f"model: {cfg.architecture}, computed in {dtype}, weights {weight_footprint(cfg, dtype).describe(cfg)}"]
+    moe = cfg.moe
+    if moe is None:
+        lines.append("moe: unused (a dense model)")
+    else:
+        shared = f", shared expert of width {moe.shared_intermediate_size}" if moe.shared_intermediate_size else ""
+        lines.append(f"moe: {moe_backend} runs the routed experts: {moe.num_experts} experts of width "
+                     f"{moe.intermediate_size} in layers {list(moe.layers)}, routing {moe.routing.describe()}{shared}")
+    return "\n".join(lines)

@@ -1,0 +1,67 @@
+"""The mixture-of-experts MLP of a decoder layer: router, the one routing rule, routed and shared experts.
+
+``forward`` is four steps: router logits (a plain matmul, in float32 where the checkpoint's router
+is), `select_experts` (the core's routing rule, the same for every backend), the selected MoE
+backend over the chosen experts, and the shared expert (a SwiGLU every token goes through,
+optionally scaled by a sigmoid gate) added on top.
+
+The routed experts arrive from the checkpoint as two stacked parameters in Hugging Face layout,
+``experts_gate_up [E, 2I, H]`` (each expert's gate rows, then its up rows) and ``experts_down
+[E, H, I]``. When the loader has filled both, `load_experts` hands them to the backend, which
+converts them to its own layout once, and the parameters are dropped: the backend's copy is the
+only one that stays.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import paddle
+import paddle.nn.functional as F
+from paddle import nn
+
+from fdplug.core.model.layers import SwiGLU, empty_parameter
+from fdplug.core.model.moe_config import MoEConfig
+from fdplug.plugin_api.moe import ExpertWeights, select_experts
+from fdplug.plugin_api.ops import Kernels
+
+EXPERT_PARAMS = ("experts_gate_up", "experts_down")
+
+
+class SparseMoEBlock(nn.Layer):
+    def __init__(self, hidden: int, moe: MoEConfig, backend: Any, dtype: str, kernels: Kernels) -> None:
+        super().__init__()
+        self.routing, self.backend = moe.routing, backend
+        self.router_dtype = "float32" if moe.routing.router_dtype == "float32" else dtype
+        e, inter = moe.num_experts, moe.intermediate_size
+        self.router = empty_parameter([hidden, e], self.router_dtype)          # HF mlp.gate.weight, transposed
+        self.e_score_correction_bias = empty_parameter([1, e], "float32") if moe.routing.bias else None
+        self.experts_gate_up = empty_parameter([e, 2 * inter, hidden], dtype)
+        self.experts_down = empty_parameter([e, hidden, inter], dtype)
+        self.experts: Any = None    # the backend's layer, once loaded
+        self.shared_expert = (SwiGLU(hidden, moe.shared_intermediate_size, False, dtype, kernels)
+                              if moe.shared_intermediate_size else None)
+        self.shared_expert_gate = empty_parameter([hidden, 1], dtype) if moe.shared_gate else None
+
+    def load_experts(self) -> None:
+        """Hand the filled expert parameters to the backend and drop them (called by the loader)."""
+        inter = self.experts_gate_up.shape[1] // 2
+        gate_up = self.experts_gate_up
+        weights = ExpertWeights(gate_up[:, :inter], gate_up[:, inter:], self.experts_down)
+        self.experts = self.backend.load_weights(weights)
+        self.experts_gate_up = None
+        self.experts_down = None
+
+    def forward(self, x: Any) -> Any:
+        if self.experts is None:
+            raise RuntimeError("the MoE experts were never loaded (a loader bug)")
+        router_in = x if x.dtype == self.router.dtype else x.astype(self.router_dtype)
+        logits = paddle.matmul(router_in, self.router)
+        weights, ids = select_experts(logits, self.routing, self.e_score_correction_bias)
+        out = self.backend.forward(x, weights, ids, self.experts)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = F.sigmoid(paddle.matmul(x, self.shared_expert_gate)) * shared
+            out = out + shared
+        return out

@@ -1,0 +1,112 @@
+"""Where each tensor of a Hugging Face checkpoint goes in `DecoderForCausalLM`: one `Slot` per tensor.
+
+HF ``nn.Linear`` weights are ``[out, in]``, ours ``[in, out]``; q/k/v, gate/up and the experts of a
+MoE layer are fused, so several tensors share one parameter. `loader.load_weights` fills the slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fdplug.core.model.config import ModelConfig
+from fdplug.core.model.rope import rope_permutation
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """Where one checkpoint tensor goes.
+
+    ``kind``: ``copy`` (same layout), ``linear`` (HF ``[out, in]`` -> columns ``start:stop`` of an
+    ``[in, out]`` parameter), ``vec`` (a bias -> entries ``start:stop``), ``heads`` (one per-head
+    norm weight ``[D]`` -> rows ``start:stop`` of a ``[heads, D]`` parameter), ``stack`` (one expert's
+    ``[out, in]`` -> rows ``start:stop`` of the experts stacked along rows, kept in HF layout). ``permute`` applies
+    `rope.rope_permutation` to each head's dimensions (q and k of interleaved or partial RoPE). A parameter
+    fed by several slots is assembled when its last piece arrives, whichever shard holds it.
+    """
+
+    param: str
+    shape: tuple[int, ...]
+    kind: str = "copy"
+    start: int = 0
+    stop: int = 0
+    permute: bool = False
+
+
+def weight_slots(cfg: ModelConfig, fused_experts: bool = False) -> dict[str, Slot]:
+    """HF tensor name -> slot, for every tensor the checkpoint must hold (``fused_experts``: MoE
+    experts stored as ``experts.gate_up_proj``/``experts.down_proj`` rather than per expert)."""
+    hid, inter, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    heads, kv = cfg.num_heads, cfg.num_kv_heads
+    permute_qk = rope_permutation(cfg.rope, d) is not None
+    slots = {"model.embed_tokens.weight": Slot("embed_tokens", (cfg.vocab_size, hid)),
+             "model.norm.weight": Slot("norm.weight", (hid,))}
+    if not cfg.tie_word_embeddings:
+        slots["lm_head.weight"] = Slot("lm_head", (cfg.vocab_size, hid))
+    for i in range(cfg.num_layers):
+        src, dst = f"model.layers.{i}.", f"layers.{i}."
+        slots[src + "input_layernorm.weight"] = Slot(dst + "input_layernorm.weight", (hid,))
+        slots[src + "post_attention_layernorm.weight"] = Slot(dst + "post_attention_layernorm.weight", (hid,))
+        offset = 0
+        for name, n in (("q", heads), ("k", kv), ("v", kv)):
+            rows = (offset * d, (offset + n) * d)
+            permute = permute_qk and name != "v"
+            slots[src + f"self_attn.{name}_proj.weight"] = Slot(dst + "self_attn.qkv_proj.weight", (n * d, hid),
+                                                                "linear", *rows, permute)
+            if cfg.attention_bias:
+                slots[src + f"self_attn.{name}_proj.bias"] = Slot(dst + "self_attn.qkv_proj.bias", (n * d,),
+                                                                  "vec", *rows, permute)
+            offset += n
+        slots[src + "self_attn.o_proj.weight"] = Slot(dst + "self_attn.o_proj.weight", (hid, heads * d),
+                                                      "linear", 0, hid)
+        if cfg.o_proj_bias:
+            slots[src + "self_attn.o_proj.bias"] = Slot(dst + "self_attn.o_proj.bias", (hid,))
+        if cfg.qk_norm:
+            for name, (start, stop) in (("q", (0, heads)), ("k", (heads, heads + kv))):
+                slots[src + f"self_attn.{name}_norm.weight"] = Slot(dst + "self_attn.qk_norm.weight", (d,),
+                                                                    "heads", start, stop, permute_qk)
+        if cfg.moe is not None and i in cfg.moe.layers:
+            slots |= moe_slots(cfg, src + "mlp.", dst + "mlp.", fused_experts)
+        else:
+            slots |= swiglu_slots(src + "mlp.", dst + "mlp.", hid, inter, cfg.mlp_bias)
+    return slots
+
+
+def swiglu_slots(src: str, dst: str, hid: int, inter: int, bias: bool) -> dict[str, Slot]:
+    """An HF gate/up/down MLP into a `layers.SwiGLU` (gate and up fused into one matmul)."""
+    slots = {}
+    for name, cols in (("gate", (0, inter)), ("up", (inter, 2 * inter))):
+        slots[src + f"{name}_proj.weight"] = Slot(dst + "gate_up_proj.weight", (inter, hid), "linear", *cols)
+        if bias:
+            slots[src + f"{name}_proj.bias"] = Slot(dst + "gate_up_proj.bias", (inter,), "vec", *cols)
+    slots[src + "down_proj.weight"] = Slot(dst + "down_proj.weight", (hid, inter), "linear", 0, hid)
+    if bias:
+        slots[src + "down_proj.bias"] = Slot(dst + "down_proj.bias", (hid,))
+    return slots
+
+
+def moe_slots(cfg: ModelConfig, src: str, dst: str, fused_experts: bool) -> dict[str, Slot]:
+    """A MoE MLP into a `moe_block.SparseMoEBlock`: router, selection bias, shared expert and routed
+    experts, the latter per expert (``experts.E.gate_proj.weight``...) or fused (``experts.gate_up_proj``)."""
+    moe, hid = cfg.moe, cfg.hidden_size
+    e, inter = moe.num_experts, moe.intermediate_size
+    slots = {src + "gate.weight": Slot(dst + "router", (e, hid), "linear", 0, e)}
+    if moe.routing.bias and cfg.architecture == "Glm4MoeForCausalLM":   # a [E] buffer of the router
+        slots[src + "gate.e_score_correction_bias"] = Slot(dst + "e_score_correction_bias", (e,), "stack", 0, 1)
+    elif moe.routing.bias:                                               # ERNIE-4.5's [1, E] statistic
+        slots[src + "moe_statics.e_score_correction_bias"] = Slot(dst + "e_score_correction_bias", (1, e))
+    if moe.shared_intermediate_size:
+        shared = "shared_expert." if moe.shared_gate else "shared_experts."   # Qwen2-MoE's name, ERNIE-4.5's
+        slots |= swiglu_slots(src + shared, dst + "shared_expert.", hid, moe.shared_intermediate_size, False)
+    if moe.shared_gate:
+        slots[src + "shared_expert_gate.weight"] = Slot(dst + "shared_expert_gate", (1, hid), "linear", 0, 1)
+    if fused_experts:
+        slots[src + "experts.gate_up_proj"] = Slot(dst + "experts_gate_up", (e, 2 * inter, hid))
+        slots[src + "experts.down_proj"] = Slot(dst + "experts_down", (e, hid, inter))
+        return slots
+    for x in range(e):   # rows of the stacked [E * 2I, H] and [E * H, I] matrices
+        gate_rows, up_rows = (2 * x * inter, (2 * x + 1) * inter), ((2 * x + 1) * inter, (2 * x + 2) * inter)
+        slots[src + f"experts.{x}.gate_proj.weight"] = Slot(dst + "experts_gate_up", (inter, hid), "stack", *gate_rows)
+        slots[src + f"experts.{x}.up_proj.weight"] = Slot(dst + "experts_gate_up", (inter, hid), "stack", *up_rows)
+        slots[src + f"experts.{x}.down_proj.weight"] = Slot(dst + "experts_down", (hid, inter), "stack",
+                                                           x * hid, (x + 1) * hid)
+    return slots
