@@ -119,8 +119,9 @@ def test_a_failing_compiler_falls_back_to_the_reference_and_says_why(fresh_kerne
     assert reason is not None and "false failed" in reason
     selection = select_components("cpu")
     assert selection.attention.name == "reference" and selection.ops["swiglu"].name == "paddle_swiglu"
+    assert selection.moe.name == "reference"
     rejected = [d for d in selection.decisions if d.name.startswith("cpu_native")]
-    assert {d.role for d in rejected} == {"op:swiglu", "attention"}
+    assert {d.role for d in rejected} == {"op:swiglu", "attention", "moe"}
     assert all("false failed" in d.reason for d in rejected)
 
 

@@ -1,15 +1,15 @@
 """Built-in ``cpu`` plugin: the host CPU as a device, and its compiled kernels.
 
 It registers the cpu device (threads, MKL dispatch, malloc tuning in ``device.py``) and, where the
-kernels in ``csrc/`` build with the system C compiler (``kernels.py``), two faster components
-for it: ``cpu_native`` attention (decode reads the paged cache in place) and the ``cpu_native``
-SwiGLU op kernel. Everything else on the cpu device is the core's portable code.
+kernels in ``csrc/`` build with the system C compiler (``kernels.py``), three faster components
+for it: ``cpu_native`` attention (decode reads the paged cache in place), ``cpu_native`` MoE (the
+routed experts in one compiled call) and the ``cpu_native`` SwiGLU op kernel. Everything else on the cpu device is the core's portable code.
 """
 
 from __future__ import annotations
 
 from fdplug.plugin_api.hookspecs import API_VERSION, hookimpl
-from fdplug.plugin_api.specs import AttentionBackendSpec, DeviceSpec, OpSpec
+from fdplug.plugin_api.specs import AttentionBackendSpec, DeviceSpec, MoEBackendSpec, OpSpec
 from fdplug.plugins.cpu import device, settings
 
 FDPLUG_API_VERSION = API_VERSION
@@ -19,6 +19,12 @@ def _native_attention_factory(config):
     from fdplug.plugins.cpu.native_attention import NativeCpuAttention
 
     return NativeCpuAttention(threads=device.cpu_threads())
+
+
+def _native_moe_factory(config):
+    from fdplug.plugins.cpu.native_moe import NativeCpuMoE
+
+    return NativeCpuMoE(threads=device.cpu_threads())
 
 
 def _native_swiglu_factory(config):
@@ -51,6 +57,14 @@ def fdplug_register_attention_backends(register):
                                   supports=_native_kernels_supports,
                                   description="decode reads the paged cache in place (compiled C); prefill as "
                                               "the reference (FDPLUG_CPU_KERNELS)"))
+
+
+@hookimpl
+def fdplug_register_moe_backends(register):
+    register(MoEBackendSpec(name="cpu_native", devices=("cpu",), factory=_native_moe_factory, priority=10,
+                            weight_formats=("none",), supports=_native_kernels_supports,
+                            description="every expert of a layer in one compiled call (grouped GEMMs, SwiGLU "
+                                        "fused, all cores); FDPLUG_CPU_KERNELS"))
 
 
 @hookimpl

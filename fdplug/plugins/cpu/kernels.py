@@ -1,11 +1,12 @@
 """The cpu device's compiled kernels: built once with the system C compiler, loaded with ctypes.
 
-``csrc/cpu_kernels.c`` holds a paged attention that reads the KV cache in place, the KV write and
-SwiGLU (see the file for why). It is compiled the first time it is needed, with ``-march=native``, into
-``$FDPLUG_CACHE_DIR/kernels/`` under a name that hashes the source, the flags, the compiler and
-the CPU's feature flags: a changed source or a different CPU gets its own build, and a build from
-another machine sharing the directory is never loaded. The build goes to a temporary file that is
-renamed into place, so concurrent processes never load a half-written library.
+``csrc/cpu_kernels.c`` holds a paged attention that reads the KV cache in place, the KV write,
+SwiGLU and a MoE layer's routed experts (see the file for why). It is compiled the first time it is
+needed, with ``-march=native``, into ``$FDPLUG_CACHE_DIR/kernels/`` under a name that hashes the
+source, the flags, the compiler and the CPU's feature flags: a changed source or a different CPU
+gets its own build, and a build from another machine sharing the directory is never loaded. The
+build goes to a temporary file that is renamed into place, so concurrent processes never load a
+half-written library.
 
 ``FDPLUG_CPU_KERNELS``: ``auto`` uses them when they build, ``on`` makes a failed build an error,
 ``off`` keeps the plain-Paddle reference. ctypes releases the GIL for the call; the kernel spreads
@@ -24,6 +25,7 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +39,7 @@ logger = logging.getLogger("fdplug")
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared", "-pthread", "-std=c99")
-ABI = 2
+ABI = 3
 BUILD_TIMEOUT_S = 120.0
 
 _c_int, _c_float, _ptr = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
@@ -127,6 +129,10 @@ def load() -> ctypes.CDLL:
     lib.fdplug_write_kv.argtypes = [_ptr] * 5 + [_c_int] * 3 + [ctypes.c_int64]
     lib.fdplug_swiglu.restype = None
     lib.fdplug_swiglu.argtypes = [_ptr, _ptr, ctypes.c_int64, _c_int, _c_int]
+    lib.fdplug_moe_pack.restype = None
+    lib.fdplug_moe_pack.argtypes = [_ptr] * 5 + [_c_int] * 4
+    lib.fdplug_moe_experts.restype = _c_int
+    lib.fdplug_moe_experts.argtypes = [_ptr] * 6 + [_c_int] * 6
     return lib
 
 
@@ -213,4 +219,80 @@ def swiglu(x: Any, threads: int) -> Any:
     out = paddle.empty([*lead, inter], dtype="float32")
     parallel = threads if rows * inter >= SWIGLU_MIN_PARALLEL else 1
     load().fdplug_swiglu(x.data_ptr(), out.data_ptr(), rows, inter, parallel)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class PackedExperts:
+    """One layer's routed experts in the layout ``fdplug_moe_experts`` reads (see the C file).
+
+    ``gate_up`` [E, 2*I*H]: per expert, panels of 8 intermediate columns, each ``[H][8 gate | 8 up]``
+    (the last panel narrower when I is not a multiple of 8). ``down`` [E, H*I]: per expert, panels
+    of 16 output columns, each ``[I][16]`` (the last one narrower). Exactly the inputs' floats.
+    """
+
+    gate_up: Any
+    down: Any
+    num_experts: int
+    hidden: int
+    inter: int
+
+
+def pack_experts(gate: Any, up: Any, down: Any, threads: int = 1) -> PackedExperts:
+    """One layer's experts (``gate``, ``up`` [E, I, H], ``down`` [E, H, I], float32) repacked, at load time.
+
+    The result holds new tensors only (as many bytes as the inputs, which it does not keep).
+    """
+    import paddle
+
+    lib = load()
+    gate, up, down = _contiguous(gate), _contiguous(up), _contiguous(down)
+    _check_float32(gate, up, down)
+    if len(gate.shape) != 3 or list(up.shape) != list(gate.shape):
+        raise ValueError(f"gate and up must both be [E, I, H], got {list(gate.shape)} and {list(up.shape)}")
+    experts, inter, hidden = (int(n) for n in gate.shape)
+    if list(down.shape) != [experts, hidden, inter]:
+        raise ValueError(f"down must be [E, H, I] = {[experts, hidden, inter]}, got {list(down.shape)}")
+    if min(experts, inter, hidden) <= 0 or 2 * inter * hidden >= 2**31:
+        raise ValueError(f"unsupported expert shape E={experts} I={inter} H={hidden}")
+    gate_up = paddle.empty([experts, 2 * inter * hidden], dtype="float32")
+    packed_down = paddle.empty([experts, hidden * inter], dtype="float32")
+    lib.fdplug_moe_pack(gate.data_ptr(), up.data_ptr(), down.data_ptr(), gate_up.data_ptr(), packed_down.data_ptr(),
+                        experts, hidden, inter, max(1, threads))
+    return PackedExperts(gate_up, packed_down, experts, hidden, inter)
+
+
+def moe_experts(x: Any, packed: PackedExperts, topk_ids: np.ndarray, topk_weights: np.ndarray,
+                threads: int) -> Any:
+    """``out[t] = sum_k topk_weights[t, k] * down_e(silu(gate_e x_t) * up_e x_t)``, ``e = topk_ids[t, k]``.
+
+    ``x`` [T, H] float32; ``topk_ids`` int32 and ``topk_weights`` [T, K]. Each token's row is the
+    same, bit for bit, whatever else is in the batch and however many threads run it. An id outside
+    ``[0, E)`` is a ValueError (checked in C before anything is read through it).
+    """
+    import paddle
+
+    x = _contiguous(x)
+    _check_float32(x)
+    if len(x.shape) != 2 or int(x.shape[1]) != packed.hidden:
+        raise ValueError(f"x must be [T, {packed.hidden}], got {x.shape}")
+    ids = np.asarray(topk_ids)
+    if ids.dtype != np.int32:
+        raise TypeError(f"topk_ids must be int32, got {ids.dtype}")
+    ids = np.ascontiguousarray(ids)
+    weights = np.ascontiguousarray(topk_weights, dtype=np.float32)
+    tokens = int(x.shape[0])
+    if ids.ndim != 2 or ids.shape[0] != tokens or weights.shape != ids.shape or ids.shape[1] < 1:
+        raise ValueError(f"topk_ids and topk_weights must both be [{tokens}, K], got {ids.shape} and {weights.shape}")
+    out = paddle.empty([tokens, packed.hidden], dtype="float32")
+    if tokens == 0:
+        return out
+    status = load().fdplug_moe_experts(
+        x.data_ptr(), packed.gate_up.data_ptr(), packed.down.data_ptr(), ids.ctypes.data, weights.ctypes.data,
+        out.data_ptr(), tokens, ids.shape[1], packed.num_experts, packed.hidden, packed.inter, threads)
+    if status == -2:
+        bad = ids[(ids < 0) | (ids >= packed.num_experts)]
+        raise ValueError(f"expert id {int(bad[0])} is outside [0, {packed.num_experts})")
+    if status != 0:
+        raise MemoryError("the cpu MoE kernel could not allocate its scratch memory")
     return out

@@ -1,5 +1,6 @@
-/* fdplug cpu kernels: paged attention that reads the KV cache in place, the KV cache write, and
- * SwiGLU (paddle's CPU swiglu is one scalar thread: 8% of a prefill, 7% of a decode step).
+/* fdplug cpu kernels: paged attention that reads the KV cache in place, the KV cache write,
+ * SwiGLU (paddle's CPU swiglu is one scalar thread: 8% of a prefill, 7% of a decode step), and the
+ * routed experts of a MoE layer (at the end of the file).
  *
  * Why: on CPU, decode attention is memory-bound. The plain-Paddle reference gathers every
  * sequence's blocks into a dense tensor each layer (read the cache, write a copy, read the copy
@@ -15,6 +16,7 @@
  */
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -24,7 +26,7 @@
 #define HAVE_AVX2 1
 #endif
 
-int fdplug_kernels_abi(void) { return 2; }
+int fdplug_kernels_abi(void) { return 3; }
 
 /* Run worker(job) on the calling thread and up to num_threads - 1 helpers (at most 64), then join.
  * Workers take their pieces from a counter in the job, so a helper that cannot start, or that the
@@ -254,4 +256,436 @@ void fdplug_swiglu(const float *x, float *out, int64_t rows, int inter, int num_
     const int64_t rows_per_piece = inter >= 8192 ? 1 : 8192 / inter; /* ~32 KiB of output a piece */
     swiglu_job job = {x, out, rows, rows_per_piece, 0, inter};
     run_workers(swiglu_worker, &job, num_threads);
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Routed experts of a MoE layer:
+ *   out[t] = sum_{k<K} w[t,k] * down_e(silu(gate_e x_t) * up_e x_t),  e = ids[t,k].
+ *
+ * Packed weights (fdplug_moe_pack, once per layer; exactly as many floats as the inputs):
+ *   gate_up [E][2*I*H]: per expert, ceil(I/8) panels of 8 intermediate columns; panel p holds, for
+ *     each h in 0..H-1, its w gate weights then its w up weights (w = 8, or what is left of I in
+ *     the last panel): [H][2w]. One h row (64 bytes) feeds an MR x (8 gate + 8 up) register tile.
+ *   down    [E][H*I]: per expert, ceil(H/16) panels of 16 output columns, [I][w] (w = 16 or the rest).
+ *   Panels of one expert are contiguous, so a work item's panels stream as one sequential read.
+ *
+ * One call: a counting sort groups the (token, k) assignments by expert; each expert's rows are cut
+ * into groups of at most MOE_ROW_BLOCK; work items are a group times MOE_ITEM_PANELS panels, for
+ * gate/up (SwiGLU fused, into hbuf [A, I]) and for down (times the routing weight, into ybuf
+ * [A, H]); a last pass sums each token's K rows of ybuf in k order. Items are taken from one
+ * counter; a down item waits until its group's gate/up items are done, a sum item until every down
+ * item is (the items waited on were all taken before, by running threads, so the wait always ends).
+ * Decode (a few rows an expert) is memory-bound: each touched expert's weights are read once, all
+ * its rows in one register tile. Prefill is compute-bound: 6-row tiles over a panel that stays in
+ * L1/L2 while the group's x rows stay in L2.
+ *
+ * Determinism: every output element is one FMA chain over H (gate/up) or I (down) in index order,
+ * whatever the rows around it, the tile it falls in or the thread; then w * acc; then the sum over k
+ * in k order. A token's output does not depend on the batch nor on the thread count, bit for bit.
+ * ------------------------------------------------------------------------------------------- */
+
+/* Rows (assignments) of a register tile: 12 x 16 floats of accumulators where AVX-512VL gives 32
+ * vector registers (the AVX2 code is the same, the compiler just has more registers), else 6 x 16. */
+#ifndef MOE_MR
+#if defined(__AVX512VL__)
+#define MOE_MR 12
+#else
+#define MOE_MR 6
+#endif
+#endif
+#define MOE_GU_COLS 8     /* intermediate columns of a gate/up panel (8 gate + 8 up floats a row) */
+#define MOE_DOWN_COLS 16  /* output columns of a down panel */
+#define MOE_ROW_BLOCK 192 /* most rows of a group (work items are a group times some panels) */
+#define MOE_ITEM_PANELS 8 /* panels of a work item: 256 KiB of gate/up weights at H = 512 */
+#define MOE_SUM_TOKENS 64 /* tokens of a final-sum item */
+#define MOE_KC 512        /* depth of one pass of the row tiles over a panel: bounds what they share */
+/* Tiles of 4 rows or more prefetch the panel MOE_PF bytes ahead (into L2): their FMAs fill the
+ * out-of-order window, which then no longer reaches far enough ahead to hide memory latency. Lighter
+ * tiles stream better without (all measured, H = 512, I = 384, 32 experts, 2 Zen 4 cores). */
+#define MOE_PF 8192
+#define MOE_PF_ROWS 4
+/* A call's hbuf + ybuf stay under this (tokens go in chunks), one token's whatever its size. */
+#ifndef MOE_SCRATCH_BYTES /* (overridable so that a test can make chunks of a few tokens) */
+#define MOE_SCRATCH_BYTES ((int64_t)256 << 20)
+#endif
+
+static int64_t gu_panel_offset(int p, int hidden) { return (int64_t)p * MOE_GU_COLS * 2 * hidden; }
+static int64_t down_panel_offset(int q, int inter) { return (int64_t)q * MOE_DOWN_COLS * inter; }
+
+typedef struct {
+    const float *gate, *up, *down;
+    float *gate_up, *down_packed;
+    int experts, hidden, inter, next; /* next: the next expert to pack, taken with an atomic add */
+} pack_job;
+
+static void *pack_worker(void *arg) {
+    pack_job *job = arg;
+    const int64_t H = job->hidden, I = job->inter;
+    for (;;) {
+        const int e = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
+        if (e >= job->experts) return NULL;
+        const float *gate = job->gate + e * I * H, *up = job->up + e * I * H, *down = job->down + e * H * I;
+        float *gu = job->gate_up + e * 2 * I * H, *dn = job->down_packed + e * H * I;
+        for (int p = 0; (int64_t)p * MOE_GU_COLS < I; ++p) {
+            const int c0 = p * MOE_GU_COLS, w = I - c0 < MOE_GU_COLS ? (int)(I - c0) : MOE_GU_COLS;
+            float *panel = gu + gu_panel_offset(p, (int)H);
+            for (int64_t h = 0; h < H; ++h)
+                for (int c = 0; c < w; ++c) {
+                    panel[h * 2 * w + c] = gate[(c0 + c) * H + h];
+                    panel[h * 2 * w + w + c] = up[(c0 + c) * H + h];
+                }
+        }
+        for (int q = 0; (int64_t)q * MOE_DOWN_COLS < H; ++q) {
+            const int c0 = q * MOE_DOWN_COLS, w = H - c0 < MOE_DOWN_COLS ? (int)(H - c0) : MOE_DOWN_COLS;
+            float *panel = dn + down_panel_offset(q, (int)I);
+            for (int64_t i = 0; i < I; ++i)
+                for (int c = 0; c < w; ++c) panel[i * w + c] = down[(c0 + c) * I + i];
+        }
+    }
+}
+
+/* gate, up [E, I, H] and down [E, H, I] (row-major, nn.Linear's [out, in] per expert) into the
+ * packed layout above. */
+void fdplug_moe_pack(const float *gate, const float *up, const float *down, float *gate_up, float *down_packed,
+                     int experts, int hidden, int inter, int num_threads) {
+    pack_job job = {gate, up, down, gate_up, down_packed, experts, hidden, inter, 0};
+    run_workers(pack_worker, &job, num_threads < experts ? num_threads : experts);
+}
+
+enum { MOE_GATE_UP = 0, MOE_DOWN = 1, MOE_SUM = 2 };
+
+typedef struct {
+    int kind, group, first, last; /* gate/up, down: panels [first, last) of group; sum: tokens [first, last) */
+} moe_item;
+
+typedef struct {
+    int expert, row0, rows; /* rows [row0, row0 + rows) of the sorted assignments */
+} moe_group;
+
+/* A counter alone on its cache line: the threads write them all the time. */
+typedef struct {
+    int value;
+    char pad[64 - sizeof(int)];
+} moe_counter;
+
+typedef struct {
+    const float *x, *gate_up, *down;
+    float *out;
+    int tokens, top_k, hidden, inter;
+    const int32_t *row_token; /* [A] token of sorted assignment a */
+    const float *row_weight;  /* [A] its routing weight */
+    const int32_t *slot;      /* [T * K] sorted position of assignment t * K + k */
+    float *hbuf, *ybuf;       /* [A, I], [A, H] */
+    const moe_group *groups;
+    const moe_item *items;
+    int num_items, total_down, gate_up_items;
+    moe_counter *next_item, *down_done, *gate_up_done; /* gate_up_done: per group, its items finished */
+} moe_job;
+
+static void moe_wait(const int *counter, int target) {
+    for (int spins = 0; __atomic_load_n(counter, __ATOMIC_ACQUIRE) < target; ++spins) {
+#ifdef HAVE_AVX2
+        _mm_pause();
+#endif
+        if (spins > 2000) sched_yield(); /* the thread we wait for may have lost its core */
+    }
+}
+
+#ifdef HAVE_AVX2
+/* Rows of the next register tile for `left` rows still to do with tiles of at most `most`: never a
+ * last tile under 4 rows when that can be helped (8 = 4 + 4, not 6 + 2: a 2-row tile has too few
+ * FMA chains to hide their latency). */
+static int moe_tile_rows(int left, int most) { return left <= most ? left : left >= most + 4 ? most : 4; }
+
+/* The register tile: for r < m, res[16 r .. 16 r + 16) += sum over d < depth, in order, of
+ * ar[r][d0 + d] * b[d][0..16), one FMA chain per element continuing from res. b rows are ldb floats
+ * apart, the second vector at b + hi; masked loads for a narrow last panel (they read nothing outside
+ * the mask). m and masked are constants after inlining. */
+static inline __attribute__((always_inline)) void moe_tile(const int m, const int masked, const float *const *ar,
+                                                           const int d0, const float *b, const int ldb, const int hi,
+                                                           const __m256i mlo, const __m256i mhi, const int depth,
+                                                           float *res) {
+    /* Named accumulators, not an array: gcc keeps an array's rows on the stack inside the loop. */
+    const __m256 zero = _mm256_setzero_ps();
+#define MOE_LOAD(r)                                                          \
+    __m256 acc##r##_0 = m > r ? _mm256_loadu_ps(res + r * 16) : zero;        \
+    __m256 acc##r##_1 = m > r ? _mm256_loadu_ps(res + r * 16 + 8) : zero;    \
+    const float *x##r = ar[m > r ? r : 0] + d0;
+#define MOE_ROW(r)                                           \
+        if (m > r) {                                         \
+            a = _mm256_broadcast_ss(x##r + d);               \
+            acc##r##_0 = _mm256_fmadd_ps(a, b0, acc##r##_0); \
+            acc##r##_1 = _mm256_fmadd_ps(a, b1, acc##r##_1); \
+        }
+#define MOE_STORE(r)                                     \
+    if (m > r) {                                         \
+        _mm256_storeu_ps(res + r * 16, acc##r##_0);      \
+        _mm256_storeu_ps(res + r * 16 + 8, acc##r##_1);  \
+    }
+#if MOE_MR == 12
+#define MOE_ROWS(F) F(0) F(1) F(2) F(3) F(4) F(5) F(6) F(7) F(8) F(9) F(10) F(11)
+#else
+#define MOE_ROWS(F) F(0) F(1) F(2) F(3) F(4) F(5)
+#endif
+    MOE_ROWS(MOE_LOAD)
+    for (int d = 0; d < depth; ++d, b += ldb) {
+        __m256 b0 = masked ? _mm256_maskload_ps(b, mlo) : _mm256_loadu_ps(b);
+        __m256 b1 = masked ? _mm256_maskload_ps(b + hi, mhi) : _mm256_loadu_ps(b + 8);
+        /* Keep b in registers: gcc would otherwise fold the loads into every FMA (m loads each). */
+        __asm__("" : "+x"(b0), "+x"(b1));
+        if (MOE_PF && m >= MOE_PF_ROWS) _mm_prefetch((const char *)b + MOE_PF, _MM_HINT_T2);
+        __m256 a;
+        MOE_ROWS(MOE_ROW)
+    }
+    MOE_ROWS(MOE_STORE)
+#undef MOE_LOAD
+#undef MOE_ROW
+#undef MOE_STORE
+}
+
+static void moe_tile_any(int m, int masked, const float *const *ar, int d0, const float *b, int ldb, int hi,
+                         __m256i mlo, __m256i mhi, int depth, float *res) {
+    switch (m * 2 + masked) {
+#define MOE_CASE(mm)                                                                    \
+    case 2 * (mm): moe_tile((mm), 0, ar, d0, b, ldb, hi, mlo, mhi, depth, res); break;     \
+    case 2 * (mm) + 1: moe_tile((mm), 1, ar, d0, b, ldb, hi, mlo, mhi, depth, res); break;
+#define MOE_CASE1(r) MOE_CASE(r + 1)
+        MOE_ROWS(MOE_CASE1)
+#undef MOE_CASE1
+#undef MOE_CASE
+    }
+}
+#undef MOE_ROWS
+
+static __m256i moe_mask(int w) { /* lanes [0, w) on, w may be <= 0 or >= 8 */
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(w), lanes);
+}
+#endif
+
+/* res[16 r + c] = sum over d < depth, in order, of ar[r][d] * panel[d][c] for r < rows: panel rows
+ * are ldb floats, columns [0, lo) of the first vector at offset 0, [0, hi_cols) of the second at hi.
+ * Passes of MOE_KC along d bound what the row tiles share for a large H or I; each element stays
+ * one chain in d order. */
+static void moe_panel(const float *const *ar, int rows, const float *panel, int ldb, int lo, int hi_cols, int hi,
+                      int depth, float *res) {
+    memset(res, 0, sizeof(float) * 16 * (size_t)rows);
+#ifdef HAVE_AVX2
+    const __m256i mlo = moe_mask(lo), mhi = moe_mask(hi_cols);
+    const int masked = lo < 8 || hi_cols < 8;
+    /* A few rows (decode): all in one tile if they fit, so the panel streams from memory once, at
+     * an even pace. Many (prefill): 6-row tiles, faster than 12-row ones there (measured). */
+    const int most = rows <= MOE_MR ? MOE_MR : 6;
+    for (int d0 = 0; d0 < depth; d0 += MOE_KC) {
+        const int dn = depth - d0 < MOE_KC ? depth - d0 : MOE_KC;
+        for (int r0 = 0, m; r0 < rows; r0 += m) {
+            m = moe_tile_rows(rows - r0, most);
+            moe_tile_any(m, masked, ar + r0, d0, panel + (int64_t)d0 * ldb, ldb, hi, mlo, mhi, dn, res + 16 * r0);
+        }
+    }
+#else
+    for (int r = 0; r < rows; ++r) {
+        float *acc = res + 16 * r;
+        for (int d = 0; d < depth; ++d) {
+            const float av = ar[r][d], *b = panel + (int64_t)d * ldb;
+            for (int c = 0; c < lo; ++c) acc[c] += av * b[c];
+            for (int c = 0; c < hi_cols; ++c) acc[8 + c] += av * b[hi + c];
+        }
+    }
+#endif
+}
+
+/* Gate/up for the item's rows (their x rows in ar) and intermediate panel p: SwiGLU into hbuf. */
+static void moe_gate_up_panel(const moe_job *job, const float *weights, const float *const *ar, int row0, int rows,
+                              int p, float *res) {
+    const int H = job->hidden, I = job->inter, c0 = p * MOE_GU_COLS;
+    const int w = I - c0 < MOE_GU_COLS ? I - c0 : MOE_GU_COLS;
+    moe_panel(ar, rows, weights + gu_panel_offset(p, H), 2 * w, w, w, w, H, res);
+    for (int r = 0; r < rows; ++r) {
+        const float *g = res + 16 * r, *u = g + 8;
+        float *dst = job->hbuf + (int64_t)(row0 + r) * I + c0;
+#ifdef HAVE_AVX2
+        const __m256 gv = _mm256_loadu_ps(g);
+        const __m256 denominator = _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv)));
+        const __m256 h = _mm256_div_ps(_mm256_mul_ps(gv, _mm256_loadu_ps(u)), denominator);
+        if (w == MOE_GU_COLS) _mm256_storeu_ps(dst, h);
+        else _mm256_maskstore_ps(dst, moe_mask(w), h);
+#else
+        for (int c = 0; c < w; ++c) dst[c] = g[c] * u[c] / (1.0f + expf(-g[c]));
+#endif
+    }
+}
+
+/* Down for the item's rows (their hbuf rows in ar) and output panel q, times each row's routing weight. */
+static void moe_down_panel(const moe_job *job, const float *weights, const float *const *ar, int row0, int rows,
+                           int q, float *res) {
+    const int H = job->hidden, I = job->inter, c0 = q * MOE_DOWN_COLS;
+    const int w = H - c0 < MOE_DOWN_COLS ? H - c0 : MOE_DOWN_COLS;
+    moe_panel(ar, rows, weights + down_panel_offset(q, I), w, w < 8 ? w : 8, w > 8 ? w - 8 : 0, 8, I, res);
+    for (int r = 0; r < rows; ++r) {
+        const float scale = job->row_weight[row0 + r];
+        float *dst = job->ybuf + (int64_t)(row0 + r) * H + c0;
+        for (int c = 0; c < w; ++c) dst[c] = scale * res[16 * r + c];
+    }
+}
+
+/* out[t] = ybuf[slot[t, 0]] + ybuf[slot[t, 1]] + ... in k order. */
+static void moe_sum_tokens(const moe_job *job, int first, int last) {
+    const int H = job->hidden, K = job->top_k;
+    for (int t = first; t < last; ++t) {
+        float *dst = job->out + (int64_t)t * H;
+        memcpy(dst, job->ybuf + (int64_t)job->slot[(int64_t)t * K] * H, sizeof(float) * H);
+        for (int k = 1; k < K; ++k) {
+            const float *src = job->ybuf + (int64_t)job->slot[(int64_t)t * K + k] * H;
+            for (int h = 0; h < H; ++h) dst[h] += src[h];
+        }
+    }
+}
+
+static void *moe_worker(void *arg) {
+    moe_job *job = arg;
+    const float *ar[MOE_ROW_BLOCK];
+    float res[16 * MOE_ROW_BLOCK];
+    for (;;) {
+        const int index = __atomic_fetch_add(&job->next_item->value, 1, __ATOMIC_RELAXED);
+        if (index >= job->num_items) return NULL;
+        const moe_item item = job->items[index];
+        if (item.kind == MOE_SUM) {
+            moe_wait(&job->down_done->value, job->total_down);
+            moe_sum_tokens(job, item.first, item.last);
+            continue;
+        }
+        const moe_group *g = job->groups + item.group;
+        if (item.kind == MOE_GATE_UP) {
+            const float *weights = job->gate_up + (int64_t)g->expert * 2 * job->inter * job->hidden;
+            for (int r = 0; r < g->rows; ++r) ar[r] = job->x + (int64_t)job->row_token[g->row0 + r] * job->hidden;
+            for (int p = item.first; p < item.last; ++p) moe_gate_up_panel(job, weights, ar, g->row0, g->rows, p, res);
+            __atomic_fetch_add(&job->gate_up_done[item.group].value, 1, __ATOMIC_RELEASE);
+        } else {
+            moe_wait(&job->gate_up_done[item.group].value, job->gate_up_items);
+            const float *weights = job->down + (int64_t)g->expert * job->hidden * job->inter;
+            for (int r = 0; r < g->rows; ++r) ar[r] = job->hbuf + (int64_t)(g->row0 + r) * job->inter;
+            for (int q = item.first; q < item.last; ++q) moe_down_panel(job, weights, ar, g->row0, g->rows, q, res);
+            __atomic_fetch_add(&job->down_done->value, 1, __ATOMIC_RELEASE);
+        }
+    }
+}
+
+/* Scratch for one chunk of at most max_tokens tokens, reused chunk after chunk. */
+typedef struct {
+    int32_t *start, *row_token, *slot;
+    float *row_weight, *hbuf, *ybuf;
+    moe_group *groups;
+    moe_item *items;
+    char *counters_raw;
+    int max_groups;
+} moe_scratch;
+
+static void moe_scratch_free(moe_scratch *s) {
+    free(s->start); free(s->row_token); free(s->slot); free(s->row_weight); free(s->hbuf); free(s->ybuf);
+    free(s->groups); free(s->items); free(s->counters_raw);
+}
+
+static int moe_scratch_alloc(moe_scratch *s, int max_tokens, int top_k, int experts, int hidden, int inter) {
+    const size_t A = (size_t)max_tokens * top_k;
+    const int gu_panels = (inter + MOE_GU_COLS - 1) / MOE_GU_COLS;
+    const int down_panels = (hidden + MOE_DOWN_COLS - 1) / MOE_DOWN_COLS;
+    s->max_groups = experts + (int)(A / MOE_ROW_BLOCK) + 1;
+    const size_t max_items = (size_t)s->max_groups * (gu_panels + down_panels) + max_tokens / MOE_SUM_TOKENS + 1;
+    s->start = malloc(sizeof(int32_t) * ((size_t)experts + 1));
+    s->row_token = malloc(sizeof(int32_t) * A);
+    s->slot = malloc(sizeof(int32_t) * A);
+    s->row_weight = malloc(sizeof(float) * A);
+    s->hbuf = malloc(sizeof(float) * A * (size_t)inter);
+    s->ybuf = malloc(sizeof(float) * A * (size_t)hidden);
+    s->groups = malloc(sizeof(moe_group) * (size_t)s->max_groups);
+    s->items = malloc(sizeof(moe_item) * max_items);
+    s->counters_raw = malloc(sizeof(moe_counter) * ((size_t)s->max_groups + 3) + 64);
+    return s->start && s->row_token && s->slot && s->row_weight && s->hbuf && s->ybuf && s->groups && s->items &&
+           s->counters_raw;
+}
+
+/* One chunk of tokens, ids already checked. */
+static void moe_chunk(moe_scratch *s, const float *x, const float *gate_up, const float *down, const int32_t *ids,
+                      const float *weights, float *out, int tokens, int top_k, int experts, int hidden, int inter,
+                      int num_threads) {
+    const int64_t A = (int64_t)tokens * top_k;
+    const int gu_panels = (inter + MOE_GU_COLS - 1) / MOE_GU_COLS;
+    const int down_panels = (hidden + MOE_DOWN_COLS - 1) / MOE_DOWN_COLS;
+    int32_t *start = s->start;
+
+    /* Counting sort by expert, stable in (token, k) order. */
+    memset(start, 0, sizeof(int32_t) * ((size_t)experts + 1));
+    for (int64_t a = 0; a < A; ++a) ++start[ids[a] + 1];
+    for (int e = 0; e < experts; ++e) start[e + 1] += start[e];
+    for (int64_t a = 0; a < A; ++a) {
+        const int32_t pos = start[ids[a]]++;
+        s->row_token[pos] = (int32_t)(a / top_k);
+        s->row_weight[pos] = weights[a];
+        s->slot[a] = pos;
+    }
+    /* start[e] is now the end of expert e's rows (the start of e + 1's). Each expert's rows are cut
+     * into groups of at most MOE_ROW_BLOCK, of even sizes. */
+    int num_groups = 0;
+    for (int e = 0, row0 = 0; e < experts; row0 = start[e++]) {
+        const int count = start[e] - row0;
+        if (count == 0) continue;
+        const int blocks = (count + MOE_ROW_BLOCK - 1) / MOE_ROW_BLOCK;
+        int per = (count + blocks - 1) / blocks;
+        per = (per + MOE_MR - 1) / MOE_MR * MOE_MR;
+        for (int r = 0; r < count; r += per)
+            s->groups[num_groups++] = (moe_group){e, row0 + r, count - r < per ? count - r : per};
+    }
+    /* Items: gate/up of group g, then down of group g - 1 (whose gate/up items are then long taken),
+     * then the per-token sums. */
+    int n = 0;
+    for (int g = 0; g <= num_groups; ++g) {
+        if (g < num_groups)
+            for (int p = 0; p < gu_panels; p += MOE_ITEM_PANELS)
+                s->items[n++] = (moe_item){MOE_GATE_UP, g, p, p + MOE_ITEM_PANELS < gu_panels ? p + MOE_ITEM_PANELS
+                                                                                                : gu_panels};
+        if (g > 0)
+            for (int q = 0; q < down_panels; q += MOE_ITEM_PANELS)
+                s->items[n++] = (moe_item){MOE_DOWN, g - 1, q, q + MOE_ITEM_PANELS < down_panels ? q + MOE_ITEM_PANELS
+                                                                                                  : down_panels};
+    }
+    for (int t = 0; t < tokens; t += MOE_SUM_TOKENS)
+        s->items[n++] = (moe_item){MOE_SUM, 0, t, t + MOE_SUM_TOKENS < tokens ? t + MOE_SUM_TOKENS : tokens};
+
+    moe_counter *counters = (moe_counter *)(((uintptr_t)s->counters_raw + 63) & ~(uintptr_t)63);
+    memset(counters, 0, sizeof(moe_counter) * ((size_t)num_groups + 2));
+    const int gu_items = (gu_panels + MOE_ITEM_PANELS - 1) / MOE_ITEM_PANELS;
+    const int down_items = (down_panels + MOE_ITEM_PANELS - 1) / MOE_ITEM_PANELS;
+    moe_job job = {x, gate_up, down, out, tokens, top_k, hidden, inter, s->row_token, s->row_weight, s->slot,
+                   s->hbuf, s->ybuf, s->groups, s->items, n, num_groups * down_items, gu_items,
+                   counters, counters + 1, counters + 2};
+    run_workers(moe_worker, &job, num_threads < n ? num_threads : n);
+}
+
+/* The routed experts for tokens x [T, H] with ids, weights [T, K] (row-major) into out [T, H], on up
+ * to num_threads threads (the caller's included). Tokens go in chunks whose scratch (hbuf and ybuf:
+ * K * (I + H) floats a token) stays under MOE_SCRATCH_BYTES; a token's result does not depend on its
+ * chunk. Returns 0; -1 if scratch memory could not be had (out undefined); -2 if an id is outside
+ * [0, experts) (then nothing is computed). */
+int fdplug_moe_experts(const float *x, const float *gate_up, const float *down, const int32_t *ids,
+                       const float *weights, float *out, int tokens, int top_k, int experts, int hidden, int inter,
+                       int num_threads) {
+    if (tokens <= 0 || top_k <= 0) return 0;
+    const int64_t A = (int64_t)tokens * top_k;
+    for (int64_t a = 0; a < A; ++a)
+        if (ids[a] < 0 || ids[a] >= experts) return -2;
+    const int64_t per_token = (int64_t)top_k * (hidden + inter) * (int64_t)sizeof(float);
+    int64_t chunk = MOE_SCRATCH_BYTES / per_token;
+    chunk = chunk < 1 ? 1 : chunk > tokens ? tokens : chunk;
+    if (chunk * top_k > INT32_MAX / 4) chunk = INT32_MAX / 4 / top_k;
+    moe_scratch s;
+    const int ok = moe_scratch_alloc(&s, (int)chunk, top_k, experts, hidden, inter);
+    if (ok)
+        for (int64_t t0 = 0; t0 < tokens; t0 += chunk) {
+            const int n = (int)(tokens - t0 < chunk ? tokens - t0 : chunk);
+            moe_chunk(&s, x + t0 * hidden, gate_up, down, ids + t0 * top_k, weights + t0 * top_k, out + t0 * hidden,
+                      n, top_k, experts, hidden, inter, num_threads);
+        }
+    moe_scratch_free(&s);
+    return ok ? 0 : -1;
 }
