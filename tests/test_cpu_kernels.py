@@ -190,3 +190,57 @@ def test_native_runner_puts_the_kernel_in_every_mlp(test_model_dir):
     llm = LLM(str(test_model_dir), num_kv_blocks=16, max_model_len=64)
     mlps = [layer for layer in llm.engine.runner.model.sublayers() if isinstance(layer, SwiGLU)]
     assert mlps and all(m.activation.func is kernels.swiglu for m in mlps)
+
+
+# --------------------------------------------------------------------------------------------------
+# the kernels' persistent thread pool
+# --------------------------------------------------------------------------------------------------
+
+
+def _raw_swiglu(lib, x: np.ndarray, threads: int) -> np.ndarray:
+    """The C SwiGLU on numpy buffers (no paddle: usable in a forked child)."""
+    out = np.empty((x.shape[0], x.shape[1] // 2), np.float32)
+    lib.fdplug_swiglu(x.ctypes.data, out.ctypes.data, x.shape[0], x.shape[1] // 2, threads)
+    return out
+
+
+def test_pool_gives_the_same_results_for_any_thread_count_and_concurrent_callers():
+    """One job at a time runs on the pool; callers from other threads meanwhile get fresh threads
+    (ctypes drops the GIL, so these calls really overlap). Every result equals the one-thread one."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    lib = kernels.load()
+    x = np.random.default_rng(0).standard_normal((512, 256)).astype(np.float32)
+    want = _raw_swiglu(lib, x, 1)
+    for threads in (2, 8, 3, 65, 1, 2):        # the pool grows to 64 helpers and serves smaller jobs
+        np.testing.assert_array_equal(_raw_swiglu(lib, x, threads), want)
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda i: _raw_swiglu(lib, x, 2 + i % 3), range(200)))
+    for got in results:
+        np.testing.assert_array_equal(got, want)
+
+
+def test_a_forked_child_runs_the_kernels_without_the_parents_pool():
+    """The helpers are not forked. A job posted to them in the child must not wait for them (none
+    claims it, so the caller does it all), and the child starts helpers of its own: after one call
+    it has more threads than the one fork() gave it."""
+    import time
+
+    lib = kernels.load()
+    x = np.random.default_rng(1).standard_normal((256, 128)).astype(np.float32)
+    want = _raw_swiglu(lib, x, 2)                 # the parent's pool is up
+    pid = os.fork()
+    if pid == 0:                                   # child: exit code says whether it matched
+        same = np.array_equal(_raw_swiglu(lib, x, 2), want)
+        os._exit(0 if same and len(os.listdir("/proc/self/task")) > 1 else 1)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung in a kernel call")

@@ -58,12 +58,12 @@ def test_llm_generates_transformers_greedy_tokens(name, backend, tmp_path):
     assert [o.outputs[0].token_ids for o in outs] == [r["tokens"] for r in runs]
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    name = "ernie4_5_moe"
+@pytest.fixture(scope="module", params=MOE)
+def served(request, tmp_path_factory):
+    name = request.param
     model = servable(name, tmp_path_factory.mktemp("golden"))
     srv = Server(["--model", str(model), "--served-model-name", name, "--max-model-len", "64",
-                  "--num-kv-blocks", "32"], tmp_path_factory.mktemp("serve") / "moe.log").wait_ready()
+                  "--num-kv-blocks", "32"], tmp_path_factory.mktemp("serve") / f"{name}.log").wait_ready()
     yield name, model, srv
     assert srv.stop() == 0, srv.log()
 

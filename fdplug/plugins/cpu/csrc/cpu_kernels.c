@@ -14,12 +14,14 @@
  * No -ffast-math: it would change the floating-point mode of the whole process. With AVX2 and FMA
  * (built with -march=native) the two inner loops use intrinsics; elsewhere, portable C.
  */
+#define _POSIX_C_SOURCE 200809L /* clock_gettime, pthreads under -std=c99 */
 #include <math.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -28,17 +30,158 @@
 
 int fdplug_kernels_abi(void) { return 3; }
 
-/* Run worker(job) on the calling thread and up to num_threads - 1 helpers (at most 64), then join.
- * Workers take their pieces from a counter in the job, so a helper that cannot start, or that the
- * scheduler starts late (another process holding a core), leaves its pieces to the others. */
-static void run_workers(void *(*worker)(void *), void *job, int num_threads) {
-    pthread_t threads[64];
-    int extra = num_threads - 1, started = 0;
-    if (extra > 64) extra = 64;
+/* ---------------------------------------------------------------------------------------------
+ * Threads. A kernel call runs worker(job) on the calling thread and up to num_threads - 1 helpers
+ * (at most 64). Workers take their pieces from a counter in the job, so a helper that starts late
+ * (another process holding its core) leaves its pieces to the others.
+ *
+ * The helpers are a persistent pool: creating and joining threads on every call cost ~45 us a
+ * call, 12+ calls a decode step. A helper that finished a job spins on the job counter for
+ * POOL_SPIN_NS (the next kernel call of a step usually comes sooner) and then sleeps on a condition
+ * variable. The caller posts a job, works on it itself, then closes it: helpers that had not
+ * claimed it by then never run it, so the caller waits only for those already working (a helper
+ * the scheduler keeps off a core costs nothing). One job at a time: a second thread calling a
+ * kernel meanwhile gets fresh threads, the old way. After fork() the child starts with no pool.
+ * ------------------------------------------------------------------------------------------- */
+#define POOL_MAX 64
+#define POOL_SPIN_NS 50000
+
+typedef struct {
+    pthread_mutex_t busy; /* held by the one caller whose job the pool runs */
+    pthread_mutex_t lock; /* guards the fields below */
+    pthread_cond_t wake, done;
+    int size;             /* helpers started */
+    unsigned generation;  /* bumped for each job */
+    void *(*worker)(void *);
+    void *job;
+    int open, wanted, claimed, finished;
+} worker_pool;
+
+static worker_pool pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
+                           PTHREAD_COND_INITIALIZER, 0, 0, NULL, NULL, 0, 0, 0, 0};
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+/* Spin until *value != seen or POOL_SPIN_NS pass; whether it changed. */
+static int spin_while_equal(const unsigned *value, unsigned seen) {
+    const int64_t until = now_ns() + POOL_SPIN_NS;
+    for (int i = 1;; ++i) {
+        if (__atomic_load_n(value, __ATOMIC_ACQUIRE) != seen) return 1;
+        cpu_relax();
+        if (i % 64 == 0 && now_ns() > until) return 0;
+    }
+}
+
+/* Spin until *value >= target or POOL_SPIN_NS pass. */
+static void spin_until_at_least(const int *value, int target) {
+    const int64_t until = now_ns() + POOL_SPIN_NS;
+    for (int i = 1; __atomic_load_n(value, __ATOMIC_ACQUIRE) < target; ++i) {
+        cpu_relax();
+        if (i % 64 == 0 && now_ns() > until) return;
+    }
+}
+
+static void *pool_helper(void *arg) {
+    unsigned seen = (unsigned)(uintptr_t)arg;
+    for (;;) {
+        spin_while_equal(&pool.generation, seen);
+        pthread_mutex_lock(&pool.lock);
+        while (pool.generation == seen) pthread_cond_wait(&pool.wake, &pool.lock);
+        seen = pool.generation;
+        if (!pool.open || pool.claimed >= pool.wanted) {
+            pthread_mutex_unlock(&pool.lock);
+            continue;
+        }
+        ++pool.claimed;
+        void *(*worker)(void *) = pool.worker;
+        void *job = pool.job;
+        pthread_mutex_unlock(&pool.lock);
+        worker(job);
+        pthread_mutex_lock(&pool.lock);
+        const int finished = __atomic_add_fetch(&pool.finished, 1, __ATOMIC_RELEASE);
+        if (finished == pool.claimed && !pool.open) pthread_cond_signal(&pool.done);
+        pthread_mutex_unlock(&pool.lock);
+    }
+    return NULL;
+}
+
+static void pool_after_fork_in_child(void) {
+    worker_pool fresh = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
+                         PTHREAD_COND_INITIALIZER, 0, 0, NULL, NULL, 0, 0, 0, 0};
+    pool = fresh; /* the helpers were not forked */
+}
+
+static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
+static void pool_init(void) { pthread_atfork(NULL, NULL, pool_after_fork_in_child); }
+
+/* Grow the pool to `helpers` threads (fewer if the system refuses more); called holding pool.busy. */
+static int pool_grow(int helpers) {
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    while (pool.size < helpers) {
+        pthread_t thread;
+        pthread_mutex_lock(&pool.lock);
+        const unsigned seen = pool.generation;
+        pthread_mutex_unlock(&pool.lock);
+        if (pthread_create(&thread, &attr, pool_helper, (void *)(uintptr_t)seen) != 0) break;
+        ++pool.size;
+    }
+    pthread_attr_destroy(&attr);
+    return pool.size;
+}
+
+static void run_fresh_threads(void *(*worker)(void *), void *job, int extra) {
+    pthread_t threads[POOL_MAX];
+    int started = 0;
     for (; started < extra; ++started)
         if (pthread_create(&threads[started], NULL, worker, job) != 0) break;
     worker(job); /* the calling thread works too; with no helper it does everything */
     for (int t = 0; t < started; ++t) pthread_join(threads[t], NULL);
+}
+
+static void run_workers(void *(*worker)(void *), void *job, int num_threads) {
+    int extra = num_threads - 1;
+    if (extra > POOL_MAX) extra = POOL_MAX;
+    if (extra <= 0) {
+        worker(job);
+        return;
+    }
+    pthread_once(&pool_once, pool_init);
+    if (pthread_mutex_trylock(&pool.busy) != 0) {
+        run_fresh_threads(worker, job, extra);
+        return;
+    }
+    const int helpers = pool_grow(extra) < extra ? pool.size : extra;
+    pthread_mutex_lock(&pool.lock);
+    pool.worker = worker;
+    pool.job = job;
+    pool.wanted = helpers;
+    pool.claimed = pool.finished = 0;
+    pool.open = 1;
+    __atomic_store_n(&pool.generation, pool.generation + 1, __ATOMIC_RELEASE);
+    pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.lock);
+    worker(job);
+    pthread_mutex_lock(&pool.lock);
+    pool.open = 0;
+    const int claimed = pool.claimed;
+    pthread_mutex_unlock(&pool.lock);
+    spin_until_at_least(&pool.finished, claimed); /* helpers usually end together */
+    pthread_mutex_lock(&pool.lock);
+    while (pool.finished < pool.claimed) pthread_cond_wait(&pool.done, &pool.lock);
+    pthread_mutex_unlock(&pool.lock);
+    pthread_mutex_unlock(&pool.busy);
 }
 
 /* scores[j] = q . keys[j] for n keys of `dim` floats each (rows `dim` apart). */
