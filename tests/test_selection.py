@@ -147,22 +147,26 @@ def test_supports_that_raises_is_a_rejection():
 
 
 def test_moe_weight_format_must_match_the_model():
-    class Fp8Plugin:
+    class W4Plugin:
         FDPLUG_API_VERSION = "3.0"
 
         @hookimpl
         def fdplug_register_moe_backends(self, register):
-            register(MoEBackendSpec(name="fp8", devices=("*",), factory=lambda c: None, priority=5,
-                                    weight_formats=("fp8_block",)))
+            register(MoEBackendSpec(name="w4", devices=("*",), factory=lambda c: None, priority=5,
+                                    weight_formats=("w4a8",)))
 
-    plugin_set = load_plugins(extra=[("fp8", Fp8Plugin())])
+    plugin_set = load_plugins(extra=[("w4", W4Plugin())])
     plain = select_components(config=EngineConfig(model=ModelTraits(num_experts=8)), plugins=plugin_set)
-    assert plain.moe.name == "cpu_native"     # the plain-float backends outrank fp8 (5) on a plain model
-    quantized = select_components(config=EngineConfig(model=ModelTraits(moe_weight_format="fp8_block")),
-                               plugins=plugin_set)
-    assert quantized.moe.name == "fp8"
-    assert all("not the model's 'fp8_block'" in d.reason for d in quantized.decisions
+    assert plain.moe.name == "cpu_native"     # the plain-float backends outrank w4 (5) on a plain model
+    quantized = select_components(config=EngineConfig(model=ModelTraits(moe_weight_format="w4a8")),
+                                  plugins=plugin_set)
+    assert quantized.moe.name == "w4"
+    assert all("not the model's 'w4a8'" in d.reason for d in quantized.decisions
                if d.role == "moe" and d.name in ("reference", "cpu_native"))
+    fp8 = select_components(config=EngineConfig(model=ModelTraits(moe_weight_format="fp8_block")))
+    assert fp8.moe.name == "reference"        # the portable path dequantizes FP8 experts; cpu_native cannot
+    assert any("not the model's 'fp8_block'" in d.reason for d in fp8.decisions
+               if d.role == "moe" and d.name == "cpu_native")
 
 
 def test_a_plugin_that_registers_only_a_device_gets_the_portable_components():
@@ -178,11 +182,11 @@ def test_a_plugin_that_registers_only_a_device_gets_the_portable_components():
 
 
 def test_no_candidate_left_is_an_error_listing_every_reason():
-    config = EngineConfig(model=ModelTraits(num_experts=8, moe_weight_format="fp8_block"))
+    config = EngineConfig(model=ModelTraits(num_experts=8, moe_weight_format="w4a8"))
     with pytest.raises(SelectionError) as err:
         select_components("cpu", config=config)
     assert "no moe can run on device 'cpu'" in str(err.value)
-    assert "reference: executes weight formats none, not the model's 'fp8_block'" in str(err.value)
+    assert "reference: executes weight formats none, fp8_block, not the model's 'w4a8'" in str(err.value)
 
 
 def test_storages_are_chosen_per_scheme_by_priority_and_explicitly():

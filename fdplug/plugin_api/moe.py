@@ -131,6 +131,9 @@ class ExpertWeights:
     ``gate`` and ``up`` are ``[num_experts, intermediate, hidden]``, ``down`` is
     ``[num_experts, hidden, intermediate]``. For quantized formats (``format != "none"``) the tensors
     hold the quantized values and ``scales`` the matching scale tensors keyed ``gate``/``up``/``down``.
+    ``fp8_block``: e4m3 values and float32 scales *per row*, ``[E, rows, ceil(cols / block[1])]`` (a
+    checkpoint's ``block[0]``-row tiles repeated over their rows), so ``W[e, i, j] = q[e, i, j] *
+    scales[e, i, j // block[1]]``.
     """
 
     gate: Any
@@ -138,6 +141,7 @@ class ExpertWeights:
     down: Any
     format: str = "none"
     scales: dict[str, Any] = field(default_factory=dict)
+    block: tuple[int, int] = (128, 128)
 
     @property
     def num_experts(self) -> int:

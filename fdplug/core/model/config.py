@@ -16,6 +16,7 @@ from typing import Any
 
 from fdplug.core.config import ModelTraits
 from fdplug.core.model.moe_config import MoEConfig, parse_moe
+from fdplug.core.model.quant_config import QuantConfig, fused_quant, parse_quant
 from fdplug.core.model.rope import RopeConfig, parse_rope
 from fdplug.core.multimodal.config import MultimodalConfig
 from fdplug.errors import ModelLoadError, UnsupportedModelError
@@ -89,6 +90,7 @@ class ModelConfig:
     pad_token_id: int | None = None
     multimodal: MultimodalConfig | None = None   # placeholder tokens and mask policy, if the model takes features
     moe: MoEConfig | None = None                  # routed experts, if any layer is mixture-of-experts
+    quant: QuantConfig | None = None              # FP8 block-quantized linears, if the checkpoint has them
     mtp_layers: int = 0           # multi-token-prediction layers stored after the decoder's (weights ignored)
 
     @property
@@ -146,6 +148,7 @@ class ModelConfig:
             pad_token_id=_first_int((generation or {}).get("pad_token_id"), raw.get("pad_token_id")),
             multimodal=MultimodalConfig.from_hf(raw, arch_name),
             moe=parse_moe(raw, arch_name, num_layers),
+            quant=parse_quant(raw),
             mtp_layers=int(raw.get("num_nextn_predict_layers") or raw.get("num_mtp_layers") or 0),
         )
         cfg.validate()
@@ -163,13 +166,21 @@ class ModelConfig:
             raise ModelLoadError(f"partial_rotary_factor={self.rope.partial:g} of head_dim={self.head_dim} rotates "
                                  f"{rotary} dims; RoPE needs a positive even number.", fix=_CONFIG_FIX)
 
+    def moe_weight_format(self) -> str:
+        """How the routed experts are stored: ``none`` (float), ``fp8_block``; a MoE backend must execute it."""
+        if self.moe is None:
+            return "none"
+        quant = fused_quant(self.quant, f"model.layers.{self.moe.layers[0]}.mlp.experts.", ("gate_proj", "up_proj",
+                                                                                            "down_proj"))
+        return quant.format if quant else "none"
+
     def traits(self, dtype: str | None = None) -> ModelTraits:
         """What backends see in ``supports(config)``; ``dtype`` is the compute dtype (default: the checkpoint's)."""
         return ModelTraits(architecture=self.architecture, dtype=dtype or self.dtype,
                            num_attention_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                            head_dim=self.head_dim, num_experts=self.moe.num_experts if self.moe else 0,
                            experts_per_token=self.moe.routing.top_k if self.moe else 0,
-                           moe_weight_format=self.moe.weight_format if self.moe else "none",
+                           moe_weight_format=self.moe_weight_format(),
                            mask_policy=self.multimodal.mask_policy if self.multimodal else "causal")
 
 

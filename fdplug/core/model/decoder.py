@@ -18,13 +18,14 @@ from paddle import nn
 
 from fdplug.core.model.config import ModelConfig
 from fdplug.core.model.layers import (
-    Linear,
     RMSNorm,
     RotaryEmbedding,
     SwiGLU,
     empty_parameter,
+    make_linear,
 )
 from fdplug.core.model.moe_block import SparseMoEBlock
+from fdplug.core.model.quant_config import fused_quant, mlp_quant
 from fdplug.core.portable.ops import PORTABLE
 from fdplug.plugin_api.ops import Kernels
 
@@ -32,14 +33,18 @@ from fdplug.plugin_api.ops import Kernels
 class Attention(nn.Layer):
     """GQA self-attention; q/k/v come out of one ``[hidden, (H + 2*KV) * D]`` matmul."""
 
-    def __init__(self, cfg: ModelConfig, attn_backend: Any, dtype: str, kernels: Kernels) -> None:
+    def __init__(self, cfg: ModelConfig, attn_backend: Any, dtype: str, kernels: Kernels, prefix: str = "") -> None:
+        """``prefix``: the layer's HF name (``model.layers.0.``), which says which projections are FP8."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
         self.backend = attn_backend
         qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, qkv_out, cfg.attention_bias, dtype)
-        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_proj_bias, dtype)
+        attn = prefix + "self_attn."
+        self.qkv_proj = make_linear(cfg.hidden_size, qkv_out, cfg.attention_bias, dtype,
+                                    fused_quant(cfg.quant, attn, ("q_proj", "k_proj", "v_proj")))
+        self.o_proj = make_linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_proj_bias, dtype,
+                                  fused_quant(cfg.quant, attn, ("o_proj",)))
         # Qwen3: q_norm's weight on each q head, k_norm's on each k head -> one norm for both.
         self.qk_norm = (RMSNorm([cfg.num_heads + cfg.num_kv_heads, cfg.head_dim], cfg.rms_norm_eps, dtype, kernels)
                         if cfg.qk_norm else None)
@@ -60,15 +65,17 @@ class DecoderLayer(nn.Layer):
     """Pre-norm transformer block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
 
     def __init__(self, cfg: ModelConfig, attn_backend: Any, dtype: str, kernels: Kernels,
-                 moe_backend: Any | None = None) -> None:
+                 moe_backend: Any | None = None, index: int = 0) -> None:
         super().__init__()
+        prefix = f"model.layers.{index}."
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
-        self.self_attn = Attention(cfg, attn_backend, dtype, kernels)
+        self.self_attn = Attention(cfg, attn_backend, dtype, kernels, prefix)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
         if moe_backend is not None:
-            self.mlp = SparseMoEBlock(cfg.hidden_size, cfg.moe, moe_backend, dtype, kernels)
+            self.mlp = SparseMoEBlock(cfg.hidden_size, cfg.moe, moe_backend, dtype, kernels, cfg.quant, prefix)
         else:
-            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype, kernels)
+            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype, kernels,
+                              mlp_quant(cfg.quant, prefix + "mlp."))
 
     def forward(self, x: Any, cos: Any, sin: Any, rope: RotaryEmbedding, kv_cache: tuple[Any, Any],
                 prepared: Any) -> Any:
@@ -95,7 +102,8 @@ class DecoderForCausalLM(nn.Layer):
             from fdplug.core.portable.moe import ReferenceMoE
 
             moe_backend = ReferenceMoE()
-        self.layers = nn.LayerList([DecoderLayer(cfg, attn_backend, dtype, kernels, moe_backend if i in moe_layers else None)
+        self.layers = nn.LayerList([DecoderLayer(cfg, attn_backend, dtype, kernels,
+                                                 moe_backend if i in moe_layers else None, i)
                                     for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
         # Stored [vocab, hidden] like the embedding, so tying is sharing one tensor.

@@ -54,15 +54,24 @@ def parameter_counts(cfg: ModelConfig) -> tuple[int, int]:
 
 
 def weight_footprint(cfg: ModelConfig, dtype: str) -> WeightFootprint:
+    """Bytes of the weights as loaded; FP8 experts count 1 byte a weight plus their per-row scales
+    (`fp8_layers`). FP8 dense linears are counted as ``dtype``: an upper bound, fine for a fit check."""
     total, experts = parameter_counts(cfg)
     size = DTYPE_BYTES[dtype]
-    return WeightFootprint(total * size, experts * size)
+    expert_bytes = experts * size
+    if cfg.moe is not None and cfg.moe_weight_format() != "none":
+        h, i, bk = cfg.hidden_size, cfg.moe.intermediate_size, cfg.quant.block[1]
+        scales = 4 * (2 * i * -(-h // bk) + h * -(-i // bk))
+        expert_bytes = experts + len(cfg.moe.layers) * cfg.moe.num_experts * scales
+    return WeightFootprint((total - experts) * size + expert_bytes, expert_bytes)
 
 
 def model_summary(cfg: ModelConfig, dtype: str, moe_backend: str) -> str:
     """What `fdplug explain --model` and the startup log say about a model: architecture, dtype,
     weights, and for a MoE model which backend runs its experts and how tokens are routed."""
     lines = [f"model: {cfg.architecture}, computed in {dtype}, weights {weight_footprint(cfg, dtype).describe(cfg)}"]
+    if cfg.quant is not None:
+        lines.append(f"quantization: {cfg.quant.describe()} (portable path: each layer dequantized when it runs)")
     moe = cfg.moe
     if moe is None:
         lines.append("moe: unused (a dense model)")

@@ -57,6 +57,15 @@ class Linear(nn.Layer):
         return F.linear(x, self.weight, self.bias)
 
 
+def make_linear(in_features: int, out_features: int, bias: bool, dtype: str, quant: Any = None) -> nn.Layer:
+    """A `Linear`, or an `fp8_layers.Fp8Linear` when ``quant`` (a `QuantConfig`) says the checkpoint's is FP8."""
+    if quant is None:
+        return Linear(in_features, out_features, bias, dtype)
+    from fdplug.core.model.fp8_layers import Fp8Linear
+
+    return Fp8Linear(in_features, out_features, bias, dtype, quant)
+
+
 class SwiGLU(nn.Layer):
     """``down(silu(gate(x)) * up(x))`` with gate and up fused into one ``[hidden, 2*inter]`` matmul.
 
@@ -64,10 +73,12 @@ class SwiGLU(nn.Layer):
     second half`` (`fdplug.plugin_api.ops`).
     """
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool, dtype: str, kernels: Kernels = PORTABLE) -> None:
+    def __init__(self, hidden: int, intermediate: int, bias: bool, dtype: str, kernels: Kernels = PORTABLE,
+                 quant: tuple[Any, Any] = (None, None)) -> None:
+        """``quant``: the `QuantConfig` of the fused gate/up and of the down projection (None: float)."""
         super().__init__()
-        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias, dtype)
-        self.down_proj = Linear(intermediate, hidden, bias, dtype)
+        self.gate_up_proj = make_linear(hidden, 2 * intermediate, bias, dtype, quant[0])
+        self.down_proj = make_linear(intermediate, hidden, bias, dtype, quant[1])
         self.activation: Callable[[Any], Any] = kernels.swiglu
 
     def forward(self, x: Any) -> Any:

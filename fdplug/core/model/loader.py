@@ -21,6 +21,7 @@ import paddle
 
 from fdplug.core.model.config import _DIR_FIX, ModelConfig
 from fdplug.core.model.decoder import DecoderForCausalLM
+from fdplug.core.model.fp8_layers import expand_scale_rows, fp8_rows
 from fdplug.core.model.moe_block import EXPERT_PARAMS
 from fdplug.core.model.rope import rope_permutation
 from fdplug.core.model.weight_slots import Slot, weight_slots
@@ -109,12 +110,13 @@ def load_weights(model: DecoderForCausalLM, cfg: ModelConfig, files: list[Path],
                     f"tensor {name!r} in {path.name} has shape {list(shape)}, but {cfg.architecture} with this "
                     f"config.json expects {list(slot.shape)}.", tensor=name,
                     fix="check that config.json belongs to these weights (hidden_size, heads, head_dim, vocab).")
-            param = params[slot.param]
-            value = read().astype(param.dtype)
+            value = _read_as(read(), params[slot.param], name, path)
+            if slot.scale_rows:
+                value = expand_scale_rows(value, slot.stop - slot.start, slot.scale_rows)
             pieces.setdefault(slot.param, []).append((slot, _permute(value, cfg) if slot.permute else value))
             pending[slot.param] -= 1
             if pending[slot.param] == 0:
-                _assign(param, pieces.pop(slot.param))
+                _assign(params[slot.param], pieces.pop(slot.param))
                 _experts_complete(model, slot.param, pending)
     if slots:
         missing = sorted(slots)
@@ -143,7 +145,7 @@ def _experts_complete(model: DecoderForCausalLM, param: str, pending: dict[str, 
     """Once both expert parameters of a MoE layer are filled, its backend takes them over (one layer
     at a time, so the stacked copies of only one layer are alive at once)."""
     prefix, _, name = param.rpartition(".")
-    if name in EXPERT_PARAMS and all(pending[f"{prefix}.{other}"] == 0 for other in EXPERT_PARAMS):
+    if name in EXPERT_PARAMS and all(pending.get(f"{prefix}.{other}", 0) == 0 for other in EXPERT_PARAMS):
         model.get_sublayer(prefix).load_experts()
 
 
@@ -177,11 +179,25 @@ def _layer_index(name: str) -> int | None:
     return int(parts[2]) if len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() else None
 
 
+def _read_as(value: Any, param: Any, name: str, path: Path) -> Any:
+    """A checkpoint tensor in its parameter's dtype. FP8 must meet FP8: casting float weights to e4m3
+    (or e4m3 to float) would drop the block scales and compute with wrong weights."""
+    fp8 = paddle.float8_e4m3fn
+    if (value.dtype == fp8) != (param.dtype == fp8):
+        stored, wanted = ("float8_e4m3fn", "float") if value.dtype == fp8 else (str(value.dtype), "float8_e4m3fn")
+        raise WeightMismatchError(f"tensor {name!r} in {path.name} is {stored}, but this config.json's "
+                                  f"quantization_config makes it {wanted}.", tensor=name,
+                                  fix="use the config.json that came with these weights (an FP8 checkpoint has a "
+                                      "quantization_config with quant_method 'fp8').")
+    return value if value.dtype == param.dtype else value.astype(param.dtype)
+
+
 def _permute(t: Any, cfg: ModelConfig) -> Any:
-    """Apply `rope_permutation` to each head's dims of a q/k weight ``[heads*D, in]``, bias or norm ``[D]``."""
+    """Apply `rope_permutation` to each head's dims of a q/k weight ``[heads*D, in]`` (its per-row
+    FP8 scales too), bias or norm ``[D]``."""
     shape = list(t.shape)
     perm = paddle.to_tensor(rope_permutation(cfg.rope, cfg.head_dim))
-    return paddle.gather(t.reshape([-1, cfg.head_dim] + shape[1:]), perm, axis=1).reshape(shape)
+    return fp8_rows(t, lambda v: paddle.gather(v.reshape([-1, cfg.head_dim] + shape[1:]), perm, axis=1).reshape(shape))
 
 
 def _assign(param: Any, parts: list[tuple[Slot, Any]]) -> None:
@@ -197,7 +213,12 @@ def _assign(param: Any, parts: list[tuple[Slot, Any]]) -> None:
         values = [v.unsqueeze(0).expand([s.stop - s.start, v.shape[0]]) for s, v in parts]
     else:
         values = [v for _, v in parts]
-    value = values[0] if len(values) == 1 else paddle.concat(values, axis=0)
+    if len(values) == 1:
+        value = values[0]
+    elif values[0].dtype == paddle.float8_e4m3fn:     # no fp8 concat kernel: through float32, exactly
+        value = paddle.concat([v.astype("float32") for v in values], axis=0).astype(values[0].dtype)
+    else:
+        value = paddle.concat(values, axis=0)
     if kind == "stack":
         value = value.reshape(param.shape)
     if kind == "linear":

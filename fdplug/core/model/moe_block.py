@@ -20,34 +20,52 @@ import paddle
 import paddle.nn.functional as F
 from paddle import nn
 
+from fdplug.core.model.fp8_layers import FP8_DTYPE
 from fdplug.core.model.layers import SwiGLU, empty_parameter
 from fdplug.core.model.moe_config import MoEConfig
+from fdplug.core.model.quant_config import QuantConfig, fused_quant, mlp_quant, shared_expert_prefix
 from fdplug.plugin_api.moe import ExpertWeights, select_experts
 from fdplug.plugin_api.ops import Kernels
 
-EXPERT_PARAMS = ("experts_gate_up", "experts_down")
+EXPERT_PARAMS = ("experts_gate_up", "experts_down", "experts_gate_up_scale", "experts_down_scale")  # scales: FP8
 
 
 class SparseMoEBlock(nn.Layer):
-    def __init__(self, hidden: int, moe: MoEConfig, backend: Any, dtype: str, kernels: Kernels) -> None:
+    def __init__(self, hidden: int, moe: MoEConfig, backend: Any, dtype: str, kernels: Kernels,
+                 quant: QuantConfig | None = None, prefix: str = "") -> None:
+        """``quant``/``prefix``: the checkpoint's FP8 config and this layer's HF name (``model.layers.3.``);
+        FP8 experts stay e4m3 with per-row scales (`fp8_layers`) until the backend takes them."""
         super().__init__()
         self.routing, self.backend = moe.routing, backend
         self.router_dtype = "float32" if moe.routing.router_dtype == "float32" else dtype
         e, inter = moe.num_experts, moe.intermediate_size
         self.router = empty_parameter([hidden, e], self.router_dtype)          # HF mlp.gate.weight, transposed
         self.e_score_correction_bias = empty_parameter([1, e], "float32") if moe.routing.bias else None
-        self.experts_gate_up = empty_parameter([e, 2 * inter, hidden], dtype)
-        self.experts_down = empty_parameter([e, hidden, inter], dtype)
+        self.quant = fused_quant(quant, prefix + "mlp.experts.", ("gate_proj", "up_proj", "down_proj"))
+        expert_dtype = FP8_DTYPE if self.quant else dtype
+        self.experts_gate_up = empty_parameter([e, 2 * inter, hidden], expert_dtype)
+        self.experts_down = empty_parameter([e, hidden, inter], expert_dtype)
+        if self.quant:
+            bk = self.quant.block[1]
+            self.experts_gate_up_scale = empty_parameter([e, 2 * inter, -(-hidden // bk)], "float32")
+            self.experts_down_scale = empty_parameter([e, hidden, -(-inter // bk)], "float32")
         self.experts: Any = None    # the backend's layer, once loaded
-        self.shared_expert = (SwiGLU(hidden, moe.shared_intermediate_size, False, dtype, kernels)
+        shared = shared_expert_prefix(prefix, moe.shared_gate) if moe.shared_intermediate_size else ""
+        self.shared_expert = (SwiGLU(hidden, moe.shared_intermediate_size, False, dtype, kernels,
+                                     mlp_quant(quant, shared))
                               if moe.shared_intermediate_size else None)
         self.shared_expert_gate = empty_parameter([hidden, 1], dtype) if moe.shared_gate else None
 
     def load_experts(self) -> None:
         """Hand the filled expert parameters to the backend and drop them (called by the loader)."""
         inter = self.experts_gate_up.shape[1] // 2
-        gate_up = self.experts_gate_up
+        gate_up = self.experts_gate_up          # slicing is a view, fp8 included
         weights = ExpertWeights(gate_up[:, :inter], gate_up[:, inter:], self.experts_down)
+        if self.quant:
+            scales = self.experts_gate_up_scale
+            weights.format, weights.block = self.quant.format, self.quant.block
+            weights.scales = {"gate": scales[:, :inter], "up": scales[:, inter:], "down": self.experts_down_scale}
+            self.experts_gate_up_scale = self.experts_down_scale = None
         self.experts = self.backend.load_weights(weights)
         self.experts_gate_up = None
         self.experts_down = None

@@ -29,7 +29,6 @@ class MoEConfig:
     layers: tuple[int, ...]
     shared_intermediate_size: int = 0
     shared_gate: bool = False
-    weight_format: str = "none"
 
     def expert_parameters(self, hidden_size: int) -> int:
         """Parameters of the routed experts in all MoE layers (gate, up and down of each expert)."""

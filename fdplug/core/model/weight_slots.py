@@ -9,7 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fdplug.core.model.config import ModelConfig
+from fdplug.core.model.quant_config import QuantConfig, fused_quant, mlp_quant, shared_expert_prefix
 from fdplug.core.model.rope import rope_permutation
+from fdplug.errors import UnsupportedModelError
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +32,20 @@ class Slot:
     start: int = 0
     stop: int = 0
     permute: bool = False
+    scale_rows: int = 0     # a block-scale grid: repeat each row this many times (then crop) first
+
+
+def proj_slots(src: str, dst: str, shape: tuple[int, int], start: int, stop: int, permute: bool,
+               quant: QuantConfig | None) -> dict[str, Slot]:
+    """One HF linear ``src`` (``[N, K]``) as rows ``start:stop`` of the projection ``dst``: transposed
+    into a float `layers.Linear`, or as stored into an `fp8_layers.Fp8Linear` with its scale grid
+    ``weight_scale_inv`` expanded to one row of scales per weight row."""
+    if quant is None:
+        return {src + "weight": Slot(dst + "weight", shape, "linear", start, stop, permute)}
+    (bn, bk), (n, k) = quant.block, shape
+    return {src + "weight": Slot(dst + "weight", shape, "rows", start, stop, permute),
+            src + "weight_scale_inv": Slot(dst + "weight_scale", (-(-n // bn), -(-k // bk)), "rows", start, stop,
+                                           permute, scale_rows=bn)}
 
 
 def weight_slots(cfg: ModelConfig, fused_experts: bool = False) -> dict[str, Slot]:
@@ -47,17 +63,19 @@ def weight_slots(cfg: ModelConfig, fused_experts: bool = False) -> dict[str, Slo
         slots[src + "input_layernorm.weight"] = Slot(dst + "input_layernorm.weight", (hid,))
         slots[src + "post_attention_layernorm.weight"] = Slot(dst + "post_attention_layernorm.weight", (hid,))
         offset = 0
+        attn = src + "self_attn."
+        qkv_quant = fused_quant(cfg.quant, attn, ("q_proj", "k_proj", "v_proj"))
         for name, n in (("q", heads), ("k", kv), ("v", kv)):
             rows = (offset * d, (offset + n) * d)
             permute = permute_qk and name != "v"
-            slots[src + f"self_attn.{name}_proj.weight"] = Slot(dst + "self_attn.qkv_proj.weight", (n * d, hid),
-                                                                "linear", *rows, permute)
+            slots |= proj_slots(attn + f"{name}_proj.", dst + "self_attn.qkv_proj.", (n * d, hid), *rows, permute,
+                                qkv_quant)
             if cfg.attention_bias:
                 slots[src + f"self_attn.{name}_proj.bias"] = Slot(dst + "self_attn.qkv_proj.bias", (n * d,),
                                                                   "vec", *rows, permute)
             offset += n
-        slots[src + "self_attn.o_proj.weight"] = Slot(dst + "self_attn.o_proj.weight", (hid, heads * d),
-                                                      "linear", 0, hid)
+        slots |= proj_slots(attn + "o_proj.", dst + "self_attn.o_proj.", (hid, heads * d), 0, hid, False,
+                            fused_quant(cfg.quant, attn, ("o_proj",)))
         if cfg.o_proj_bias:
             slots[src + "self_attn.o_proj.bias"] = Slot(dst + "self_attn.o_proj.bias", (hid,))
         if cfg.qk_norm:
@@ -67,18 +85,20 @@ def weight_slots(cfg: ModelConfig, fused_experts: bool = False) -> dict[str, Slo
         if cfg.moe is not None and i in cfg.moe.layers:
             slots |= moe_slots(cfg, src + "mlp.", dst + "mlp.", fused_experts)
         else:
-            slots |= swiglu_slots(src + "mlp.", dst + "mlp.", hid, inter, cfg.mlp_bias)
+            slots |= swiglu_slots(src + "mlp.", dst + "mlp.", hid, inter, cfg.mlp_bias, cfg.quant)
     return slots
 
 
-def swiglu_slots(src: str, dst: str, hid: int, inter: int, bias: bool) -> dict[str, Slot]:
+def swiglu_slots(src: str, dst: str, hid: int, inter: int, bias: bool,
+                 quant: QuantConfig | None = None) -> dict[str, Slot]:
     """An HF gate/up/down MLP into a `layers.SwiGLU` (gate and up fused into one matmul)."""
     slots = {}
+    gate_up_quant, down_quant = mlp_quant(quant, src)
     for name, cols in (("gate", (0, inter)), ("up", (inter, 2 * inter))):
-        slots[src + f"{name}_proj.weight"] = Slot(dst + "gate_up_proj.weight", (inter, hid), "linear", *cols)
+        slots |= proj_slots(src + f"{name}_proj.", dst + "gate_up_proj.", (inter, hid), *cols, False, gate_up_quant)
         if bias:
             slots[src + f"{name}_proj.bias"] = Slot(dst + "gate_up_proj.bias", (inter,), "vec", *cols)
-    slots[src + "down_proj.weight"] = Slot(dst + "down_proj.weight", (hid, inter), "linear", 0, hid)
+    slots |= proj_slots(src + "down_proj.", dst + "down_proj.", (hid, inter), 0, hid, False, down_quant)
     if bias:
         slots[src + "down_proj.bias"] = Slot(dst + "down_proj.bias", (hid,))
     return slots
@@ -95,18 +115,28 @@ def moe_slots(cfg: ModelConfig, src: str, dst: str, fused_experts: bool) -> dict
     elif moe.routing.bias:                                               # ERNIE-4.5's [1, E] statistic
         slots[src + "moe_statics.e_score_correction_bias"] = Slot(dst + "e_score_correction_bias", (1, e))
     if moe.shared_intermediate_size:
-        shared = "shared_expert." if moe.shared_gate else "shared_experts."   # Qwen2-MoE's name, ERNIE-4.5's
-        slots |= swiglu_slots(src + shared, dst + "shared_expert.", hid, moe.shared_intermediate_size, False)
+        layer = src.removesuffix("mlp.")
+        slots |= swiglu_slots(shared_expert_prefix(layer, moe.shared_gate), dst + "shared_expert.", hid,
+                              moe.shared_intermediate_size, False, cfg.quant)
     if moe.shared_gate:
         slots[src + "shared_expert_gate.weight"] = Slot(dst + "shared_expert_gate", (1, hid), "linear", 0, 1)
+    quant = fused_quant(cfg.quant, src + "experts.", ("gate_proj", "up_proj", "down_proj"))
     if fused_experts:
+        if quant is not None:
+            raise UnsupportedModelError("FP8 experts in the fused layout (experts.gate_up_proj) are not supported yet.",
+                                        fix="save the FP8 experts per expert (experts.E.gate_proj.weight ...).")
         slots[src + "experts.gate_up_proj"] = Slot(dst + "experts_gate_up", (e, 2 * inter, hid))
         slots[src + "experts.down_proj"] = Slot(dst + "experts_down", (e, hid, inter))
         return slots
     for x in range(e):   # rows of the stacked [E * 2I, H] and [E * H, I] matrices
         gate_rows, up_rows = (2 * x * inter, (2 * x + 1) * inter), ((2 * x + 1) * inter, (2 * x + 2) * inter)
-        slots[src + f"experts.{x}.gate_proj.weight"] = Slot(dst + "experts_gate_up", (inter, hid), "stack", *gate_rows)
-        slots[src + f"experts.{x}.up_proj.weight"] = Slot(dst + "experts_gate_up", (inter, hid), "stack", *up_rows)
-        slots[src + f"experts.{x}.down_proj.weight"] = Slot(dst + "experts_down", (hid, inter), "stack",
-                                                           x * hid, (x + 1) * hid)
+        for name, rows, shape, param in (("gate", gate_rows, (inter, hid), "experts_gate_up"),
+                                         ("up", up_rows, (inter, hid), "experts_gate_up"),
+                                         ("down", (x * hid, (x + 1) * hid), (hid, inter), "experts_down")):
+            key = src + f"experts.{x}.{name}_proj."
+            slots[key + "weight"] = Slot(dst + param, shape, "stack", *rows)
+            if quant is not None:
+                (bn, bk), (n, k) = quant.block, shape
+                slots[key + "weight_scale_inv"] = Slot(dst + param + "_scale", (-(-n // bn), -(-k // bk)), "stack",
+                                                       *rows, scale_rows=bn)
     return slots

@@ -13,23 +13,35 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
+from fdplug.core.model.fp8_layers import dequant_rows
 from fdplug.errors import ConfigError
 from fdplug.plugin_api.moe import ExpertWeights
 
 
 @dataclass(slots=True)
 class _Layer:
-    gate: Any   # [E, H, I]: transposed once so the hot path is x @ W
-    up: Any     # [E, H, I]
-    down: Any   # [E, I, H]
+    gate: Any   # [E, H, I]: transposed once so the hot path is x @ W; fp8_block: [E, I, H] e4m3 as stored
+    up: Any     # [E, H, I] (fp8_block: [E, I, H])
+    down: Any   # [E, I, H] (fp8_block: [E, H, I])
+    scales: dict[str, Any] | None = None    # fp8_block: per-row scales (`ExpertWeights`)
+    block_k: int = 128
+
+    def expert(self, e: int, dtype: Any) -> tuple[Any, Any, Any]:
+        """Expert ``e``'s gate, up ``[H, I]`` and down ``[I, H]`` in ``dtype`` (FP8: dequantized now)."""
+        if self.scales is None:
+            return self.gate[e], self.up[e], self.down[e]
+        return tuple(dequant_rows(w[e], self.scales[name][e], self.block_k, "float32").astype(dtype).transpose([1, 0])
+                     for name, w in (("gate", self.gate), ("up", self.up), ("down", self.down)))
 
 
 class ReferenceMoE:
     name = "reference"
 
     def load_weights(self, weights: ExpertWeights) -> _Layer:
+        if weights.format == "fp8_block":      # kept e4m3: dequantized one expert at a time, when used
+            return _Layer(weights.gate, weights.up, weights.down, dict(weights.scales), weights.block[1])
         if weights.format != "none":
-            raise ConfigError(f"the reference MoE backend runs plain float experts, not {weights.format!r}.",
+            raise ConfigError(f"the reference MoE backend runs float and fp8_block experts, not {weights.format!r}.",
                               fix="select a MoE backend that executes this format (`fdplug explain --moe ...`).")
         return _Layer(weights.gate.transpose([0, 2, 1]), weights.up.transpose([0, 2, 1]),
                       weights.down.transpose([0, 2, 1]))
@@ -46,7 +58,8 @@ class ReferenceMoE:
             assignments = order[lo:hi]
             tokens = paddle.to_tensor(assignments // top_k)
             x = paddle.gather(hidden, tokens)
-            h = F.silu(x @ layer.gate[int(e)]) * (x @ layer.up[int(e)])
-            y = (h @ layer.down[int(e)]) * paddle.gather(flat_weights, paddle.to_tensor(assignments)).unsqueeze(-1)
+            gate, up, down = layer.expert(int(e), hidden.dtype)
+            h = F.silu(x @ gate) * (x @ up)
+            y = (h @ down) * paddle.gather(flat_weights, paddle.to_tensor(assignments)).unsqueeze(-1)
             out = paddle.index_add(out, tokens, 0, y)
         return out
