@@ -134,10 +134,12 @@ def doctor_command() -> None:
 @click.option("--attention", default=None, help="Attention backend to use (default: by priority).")
 @click.option("--moe", default=None, help="MoE backend to use (default: FD_MOE_BACKEND, else by priority).")
 @click.option("--model", default=None, help="Explain the selection for this model directory (its MoE, dtype...).")
+@click.option("--quantization", default=None, type=click.Choice(["fp8"]),
+              help="With --model: as if its float linears were quantized to FP8 at load.")
 @click.option("--json", "as_json", is_flag=True, help="Print the selection as names (what another process rebuilds).")
 @user_errors
 def explain_command(device: str, runner: str | None, attention: str | None, moe: str | None, model: str | None,
-                    as_json: bool) -> None:
+                    quantization: str | None, as_json: bool) -> None:
     """Show what would be selected for each role, and why every other candidate was not.
 
     Exits non-zero, with the reason and the fix, when no selection is possible.
@@ -146,7 +148,10 @@ def explain_command(device: str, runner: str | None, attention: str | None, moe:
     from fdplug.core.engine.startup import resolve_engine
 
     if model is not None:
-        config, model_config, selection = resolve_engine(model, device, runner, attention, moe)
+        config, model_config, selection = resolve_engine(model, device, runner, attention, moe,
+                                                         quantization=quantization)
+    elif quantization is not None:
+        raise click.UsageError("--quantization needs --model (it is about a model's weights).")
     else:
         config, model_config = EngineConfig(), None
         plugin_set = load_plugins()

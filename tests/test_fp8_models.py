@@ -180,3 +180,74 @@ def test_serve_generates_what_the_dequantized_weights_generate(models, tmp_path)
     for reply, expected in zip(replies, want):
         assert reply.choices[0].logprobs.tokens == [tokenizer.decode([t], skip_special_tokens=False)
                                                     for t in expected.token_ids]
+
+
+# -- online quantization: quantization="fp8" on a float checkpoint ----------------------------------
+
+
+@pytest.fixture(scope="module")
+def blocks128(models, tmp_path_factory):
+    """The float Qwen2-MoE as an FP8 checkpoint of 128x128 blocks (online quantization's), and dequantized."""
+    root = tmp_path_factory.mktemp("fp8_128")
+    make_fp8(models["float"], root / "fp8", root / "dequant", block=[128, 128])
+    return root
+
+
+def test_online_fp8_is_the_fp8_checkpoint_of_the_same_weights(models, blocks128):
+    """Quantizing while loading gives the model an FP8 checkpoint of 128x128 blocks gives: the same
+    parameters bit for bit, so the same tokens and logprobs as its dequantized weights."""
+    online = LLM(str(models["float"]), max_model_len=128, num_kv_blocks=64, quantization="fp8")
+    stored = LLM(str(blocks128 / "fp8"), max_model_len=128, num_kv_blocks=64)
+    got = dict(online.engine.runner.model.named_parameters())
+    want = dict(stored.engine.runner.model.named_parameters())
+    assert got.keys() == want.keys()
+    assert any(p.dtype == paddle.float8_e4m3fn for p in got.values())
+    for name, p in got.items():
+        assert p.dtype == want[name].dtype, name
+        np.testing.assert_array_equal(p.astype("float32").numpy(), want[name].astype("float32").numpy(), err_msg=name)
+    assert online.engine.runner.model_bytes == stored.engine.runner.model_bytes
+    out = online.generate([{"prompt_token_ids": p} for p in _prompts()], GREEDY, use_tqdm=False)
+    _, reference = _run(blocks128 / "dequant")
+    assert [o.outputs[0].token_ids for o in out] == [o.token_ids for o in reference]
+
+
+def test_online_fp8_of_an_fp8_checkpoint_changes_nothing(models):
+    cfg = ModelConfig.from_dir(models["fp8"], "fp8")
+    assert cfg.quant == ModelConfig.from_dir(models["fp8"]).quant and not cfg.quant.online
+    online = ModelConfig.from_dir(models["float"], "fp8").quant
+    assert online.online and online.block == (128, 128) and "quantized from float at load" in online.describe()
+
+
+def test_unknown_quantization_and_non_finite_weights_are_refused(models, tmp_path):
+    from safetensors.paddle import load_file, save_file
+
+    from fdplug.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="int4"):
+        LLM(str(models["float"]), quantization="int4")
+    broken = tmp_path / "nan"
+    broken.mkdir()
+    for f in models["float"].iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(str(broken / "model.safetensors"))
+    name = "model.layers.1.self_attn.o_proj.weight"
+    w = tensors[name].numpy().copy()
+    w[3, 5] = np.nan
+    tensors[name] = paddle.to_tensor(w)
+    save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(WeightMismatchError, match="o_proj.*non-finite"):
+        LLM(str(broken), max_model_len=128, num_kv_blocks=64, quantization="fp8")
+
+
+def test_explain_shows_online_quantization(models):
+    import subprocess
+    import sys
+
+    fdplug_cli = Path(sys.executable).parent / "fdplug"
+    out = subprocess.run([str(fdplug_cli), "explain", "--model", str(models["float"]), "--quantization", "fp8"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "quantization: fp8 e4m3 weights, 128x128 blocks" in out.stdout and "quantized from float" in out.stdout
+    bad = subprocess.run([str(fdplug_cli), "explain", "--quantization", "fp8"], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and "--model" in bad.stderr

@@ -16,6 +16,7 @@ from fdplug.errors import DeviceUnavailableError, SelectionError, UnknownCompone
 from fdplug.plugin_api.specs import (
     DeviceSpec,
     FeatureStorageSpec,
+    ModelRunnerSpec,
     MoEBackendSpec,
     Probe,
 )
@@ -167,6 +168,28 @@ def test_moe_weight_format_must_match_the_model():
     assert fp8.moe.name == "reference"        # the portable path dequantizes FP8 experts; cpu_native cannot
     assert any("not the model's 'fp8_block'" in d.reason for d in fp8.decisions
                if d.role == "moe" and d.name == "cpu_native")
+
+
+def test_linear_weight_format_must_match_the_runner():
+    """A runner executes the model's linear layers: one that runs float linears only (the default for
+    a `ModelRunnerSpec`) is passed over for an FP8 model, with the reason; the core's runs both."""
+    class FloatRunner:
+        FDPLUG_API_VERSION = "3.0"
+
+        @hookimpl
+        def fdplug_register_model_runners(self, register):
+            register(ModelRunnerSpec(name="graphs", devices=("*",), factory=lambda c, s: None, priority=5))
+
+    plugin_set = load_plugins(extra=[("graphs", FloatRunner())])
+    assert select_components(config=EngineConfig(model=ModelTraits()), plugins=plugin_set).runner.name == "graphs"
+    fp8 = select_components(config=EngineConfig(model=ModelTraits(linear_weight_format="fp8_block")),
+                            plugins=plugin_set)
+    assert fp8.runner.name == "default"
+    rejected = next(d for d in fp8.decisions if d.role == "runner" and d.name == "graphs")
+    assert rejected.reason == "executes weight formats none, not the model's 'fp8_block'"
+    with pytest.raises(SelectionError, match="not the model's 'fp8_block'"):
+        select_components(runner="graphs", config=EngineConfig(model=ModelTraits(linear_weight_format="fp8_block")),
+                          plugins=plugin_set)
 
 
 def test_a_plugin_that_registers_only_a_device_gets_the_portable_components():

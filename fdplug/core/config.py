@@ -12,6 +12,10 @@ from fdplug.core.settings import env
 from fdplug.errors import ConfigError
 
 
+QUANTIZATIONS = ("fp8",)
+"""What ``quantization=`` / ``--quantization`` accept: a float checkpoint quantized while it loads."""
+
+
 @dataclass(frozen=True, slots=True)
 class ModelTraits:
     """What a backend needs to know about a model to say whether it supports it.
@@ -27,7 +31,8 @@ class ModelTraits:
     head_dim: int = 0
     num_experts: int = 0
     experts_per_token: int = 0
-    moe_weight_format: str = "none"
+    moe_weight_format: str = "none"      # the routed experts' format, for the MoE backend
+    linear_weight_format: str = "none"   # the other linear layers' format, for the model runner
     mask_policy: str = "causal"
 
 
@@ -54,6 +59,7 @@ class EngineConfig:
     kv_cache_memory: float | None = None
     max_waiting_requests: int = 1024
     dtype: str = "auto"
+    quantization: str | None = None
     seed: int = 0
     encoder_cache_rows: int = 16384
     feature_fetch_workers: int = field(default_factory=lambda: env("FD_PREFILL_PREPARE_REQ_THREAD_NUM"))
@@ -83,6 +89,11 @@ class EngineConfig:
         if self.dtype not in self.DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(self.DTYPES)}, got {self.dtype!r}.",
                               fix="use auto (the device's compute dtype) or name one.")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)} or unset, "
+                              f"got {self.quantization!r}.",
+                              fix="use quantization='fp8' (--quantization fp8) to quantize a float checkpoint's "
+                                  "linear layers to FP8 blocks at load, or leave it unset.")
         if self.fetch_timeout <= 0:
             raise ConfigError(f"fetch_timeout must be > 0 seconds, got {self.fetch_timeout}.",
                               fix="give a positive number of seconds, e.g. 30.")

@@ -93,7 +93,14 @@ class ComponentSpec:
 
 @dataclass(frozen=True, slots=True)
 class ModelRunnerSpec(ComponentSpec):
-    """A model runner. ``factory(config, selection)`` returns a `fdplug.plugin_api.model_runner.ModelRunner`."""
+    """A model runner. ``factory(config, selection)`` returns a `fdplug.plugin_api.model_runner.ModelRunner`.
+
+    ``weight_formats`` are the formats of the model's linear layers (attention, dense MLPs, shared
+    experts) it executes: ``none`` (float), ``fp8_block`` (e4m3 with block scales), ... The routed
+    experts are the MoE backend's (`MoEBackendSpec.weight_formats`).
+    """
+
+    weight_formats: tuple[str, ...] = ("none",)
 
     role = "runner"
 

@@ -32,8 +32,8 @@ def build_engine_config(model: str | None, engine_args: Mapping[str, Any]) -> tu
         raise ConfigError(f"unknown engine argument(s): {', '.join(unknown)}.",
                           fix=f"use only: {', '.join(ENGINE_ARGS)}.")
     model_dir = str(model) if model else str(demo_model_dir())
-    model_config = ModelConfig.from_dir(model_dir)
     config = EngineConfig(model_dir=model_dir, **engine_args)
+    model_config = ModelConfig.from_dir(model_dir, config.quantization)
     if config.max_model_len is None:
         config.max_model_len = min(model_config.max_position_embeddings, EngineConfig.DEFAULT_MAX_MODEL_LEN)
     elif config.max_model_len > model_config.max_position_embeddings:

@@ -16,7 +16,7 @@ from typing import Any
 
 from fdplug.core.config import ModelTraits
 from fdplug.core.model.moe_config import MoEConfig, parse_moe
-from fdplug.core.model.quant_config import QuantConfig, fused_quant, parse_quant
+from fdplug.core.model.quant_config import QuantConfig, fused_quant, parse_quant, with_quantization
 from fdplug.core.model.rope import RopeConfig, parse_rope
 from fdplug.core.multimodal.config import MultimodalConfig
 from fdplug.errors import ModelLoadError, UnsupportedModelError
@@ -102,8 +102,9 @@ class ModelConfig:
         return self.rope.type
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
-        """Read ``config.json`` (required) and ``generation_config.json`` (optional) from a model dir."""
+    def from_dir(cls, model_dir: str | Path, quantization: str | None = None) -> ModelConfig:
+        """Read ``config.json`` (required) and ``generation_config.json`` (optional) from a model dir;
+        ``quantization="fp8"`` quantizes a float checkpoint's linears at load (`with_quantization`)."""
         model_dir = Path(model_dir)
         path = model_dir / "config.json"
         if not model_dir.is_dir():
@@ -112,7 +113,9 @@ class ModelConfig:
             raise ModelLoadError(f"{str(path)!r} is missing: a model directory needs its config.json.", fix=_DIR_FIX)
         raw = _read_json(path)
         gen_path = model_dir / "generation_config.json"
-        return cls.from_dict(raw, _read_json(gen_path) if gen_path.is_file() else None)
+        cfg = cls.from_dict(raw, _read_json(gen_path) if gen_path.is_file() else None)
+        cfg.quant = with_quantization(cfg.quant, quantization)
+        return cfg
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
@@ -181,6 +184,7 @@ class ModelConfig:
                            head_dim=self.head_dim, num_experts=self.moe.num_experts if self.moe else 0,
                            experts_per_token=self.moe.routing.top_k if self.moe else 0,
                            moe_weight_format=self.moe_weight_format(),
+                           linear_weight_format=self.quant.format if self.quant else "none",
                            mask_policy=self.multimodal.mask_policy if self.multimodal else "causal")
 
 

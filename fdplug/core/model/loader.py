@@ -41,15 +41,17 @@ _IGNORED_SUBSTRING = "mtp"
 
 def load_model(model_dir: str | Path, attn_backend: Any, dtype: str = "float32", *,
                max_positions: int | None = None, show_progress: bool = True,
-               kernels: Kernels = PORTABLE, moe_backend: Any | None = None) -> tuple[DecoderForCausalLM, ModelConfig]:
+               kernels: Kernels = PORTABLE, moe_backend: Any | None = None,
+               quantization: str | None = None) -> tuple[DecoderForCausalLM, ModelConfig]:
     """Build the decoder for ``model_dir``'s config and fill it from its safetensors files.
 
     ``dtype`` is the compute dtype (float32 on CPU); checkpoint tensors are cast to it.
     ``max_positions`` sizes the RoPE tables (default: the config's ``max_position_embeddings``).
     ``moe_backend`` runs the routed experts of a MoE model (default: the portable reference).
+    ``quantization="fp8"`` quantizes a float checkpoint's linears to FP8 blocks as they are read.
     """
     started = time.perf_counter()
-    cfg = ModelConfig.from_dir(model_dir)
+    cfg = ModelConfig.from_dir(model_dir, quantization)
     files = weight_files(model_dir)
     model = DecoderForCausalLM(cfg, attn_backend, dtype=dtype, max_positions=max_positions, kernels=kernels,
                                moe_backend=moe_backend)
@@ -110,14 +112,15 @@ def load_weights(model: DecoderForCausalLM, cfg: ModelConfig, files: list[Path],
                     f"tensor {name!r} in {path.name} has shape {list(shape)}, but {cfg.architecture} with this "
                     f"config.json expects {list(slot.shape)}.", tensor=name,
                     fix="check that config.json belongs to these weights (hidden_size, heads, head_dim, vocab).")
-            value = _read_as(read(), params[slot.param], name, path)
-            if slot.scale_rows:
-                value = expand_scale_rows(value, slot.stop - slot.start, slot.scale_rows)
-            pieces.setdefault(slot.param, []).append((slot, _permute(value, cfg) if slot.permute else value))
-            pending[slot.param] -= 1
-            if pending[slot.param] == 0:
-                _assign(params[slot.param], pieces.pop(slot.param))
-                _experts_complete(model, slot.param, pending)
+            for slot, value in _quantized_online(name, read(), slot, slots, params, cfg):
+                value = _read_as(value, params[slot.param], name, path)
+                if slot.scale_rows:
+                    value = expand_scale_rows(value, slot.stop - slot.start, slot.scale_rows)
+                pieces.setdefault(slot.param, []).append((slot, _permute(value, cfg) if slot.permute else value))
+                pending[slot.param] -= 1
+                if pending[slot.param] == 0:
+                    _assign(params[slot.param], pieces.pop(slot.param))
+                    _experts_complete(model, slot.param, pending)
     if slots:
         missing = sorted(slots)
         raise WeightMismatchError(f"{len(missing)} tensor(s) missing from the checkpoint, first {missing[0]!r} "
@@ -177,6 +180,24 @@ def _layer_index(name: str) -> int | None:
     """``7`` for ``model.layers.7.mlp...``, None for a tensor outside the layers."""
     parts = name.split(".")
     return int(parts[2]) if len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() else None
+
+
+def _quantized_online(name: str, value: Any, slot: Slot, slots: dict[str, Slot], params: dict[str, Any],
+                      cfg: ModelConfig) -> list[tuple[Slot, Any]]:
+    """``[(slot, value)]``, or, when the config quantizes a float checkpoint at load and ``value`` is a
+    float weight bound for FP8, its e4m3 blocks and their ``weight_scale_inv`` for that tensor's scale
+    slot: exactly what an FP8 checkpoint made by `fdplug.core.quant.checkpoint` would hold."""
+    fp8 = paddle.float8_e4m3fn
+    if cfg.quant is None or not cfg.quant.online or params[slot.param].dtype != fp8 or value.dtype == fp8:
+        return [(slot, value)]
+    from fdplug.core.quant.fp8 import block_quant
+
+    try:
+        q, scale_inv = block_quant(value.astype("float32"), cfg.quant.block)
+    except ValueError as exc:   # NaN/inf weights: an e4m3 cast would turn them into a plausible 448
+        raise WeightMismatchError(f"tensor {name!r} cannot be quantized to FP8: {exc}.", tensor=name,
+                                  fix="check the checkpoint (non-finite weights), or load it without quantization.") from None
+    return [(slot, q), (slots.pop(name + "_scale_inv"), scale_inv)]
 
 
 def _read_as(value: Any, param: Any, name: str, path: Path) -> Any:

@@ -5,7 +5,8 @@ checkpoints store it (``{"quant_method": "fp8", "fmt": "e4m3", "activation_schem
 "weight_block_size": [128, 128]}``, optionally ``"scale_fmt": "ue8m0"``). Each quantized linear
 has ``weight`` (e4m3, ``[N, K]``) and ``weight_scale_inv`` (float32, one per ``block`` tile):
 ``W[i, j] = weight[i, j] * weight_scale_inv[i // bn, j // bk]``. Anything else is refused by name
-rather than loaded as something it is not.
+rather than loaded as something it is not. A float checkpoint can be quantized to the same
+format while it loads (`with_quantization`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from fdplug.errors import ModelLoadError, UnsupportedModelError
+from fdplug.core.config import QUANTIZATIONS
+from fdplug.errors import ConfigError, ModelLoadError, UnsupportedModelError
 
 FP8_BLOCK = "fp8_block"      # the weight format name backends list in ``weight_formats``
 _FIX = "fix the model's config.json (compare with the original checkpoint's)."
@@ -32,6 +34,7 @@ class QuantConfig:
     scale_fmt: str = "float"          # "ue8m0": the scales are powers of two (Blackwell's format)
     not_converted: tuple[str, ...] = ()
     format: str = FP8_BLOCK
+    online: bool = False              # a float checkpoint quantized by the loader (``quantization="fp8"``)
 
     def converts(self, module: str) -> bool:
         """Whether the linear layer ``module`` (e.g. ``model.layers.0.self_attn.q_proj``) is FP8."""
@@ -39,7 +42,20 @@ class QuantConfig:
 
     def describe(self) -> str:
         kept = f", {len(self.not_converted)} module pattern(s) kept in float" if self.not_converted else ""
-        return f"fp8 e4m3 weights, {self.block[0]}x{self.block[1]} blocks, {self.scale_fmt} scales{kept}"
+        source = ", quantized from float at load" if self.online else ""
+        return f"fp8 e4m3 weights, {self.block[0]}x{self.block[1]} blocks, {self.scale_fmt} scales{kept}{source}"
+
+
+def with_quantization(quant: QuantConfig | None, quantization: str | None) -> QuantConfig | None:
+    """The checkpoint's quantization, or, for a float checkpoint and ``quantization="fp8"``, FP8
+    128x128 blocks computed at load with the same math as an FP8 checkpoint (`fdplug.core.quant.fp8.block_quant`).
+    An FP8 checkpoint is already quantized: asking for fp8 again changes nothing."""
+    if quantization is None:
+        return quant
+    if quantization not in QUANTIZATIONS:
+        raise ConfigError(f"quantization {quantization!r} is not supported (only {', '.join(QUANTIZATIONS)}).",
+                          fix="use quantization='fp8' (--quantization fp8), or leave it unset for the checkpoint's.")
+    return quant or QuantConfig(online=True)
 
 
 def parse_quant(raw: dict[str, Any]) -> QuantConfig | None:

@@ -113,14 +113,19 @@ def _select_device(plugins: PluginSet, name: str, decisions: list[Decision]) -> 
 # ---------------------------------------------------------------------------------------------------
 
 
+# which weights each role executes: the routed experts (MoE backend), every other linear (runner)
+_FORMAT_OF_ROLE = {"moe": "moe_weight_format", "runner": "linear_weight_format"}
+
+
 def _rejection(spec: Any, device: str, config: EngineConfig) -> str | None:
     """Why a component cannot serve this device and config, or None if it can."""
     if not spec.runs_on(device):
         return f"runs on {', '.join(spec.devices)}, not on the selected device {device!r}"
     formats = getattr(spec, "weight_formats", None)
-    if formats is not None and config.model is not None and config.model.moe_weight_format not in formats:
-        return (f"executes weight formats {', '.join(formats)}, "
-                f"not the model's {config.model.moe_weight_format!r}")
+    if formats is not None and config.model is not None:
+        wanted = getattr(config.model, _FORMAT_OF_ROLE[spec.role])
+        if wanted not in formats:
+            return f"executes weight formats {', '.join(formats)}, not the model's {wanted!r}"
     if spec.supports is None:
         return None
     try:

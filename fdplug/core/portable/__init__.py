@@ -50,7 +50,9 @@ def _op_factory(op: str):
 @hookimpl
 def fdplug_register_model_runners(register):
     register(ModelRunnerSpec(name="default", devices=(ANY_DEVICE,), factory=_runner_factory, priority=0,
-                             description="the core's device-agnostic Paddle model runner"))
+                             weight_formats=("none", "fp8_block"),
+                             description="the core's device-agnostic Paddle model runner (fp8_block linears: "
+                                         "each dequantized when it runs)"))
 
 
 @hookimpl

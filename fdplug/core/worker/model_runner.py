@@ -80,14 +80,14 @@ class ModelRunner:
         from fdplug.core.model.loader import load_model
 
         self.paddle.set_device(self.place)
-        cfg = ModelConfig.from_dir(self.config.model_dir)
+        cfg = ModelConfig.from_dir(self.config.model_dir, self.config.quantization)
         footprint = check_weights_fit(cfg, self.config.dtype, self.selection)
         self.attn_backend = self.selection.attention.factory(self.config)
         self.moe_backend = self.selection.moe.factory(self.config) if cfg.moe is not None else None
         kernels = Kernels(**{op: spec.factory(self.config) for op, spec in self.selection.ops.items()})
         self.model, self.model_config = load_model(self.config.model_dir, self.attn_backend, dtype=self.config.dtype,
                                                    max_positions=self.config.max_model_len, kernels=kernels,
-                                                   moe_backend=self.moe_backend)
+                                                   moe_backend=self.moe_backend, quantization=self.config.quantization)
         self.model.eval()
         # The routed experts live in the MoE backend's layout, not as parameters: count them as loaded.
         params = sum(int(np.prod(p.shape)) * p.element_size() for p in self.model.parameters())
