@@ -112,15 +112,15 @@ def load_weights(model: DecoderForCausalLM, cfg: ModelConfig, files: list[Path],
                     f"tensor {name!r} in {path.name} has shape {list(shape)}, but {cfg.architecture} with this "
                     f"config.json expects {list(slot.shape)}.", tensor=name,
                     fix="check that config.json belongs to these weights (hidden_size, heads, head_dim, vocab).")
-            for slot, value in _quantized_online(name, read(), slot, slots, params, cfg):
-                value = _read_as(value, params[slot.param], name, path)
-                if slot.scale_rows:
-                    value = expand_scale_rows(value, slot.stop - slot.start, slot.scale_rows)
-                pieces.setdefault(slot.param, []).append((slot, _permute(value, cfg) if slot.permute else value))
-                pending[slot.param] -= 1
-                if pending[slot.param] == 0:
-                    _assign(params[slot.param], pieces.pop(slot.param))
-                    _experts_complete(model, slot.param, pending)
+            for piece, value in _quantized_online(name, read(), slot, slots, params, cfg):
+                value = _read_as(value, params[piece.param], name, path)
+                if piece.scale_rows:
+                    value = expand_scale_rows(value, piece.stop - piece.start, piece.scale_rows)
+                pieces.setdefault(piece.param, []).append((piece, _permute(value, cfg) if piece.permute else value))
+                pending[piece.param] -= 1
+                if pending[piece.param] == 0:
+                    _assign(params[piece.param], pieces.pop(piece.param))
+                    _experts_complete(model, piece.param, pending)
     if slots:
         missing = sorted(slots)
         raise WeightMismatchError(f"{len(missing)} tensor(s) missing from the checkpoint, first {missing[0]!r} "
@@ -234,12 +234,7 @@ def _assign(param: Any, parts: list[tuple[Slot, Any]]) -> None:
         values = [v.unsqueeze(0).expand([s.stop - s.start, v.shape[0]]) for s, v in parts]
     else:
         values = [v for _, v in parts]
-    if len(values) == 1:
-        value = values[0]
-    elif values[0].dtype == paddle.float8_e4m3fn:     # no fp8 concat kernel: through float32, exactly
-        value = paddle.concat([v.astype("float32") for v in values], axis=0).astype(values[0].dtype)
-    else:
-        value = paddle.concat(values, axis=0)
+    value = values[0] if len(values) == 1 else fp8_rows(values, lambda vs: paddle.concat(vs, axis=0))
     if kind == "stack":
         value = value.reshape(param.shape)
     if kind == "linear":

@@ -26,12 +26,19 @@ class _Layer:
     scales: dict[str, Any] | None = None    # fp8_block: per-row scales (`ExpertWeights`)
     block_k: int = 128
 
-    def expert(self, e: int, dtype: Any) -> tuple[Any, Any, Any]:
-        """Expert ``e``'s gate, up ``[H, I]`` and down ``[I, H]`` in ``dtype`` (FP8: dequantized now)."""
+    def run(self, e: int, x: Any) -> Any:
+        """Expert ``e`` on rows ``x [n, H]``: ``down(silu(gate(x)) * up(x))``; FP8 weights are
+        dequantized now and used as stored (``[out, in]``, ``transpose_y``: no transposed copy)."""
         if self.scales is None:
-            return self.gate[e], self.up[e], self.down[e]
-        return tuple(dequant_rows(w[e], self.scales[name][e], self.block_k, "float32").astype(dtype).transpose([1, 0])
-                     for name, w in (("gate", self.gate), ("up", self.up), ("down", self.down)))
+            return (F.silu(x @ self.gate[e]) * (x @ self.up[e])) @ self.down[e]
+        gate, up, down = (_as(dequant_rows(w[e], self.scales[name][e], self.block_k, "float32"), x.dtype)
+                          for name, w in (("gate", self.gate), ("up", self.up), ("down", self.down)))
+        h = F.silu(paddle.matmul(x, gate, transpose_y=True)) * paddle.matmul(x, up, transpose_y=True)
+        return paddle.matmul(h, down, transpose_y=True)
+
+
+def _as(t: Any, dtype: Any) -> Any:
+    return t if t.dtype == dtype else t.astype(dtype)
 
 
 class ReferenceMoE:
@@ -58,8 +65,6 @@ class ReferenceMoE:
             assignments = order[lo:hi]
             tokens = paddle.to_tensor(assignments // top_k)
             x = paddle.gather(hidden, tokens)
-            gate, up, down = layer.expert(int(e), hidden.dtype)
-            h = F.silu(x @ gate) * (x @ up)
-            y = (h @ down) * paddle.gather(flat_weights, paddle.to_tensor(assignments)).unsqueeze(-1)
+            y = layer.run(int(e), x) * paddle.gather(flat_weights, paddle.to_tensor(assignments)).unsqueeze(-1)
             out = paddle.index_add(out, tokens, 0, y)
         return out
