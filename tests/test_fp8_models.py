@@ -3,7 +3,7 @@
 The reference is fdplug's own float run of the *dequantized* weights: the same numbers reached
 another way, so greedy tokens must be equal and logprobs agree to float rounding. Against the
 original float model the FP8 model may differ (e4m3 keeps 3 mantissa bits); the agreement is
-measured and bounded below. The quantizer is the core's (`fdplug.core.quant.fp8`, tested on its own
+measured and bounded below. The quantizer is the core's (`fdplug.plugin_api.fp8`, tested on its own
 against numpy in `test_fp8_quant.py`).
 """
 
@@ -28,7 +28,7 @@ from fdplug.errors import ModelLoadError, UnsupportedModelError, WeightMismatchE
 from tests.conftest import write_test_model  # noqa: E402
 from tests.serverkit import Server  # noqa: E402
 from tests.test_moe_golden import servable  # noqa: E402
-from tests.test_moe_models import QWEN3_MOE  # noqa: E402
+from tests.test_moe_models import QWEN3_MOE, write_fused_experts  # noqa: E402
 
 BLOCK = [32, 32]     # several tiles per weight and edge tiles (k rows 32, expert width 24) at this size
 QWEN2_MOE = {"architectures": ["Qwen2MoeForCausalLM"], "num_hidden_layers": 3, "num_experts": 8,
@@ -118,6 +118,28 @@ def test_weights_stay_fp8_and_modules_to_not_convert_stay_float(models):
     embeddings = cfg.vocab_size * cfg.hidden_size * 4 * (1 if cfg.tie_word_embeddings else 2)
     # the linears go from 4 bytes a weight to 1 plus 4 / 32 of scales; norms, router and embeddings stay
     assert fp8_bytes - embeddings < 0.4 * (float_bytes - embeddings), (fp8_bytes, float_bytes, embeddings)
+
+
+def test_fused_fp8_experts_load(models, tmp_path):
+    """FP8 experts in the fused layout (``experts.gate_up_proj`` e4m3 ``[E, 2I, H]`` with
+    ``experts.gate_up_proj_scale_inv [E, ceil(2I/bn), ceil(H/bk)]``, transformers' FP8 names): the
+    32-row tiles straddle each expert's gate and up rows, and still generate what their dequantized
+    weights generate; online quantization of the fused float checkpoint equals its FP8 checkpoint."""
+    fused = write_fused_experts(models["float"], tmp_path / "fused")
+    make_fp8(fused, tmp_path / "fp8", tmp_path / "dequant")
+    _, got = _run(tmp_path / "fp8")
+    _, want = _run(tmp_path / "dequant")
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    layer = LLM(str(tmp_path / "fp8"), max_model_len=128, num_kv_blocks=64).engine.runner.model.layers[1]
+    assert layer.mlp.experts.gate.dtype == paddle.float8_e4m3fn          # the reference backend keeps e4m3
+    make_fp8(fused, tmp_path / "fp8_128", tmp_path / "dequant_128", block=[128, 128])
+    online = LLM(str(fused), max_model_len=128, num_kv_blocks=64, quantization="fp8")
+    stored = LLM(str(tmp_path / "fp8_128"), max_model_len=128, num_kv_blocks=64)
+    a, b = (llm.engine.runner.model.layers[1].mlp.experts for llm in (online, stored))
+    for name in ("gate", "up", "down"):
+        np.testing.assert_array_equal(getattr(a, name).astype("float32").numpy(),
+                                      getattr(b, name).astype("float32").numpy())
+        np.testing.assert_array_equal(a.scales[name].numpy(), b.scales[name].numpy())
 
 
 def test_a_float_tensor_where_the_config_says_fp8_is_refused(models, tmp_path):

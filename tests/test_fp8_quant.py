@@ -1,4 +1,4 @@
-"""`fdplug.core.quant.fp8` against an independent numpy implementation of the same formulas.
+"""`fdplug.plugin_api.fp8` against an independent numpy implementation of the same formulas.
 
 The reference never calls paddle: its own round-to-nearest-even e4m3 codec (1 sign bit, 4 exponent
 bits with bias 7, 3 mantissa bits, subnormals 2^-9 apart, max 448, no inf), explicit loops over
@@ -16,7 +16,7 @@ import pytest
 
 paddle = pytest.importorskip("paddle")
 
-from fdplug.core.quant import fp8
+from fdplug.plugin_api import fp8
 
 RNG = np.random.default_rng(20250101)
 

@@ -97,15 +97,11 @@ def test_the_experts_change_the_output(moe_dirs, references):
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("model", MODELS)
-def test_fused_expert_layout_loads_to_the_same_model(moe_dirs, references, model, tmp_path):
-    """``experts.gate_up_proj [E, 2I, H]`` (gate rows first) and ``experts.down_proj [E, H, I]``: the
-    same greedy tokens as the per-expert keys (float32 copies: bf16 -> fp32 is exact)."""
+def write_fused_experts(src: Path, fused: Path) -> Path:
+    """``src`` with its per-expert weights stored in the fused layout, as float32."""
     from safetensors import safe_open
     from safetensors.numpy import save_file
 
-    src = moe_dirs[model]
-    fused = tmp_path / "fused"
     fused.mkdir()
     for f in src.iterdir():
         if f.name != "model.safetensors" and f.is_file():
@@ -121,6 +117,15 @@ def test_fused_expert_layout_loads_to_the_same_model(moe_dirs, references, model
         tensors[p + "down_proj"] = np.stack([tensors.pop(f"{p}{x}.down_proj.weight") for x in range(cfg.moe.num_experts)])
     assert not any(".experts.0." in name for name in tensors)
     save_file(tensors, str(fused / "model.safetensors"), metadata={"format": "pt"})
+    return fused
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_fused_expert_layout_loads_to_the_same_model(moe_dirs, references, model, tmp_path):
+    """``experts.gate_up_proj [E, 2I, H]`` (gate rows first) and ``experts.down_proj [E, H, I]``: the
+    same greedy tokens as the per-expert keys (float32 copies: bf16 -> fp32 is exact)."""
+    src = moe_dirs[model]
+    fused = write_fused_experts(src, tmp_path / "fused")
     if model == "qwen3_moe":
         config = json.loads((fused / "config.json").read_text())
         config["num_local_experts"] = config.pop("num_experts")       # transformers 5's key

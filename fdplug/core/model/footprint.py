@@ -71,7 +71,8 @@ def model_summary(cfg: ModelConfig, dtype: str, moe_backend: str) -> str:
     weights, and for a MoE model which backend runs its experts and how tokens are routed."""
     lines = [f"model: {cfg.architecture}, computed in {dtype}, weights {weight_footprint(cfg, dtype).describe(cfg)}"]
     if cfg.quant is not None:
-        lines.append(f"quantization: {cfg.quant.describe()} (portable path: each layer dequantized when it runs)")
+        experts = f"; the routed experts run in {moe_backend}" if cfg.moe is not None else ""
+        lines.append(f"quantization: {cfg.quant.describe()} (linear layers dequantized when they run{experts})")
     moe = cfg.moe
     if moe is None:
         lines.append("moe: unused (a dense model)")

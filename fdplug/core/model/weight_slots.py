@@ -9,9 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fdplug.core.model.config import ModelConfig
-from fdplug.core.model.quant_config import QuantConfig, fused_quant, mlp_quant, shared_expert_prefix
+from fdplug.core.model.quant_config import (
+    QuantConfig,
+    fused_quant,
+    mlp_quant,
+    shared_expert_prefix,
+)
 from fdplug.core.model.rope import rope_permutation
-from fdplug.errors import UnsupportedModelError
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,12 +125,14 @@ def moe_slots(cfg: ModelConfig, src: str, dst: str, fused_experts: bool) -> dict
     if moe.shared_gate:
         slots[src + "shared_expert_gate.weight"] = Slot(dst + "shared_expert_gate", (1, hid), "linear", 0, 1)
     quant = fused_quant(cfg.quant, src + "experts.", ("gate_proj", "up_proj", "down_proj"))
-    if fused_experts:
-        if quant is not None:
-            raise UnsupportedModelError("FP8 experts in the fused layout (experts.gate_up_proj) are not supported yet.",
-                                        fix="save the FP8 experts per expert (experts.E.gate_proj.weight ...).")
-        slots[src + "experts.gate_up_proj"] = Slot(dst + "experts_gate_up", (e, 2 * inter, hid))
-        slots[src + "experts.down_proj"] = Slot(dst + "experts_down", (e, hid, inter))
+    if fused_experts:   # FP8: transformers' FP8 experts name the scale grids ``<weight>_scale_inv``
+        for name, param, (n, k) in (("gate_up_proj", "experts_gate_up", (2 * inter, hid)),
+                                    ("down_proj", "experts_down", (hid, inter))):
+            slots[src + f"experts.{name}"] = Slot(dst + param, (e, n, k))
+            if quant is not None:
+                (bn, bk) = quant.block
+                slots[src + f"experts.{name}_scale_inv"] = Slot(dst + param + "_scale", (e, -(-n // bn), -(-k // bk)),
+                                                                "copy", 0, n, scale_rows=bn)
         return slots
     for x in range(e):   # rows of the stacked [E * 2I, H] and [E * H, I] matrices
         gate_rows, up_rows = (2 * x * inter, (2 * x + 1) * inter), ((2 * x + 1) * inter, (2 * x + 2) * inter)

@@ -1,7 +1,8 @@
 """Write a float checkpoint as an FP8 block checkpoint, the format DeepSeek-V3 and HF's FP8 models use.
 
 Each linear layer of the decoder (attention projections, MLP and expert gate/up/down) becomes
-``weight`` (e4m3) plus ``weight_scale_inv`` (float32 per ``block`` tile, `fp8.block_quant`);
+``weight`` (e4m3) plus ``weight_scale_inv`` (float32 per ``block`` tile, `fp8.block_quant`); fused
+experts ``experts.gate_up_proj`` ``[E, 2I, H]`` get ``experts.gate_up_proj_scale_inv`` ``[E, ...]``;
 embeddings, norms, routers, ``lm_head`` and the modules in ``keep`` stay as they were, and
 ``config.json`` gains the ``quantization_config`` that says so. ``dequantized`` also writes the
 quantized weights back in float32: a float checkpoint with exactly the FP8 model's numbers, the
@@ -17,11 +18,15 @@ from pathlib import Path
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+FUSED_EXPERTS = ("experts.gate_up_proj", "experts.down_proj")   # [E, N, K]: one scale grid per expert
+
+
 def converted(name: str, keep: tuple[str, ...]) -> bool:
-    """Whether checkpoint tensor ``name`` is a decoder linear's weight that gets quantized."""
+    """Whether checkpoint tensor ``name`` is a decoder linear's weight (or a fused experts tensor)
+    that gets quantized."""
     module = name.removesuffix(".weight")
-    return (name.endswith(".weight") and module.rsplit(".", 1)[-1] in LINEARS
-            and not any(fragment in module for fragment in keep))
+    linear = name.endswith(".weight") and module.rsplit(".", 1)[-1] in LINEARS
+    return (linear or name.endswith(FUSED_EXPERTS)) and not any(fragment in module for fragment in keep)
 
 
 def quantize_checkpoint(src: Path, dst: Path, *, block: tuple[int, int] = (128, 128), keep: tuple[str, ...] = (),
@@ -30,7 +35,7 @@ def quantize_checkpoint(src: Path, dst: Path, *, block: tuple[int, int] = (128, 
     tensors quantized. The other files of ``src`` (tokenizer, generation config) are copied."""
     from safetensors import safe_open
 
-    from fdplug.core.quant.fp8 import block_dequant, block_quant
+    from fdplug.plugin_api.fp8 import block_dequant, block_quant
 
     if not (Path(src) / "model.safetensors").is_file():
         raise FileNotFoundError(f"{src}/model.safetensors is missing (sharded checkpoints are not handled here)")

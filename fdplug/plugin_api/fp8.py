@@ -1,4 +1,8 @@
-"""FP8 (e4m3) block quantization: the one definition of the core's FP8 formats.
+"""FP8 (e4m3) block quantization: the one definition of fdplug's FP8 formats.
+
+Part of the plugin contract, like the routing rule (`fdplug.plugin_api.moe`): the core's loader and
+portable path, and every FP8 kernel plugin, quantize and lay out scales with these functions, so
+they cannot disagree on a bit.
 
 Each rule follows a published source (read, not copied):
 
