@@ -146,7 +146,7 @@ def test_config_facts_and_traits():
         ("Ernie4_5ForCausalLM", 32, True, True)
     assert cfg.attention_bias and cfg.o_proj_bias and cfg.mlp_bias and not cfg.qk_norm
     assert cfg.traits() == ModelTraits(architecture="Ernie4_5ForCausalLM", dtype="float32", num_attention_heads=4,
-                                       num_kv_heads=2, head_dim=32)
+                                       num_kv_heads=2, head_dim=32, hidden_size=64)
     qwen2 = ModelConfig.from_dir(GOLDEN / "qwen2_linear_bf16")
     assert qwen2.dtype == "bfloat16" and qwen2.traits("float32").dtype == "float32"
     assert qwen2.eos_token_ids == (3, 2) and qwen2.bos_token_id == 1

@@ -29,10 +29,13 @@ class ModelTraits:
     num_attention_heads: int = 0
     num_kv_heads: int = 0
     head_dim: int = 0
+    hidden_size: int = 0
     num_experts: int = 0
     experts_per_token: int = 0
+    moe_intermediate_size: int = 0
     moe_weight_format: str = "none"      # the routed experts' format, for the MoE backend
     linear_weight_format: str = "none"   # the other linear layers' format, for the model runner
+    weight_block: tuple[int, int] = ()   # a quantized format's (rows, cols) block, e.g. (128, 128)
     mask_policy: str = "causal"
 
 

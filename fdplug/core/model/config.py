@@ -181,10 +181,13 @@ class ModelConfig:
         """What backends see in ``supports(config)``; ``dtype`` is the compute dtype (default: the checkpoint's)."""
         return ModelTraits(architecture=self.architecture, dtype=dtype or self.dtype,
                            num_attention_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                           head_dim=self.head_dim, num_experts=self.moe.num_experts if self.moe else 0,
+                           head_dim=self.head_dim, hidden_size=self.hidden_size,
+                           num_experts=self.moe.num_experts if self.moe else 0,
                            experts_per_token=self.moe.routing.top_k if self.moe else 0,
+                           moe_intermediate_size=self.moe.intermediate_size if self.moe else 0,
                            moe_weight_format=self.moe_weight_format(),
                            linear_weight_format=self.quant.format if self.quant else "none",
+                           weight_block=self.quant.block if self.quant else (),
                            mask_policy=self.multimodal.mask_policy if self.multimodal else "causal")
 
 

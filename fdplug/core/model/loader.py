@@ -190,7 +190,7 @@ def _quantized_online(name: str, value: Any, slot: Slot, slots: dict[str, Slot],
     fp8 = paddle.float8_e4m3fn
     if cfg.quant is None or not cfg.quant.online or params[slot.param].dtype != fp8 or value.dtype == fp8:
         return [(slot, value)]
-    from fdplug.core.quant.fp8 import block_quant
+    from fdplug.plugin_api.fp8 import block_quant
 
     try:
         q, scale_inv = block_quant(value.astype("float32"), cfg.quant.block)

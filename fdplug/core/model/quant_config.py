@@ -48,7 +48,7 @@ class QuantConfig:
 
 def with_quantization(quant: QuantConfig | None, quantization: str | None) -> QuantConfig | None:
     """The checkpoint's quantization, or, for a float checkpoint and ``quantization="fp8"``, FP8
-    128x128 blocks computed at load with the same math as an FP8 checkpoint (`fdplug.core.quant.fp8.block_quant`).
+    128x128 blocks computed at load with the same math as an FP8 checkpoint (`fdplug.plugin_api.fp8.block_quant`).
     An FP8 checkpoint is already quantized: asking for fp8 again changes nothing."""
     if quantization is None:
         return quant

@@ -35,6 +35,7 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "cpu": "fdplug.plugins.cpu",
     "cuda": "fdplug.plugins.cuda",
     "xpu": "fdplug.plugins.xpu",
+    "blackwell_moe": "fdplug.plugins.blackwell_moe",
     "storage_fs": "fdplug.plugins.storage_fs",
     "storage_bos": "fdplug.plugins.storage_bos",
 }

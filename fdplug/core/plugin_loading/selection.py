@@ -135,6 +135,19 @@ def _rejection(spec: Any, device: str, config: EngineConfig) -> str | None:
     return None if reason is None else str(reason)
 
 
+def _where_it_runs(plugins: PluginSet, spec: Any) -> str:
+    """For a component asked for on a device it does not run on: whether its own devices are usable
+    here (their probes' reasons) and what it says it needs (its description)."""
+    parts = []
+    for name in spec.devices:
+        entry = plugins.registry.get("device", name)
+        probe = run_probe(entry.spec) if entry is not None else None
+        parts.append(f"{name}: " + ("no plugin registers it" if probe is None else
+                                    ("available" if probe.available else f"not available here: {probe.reason}")))
+    needs = f"; {spec.name}: {spec.description}" if spec.description else ""
+    return f" ({'; '.join(parts)}{needs})"
+
+
 def _select_component(plugins: PluginSet, role: str, explicit: str | None, device: str, config: EngineConfig,
                       decisions: list[Decision], op: str | None = None, asked_by: str = "explicitly") -> Any:
     """The component of ``role`` (for ``role == "op"``: the kernel of ``op``) for this device and config;
@@ -150,6 +163,8 @@ def _select_component(plugins: PluginSet, role: str, explicit: str | None, devic
         reason = _rejection(entry.spec, device, config)
         if reason is not None:
             decisions.append(Decision(role, explicit, entry.plugin, False, reason))
+            if not entry.spec.runs_on(device):
+                reason += _where_it_runs(plugins, entry.spec)
             raise SelectionError(f"{role} {explicit!r} was asked for {asked_by} but cannot be used: {reason}.",
                                  fix=f"choose another {role} (see `fdplug explain`) or another device.",
                                  decisions=tuple(decisions))
