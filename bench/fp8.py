@@ -14,9 +14,11 @@ measured in this run:
 2. load time: `load_model` of the FP8 checkpoint vs the float32 one (and online quantization of the
    float32 one), interleaved in rounds, medians;
 3. step time: the forward of a decode step at 1 and 16 running requests, FP8 vs float32 with the
-   same (reference) MoE backend, and float32 with cpu_native, in ABBA blocks, medians. The portable
-   FP8 path dequantizes each layer's weights when it runs: this is the ceiling an in-kernel FP8
-   path (the CPU performance issue) must beat, not a fast path.
+   same (reference) MoE backend, and float32 with cpu_native, in ABBA blocks, medians. FP8 experts
+   are dequantized one expert at a time when they run (no compiled FP8 MoE kernel yet);
+4. the same for a dense model (bench/throughput.py's 54M Qwen2, quantized online): FP8 linears
+   through the cpu plugin's compiled kernel (weights read in place, one byte each), through the
+   portable dequantize-and-matmul, and float32.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 from moe import MODEL, _prompt, make_model  # bench/moe.py: the same model
+from throughput import make_model as make_dense_model
 from throughput import params
 
 
@@ -142,9 +145,21 @@ def main() -> None:
                 "float32_native": LLM(str(dirs["float32"]), moe_backend="cpu_native", **engine_args)}
         for running in (1, 16):
             t = decode_forward(llms, running, pairs=3 if args.quick else 8)
-            print(f"3. decode step forward, {running:2d} running: fp8 (portable) {t['fp8'] * 1e3:.1f} ms, float32 "
+            print(f"3. decode step forward, {running:2d} running: fp8 (reference MoE) {t['fp8'] * 1e3:.1f} ms, float32 "
                   f"(reference MoE) {t['float32'] * 1e3:.1f} ms, ratio {t['fp8'] / t['float32']:.2f}; float32 "
                   f"cpu_native {t['float32_native'] * 1e3:.1f} ms")
+        del llms
+
+        dense = make_dense_model(root)
+        llms = {"fp8": LLM(str(dense), quantization="fp8", **engine_args),
+                "fp8_portable": LLM(str(dense), quantization="fp8", op_kernels={"fp8_linear": "paddle_fp8_linear"},
+                                    **engine_args),
+                "float32": LLM(str(dense), **engine_args)}
+        for running in (1, 16):
+            t = decode_forward(llms, running, pairs=3 if args.quick else 8)
+            print(f"4. dense 54M Qwen2 (bench/throughput.py's), decode step forward, {running:2d} running: fp8 "
+                  f"(cpu_native_fp8_linear) {t['fp8'] * 1e3:.1f} ms, fp8 portable {t['fp8_portable'] * 1e3:.1f} ms, "
+                  f"float32 {t['float32'] * 1e3:.1f} ms; fp8/float32 {t['fp8'] / t['float32']:.2f}")
 
 
 if __name__ == "__main__":

@@ -71,7 +71,8 @@ def test_explain_a_bare_device_gets_the_core_components(tmp_path):
     names = json.loads(out.stdout)
     assert names["device"] == "fakechip" and names["attention"] == "reference"
     assert names["moe"] == "reference" and names["runner"] == "default"
-    assert names["ops"] == {"swiglu": "paddle_swiglu", "rms_norm": "paddle_rms_norm"}
+    assert names["ops"] == {"swiglu": "paddle_swiglu", "rms_norm": "paddle_rms_norm",
+                            "fp8_linear": "paddle_fp8_linear"}
 
 
 def test_explain_unknown_component_exits_nonzero():

@@ -1,7 +1,7 @@
 """The hooks: what a plugin implements. Read with `fdplug.plugin_api.specs` (what it registers).
 
 A plugin is a module (or object) with functions decorated by ``fdplug.hookimpl`` whose names are
-the hooks below, and a module-level ``FDPLUG_API_VERSION = "3.0"`` naming the API it was written
+the hooks below, and a module-level ``FDPLUG_API_VERSION = "3.1"`` naming the API it was written
 for. Registration hooks are called once, when plugins load, with a ``register`` callback that
 accepts one spec object; the core validates what is registered, so a bad registration fails loudly
 and only that plugin is skipped.
@@ -13,7 +13,9 @@ Compatibility: a change that breaks an existing plugin bumps the major of ``API_
 hook or an optional spec field bumps the minor. 2.0: ``fdplug_configure`` and runner factories take
 the `Selection` (was ``backend``); settings and op kernels are registered through hooks. 3.0: the core
 routes (`fdplug.plugin_api.moe.select_experts` with a `Routing`), so ``MoEBackend.forward`` takes the
-chosen ``(topk_weights, topk_ids)`` instead of the router logits.
+chosen ``(topk_weights, topk_ids)`` instead of the router logits. 3.1: the ``fp8_linear`` op,
+``ModelRunnerSpec.weight_formats`` (the linear layers' formats a runner executes) and `ModelTraits`
+fields for weight formats and shapes; FP8 formats in `fdplug.plugin_api.fp8`.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ if TYPE_CHECKING:
     from fdplug.plugin_api.selection import Selection
 
 PROJECT_NAME = "fdplug"
-API_VERSION = "3.0"
+API_VERSION = "3.1"
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)

@@ -13,6 +13,10 @@ Contracts (``T`` tokens as rows; inputs are never modified; results in the input
     ``x [..., D]``, ``weight`` broadcast over the trailing axes of ``x`` -> ``weight * x / rms(x)``,
     with ``rms`` computed in float32 over the last axis and the result cast back before the weight
     (as Hugging Face does).
+``fp8_linear(x, weight, weight_scale, block_k) -> y``
+    ``x [..., K]``, ``weight [N, K]`` float8_e4m3fn, ``weight_scale [N, ceil(K / block_k)]`` float32 (per-row
+    block scales, `fdplug.core.model.fp8_layers`) -> ``y [..., N] = x @ (weight * scale)^T`` (no bias).
+    A kernel may keep the weights one byte each; it must not change them.
 
 A kernel must agree with the portable implementation to float32 rounding (relative 1e-5); the
 conformance kit (`fdplug.testing`) checks every registered op against it.
@@ -23,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-OPS: tuple[str, ...] = ("swiglu", "rms_norm")
+OPS: tuple[str, ...] = ("swiglu", "rms_norm", "fp8_linear")
 """Every op a plugin may override, in the order `Kernels` lists them."""
 
 
@@ -33,3 +37,4 @@ class Kernels:
 
     swiglu: Callable[[Any], Any]
     rms_norm: Callable[[Any, Any, float], Any]
+    fp8_linear: Callable[[Any, Any, Any, int], Any]

@@ -61,3 +61,27 @@ def test_op_kernels_match_the_portable_ones(op, fdplug_selection, fdplug_place):
             weight = paddle.to_tensor(rng.standard_normal(2 * 96, dtype=np.float32))
             got, expected = kernel(x, weight, 1e-6), portable.rms_norm(x, weight, 1e-6)
         np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-5, atol=1e-6, err_msg=f"{rows} rows")
+
+
+def test_fp8_linear_kernel_matches_the_portable_one(fdplug_selection, fdplug_place):
+    """The selected ``fp8_linear`` kernel against the portable dequantize-and-matmul: K that is not a
+    multiple of the block (edge blocks), 32- and 128-wide blocks, 1 to 300 rows, e4m3 weights across
+    their range (subnormals, both signs)."""
+    import paddle
+
+    from fdplug.core.portable import ops as portable
+    from fdplug.plugin_api.fp8 import block_quant
+
+    kernel = fdplug_selection.ops["fp8_linear"].factory(EngineConfig())
+    rng = np.random.default_rng(9)
+    paddle.set_device(fdplug_place)
+    for (n, k), bk in (((70, 200), 128), ((96, 136), 32), ((256, 512), 128)):
+        w = rng.standard_normal((n, k)).astype(np.float32) * np.exp(rng.uniform(-8, 3, (n, k))).astype(np.float32)
+        q, grid = block_quant(paddle.to_tensor(w), (bk, bk))
+        scales = paddle.repeat_interleave(grid, bk, axis=0)[:n]
+        for rows in (1, 3, 8, 9, 300):
+            x = paddle.to_tensor(rng.standard_normal((rows, k), dtype=np.float32))
+            got = kernel(x, q, scales, bk).numpy()
+            expected = portable.fp8_linear(x, q, scales, bk).numpy()
+            scale = np.abs(expected).max()
+            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * scale, err_msg=f"{n}x{k}/{bk} {rows} rows")

@@ -42,9 +42,9 @@ class Attention(nn.Layer):
         qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
         attn = prefix + "self_attn."
         self.qkv_proj = make_linear(cfg.hidden_size, qkv_out, cfg.attention_bias, dtype,
-                                    fused_quant(cfg.quant, attn, ("q_proj", "k_proj", "v_proj")))
+                                    fused_quant(cfg.quant, attn, ("q_proj", "k_proj", "v_proj")), kernels)
         self.o_proj = make_linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_proj_bias, dtype,
-                                  fused_quant(cfg.quant, attn, ("o_proj",)))
+                                  fused_quant(cfg.quant, attn, ("o_proj",)), kernels)
         # Qwen3: q_norm's weight on each q head, k_norm's on each k head -> one norm for both.
         self.qk_norm = (RMSNorm([cfg.num_heads + cfg.num_kv_heads, cfg.head_dim], cfg.rms_norm_eps, dtype, kernels)
                         if cfg.qk_norm else None)

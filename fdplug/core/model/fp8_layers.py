@@ -62,16 +62,19 @@ class Fp8Linear(nn.Layer):
     fp8 on every device, and ``matmul(transpose_y=True)`` reads it as stored.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: str, quant: QuantConfig) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: str, quant: QuantConfig,
+                 kernel: Any = None) -> None:
+        """``kernel``: the selected ``fp8_linear`` op (`fdplug.plugin_api.ops`; default: the portable one)."""
         from fdplug.core.model.layers import empty_parameter
+        from fdplug.core.portable.ops import PORTABLE
 
         super().__init__()
         self.dtype_name, self.block_k = dtype, quant.block[1]
+        self.kernel = kernel or PORTABLE.fp8_linear
         self.weight = empty_parameter([out_features, in_features], FP8_DTYPE)
         self.weight_scale = empty_parameter([out_features, -(-in_features // self.block_k)], "float32")
         self.bias = empty_parameter([out_features], dtype) if bias else None
 
     def forward(self, x: Any) -> Any:
-        w = dequant_rows(self.weight, self.weight_scale, self.block_k, self.dtype_name)
-        out = paddle.matmul(x, w, transpose_y=True)
+        out = self.kernel(x, self.weight, self.weight_scale, self.block_k)
         return out if self.bias is None else out + self.bias

@@ -57,13 +57,15 @@ class Linear(nn.Layer):
         return F.linear(x, self.weight, self.bias)
 
 
-def make_linear(in_features: int, out_features: int, bias: bool, dtype: str, quant: Any = None) -> nn.Layer:
-    """A `Linear`, or an `fp8_layers.Fp8Linear` when ``quant`` (a `QuantConfig`) says the checkpoint's is FP8."""
+def make_linear(in_features: int, out_features: int, bias: bool, dtype: str, quant: Any = None,
+                kernels: Kernels = PORTABLE) -> nn.Layer:
+    """A `Linear`, or an `fp8_layers.Fp8Linear` (running the ``fp8_linear`` op of ``kernels``) when
+    ``quant`` (a `QuantConfig`) says the checkpoint's is FP8."""
     if quant is None:
         return Linear(in_features, out_features, bias, dtype)
     from fdplug.core.model.fp8_layers import Fp8Linear
 
-    return Fp8Linear(in_features, out_features, bias, dtype, quant)
+    return Fp8Linear(in_features, out_features, bias, dtype, quant, kernels.fp8_linear)
 
 
 class SwiGLU(nn.Layer):
@@ -77,8 +79,8 @@ class SwiGLU(nn.Layer):
                  quant: tuple[Any, Any] = (None, None)) -> None:
         """``quant``: the `QuantConfig` of the fused gate/up and of the down projection (None: float)."""
         super().__init__()
-        self.gate_up_proj = make_linear(hidden, 2 * intermediate, bias, dtype, quant[0])
-        self.down_proj = make_linear(intermediate, hidden, bias, dtype, quant[1])
+        self.gate_up_proj = make_linear(hidden, 2 * intermediate, bias, dtype, quant[0], kernels)
+        self.down_proj = make_linear(intermediate, hidden, bias, dtype, quant[1], kernels)
         self.activation: Callable[[Any], Any] = kernels.swiglu
 
     def forward(self, x: Any) -> Any:

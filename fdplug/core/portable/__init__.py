@@ -75,3 +75,6 @@ def fdplug_register_ops(register):
                     description="paddle.nn.functional.swiglu"))
     register(OpSpec(name="paddle_rms_norm", op="rms_norm", devices=(ANY_DEVICE,), factory=_op_factory("rms_norm"),
                     description="float32 mean of squares, rsqrt, weight (four Paddle ops)"))
+    register(OpSpec(name="paddle_fp8_linear", op="fp8_linear", devices=(ANY_DEVICE,),
+                    factory=_op_factory("fp8_linear"),
+                    description="the FP8 layer dequantized to the compute dtype, then one paddle matmul"))

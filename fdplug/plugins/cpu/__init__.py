@@ -36,6 +36,15 @@ def _native_swiglu_factory(config):
     return functools.partial(kernels.swiglu, threads=device.cpu_threads())
 
 
+def _native_fp8_linear_factory(config):
+    import functools
+
+    from fdplug.plugins.cpu import kernels, native_fp8
+
+    kernels.load()
+    return functools.partial(native_fp8.fp8_linear_or_portable, threads=device.cpu_threads())
+
+
 def _native_kernels_supports(config) -> str | None:
     """The kernels are float32, as is the cpu device (``DeviceSpec.dtypes``): only the build can fail."""
     from fdplug.plugins.cpu import kernels
@@ -73,6 +82,10 @@ def fdplug_register_ops(register):
                     supports=_native_kernels_supports,
                     description="AVX2 SwiGLU on every core (compiled C): 4-5x paddle's single-threaded one "
                                 "(FDPLUG_CPU_KERNELS)"))
+    register(OpSpec(name="cpu_native_fp8_linear", op="fp8_linear", devices=("cpu",), factory=_native_fp8_linear_factory,
+                    priority=10, supports=_native_kernels_supports,
+                    description="FP8 weights read in place, widened in registers (compiled C) up to "
+                                "FP8_MAX_ROWS rows; above, the portable dequantize-and-matmul"))
 
 
 @hookimpl

@@ -39,7 +39,7 @@ logger = logging.getLogger("fdplug")
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared", "-pthread", "-std=c99")
-ABI = 3
+ABI = 4
 BUILD_TIMEOUT_S = 120.0
 
 _c_int, _c_float, _ptr = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
@@ -133,6 +133,7 @@ def load() -> ctypes.CDLL:
     lib.fdplug_moe_pack.argtypes = [_ptr] * 5 + [_c_int] * 4
     lib.fdplug_moe_experts.restype = _c_int
     lib.fdplug_moe_experts.argtypes = [_ptr] * 6 + [_c_int] * 6
+    lib.fdplug_fp8_linear.restype, lib.fdplug_fp8_linear.argtypes = None, [_ptr] * 4 + [_c_int] * 5
     return lib
 
 

@@ -7,10 +7,10 @@ paddle's CUDA kernels; fused CUDA attention/MoE backends register here later wit
 from __future__ import annotations
 
 from fdplug.plugin_api.device_probe import probe_accelerator
-from fdplug.plugin_api.hookspecs import hookimpl
+from fdplug.plugin_api.hookspecs import API_VERSION, hookimpl
 from fdplug.plugin_api.specs import DeviceSpec, Probe
 
-FDPLUG_API_VERSION = "3.0"
+FDPLUG_API_VERSION = API_VERSION
 
 INSTALL_FIX = ("install the CUDA build of paddle for your CUDA version (`pip install 'fdplug[gpu]'`, or "
                "paddlepaddle-gpu from https://www.paddlepaddle.org.cn/install) and uninstall paddlepaddle (CPU build).")

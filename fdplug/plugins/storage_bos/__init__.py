@@ -7,10 +7,10 @@ fetched, and the SDK is imported when the first request is made.
 
 from __future__ import annotations
 
-from fdplug.plugin_api.hookspecs import hookimpl
+from fdplug.plugin_api.hookspecs import API_VERSION, hookimpl
 from fdplug.plugin_api.specs import FeatureStorageSpec
 
-FDPLUG_API_VERSION = "3.0"
+FDPLUG_API_VERSION = API_VERSION
 
 
 def make_storage(config):

@@ -8,11 +8,11 @@ everything until the operator allows something. httpx is imported on the first h
 
 from __future__ import annotations
 
-from fdplug.plugin_api.hookspecs import hookimpl
+from fdplug.plugin_api.hookspecs import API_VERSION, hookimpl
 from fdplug.plugin_api.settings import Setting, parse_list, parse_positive_int
 from fdplug.plugin_api.specs import FeatureStorageSpec
 
-FDPLUG_API_VERSION = "3.0"
+FDPLUG_API_VERSION = API_VERSION
 
 HTTP_MAX_BYTES = Setting("FDPLUG_HTTP_FEATURE_MAX_BYTES", 256 * 1024 * 1024, parse_positive_int,
                          "Largest http(s):// feature accepted, in bytes (enforced while streaming).")

@@ -7,10 +7,10 @@ kernels, and the multimodal prefix cache is the core's, so it is on here as on e
 from __future__ import annotations
 
 from fdplug.plugin_api.device_probe import probe_accelerator
-from fdplug.plugin_api.hookspecs import hookimpl
+from fdplug.plugin_api.hookspecs import API_VERSION, hookimpl
 from fdplug.plugin_api.specs import DeviceSpec, Probe
 
-FDPLUG_API_VERSION = "3.0"
+FDPLUG_API_VERSION = API_VERSION
 
 INSTALL_FIX = ("install paddle's XPU build (the paddlepaddle-xpu wheel from https://www.paddlepaddle.org.cn/install "
                "matching your XPU runtime) and uninstall the CPU build.")

@@ -1,6 +1,6 @@
 /* fdplug cpu kernels: paged attention that reads the KV cache in place, the KV cache write,
- * SwiGLU (paddle's CPU swiglu is one scalar thread: 8% of a prefill, 7% of a decode step), and the
- * routed experts of a MoE layer (at the end of the file).
+ * SwiGLU (paddle's CPU swiglu is one scalar thread: 8% of a prefill, 7% of a decode step), the
+ * routed experts of a MoE layer and an FP8 block linear for decode (both at the end of the file).
  *
  * Why: on CPU, decode attention is memory-bound. The plain-Paddle reference gathers every
  * sequence's blocks into a dense tensor each layer (read the cache, write a copy, read the copy
@@ -28,7 +28,7 @@
 #define HAVE_AVX2 1
 #endif
 
-int fdplug_kernels_abi(void) { return 3; }
+int fdplug_kernels_abi(void) { return 4; }
 
 /* ---------------------------------------------------------------------------------------------
  * Threads. A kernel call runs worker(job) on the calling thread and up to num_threads - 1 helpers
@@ -831,4 +831,125 @@ int fdplug_moe_experts(const float *x, const float *gate_up, const float *down, 
         }
     moe_scratch_free(&s);
     return ok ? 0 : -1;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * FP8 block linear for a few rows (decode): out[m, n] = sum_k x[m, k] * W[n, k], where W is an e4m3
+ * weight [N, K] (one byte a weight) times its per-row block scales [N, ceil(K / bk)] (the layout of
+ * fdplug/core/model/fp8_layers.py). The weights are never dequantized in memory: each 8 are widened
+ * in registers (the 7 magnitude bits placed at float bit 20 and the sign at bit 31 read as a float
+ * 2^-120 times the e4m3 value, normals and subnormals alike; times 2^120, then the block's scale;
+ * the NaN code 0x7F, which the quantizer never writes, reads as 480) and feed FMAs for up to FP8_MR
+ * rows at once. Work items are ranges of output columns taken from one counter; a weight row is read
+ * from memory once per call. Each output is one FMA chain per lane over K in index order, then the 8
+ * lanes summed in a fixed order: the same bits whatever the thread count.
+ * ------------------------------------------------------------------------------------------- */
+
+#define FP8_MR 8
+
+typedef struct {
+    const float *x;
+    const uint8_t *w;
+    const float *scales;
+    float *out;
+    int rows, cols, depth, blocks, block_k;
+    int64_t cols_per_piece, next_piece;
+} fp8_job;
+
+static inline float e4m3_to_float(uint8_t b) {
+    const uint32_t bits = ((uint32_t)(b & 0x7F) << 20) | ((uint32_t)(b & 0x80) << 24);
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f * 0x1p120f;
+}
+
+#ifdef HAVE_AVX2
+static inline float hsum8(__m256 v) {
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+#endif
+
+/* Rows m0 .. m0 + mr - 1 (mr <= FP8_MR) of output column n. */
+static void fp8_column(const fp8_job *job, int m0, int mr, int n) {
+    const int depth = job->depth, bk = job->block_k;
+    const uint8_t *w = job->w + (int64_t)n * depth;
+    const float *scales = job->scales + (int64_t)n * job->blocks;
+    const float *x = job->x + (int64_t)m0 * depth;
+    float tail[FP8_MR] = {0};
+    int k = 0;
+#ifdef HAVE_AVX2
+    __m256 acc[FP8_MR];
+    for (int r = 0; r < FP8_MR; ++r) acc[r] = _mm256_setzero_ps();
+    const __m256i low7 = _mm256_set1_epi32(0x7F), high1 = _mm256_set1_epi32(0x80);
+    const __m256 two120 = _mm256_set1_ps(0x1p120f);
+#endif
+    for (int b = 0; b < job->blocks; ++b) {
+        const int end = (b + 1) * bk < depth ? (b + 1) * bk : depth;
+        const float scale = scales[b];
+#if defined(HAVE_AVX2) && defined(__F16C__)
+        /* 16 at a time through half precision: the magnitude bits at half bit 7 and the sign at bit
+         * 15 make a half equal to 2^-8 times the e4m3 value (subnormals included). */
+        const __m256 s = _mm256_set1_ps(scale * 256.0f);
+        const __m256i mag = _mm256_set1_epi16(0x3F80), sign = _mm256_set1_epi16((short)0x8000);
+        for (; k + 16 <= end; k += 16) {
+            const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(w + k)));
+            const __m256i h = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(v, 7), mag),
+                                              _mm256_and_si256(_mm256_slli_epi16(v, 8), sign));
+            const __m256 w0 = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), s);
+            const __m256 w1 = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), s);
+            for (int r = 0; r < mr; ++r) {
+                const float *xr = x + (int64_t)r * depth + k;
+                acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xr), w0, acc[r]);
+                acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), w1, acc[r]);
+            }
+        }
+#endif
+#ifdef HAVE_AVX2
+        const __m256 s8 = _mm256_set1_ps(scale);
+        for (; k + 8 <= end; k += 8) {
+            const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + k)));
+            const __m256i bits = _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(v, low7), 20),
+                                                 _mm256_slli_epi32(_mm256_and_si256(v, high1), 24));
+            const __m256 wf = _mm256_mul_ps(_mm256_mul_ps(_mm256_castsi256_ps(bits), two120), s8);
+            for (int r = 0; r < mr; ++r)
+                acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + (int64_t)r * depth + k), wf, acc[r]);
+        }
+#endif
+        for (; k < end; ++k) {
+            const float wf = e4m3_to_float(w[k]) * scale;
+            for (int r = 0; r < mr; ++r) tail[r] += x[(int64_t)r * depth + k] * wf;
+        }
+    }
+    for (int r = 0; r < mr; ++r) {
+#ifdef HAVE_AVX2
+        tail[r] += hsum8(acc[r]);
+#endif
+        job->out[(int64_t)(m0 + r) * job->cols + n] = tail[r];
+    }
+}
+
+static void *fp8_worker(void *arg) {
+    fp8_job *job = arg;
+    for (;;) {
+        const int64_t begin = __atomic_fetch_add(&job->next_piece, 1, __ATOMIC_RELAXED) * job->cols_per_piece;
+        if (begin >= job->cols) return NULL;
+        const int end = (int)(begin + job->cols_per_piece < job->cols ? begin + job->cols_per_piece : job->cols);
+        for (int m0 = 0; m0 < job->rows; m0 += FP8_MR) /* a piece's weight rows stay in L1/L2 across row tiles */
+            for (int n = (int)begin; n < end; ++n)
+                fp8_column(job, m0, job->rows - m0 < FP8_MR ? job->rows - m0 : FP8_MR, n);
+    }
+}
+
+/* x [rows, depth] float32, w [cols, depth] e4m3 bytes, scales [cols, ceil(depth / block_k)] float32
+ * -> out [rows, cols] float32, on up to num_threads threads (the caller's included). */
+void fdplug_fp8_linear(const float *x, const uint8_t *w, const float *scales, float *out, int rows, int cols,
+                       int depth, int block_k, int num_threads) {
+    if (rows <= 0 || cols <= 0) return;
+    const int blocks = (depth + block_k - 1) / block_k;
+    const int64_t cols_per_piece = (1 << 16) / depth > 8 ? (1 << 16) / depth : 8; /* ~64 KiB of weights a piece */
+    fp8_job job = {x, w, scales, out, rows, cols, depth, blocks, block_k, cols_per_piece, 0};
+    const int64_t pieces = (cols + cols_per_piece - 1) / cols_per_piece;
+    run_workers(fp8_worker, &job, num_threads < pieces ? num_threads : (int)pieces);
 }

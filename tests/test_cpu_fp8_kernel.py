@@ -1,0 +1,94 @@
+"""The cpu plugin's FP8 linear kernel (``cpu_native_fp8_linear``) against the definition, in numpy.
+
+The reference decodes e4m3 from its bit fields (sign, 4 exponent bits with bias 7, 3 mantissa
+bits; exponent 0 is subnormal), written here rather than borrowed from paddle, multiplies by each
+row's block scale and accumulates in float64.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+import pytest
+
+from fdplug.core.frontend.llm import LLM
+from fdplug.core.portable import ops as portable
+from fdplug.plugin_api.fp8 import block_quant
+from fdplug.plugins.cpu import kernels, native_fp8
+
+if kernels.unavailable_reason() is not None:
+    pytest.skip(f"the cpu kernels do not build here: {kernels.unavailable_reason()}", allow_module_level=True)
+
+
+def e4m3_values() -> np.ndarray:
+    """The float value of each of the 256 e4m3fn codes (NaN for 0x7F and 0xFF)."""
+    codes = np.arange(256)
+    sign = np.where(codes & 0x80, -1.0, 1.0)
+    exponent, mantissa = (codes >> 3) & 0xF, codes & 0x7
+    magnitude = np.where(exponent == 0, mantissa / 8 * 2.0 ** -6, (1 + mantissa / 8) * 2.0 ** (exponent - 7))
+    return np.where((codes & 0x7F) == 0x7F, np.nan, sign * magnitude)
+
+
+def reference(x: np.ndarray, q, scales, block_k: int) -> np.ndarray:
+    w = e4m3_values()[q.view(paddle.uint8).numpy()]
+    w = w * np.repeat(scales.numpy().astype(np.float64), block_k, axis=1)[:, :w.shape[1]]
+    return x.astype(np.float64) @ w.T
+
+
+def quantized(n: int, k: int, block_k: int, seed: int):
+    """An FP8 weight whose values span e4m3's range (subnormals and 448 included), per-row scales."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n, k)) * np.exp(rng.uniform(-9, 3, (n, k)))
+    w[0, : min(k, 5)] = 0.0
+    q, grid = block_quant(paddle.to_tensor(w.astype(np.float32)), (block_k, block_k))
+    return q, paddle.repeat_interleave(grid, block_k, axis=0)[:n]
+
+
+@pytest.mark.parametrize("n, k, block_k", [(1, 1, 128), (5, 7, 32), (33, 130, 128), (64, 136, 32), (40, 512, 128)])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 20])
+def test_kernel_matches_the_definition(n, k, block_k, rows):
+    """K not a multiple of 16, 8 or the block (every tail path), 1 to 20 rows (partial 8-row tiles)."""
+    q, scales = quantized(n, k, block_k, seed=n * 31 + k)
+    codes = q.view(paddle.uint8).numpy()
+    if n * k >= 1000:   # the larger cases hold subnormals and the largest code, 448
+        assert ((codes & 0x78) == 0).any() and (np.abs(e4m3_values()[codes]) == 448).any()
+    x = np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32)
+    got = native_fp8.fp8_linear(paddle.to_tensor(x), q, scales, block_k, threads=2).numpy()
+    want = reference(x, q, scales, block_k)
+    bound = 1e-6 * (np.abs(x).astype(np.float64) @ np.abs(e4m3_values()[codes] * 1.0).T * scales.numpy().max()).max()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=bound)
+
+
+def test_the_same_bits_whatever_the_thread_count():
+    q, scales = quantized(3000, 256, 128, seed=3)
+    x = paddle.to_tensor(np.random.default_rng(0).standard_normal((6, 256)).astype(np.float32))
+    one = native_fp8.fp8_linear(x, q, scales, 128, threads=1).numpy()
+    assert np.array_equal(one, native_fp8.fp8_linear(x, q, scales, 128, threads=2).numpy())
+    assert np.array_equal(one[2], native_fp8.fp8_linear(x[2:3], q, scales, 128, threads=2).numpy()[0])  # batch-free
+
+
+def test_long_inputs_go_to_the_portable_path_and_shapes_are_checked():
+    q, scales = quantized(16, 64, 32, seed=4)
+    x = paddle.to_tensor(np.random.default_rng(1).standard_normal((native_fp8.FP8_MAX_ROWS + 1, 64)).astype("float32"))
+    np.testing.assert_array_equal(native_fp8.fp8_linear_or_portable(x, q, scales, 32, threads=2).numpy(),
+                                  portable.fp8_linear(x, q, scales, 32).numpy())
+    assert native_fp8.fp8_linear(x[:0], q, scales, 32, threads=2).shape == [0, 16]
+    with pytest.raises(ValueError, match="do not match block_k=64"):
+        native_fp8.fp8_linear(x, q, scales, 64, threads=2)
+
+
+def test_an_fp8_model_decodes_the_same_tokens_with_the_kernel(tmp_path):
+    """The demo model in FP8 (online, 128x128 blocks): the kernel and the portable op give the same
+    greedy tokens (float32 rounding apart, the same numbers)."""
+    params = __import__("fdplug").SamplingParams(temperature=0, max_tokens=24, logprobs=1)
+    prompts = [[{"role": "user", "content": "Hello"}], [{"role": "user", "content": "What does the for statement do?"}]]
+    runs = {}
+    for kernel in ("cpu_native_fp8_linear", "paddle_fp8_linear"):
+        llm = LLM(quantization="fp8", op_kernels={"fp8_linear": kernel}, max_model_len=256, num_kv_blocks=64)
+        assert llm.engine.selection.ops["fp8_linear"].name == kernel
+        runs[kernel] = [o.outputs[0] for o in llm.chat(prompts, params, use_tqdm=False)]
+    native, plain = runs.values()
+    assert [o.token_ids for o in native] == [o.token_ids for o in plain]
+    for a, b in zip(native, plain):
+        for step_a, step_b, token in zip(a.logprobs, b.logprobs, a.token_ids):
+            assert abs(step_a[token].logprob - step_b[token].logprob) < 1e-3
