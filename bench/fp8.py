@@ -13,9 +13,10 @@ measured in this run:
    load, so bf16's loaded figure is what a bf16 device would hold (2 bytes a parameter);
 2. load time: `load_model` of the FP8 checkpoint vs the float32 one (and online quantization of the
    float32 one), interleaved in rounds, medians;
-3. step time: the forward of a decode step at 1 and 16 running requests, FP8 vs float32 with the
-   same (reference) MoE backend, and float32 with cpu_native, in ABBA blocks, medians. FP8 experts
-   are dequantized one expert at a time when they run (no compiled FP8 MoE kernel yet);
+3. step time: the forward of a decode step at 1 and 16 running requests, FP8 vs float32 both with
+   the cpu plugin's kernels (FP8: experts and linears read in place by the compiled FP8 linear;
+   float32: the packed MoE kernel), and FP8 on the portable path (each expert and layer dequantized
+   when it runs), in ABBA blocks, medians;
 4. the same for a dense model (bench/throughput.py's 54M Qwen2, quantized online): FP8 linears
    through the cpu plugin's compiled kernel (weights read in place, one byte each), through the
    portable dequantize-and-matmul, and float32.
@@ -140,14 +141,15 @@ def main() -> None:
               f"(ratio {med['online'] / med['float32']:.2f})")
 
         engine_args = dict(max_model_len=512, max_num_seqs=16, num_kv_blocks=256)
-        llms = {"fp8": LLM(str(dirs["fp8"]), **engine_args),
-                "float32": LLM(str(dirs["float32"]), moe_backend="reference", **engine_args),
-                "float32_native": LLM(str(dirs["float32"]), moe_backend="cpu_native", **engine_args)}
+        llms = {"fp8": LLM(str(dirs["fp8"]), moe_backend="cpu_native", **engine_args),
+                "float32": LLM(str(dirs["float32"]), moe_backend="cpu_native", **engine_args),
+                "fp8_portable": LLM(str(dirs["fp8"]), moe_backend="reference",
+                                    op_kernels={"fp8_linear": "paddle_fp8_linear"}, **engine_args)}
         for running in (1, 16):
             t = decode_forward(llms, running, pairs=3 if args.quick else 8)
-            print(f"3. decode step forward, {running:2d} running: fp8 (reference MoE) {t['fp8'] * 1e3:.1f} ms, float32 "
-                  f"(reference MoE) {t['float32'] * 1e3:.1f} ms, ratio {t['fp8'] / t['float32']:.2f}; float32 "
-                  f"cpu_native {t['float32_native'] * 1e3:.1f} ms")
+            print(f"3. decode step forward, {running:2d} running: fp8 (cpu_native) {t['fp8'] * 1e3:.1f} ms, float32 "
+                  f"(cpu_native) {t['float32'] * 1e3:.1f} ms, ratio {t['fp8'] / t['float32']:.2f}; fp8 portable "
+                  f"(reference MoE, paddle_fp8_linear) {t['fp8_portable'] * 1e3:.1f} ms")
         del llms
 
         dense = make_dense_model(root)

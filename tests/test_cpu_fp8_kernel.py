@@ -92,3 +92,50 @@ def test_an_fp8_model_decodes_the_same_tokens_with_the_kernel(tmp_path):
     for a, b in zip(native, plain):
         for step_a, step_b, token in zip(a.logprobs, b.logprobs, a.token_ids):
             assert abs(step_a[token].logprob - step_b[token].logprob) < 1e-3
+
+
+@pytest.mark.parametrize("tokens", [0, 1, 7, 40])
+def test_fp8_experts_match_the_reference_backend(tokens):
+    """cpu_native on fp8_block experts (two compiled FP8 linears an expert, weights never widened in
+    memory) against the reference backend (each expert dequantized, then paddle matmuls)."""
+    from fdplug.core.portable.moe import ReferenceMoE
+    from fdplug.plugins.cpu.native_moe import Fp8Experts, NativeCpuMoE
+    from tests.test_blackwell_moe import fp8_experts, routed
+
+    weights = fp8_experts(seed=5, block=(32, 128))
+    native, ref = NativeCpuMoE(threads=2), ReferenceMoE()
+    layer = native.load_weights(weights)
+    assert isinstance(layer, Fp8Experts) and layer.w13.dtype == paddle.float8_e4m3fn
+    hidden, topk_weights, topk_ids = routed(tokens, seed=tokens)
+    got = native.forward(hidden, topk_weights, topk_ids, layer).numpy()
+    want = ref.forward(hidden, topk_weights, topk_ids, ref.load_weights(weights)).numpy()
+    assert got.shape == (tokens, hidden.shape[1])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * (np.abs(want).max() if tokens else 1))
+
+
+def test_grouped_rows_are_the_single_linear_rows():
+    """Every group's rows as `fp8_linear` computes them, bit for bit; groups without rows are skipped."""
+    rng = np.random.default_rng(2)
+    quantized_groups = [quantized(48, 160, 32, seed=g) for g in range(5)]
+    weight = paddle.stack([q.view(paddle.uint8) for q, _ in quantized_groups]).view(paddle.float8_e4m3fn)
+    scales = paddle.stack([s for _, s in quantized_groups])
+    counts = [3, 0, 9, 1, 0]
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    x = paddle.to_tensor(rng.standard_normal((sum(counts), 160)).astype(np.float32))
+    got = native_fp8.fp8_grouped(x, weight, scales, offsets, 32, threads=2).numpy()
+    for g, (q, s) in enumerate(quantized_groups):
+        rows = slice(offsets[g], offsets[g + 1])
+        if counts[g]:
+            assert np.array_equal(got[rows], native_fp8.fp8_linear(x[rows], q, s, 32, threads=1).numpy())
+    with pytest.raises(ValueError, match="offsets must rise"):
+        native_fp8.fp8_grouped(x, weight, scales, offsets[::-1], 32, threads=2)
+
+
+def test_fp8_experts_refuse_an_expert_id_out_of_range():
+    from fdplug.plugins.cpu.native_moe import NativeCpuMoE
+    from tests.test_blackwell_moe import E, fp8_experts, routed
+
+    native = NativeCpuMoE(threads=2)
+    hidden, topk_weights, topk_ids = routed(3)
+    with pytest.raises(ValueError, match=f"expert id {E} is outside"):
+        native.forward(hidden, topk_weights, topk_ids * 0 + E, native.load_weights(fp8_experts()))

@@ -164,10 +164,10 @@ def test_moe_weight_format_must_match_the_model():
     assert quantized.moe.name == "w4"
     assert all("not the model's 'w4a8'" in d.reason for d in quantized.decisions
                if d.role == "moe" and d.name in ("reference", "cpu_native"))
-    fp8 = select_components(config=EngineConfig(model=ModelTraits(moe_weight_format="fp8_block")))
-    assert fp8.moe.name == "reference"        # the portable path dequantizes FP8 experts; cpu_native cannot
-    assert any("not the model's 'fp8_block'" in d.reason for d in fp8.decisions
-               if d.role == "moe" and d.name == "cpu_native")
+    fp8 = select_components(config=EngineConfig(model=ModelTraits(moe_weight_format="fp8_block")),
+                            plugins=plugin_set)
+    assert fp8.moe.name == "cpu_native"       # both cpu backends execute fp8_block; w4 does not
+    assert any("not the model's 'fp8_block'" in d.reason for d in fp8.decisions if d.role == "moe" and d.name == "w4")
 
 
 def test_linear_weight_format_must_match_the_runner():

@@ -52,3 +52,28 @@ def fp8_linear_or_portable(x: Any, weight: Any, weight_scale: Any, block_k: int,
     from fdplug.core.portable.ops import fp8_linear as portable
 
     return portable(x, weight, weight_scale, block_k)
+
+
+def fp8_grouped(x: Any, weight: Any, weight_scale: Any, offsets: np.ndarray, block_k: int, threads: int) -> Any:
+    """Rows ``offsets[g]:offsets[g + 1]`` of ``x [A, K]`` float32 times group ``g``'s e4m3 ``weight[g]``
+    ``[N, K]`` (scales ``weight_scale[g]`` ``[N, ceil(K / block_k)]``) -> ``[A, N]``: every expert of a
+    MoE layer that got tokens in one call, each row computed as `fp8_linear` computes it."""
+    import paddle
+
+    groups, cols, depth = (int(d) for d in weight.shape)
+    rows = int(x.shape[0])
+    if list(x.shape) != [rows, depth] or list(weight_scale.shape) != [groups, cols, -(-depth // block_k)]:
+        raise ValueError(f"fp8_grouped: x {list(x.shape)}, weight {list(weight.shape)} and weight_scale "
+                         f"{list(weight_scale.shape)} do not match block_k={block_k}")
+    offsets = np.ascontiguousarray(offsets, dtype=np.int64)
+    if offsets.shape != (groups + 1,) or offsets[0] != 0 or offsets[-1] != rows or (np.diff(offsets) < 0).any():
+        raise ValueError(f"offsets must rise from 0 to the {rows} rows over {groups} groups, got {offsets.tolist()}")
+    x = _contiguous(x)
+    _check_float32(x, weight_scale)
+    out = paddle.empty([rows, cols], dtype="float32")
+    status = load().fdplug_fp8_grouped(x.data_ptr(), _contiguous(weight).data_ptr(),
+                                       _contiguous(weight_scale).data_ptr(), out.data_ptr(), offsets.ctypes.data,
+                                       groups, cols, depth, block_k, threads)
+    if status != 0:
+        raise MemoryError("the cpu FP8 grouped linear could not allocate its work list")
+    return out

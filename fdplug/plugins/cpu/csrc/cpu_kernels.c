@@ -953,3 +953,65 @@ void fdplug_fp8_linear(const float *x, const uint8_t *w, const float *scales, fl
     const int64_t pieces = (cols + cols_per_piece - 1) / cols_per_piece;
     run_workers(fp8_worker, &job, num_threads < pieces ? num_threads : (int)pieces);
 }
+
+/* Grouped FP8 linear (FP8 experts): rows [offsets[g], offsets[g + 1]) of x [A, depth] times group g's
+ * weight w[g] [cols, depth] with its scales [cols, blocks], into the same rows of out [A, cols]. Work
+ * items are (group, column piece) pairs of the groups that have rows, all taken from one counter, so
+ * a decode step's few experts share the threads; each output is computed exactly as by
+ * fdplug_fp8_linear. */
+typedef struct {
+    fp8_job base;          /* shapes and pointers of group 0; per item the group's are derived */
+    const int64_t *offsets;
+    const int32_t *item_group;  /* group of each item */
+    const int32_t *item_piece;  /* column piece of each item */
+    int64_t items, next_item;
+} fp8_grouped_job;
+
+static void *fp8_grouped_worker(void *arg) {
+    fp8_grouped_job *job = arg;
+    const fp8_job *b = &job->base;
+    for (;;) {
+        const int64_t item = __atomic_fetch_add(&job->next_item, 1, __ATOMIC_RELAXED);
+        if (item >= job->items) return NULL;
+        const int g = job->item_group[item];
+        const int64_t first = job->offsets[g], rows = job->offsets[g + 1] - first;
+        fp8_job one = {b->x + first * b->depth, b->w + (int64_t)g * b->cols * b->depth,
+                       b->scales + (int64_t)g * b->cols * b->blocks, b->out + first * b->cols, (int)rows, b->cols,
+                       b->depth, b->blocks, b->block_k, b->cols_per_piece, 0};
+        const int64_t begin = (int64_t)job->item_piece[item] * b->cols_per_piece;
+        const int end = (int)(begin + b->cols_per_piece < b->cols ? begin + b->cols_per_piece : b->cols);
+        for (int m0 = 0; m0 < one.rows; m0 += FP8_MR)
+            for (int n = (int)begin; n < end; ++n)
+                fp8_column(&one, m0, one.rows - m0 < FP8_MR ? one.rows - m0 : FP8_MR, n);
+    }
+}
+
+/* Returns 0, or -1 if the item lists could not be allocated (out undefined). */
+int fdplug_fp8_grouped(const float *x, const uint8_t *w, const float *scales, float *out, const int64_t *offsets,
+                       int groups, int cols, int depth, int block_k, int num_threads) {
+    const int blocks = (depth + block_k - 1) / block_k;
+    const int64_t cols_per_piece = (1 << 16) / depth > 8 ? (1 << 16) / depth : 8;
+    const int64_t pieces = (cols + cols_per_piece - 1) / cols_per_piece;
+    int64_t items = 0;
+    for (int g = 0; g < groups; ++g) items += offsets[g + 1] > offsets[g] ? pieces : 0;
+    if (items == 0) return 0;
+    int32_t *item_group = malloc(sizeof(int32_t) * items), *item_piece = malloc(sizeof(int32_t) * items);
+    if (!item_group || !item_piece) {
+        free(item_group);
+        free(item_piece);
+        return -1;
+    }
+    int64_t i = 0;
+    for (int g = 0; g < groups; ++g)
+        if (offsets[g + 1] > offsets[g])
+            for (int64_t p = 0; p < pieces; ++p, ++i) {
+                item_group[i] = g;
+                item_piece[i] = (int32_t)p;
+            }
+    fp8_grouped_job job = {{x, w, scales, out, 0, cols, depth, blocks, block_k, cols_per_piece, 0},
+                           offsets, item_group, item_piece, items, 0};
+    run_workers(fp8_grouped_worker, &job, num_threads < items ? num_threads : (int)items);
+    free(item_group);
+    free(item_piece);
+    return 0;
+}
