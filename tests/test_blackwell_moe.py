@@ -189,12 +189,15 @@ def gpu(monkeypatch):
 
 @pytest.fixture
 def deep_gemm(monkeypatch):
-    """A `deep_gemm` module with both grouped GEMMs (the emulation), as a real install would provide."""
-    module = types.ModuleType("deep_gemm")
+    """PaddleFleet's DeepGEMM ops with both grouped GEMMs (the emulation, taking paddle tensors), as
+    an install would provide them."""
+    package, module = types.ModuleType("paddlefleet_ops"), types.ModuleType("paddlefleet_ops.deep_gemm")
     emulated = EmulatedDeepGemm()
-    module.m_grouped_fp8_gemm_nt_contiguous = lambda a, b, d, m, **kw: emulated.contiguous(a, b, d, m)
-    module.m_grouped_fp8_gemm_nt_masked = lambda a, b, d, m, e, **kw: emulated.masked(a, b, d, m, e)
-    monkeypatch.setitem(sys.modules, "deep_gemm", module)
+    module.m_grouped_fp8_gemm_nt_contiguous = lambda a, b, d, m: emulated.contiguous(a, b, d, m)
+    module.m_grouped_fp8_gemm_nt_masked = lambda a, b, d, m, e: emulated.masked(a, b, d, m, e)
+    package.deep_gemm = module
+    monkeypatch.setitem(sys.modules, "paddlefleet_ops", package)
+    monkeypatch.setitem(sys.modules, "paddlefleet_ops.deep_gemm", module)
     return emulated
 
 

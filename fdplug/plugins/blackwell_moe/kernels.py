@@ -12,8 +12,12 @@ Scales arrive already in the SM100 layout (`fdplug.plugin_api.fp8.sm100_weight_s
 UE8M0, MN-major, int32), so the kernel does no conversion of its own.
 
 `find_kernels` imports the first source that provides both functions and says, for every source,
-why it did not; nothing here pretends a kernel exists. The sources are Paddle builds of DeepGEMM
-(tensors are Paddle's, no copies through another framework).
+why it did not; nothing here pretends a kernel exists. Signatures as vLLM calls them
+(``vllm/utils/deep_gemm.py``): ``(a, b, d, m_indices)`` and ``(a, b, d, masked_m, expected_m)``.
+DeepGEMM itself is a PyTorch extension: its tensors reach it through DLPack without a copy (e4m3
+as a uint8 view, viewed back as ``torch.float8_e4m3fn``), on paddle's current CUDA stream
+(``torch.cuda.ExternalStream``), so no synchronisation is added. A Paddle build (PaddleFleet's
+ops) takes paddle tensors directly.
 """
 
 from __future__ import annotations
@@ -35,36 +39,69 @@ class GroupedFp8Gemm(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class KernelSource:
-    """A module that may provide the two grouped GEMMs, under these function names."""
+    """A module that may provide the two grouped GEMMs, under these function names; ``framework``
+    is whose tensors it takes (``torch``: passed through DLPack)."""
 
     module: str
     contiguous: str
     masked: str
     install: str
+    framework: str = "paddle"
 
 
 SOURCES = (
-    KernelSource("deep_gemm", "m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_masked",
-                 "a Paddle build of DeepGEMM >= 2.0 (SM100 kernels) importable as `deep_gemm`"),
     KernelSource("paddlefleet_ops.deep_gemm", "m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_masked",
                  "PaddleFleet's DeepGEMM ops (`paddlefleet_ops`)"),
+    KernelSource("deep_gemm", "m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_masked",
+                 "DeepGEMM >= 2.0 with its SM100 kernels (github.com/deepseek-ai/DeepGEMM, a PyTorch extension: "
+                 "torch with CUDA in the same environment)", framework="torch"),
 )
 NEEDED = "DeepGEMM's grouped FP8 GEMMs m_grouped_fp8_gemm_nt_contiguous and m_grouped_fp8_gemm_nt_masked"
 
 
 @dataclass(frozen=True, slots=True)
 class DeepGemm:
-    """`GroupedFp8Gemm` over one imported source; scales are passed as prepared (no UE8M0 cast)."""
+    """`GroupedFp8Gemm` over one imported source. The scales are already packed UE8M0 (int32), which
+    DeepGEMM checks and uses as given; ``framework == "torch"`` bridges every tensor through DLPack."""
 
     name: str
     _contiguous: Any
     _masked: Any
+    framework: str = "paddle"
 
     def contiguous(self, a: tuple[Any, Any], b: tuple[Any, Any], out: Any, m_indices: Any) -> None:
-        self._contiguous(a, b, out, m_indices, disable_ue8m0_cast=True)
+        with self._stream():
+            self._contiguous(self._pair(a), self._pair(b), self._t(out), self._t(m_indices))
 
     def masked(self, a: tuple[Any, Any], b: tuple[Any, Any], out: Any, masked_m: Any, expected_m: int) -> None:
-        self._masked(a, b, out, masked_m, expected_m, disable_ue8m0_cast=True)
+        with self._stream():
+            self._masked(self._pair(a), self._pair(b), self._t(out), self._t(masked_m), expected_m)
+
+    def _pair(self, pair: tuple[Any, Any]) -> tuple[Any, Any]:
+        return self._t(pair[0]), self._t(pair[1])
+
+    def _t(self, tensor: Any) -> Any:
+        """A paddle tensor as the source's framework sees it (the same memory)."""
+        if self.framework == "paddle":
+            return tensor
+        import paddle
+        import torch
+
+        fp8 = tensor.dtype == paddle.float8_e4m3fn
+        shared = torch.utils.dlpack.from_dlpack(paddle.utils.dlpack.to_dlpack(tensor.view(paddle.uint8) if fp8
+                                                                               else tensor))
+        return shared.view(torch.float8_e4m3fn) if fp8 else shared
+
+    def _stream(self) -> Any:
+        """Torch kernels on paddle's current CUDA stream, so they order with paddle's own work."""
+        import contextlib
+
+        if self.framework == "paddle":
+            return contextlib.nullcontext()
+        import paddle
+        import torch
+
+        return torch.cuda.stream(torch.cuda.ExternalStream(paddle.device.cuda.current_stream().cuda_stream))
 
 
 def _load(source: KernelSource) -> tuple[DeepGemm | None, str]:
@@ -75,7 +112,8 @@ def _load(source: KernelSource) -> tuple[DeepGemm | None, str]:
     missing = [fn for fn in (source.contiguous, source.masked) if not callable(getattr(module, fn, None))]
     if missing:
         return None, f"{source.module}: has no {', '.join(missing)}"
-    return DeepGemm(source.module, getattr(module, source.contiguous), getattr(module, source.masked)), ""
+    return DeepGemm(source.module, getattr(module, source.contiguous), getattr(module, source.masked),
+                    source.framework), ""
 
 
 def find_kernels(sources: tuple[KernelSource, ...] = SOURCES) -> tuple[DeepGemm | None, list[str]]:
