@@ -36,6 +36,10 @@ class GroupedFp8Gemm(Protocol):
 
     def masked(self, a: tuple[Any, Any], b: tuple[Any, Any], out: Any, masked_m: Any, expected_m: int) -> None: ...
 
+    def dense(self, a: tuple[Any, Any], b: tuple[Any, Any], out: Any) -> None:
+        """``out [M, N] = a [M, K] @ b [N, K]^T`` (DeepGEMM ``fp8_gemm_nt``), for the dense FP8 linears."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class KernelSource:
@@ -47,6 +51,7 @@ class KernelSource:
     masked: str
     install: str
     framework: str = "paddle"
+    dense: str = "fp8_gemm_nt"
 
 
 SOURCES = (
@@ -68,6 +73,15 @@ class DeepGemm:
     _contiguous: Any
     _masked: Any
     framework: str = "paddle"
+    _dense: Any = None       # fp8_gemm_nt, where the source has it
+
+    @property
+    def has_dense(self) -> bool:
+        return self._dense is not None
+
+    def dense(self, a: tuple[Any, Any], b: tuple[Any, Any], out: Any) -> None:
+        with self._stream():
+            self._dense(self._pair(a), self._pair(b), self._t(out))
 
     def contiguous(self, a: tuple[Any, Any], b: tuple[Any, Any], out: Any, m_indices: Any) -> None:
         with self._stream():
@@ -112,8 +126,9 @@ def _load(source: KernelSource) -> tuple[DeepGemm | None, str]:
     missing = [fn for fn in (source.contiguous, source.masked) if not callable(getattr(module, fn, None))]
     if missing:
         return None, f"{source.module}: has no {', '.join(missing)}"
+    dense = getattr(module, source.dense, None)
     return DeepGemm(source.module, getattr(module, source.contiguous), getattr(module, source.masked),
-                    source.framework), ""
+                    source.framework, dense if callable(dense) else None), ""
 
 
 def find_kernels(sources: tuple[KernelSource, ...] = SOURCES) -> tuple[DeepGemm | None, list[str]]:

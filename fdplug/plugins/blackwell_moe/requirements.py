@@ -55,6 +55,35 @@ def unmet(config: Any) -> str | None:
     return "; ".join(problems) or None
 
 
+def linear_unmet(config: Any) -> str | None:
+    """Why blackwell_fp8_linear cannot run the model's FP8 linears here, or None."""
+    if not settings.USE_BLACKWELL_GEMM.value():
+        return "FD_USE_BLACKWELL_GEMM=0 (the default, as in FastDeploy): set it to 1 for Blackwell FP8 GEMMs"
+    capability = gpu_capability()
+    if capability is None:
+        return "needs an NVIDIA GPU through paddlepaddle-gpu, and none is usable here"
+    problems = []
+    if capability < MIN_CAPABILITY:
+        problems.append(f"needs compute capability >= {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} (Blackwell), "
+                        f"GPU 0 is {capability[0]}.{capability[1]}")
+    kernels, reasons = find_kernels()
+    if kernels is None:
+        problems.append(missing_kernels_reason(reasons))
+    elif not kernels.has_dense:
+        problems.append(f"needs DeepGEMM's fp8_gemm_nt, which {kernels.name} does not have")
+    model = config.model
+    if model is not None and model.weight_block and model.weight_block[1] != WIDTH:
+        problems.append(f"needs weight_block_size [*, {WIDTH}], the model's is {list(model.weight_block)}")
+    return "; ".join(problems) or None
+
+
+def check_gemm_settings() -> None:
+    """FastDeploy's rule: the Blackwell GEMM path runs on DeepGEMM."""
+    if settings.USE_BLACKWELL_GEMM.value() and not settings.USE_DEEP_GEMM.value():
+        raise ConfigError("FD_USE_BLACKWELL_GEMM=1 needs FD_USE_DEEP_GEMM=1.",
+                          fix="set FD_USE_DEEP_GEMM=1, or unset FD_USE_BLACKWELL_GEMM.")
+
+
 def model_problems(model: Any) -> list[str]:
     """Shapes the kernels cannot take (the format itself is checked by selection)."""
     if model is None or not model.num_experts:
