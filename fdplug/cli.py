@@ -164,7 +164,8 @@ def explain_command(device: str, runner: str | None, attention: str | None, moe:
     if model_config is not None:
         from fdplug.core.model.footprint import model_summary
 
-        click.echo(model_summary(model_config, config.dtype, selection.moe.name))
+        click.echo(model_summary(model_config, config.dtype, selection.moe.name,
+                                 selection.ops["fp8_linear"].name))
     click.echo(f"selected: device={selection.device.name} runner={selection.runner.name} "
                f"attention={selection.attention.name} moe={selection.moe.name} "
                f"storages={','.join(f'{s}:{spec.name}' for s, spec in selection.storages.items()) or 'none'}")

@@ -66,13 +66,14 @@ def weight_footprint(cfg: ModelConfig, dtype: str) -> WeightFootprint:
     return WeightFootprint((total - experts) * size + expert_bytes, expert_bytes)
 
 
-def model_summary(cfg: ModelConfig, dtype: str, moe_backend: str) -> str:
+def model_summary(cfg: ModelConfig, dtype: str, moe_backend: str, linear_kernel: str = "") -> str:
     """What `fdplug explain --model` and the startup log say about a model: architecture, dtype,
-    weights, and for a MoE model which backend runs its experts and how tokens are routed."""
+    weights, for a quantized model which kernel runs its linears (``linear_kernel``, the selected
+    ``fp8_linear``), and for a MoE model which backend runs its experts and how tokens are routed."""
     lines = [f"model: {cfg.architecture}, computed in {dtype}, weights {weight_footprint(cfg, dtype).describe(cfg)}"]
     if cfg.quant is not None:
-        experts = f"; the routed experts run in {moe_backend}" if cfg.moe is not None else ""
-        lines.append(f"quantization: {cfg.quant.describe()} (linear layers dequantized when they run{experts})")
+        experts = f"; routed experts: {moe_backend}" if cfg.moe is not None else ""
+        lines.append(f"quantization: {cfg.quant.describe()} (linear layers: {linear_kernel or 'fp8_linear'}{experts})")
     moe = cfg.moe
     if moe is None:
         lines.append("moe: unused (a dense model)")

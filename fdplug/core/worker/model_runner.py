@@ -92,7 +92,8 @@ class ModelRunner:
         # The routed experts live in the MoE backend's layout, not as parameters: count them as loaded.
         params = sum(int(np.prod(p.shape)) * p.element_size() for p in self.model.parameters())
         self.model_bytes = params + footprint.expert_bytes
-        for line in model_summary(cfg, self.config.dtype, self.selection.moe.name).splitlines():
+        for line in model_summary(cfg, self.config.dtype, self.selection.moe.name,
+                                  self.selection.ops["fp8_linear"].name).splitlines():
             logger.info(line)
         return ModelInfo(self.model_config.vocab_size, self.model_config.hidden_size, self.model_bytes)
 
