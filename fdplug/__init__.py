@@ -4,7 +4,7 @@
     fdplug/core/        engine, scheduler, KV cache, runner, model, multimodal, plugin loading and
                         selection, and the portable components every device gets
     fdplug/server/      ``fdplug serve``: the OpenAI-compatible API process and the engine process
-    fdplug/plugins/     the built-in plugins: cpu, cuda, xpu, storage_fs, storage_bos
+    fdplug/plugins/     the built-in plugins: cpu, cuda, xpu, blackwell_moe, storage_fs, storage_bos
     fdplug/demo/        the trained demo model and the generated test models
     fdplug/testing/     the conformance kit for plugin authors (a pytest plugin)
 

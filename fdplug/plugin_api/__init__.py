@@ -12,7 +12,7 @@ What you may register, and the contract each object keeps:
 hook                spec                    the object its factory returns
 ==================  ======================  ===================================================
 register_devices    `DeviceSpec`            (a probe answering `Probe`; ``setup``; ``dtypes``)
-register_ops        `OpSpec`                a kernel for one op (`ops`: ``swiglu``, ``rms_norm``)
+register_ops        `OpSpec`                a kernel for one op (`ops`: ``swiglu``, ``rms_norm``, ``fp8_linear``)
 register_attention  `AttentionBackendSpec`  `AttentionBackend` (`attention`: mask spec, KV layout)
 register_moe        `MoEBackendSpec`        `MoEBackend` (`moe`: routing rule, expert weights)
 register_runners    `ModelRunnerSpec`       `ModelRunner` (`model_runner`): only for a different
@@ -27,7 +27,8 @@ device and whose ``supports(config)`` does not object; explicit choices are stri
 explain`` prints every decision with its reason. Errors (`fdplug.errors`) carry a ``fix=``: raise
 `ConfigError` from ``supports``/``configure``, `RequestStepError` from a runner that knows which
 requests broke a step. Helpers: `probe_accelerator` (a device probe of the usual shape),
-`import_paddle`, `ordered_map` (parallel downloads in order), `cache_dir`.
+`import_paddle`, `ordered_map` (parallel downloads in order), `cache_dir`; `fp8` holds the FP8
+formats (block quantization, UE8M0, the SM100 scale layout) every FP8 kernel and the core share.
 
 The conformance kit (`fdplug.testing`, a pytest plugin) checks a plugin's components against the
 portable ones. Modules here import nothing from ``fdplug.core``, ``fdplug.server`` or
