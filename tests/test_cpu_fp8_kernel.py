@@ -113,22 +113,19 @@ def test_fp8_experts_match_the_reference_backend(tokens):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * (np.abs(want).max() if tokens else 1))
 
 
-def test_grouped_rows_are_the_single_linear_rows():
-    """Every group's rows as `fp8_linear` computes them, bit for bit; groups without rows are skipped."""
-    rng = np.random.default_rng(2)
-    quantized_groups = [quantized(48, 160, 32, seed=g) for g in range(5)]
-    weight = paddle.stack([q.view(paddle.uint8) for q, _ in quantized_groups]).view(paddle.float8_e4m3fn)
-    scales = paddle.stack([s for _, s in quantized_groups])
-    counts = [3, 0, 9, 1, 0]
-    offsets = np.concatenate([[0], np.cumsum(counts)])
-    x = paddle.to_tensor(rng.standard_normal((sum(counts), 160)).astype(np.float32))
-    got = native_fp8.fp8_grouped(x, weight, scales, offsets, 32, threads=2).numpy()
-    for g, (q, s) in enumerate(quantized_groups):
-        rows = slice(offsets[g], offsets[g + 1])
-        if counts[g]:
-            assert np.array_equal(got[rows], native_fp8.fp8_linear(x[rows], q, s, 32, threads=1).numpy())
-    with pytest.raises(ValueError, match="offsets must rise"):
-        native_fp8.fp8_grouped(x, weight, scales, offsets[::-1], 32, threads=2)
+def test_a_tokens_experts_output_does_not_depend_on_the_batch_or_the_threads():
+    """The fused FP8 MoE call: each token's row bit for bit the same alone on one thread as among
+    39 others on two (its experts' rows land elsewhere in the grouped GEMMs, its sum runs in k order)."""
+    from fdplug.plugins.cpu.native_moe import NativeCpuMoE
+    from tests.test_blackwell_moe import fp8_experts, routed
+
+    layer = NativeCpuMoE(threads=2).load_weights(fp8_experts(seed=6, block=(128, 128)))
+    hidden, topk_weights, topk_ids = routed(40, seed=8)
+    ids, weights = topk_ids.numpy(), topk_weights.numpy()
+    batch = native_fp8.fp8_moe(hidden, layer, ids, weights, threads=2).numpy()
+    for t in (0, 17, 39):
+        alone = native_fp8.fp8_moe(hidden[t:t + 1], layer, ids[t:t + 1], weights[t:t + 1], threads=1).numpy()
+        assert np.array_equal(alone[0], batch[t])
 
 
 def test_fp8_experts_refuse_an_expert_id_out_of_range():

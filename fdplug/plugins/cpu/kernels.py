@@ -134,7 +134,7 @@ def load() -> ctypes.CDLL:
     lib.fdplug_moe_experts.restype = _c_int
     lib.fdplug_moe_experts.argtypes = [_ptr] * 6 + [_c_int] * 6
     lib.fdplug_fp8_linear.restype, lib.fdplug_fp8_linear.argtypes = None, [_ptr] * 4 + [_c_int] * 5
-    lib.fdplug_fp8_grouped.restype, lib.fdplug_fp8_grouped.argtypes = _c_int, [_ptr] * 5 + [_c_int] * 5
+    lib.fdplug_fp8_moe.restype, lib.fdplug_fp8_moe.argtypes = _c_int, [_ptr] * 8 + [_c_int] * 7
     return lib
 
 

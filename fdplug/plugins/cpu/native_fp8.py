@@ -54,26 +54,33 @@ def fp8_linear_or_portable(x: Any, weight: Any, weight_scale: Any, block_k: int,
     return portable(x, weight, weight_scale, block_k)
 
 
-def fp8_grouped(x: Any, weight: Any, weight_scale: Any, offsets: np.ndarray, block_k: int, threads: int) -> Any:
-    """Rows ``offsets[g]:offsets[g + 1]`` of ``x [A, K]`` float32 times group ``g``'s e4m3 ``weight[g]``
-    ``[N, K]`` (scales ``weight_scale[g]`` ``[N, ceil(K / block_k)]``) -> ``[A, N]``: every expert of a
-    MoE layer that got tokens in one call, each row computed as `fp8_linear` computes it."""
+
+def fp8_moe(x: Any, experts: Any, topk_ids: np.ndarray, topk_weights: np.ndarray, threads: int) -> Any:
+    """``out[t] = sum_k topk_weights[t, k] * down_e(silu(gate_e x_t) * up_e x_t)``, ``e = topk_ids[t, k]``,
+    for ``x [T, H]`` float32 and FP8 experts (`native_moe.Fp8Experts`), read in place: one call
+    sorts the assignments by expert, runs both grouped GEMMs (every expert that got tokens shares
+    the threads) and sums each token's rows in k order."""
     import paddle
 
-    groups, cols, depth = (int(d) for d in weight.shape)
-    rows = int(x.shape[0])
-    if list(x.shape) != [rows, depth] or list(weight_scale.shape) != [groups, cols, -(-depth // block_k)]:
-        raise ValueError(f"fp8_grouped: x {list(x.shape)}, weight {list(weight.shape)} and weight_scale "
-                         f"{list(weight_scale.shape)} do not match block_k={block_k}")
-    offsets = np.ascontiguousarray(offsets, dtype=np.int64)
-    if offsets.shape != (groups + 1,) or offsets[0] != 0 or offsets[-1] != rows or (np.diff(offsets) < 0).any():
-        raise ValueError(f"offsets must rise from 0 to the {rows} rows over {groups} groups, got {offsets.tolist()}")
     x = _contiguous(x)
-    _check_float32(x, weight_scale)
-    out = paddle.empty([rows, cols], dtype="float32")
-    status = load().fdplug_fp8_grouped(x.data_ptr(), _contiguous(weight).data_ptr(),
-                                       _contiguous(weight_scale).data_ptr(), out.data_ptr(), offsets.ctypes.data,
-                                       groups, cols, depth, block_k, threads)
+    _check_float32(x, experts.s13, experts.s2)
+    count, double_inter, hidden = (int(d) for d in experts.w13.shape)
+    tokens = int(x.shape[0])
+    ids = np.ascontiguousarray(topk_ids, dtype=np.int32)
+    weights = np.ascontiguousarray(topk_weights, dtype=np.float32)
+    if list(x.shape) != [tokens, hidden] or ids.ndim != 2 or ids.shape[0] != tokens or weights.shape != ids.shape:
+        raise ValueError(f"fp8_moe: x {list(x.shape)}, topk_ids {ids.shape} and topk_weights {weights.shape} "
+                         f"do not fit experts of hidden size {hidden}")
+    out = paddle.empty([tokens, hidden], dtype="float32")
+    if tokens == 0:
+        return out
+    status = load().fdplug_fp8_moe(
+        x.data_ptr(), _contiguous(experts.w13).data_ptr(), _contiguous(experts.s13).data_ptr(),
+        _contiguous(experts.w2).data_ptr(), _contiguous(experts.s2).data_ptr(), ids.ctypes.data, weights.ctypes.data,
+        out.data_ptr(), tokens, ids.shape[1], count, hidden, double_inter // 2, experts.block_k, threads)
+    if status == -2:
+        bad = ids[(ids < 0) | (ids >= count)]
+        raise ValueError(f"expert id {int(bad[0])} is outside [0, {count})")
     if status != 0:
-        raise MemoryError("the cpu FP8 grouped linear could not allocate its work list")
+        raise MemoryError("the cpu FP8 MoE kernel could not allocate its scratch memory")
     return out

@@ -6,8 +6,8 @@ groups the assignments by expert once and runs each expert's gate/up and down GE
 as work items spread over the threads, then sums each token's top-k outputs in k order. The weights
 are repacked once at load time (`kernels.pack_experts`).
 
-FP8 block experts (``fp8_block``) stay one byte a weight: a layer is two grouped calls of the
-compiled FP8 linear over the experts that got tokens (`Fp8Experts`), no dequantized copy of any.
+FP8 block experts (``fp8_block``) stay one byte a weight: a layer is one compiled call that runs
+both grouped FP8 GEMMs over the experts that got tokens (`Fp8Experts`), no dequantized copy of any.
 
 Routing is the core's (`fdplug.plugin_api.moe.select_experts`); this backend only gets the chosen
 ids and weights, so it cannot route differently from any other backend.
@@ -51,8 +51,8 @@ class NativeCpuMoE:
 @dataclass(slots=True)
 class Fp8Experts:
     """A layer's FP8 experts kept one byte a weight: ``w13 [E, 2I, H]`` (gate rows, then up) and
-    ``w2 [E, H, I]`` e4m3 with their per-row block scales, read in place by two grouped calls of the
-    compiled FP8 linear a layer (`native_fp8.fp8_grouped`)."""
+    ``w2 [E, H, I]`` e4m3 with their per-row block scales, read in place by one compiled call a
+    layer (`native_fp8.fp8_moe`)."""
 
     w13: Any
     s13: Any
@@ -69,20 +69,4 @@ class Fp8Experts:
         return cls(w13.view(paddle.float8_e4m3fn), s13, weights.down, weights.scales["down"], weights.block[1])
 
     def forward(self, hidden: Any, topk_weights: Any, topk_ids: Any, threads: int) -> Any:
-        """Assignments sorted by expert, then every expert's gate/up in one grouped call, SwiGLU, every
-        expert's down in another, each row times its routing weight, summed into its token."""
-        import paddle
-
-        experts, top_k = int(self.w13.shape[0]), int(topk_ids.shape[1])
-        flat_ids = topk_ids.numpy().reshape(-1)
-        if flat_ids.size and (flat_ids.min() < 0 or flat_ids.max() >= experts):
-            bad = flat_ids[(flat_ids < 0) | (flat_ids >= experts)][0]
-            raise ValueError(f"expert id {int(bad)} is outside [0, {experts})")
-        order = np.argsort(flat_ids, kind="stable")
-        offsets = np.concatenate([[0], np.cumsum(np.bincount(flat_ids, minlength=experts))])
-        tokens = paddle.to_tensor(order // top_k)
-        x = paddle.gather(hidden, tokens)
-        gate_up = native_fp8.fp8_grouped(x, self.w13, self.s13, offsets, self.block_k, threads)
-        y = native_fp8.fp8_grouped(kernels.swiglu(gate_up, threads), self.w2, self.s2, offsets, self.block_k, threads)
-        routing = paddle.gather(topk_weights.reshape([-1]).astype(hidden.dtype), paddle.to_tensor(order))
-        return paddle.index_add(paddle.zeros_like(hidden), tokens, 0, y * routing.unsqueeze(-1))
+        return native_fp8.fp8_moe(hidden, self, topk_ids.numpy(), topk_weights.numpy(), threads)

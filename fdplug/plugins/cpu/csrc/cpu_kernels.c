@@ -1015,3 +1015,57 @@ int fdplug_fp8_grouped(const float *x, const uint8_t *w, const float *scales, fl
     free(item_piece);
     return 0;
 }
+
+/* The routed experts of a MoE layer with FP8 weights, in one call:
+ *   out[t] = sum_{k<K} w[t,k] * down_e(silu(gate_e x_t) * up_e x_t),  e = ids[t,k],
+ * with w13 [E, 2I, H] e4m3 (each expert's gate rows, then its up rows), s13 [E, 2I, ceil(H/bk)],
+ * w2 [E, H, I] and s2 [E, H, ceil(I/bk)] (per-row block scales). The (token, k) assignments are
+ * counting-sorted by expert, gathered, run through both grouped GEMMs (fdplug_fp8_grouped) with
+ * SwiGLU between, and each token's K rows summed in k order: a token's result does not depend on the
+ * rest of the batch nor on the thread count. Returns 0; -1 if scratch memory could not be had (out
+ * undefined); -2 if an id is outside [0, experts) (nothing computed). */
+int fdplug_fp8_moe(const float *x, const uint8_t *w13, const float *s13, const uint8_t *w2, const float *s2,
+                   const int32_t *ids, const float *weights, float *out, int tokens, int top_k, int experts,
+                   int hidden, int inter, int block_k, int num_threads) {
+    if (tokens <= 0 || top_k <= 0) return 0;
+    const int64_t A = (int64_t)tokens * top_k;
+    for (int64_t a = 0; a < A; ++a)
+        if (ids[a] < 0 || ids[a] >= experts) return -2;
+    int64_t *offsets = calloc((size_t)experts + 1, sizeof(int64_t)), *cursor = malloc(sizeof(int64_t) * experts);
+    int64_t *pos = malloc(sizeof(int64_t) * A);
+    float *xbuf = malloc(sizeof(float) * A * hidden), *gbuf = malloc(sizeof(float) * A * 2 * inter);
+    float *hbuf = malloc(sizeof(float) * A * inter), *ybuf = malloc(sizeof(float) * A * hidden);
+    int status = offsets && cursor && pos && xbuf && gbuf && hbuf && ybuf ? 0 : -1;
+    if (status == 0) {
+        for (int64_t a = 0; a < A; ++a) offsets[ids[a] + 1] += 1;
+        for (int e = 0; e < experts; ++e) offsets[e + 1] += offsets[e];
+        memcpy(cursor, offsets, sizeof(int64_t) * experts);
+        for (int64_t a = 0; a < A; ++a) { /* stable: an expert's rows in assignment order */
+            pos[a] = cursor[ids[a]]++;
+            memcpy(xbuf + pos[a] * hidden, x + (a / top_k) * hidden, sizeof(float) * hidden);
+        }
+        status = fdplug_fp8_grouped(xbuf, w13, s13, gbuf, offsets, experts, 2 * inter, hidden, block_k, num_threads);
+    }
+    if (status == 0) {
+        fdplug_swiglu(gbuf, hbuf, A, inter, num_threads);
+        status = fdplug_fp8_grouped(hbuf, w2, s2, ybuf, offsets, experts, hidden, inter, block_k, num_threads);
+    }
+    if (status == 0)
+        for (int64_t t = 0; t < tokens; ++t) {
+            float *o = out + t * hidden;
+            const float *y = ybuf + pos[t * top_k] * hidden, w = weights[t * top_k];
+            for (int j = 0; j < hidden; ++j) o[j] = w * y[j];
+            for (int k = 1; k < top_k; ++k) {
+                const float *yk = ybuf + pos[t * top_k + k] * hidden, wk = weights[t * top_k + k];
+                for (int j = 0; j < hidden; ++j) o[j] += wk * yk[j];
+            }
+        }
+    free(offsets);
+    free(cursor);
+    free(pos);
+    free(xbuf);
+    free(gbuf);
+    free(hbuf);
+    free(ybuf);
+    return status;
+}
