@@ -29,7 +29,7 @@ def fp8_linear(x: Any, weight: Any, weight_scale: Any, block_k: int, threads: in
 
     *lead, depth = x.shape
     cols = int(weight.shape[0])
-    if list(weight.shape) != [cols, depth] or list(weight_scale.shape) != [cols, -(-depth // block_k)]:
+    if depth <= 0 or block_k <= 0 or list(weight.shape) != [cols, depth] or list(weight_scale.shape) != [cols, -(-depth // block_k)]:
         raise ValueError(f"fp8_linear: x [..., {depth}], weight {list(weight.shape)} and weight_scale "
                          f"{list(weight_scale.shape)} do not match block_k={block_k}")
     rows = int(np.prod(lead))
