@@ -136,10 +136,13 @@ def doctor_command() -> None:
 @click.option("--model", default=None, help="Explain the selection for this model directory (its MoE, dtype...).")
 @click.option("--quantization", default=None, type=click.Choice(["fp8"]),
               help="With --model: as if its float linears were quantized to FP8 at load.")
+@click.option("--dtype", default="auto", show_default=True,
+              type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+              help="With --model: as if served with this --dtype (bfloat16 on cpu: bf16 weights, float32 math).")
 @click.option("--json", "as_json", is_flag=True, help="Print the selection as names (what another process rebuilds).")
 @user_errors
 def explain_command(device: str, runner: str | None, attention: str | None, moe: str | None, model: str | None,
-                    quantization: str | None, as_json: bool) -> None:
+                    quantization: str | None, dtype: str, as_json: bool) -> None:
     """Show what would be selected for each role, and why every other candidate was not.
 
     Exits non-zero, with the reason and the fix, when no selection is possible.
@@ -149,9 +152,9 @@ def explain_command(device: str, runner: str | None, attention: str | None, moe:
 
     if model is not None:
         config, model_config, selection = resolve_engine(model, device, runner, attention, moe,
-                                                         quantization=quantization)
-    elif quantization is not None:
-        raise click.UsageError("--quantization needs --model (it is about a model's weights).")
+                                                         quantization=quantization, dtype=dtype)
+    elif quantization is not None or dtype != "auto":
+        raise click.UsageError("--quantization and --dtype need --model (they are about a model's weights).")
     else:
         config, model_config = EngineConfig(), None
         plugin_set = load_plugins()
@@ -164,8 +167,8 @@ def explain_command(device: str, runner: str | None, attention: str | None, moe:
     if model_config is not None:
         from fdplug.core.model.footprint import model_summary
 
-        click.echo(model_summary(model_config, config.dtype, selection.moe.name,
-                                 selection.ops["fp8_linear"].name))
+        model_config.keep_weights(config.dtype, config.weight_dtype)
+        click.echo(model_summary(model_config, config.dtype, selection.moe.name, selection.ops))
     click.echo(f"selected: device={selection.device.name} runner={selection.runner.name} "
                f"attention={selection.attention.name} moe={selection.moe.name} "
                f"storages={','.join(f'{s}:{spec.name}' for s, spec in selection.storages.items()) or 'none'}")

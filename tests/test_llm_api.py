@@ -158,7 +158,7 @@ def test_engine_argument_errors(test_model_dir):
     with pytest.raises(ConfigError, match="unknown engine argument"):
         LLM(str(test_model_dir), max_batch_size=3)
     with pytest.raises(ConfigError, match="computes in float32"):
-        LLM(str(test_model_dir), dtype="bfloat16")
+        LLM(str(test_model_dir), dtype="float16")
     with pytest.raises(DeviceUnavailableError, match="xpu"):
         LLM(str(test_model_dir), device="xpu")
     with pytest.raises(ConfigError, match="cannot hold one request"):

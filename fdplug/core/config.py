@@ -63,6 +63,7 @@ class EngineConfig:
     max_waiting_requests: int = 1024
     dtype: str = "auto"
     quantization: str | None = None
+    weight_dtype: str | None = None   # derived with dtype: bfloat16 where a float32 device keeps bf16 weights
     seed: int = 0
     encoder_cache_rows: int = 16384
     feature_fetch_workers: int = field(default_factory=lambda: env("FD_PREFILL_PREPARE_REQ_THREAD_NUM"))

@@ -1,4 +1,4 @@
-"""Attention and MoE backends of the device under test against the CPU reference."""
+"""Attention and MoE backends and op kernels of the device under test against the CPU reference."""
 
 from __future__ import annotations
 
@@ -85,3 +85,23 @@ def test_fp8_linear_kernel_matches_the_portable_one(fdplug_selection, fdplug_pla
             expected = portable.fp8_linear(x, q, scales, bk).numpy()
             scale = np.abs(expected).max()
             np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * scale, err_msg=f"{n}x{k}/{bk} {rows} rows")
+
+
+def test_bf16_linear_kernel_matches_the_portable_one(fdplug_selection, fdplug_place):
+    """The selected ``bf16_linear`` kernel against the portable widen-and-matmul: depths that are not
+    a multiple of any vector width, 1 to 300 rows, weights spanning bf16's range."""
+    import paddle
+
+    from fdplug.core.portable import ops as portable
+
+    kernel = fdplug_selection.ops["bf16_linear"].factory(EngineConfig())
+    rng = np.random.default_rng(10)
+    paddle.set_device(fdplug_place)
+    for n, k in ((70, 200), (96, 17), (256, 512)):
+        w = rng.standard_normal((n, k)).astype(np.float32) * np.exp(rng.uniform(-8, 3, (n, k))).astype(np.float32)
+        weight = paddle.to_tensor(w).astype("bfloat16")
+        for rows in (1, 3, 8, 9, 300):
+            x = paddle.to_tensor(rng.standard_normal((rows, k), dtype=np.float32))
+            got, expected = kernel(x, weight).numpy(), portable.bf16_linear(x, weight).numpy()
+            scale = np.abs(expected).max()
+            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * scale, err_msg=f"{n}x{k} {rows} rows")

@@ -18,7 +18,8 @@ from fdplug.core.config import EngineConfig
 from fdplug.errors import ConfigError
 from fdplug.plugin_api.selection import Selection
 
-ENGINE_ARGS = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name not in ("model", "model_dir"))
+ENGINE_ARGS = tuple(f.name for f in dataclasses.fields(EngineConfig)
+                    if f.name not in ("model", "model_dir", "weight_dtype"))   # derived, not asked for
 
 
 def build_engine_config(model: str | None, engine_args: Mapping[str, Any]) -> tuple[EngineConfig, Any]:
@@ -58,22 +59,35 @@ def resolve_engine(model: str | None, device: str = "auto", runner: str | None =
     plugin_set = load_plugins()
     config.model = model_config.traits(None if config.dtype == "auto" else config.dtype)
     selection = select_components(device, runner, attention, moe, storages, ops, config=config, plugins=plugin_set)
-    config.dtype = compute_dtype(config.dtype, model_config.dtype, selection)
+    config.dtype, config.weight_dtype = compute_dtype(config.dtype, model_config.dtype, selection)
     plugin_set.configure(config, selection)
     return config, model_config, selection
 
 
-def compute_dtype(asked: str, model_dtype: str, selection: Selection) -> str:
-    """``auto``: the model's dtype if the device computes in it, else the device's preferred one;
-    an explicit dtype the device does not compute in is a ConfigError."""
+def compute_dtype(asked: str, model_dtype: str, selection: Selection) -> tuple[str, str]:
+    """``(compute dtype, weight dtype)``. ``auto``: the model's dtype if the device computes in it,
+    else the device's preferred one. bfloat16 on a device that computes only in float32 (the cpu)
+    means bf16 *weights* and float32 math (`layers.Bf16Linear`): asked for explicitly, always; under
+    ``auto`` for a bf16 checkpoint, where the selected ``bf16_linear`` kernel reads bf16 in place (the
+    portable one widens every layer per call, slower than float32 weights). Another explicit dtype
+    the device does not compute in is a ConfigError."""
+    from fdplug.core.portable import PORTABLE_BF16_LINEAR
+
     device = selection.device
+    weights_only = "bfloat16" not in device.dtypes and "float32" in device.dtypes
     if asked == "auto":
-        return model_dtype if model_dtype in device.dtypes else device.dtypes[0]
-    if asked not in device.dtypes:
-        raise ConfigError(f"dtype {asked!r} cannot run on the {device.name} device, which computes in "
-                          f"{', '.join(device.dtypes)} (weights of other dtypes are cast at load time).",
-                          fix=f"use dtype='auto' or one of {', '.join(device.dtypes)} on {device.name}.")
-    return asked
+        if model_dtype in device.dtypes:
+            return model_dtype, model_dtype
+        if model_dtype == "bfloat16" and weights_only and selection.ops["bf16_linear"].name != PORTABLE_BF16_LINEAR:
+            return "float32", "bfloat16"
+        return device.dtypes[0], device.dtypes[0]
+    if asked in device.dtypes:
+        return asked, asked
+    if asked == "bfloat16" and weights_only:
+        return "float32", "bfloat16"
+    raise ConfigError(f"dtype {asked!r} cannot run on the {device.name} device, which computes in "
+                      f"{', '.join(device.dtypes)} (weights of other dtypes are cast at load time).",
+                      fix=f"use dtype='auto' or one of {', '.join(device.dtypes)} on {device.name}.")
 
 
 def create_engine(model: str | None, device: str = "auto", runner: str | None = None, attention: str | None = None,

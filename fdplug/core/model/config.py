@@ -92,6 +92,13 @@ class ModelConfig:
     moe: MoEConfig | None = None                  # routed experts, if any layer is mixture-of-experts
     quant: QuantConfig | None = None              # FP8 block-quantized linears, if the checkpoint has them
     mtp_layers: int = 0           # multi-token-prediction layers stored after the decoder's (weights ignored)
+    bf16_weights: bool = False    # float linears, embedding, lm_head kept bf16 on a float32 device (`load_model`)
+
+    def keep_weights(self, compute_dtype: str, weight_dtype: str | None) -> ModelConfig:
+        """Set `bf16_weights` for a run computing in ``compute_dtype`` with ``weight_dtype`` weights
+        (`fdplug.core.engine.startup.compute_dtype`): bf16 weights on a float32 device. Returns self."""
+        self.bf16_weights = weight_dtype == "bfloat16" and compute_dtype != "bfloat16"
+        return self
 
     @property
     def rope_theta(self) -> float:

@@ -42,9 +42,10 @@ class Attention(nn.Layer):
         qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
         attn = prefix + "self_attn."
         self.qkv_proj = make_linear(cfg.hidden_size, qkv_out, cfg.attention_bias, dtype,
-                                    fused_quant(cfg.quant, attn, ("q_proj", "k_proj", "v_proj")), kernels)
+                                    fused_quant(cfg.quant, attn, ("q_proj", "k_proj", "v_proj")), kernels,
+                                    cfg.bf16_weights)
         self.o_proj = make_linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_proj_bias, dtype,
-                                  fused_quant(cfg.quant, attn, ("o_proj",)), kernels)
+                                  fused_quant(cfg.quant, attn, ("o_proj",)), kernels, cfg.bf16_weights)
         # Qwen3: q_norm's weight on each q head, k_norm's on each k head -> one norm for both.
         self.qk_norm = (RMSNorm([cfg.num_heads + cfg.num_kv_heads, cfg.head_dim], cfg.rms_norm_eps, dtype, kernels)
                         if cfg.qk_norm else None)
@@ -72,10 +73,11 @@ class DecoderLayer(nn.Layer):
         self.self_attn = Attention(cfg, attn_backend, dtype, kernels, prefix)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
         if moe_backend is not None:
-            self.mlp = SparseMoEBlock(cfg.hidden_size, cfg.moe, moe_backend, dtype, kernels, cfg.quant, prefix)
+            self.mlp = SparseMoEBlock(cfg.hidden_size, cfg.moe, moe_backend, dtype, kernels, cfg.quant, prefix,
+                                      cfg.bf16_weights)
         else:
             self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype, kernels,
-                              mlp_quant(cfg.quant, prefix + "mlp."))
+                              mlp_quant(cfg.quant, prefix + "mlp."), cfg.bf16_weights)
 
     def forward(self, x: Any, cos: Any, sin: Any, rope: RotaryEmbedding, kv_cache: tuple[Any, Any],
                 prepared: Any) -> Any:
@@ -96,7 +98,9 @@ class DecoderForCausalLM(nn.Layer):
         super().__init__()
         self.config = cfg
         self.dtype_name = dtype
-        self.embed_tokens = empty_parameter([cfg.vocab_size, cfg.hidden_size], dtype)
+        self.logits_kernel = kernels.bf16_linear if cfg.bf16_weights else None
+        table_dtype = "bfloat16" if cfg.bf16_weights else dtype   # the embedding is the tied lm_head
+        self.embed_tokens = empty_parameter([cfg.vocab_size, cfg.hidden_size], table_dtype)
         moe_layers = set(cfg.moe.layers) if cfg.moe else set()
         if moe_layers and moe_backend is None:
             from fdplug.core.portable.moe import ReferenceMoE
@@ -107,14 +111,16 @@ class DecoderForCausalLM(nn.Layer):
                                     for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
         # Stored [vocab, hidden] like the embedding, so tying is sharing one tensor.
-        self.lm_head = None if cfg.tie_word_embeddings else empty_parameter([cfg.vocab_size, cfg.hidden_size], dtype)
+        self.lm_head = (None if cfg.tie_word_embeddings
+                        else empty_parameter([cfg.vocab_size, cfg.hidden_size], table_dtype))
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions or cfg.max_position_embeddings, dtype,
                                       heads=cfg.num_heads + cfg.num_kv_heads)  # q and k rotate together
         self.eval()
 
     def embed(self, input_ids: Any) -> Any:
         """Token embeddings ``[T, hidden]``; multimodal code replaces rows before ``forward``."""
-        return F.embedding(input_ids, self.embed_tokens)
+        h = F.embedding(input_ids, self.embed_tokens)
+        return h.astype(self.dtype_name) if self.logits_kernel is not None else h
 
     def forward(self, input_ids: Any, positions: Any, kv_caches: list[tuple[Any, Any]], attn_prepared: Any,
                 inputs_embeds: Any | None = None) -> Any:
@@ -132,5 +138,7 @@ class DecoderForCausalLM(nn.Layer):
     def compute_logits(self, hidden: Any) -> Any:
         """``hidden [N, hidden]`` -> logits ``[N, vocab]`` in float32."""
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
+        if self.logits_kernel is not None:
+            return self.logits_kernel(hidden, weight).astype("float32")
         logits = paddle.matmul(hidden, weight, transpose_y=True)
         return logits if logits.dtype == paddle.float32 else logits.astype("float32")

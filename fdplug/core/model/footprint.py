@@ -8,6 +8,8 @@ a MoE backend holds in its own layout (not as model parameters).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Mapping
+from typing import Any
 
 from fdplug.core.model.config import ModelConfig
 from fdplug.plugin_api.model_runner import format_bytes
@@ -55,25 +57,35 @@ def parameter_counts(cfg: ModelConfig) -> tuple[int, int]:
 
 def weight_footprint(cfg: ModelConfig, dtype: str) -> WeightFootprint:
     """Bytes of the weights as loaded; FP8 experts count 1 byte a weight plus their per-row scales
-    (`fp8_layers`). FP8 dense linears are counted as ``dtype``: an upper bound, fine for a fit check."""
+    (`fp8_layers`). FP8 dense linears are counted as ``dtype``: an upper bound, fine for a fit check;
+    with `ModelConfig.bf16_weights` everything but the routed experts counts 2 bytes (the norms and
+    biases, kept in ``dtype``, are a rounding error)."""
     total, experts = parameter_counts(cfg)
     size = DTYPE_BYTES[dtype]
     expert_bytes = experts * size
+    dense_size = DTYPE_BYTES["bfloat16"] if cfg.bf16_weights else size
     if cfg.moe is not None and cfg.moe_weight_format() != "none":
         h, i, bk = cfg.hidden_size, cfg.moe.intermediate_size, cfg.quant.block[1]
         scales = 4 * (2 * i * -(-h // bk) + h * -(-i // bk))
         expert_bytes = experts + len(cfg.moe.layers) * cfg.moe.num_experts * scales
-    return WeightFootprint((total - experts) * size + expert_bytes, expert_bytes)
+    return WeightFootprint((total - experts) * dense_size + expert_bytes, expert_bytes)
 
 
-def model_summary(cfg: ModelConfig, dtype: str, moe_backend: str, linear_kernel: str = "") -> str:
+def model_summary(cfg: ModelConfig, dtype: str, moe_backend: str, ops: Mapping[str, Any] | None = None) -> str:
     """What `fdplug explain --model` and the startup log say about a model: architecture, dtype,
-    weights, for a quantized model which kernel runs its linears (``linear_kernel``, the selected
-    ``fp8_linear``), and for a MoE model which backend runs its experts and how tokens are routed."""
+    weights, for bf16 weights on a float32 device and for a quantized model which kernel runs the
+    linears (the selected ``bf16_linear`` / ``fp8_linear`` of ``ops``, op name -> `OpSpec`), and for a
+    MoE model which backend runs its experts and how tokens are routed."""
+    def kernel(op: str) -> str:
+        return ops[op].name if ops and op in ops else op
+
     lines = [f"model: {cfg.architecture}, computed in {dtype}, weights {weight_footprint(cfg, dtype).describe(cfg)}"]
+    if cfg.bf16_weights:
+        lines.append(f"weights: bf16, computed in {dtype} (linear layers and lm_head: {kernel('bf16_linear')}; "
+                     f"norms and biases in {dtype}{', routed experts in ' + dtype if cfg.moe else ''})")
     if cfg.quant is not None:
         experts = f"; routed experts: {moe_backend}" if cfg.moe is not None else ""
-        lines.append(f"quantization: {cfg.quant.describe()} (linear layers: {linear_kernel or 'fp8_linear'}{experts})")
+        lines.append(f"quantization: {cfg.quant.describe()} (linear layers: {kernel('fp8_linear')}{experts})")
     moe = cfg.moe
     if moe is None:
         lines.append("moe: unused (a dense model)")

@@ -57,15 +57,34 @@ class Linear(nn.Layer):
         return F.linear(x, self.weight, self.bias)
 
 
-def make_linear(in_features: int, out_features: int, bias: bool, dtype: str, quant: Any = None,
-                kernels: Kernels = PORTABLE) -> nn.Layer:
-    """A `Linear`, or an `fp8_layers.Fp8Linear` (running the ``fp8_linear`` op of ``kernels``) when
-    ``quant`` (a `QuantConfig`) says the checkpoint's is FP8."""
-    if quant is None:
-        return Linear(in_features, out_features, bias, dtype)
-    from fdplug.core.model.fp8_layers import Fp8Linear
+class Bf16Linear(nn.Layer):
+    """``x @ W^T (+ bias)`` with ``W`` kept bf16 as ``weight [out, in]`` (the checkpoint's layout) while
+    ``x`` and the bias are in the compute dtype: the ``bf16_linear`` op of the selected kernels
+    (`fdplug.plugin_api.ops`). A float32 device keeps a bf16 checkpoint's weights at 2 bytes this way."""
 
-    return Fp8Linear(in_features, out_features, bias, dtype, quant, kernels.fp8_linear)
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: str, kernel: Any) -> None:
+        super().__init__()
+        self.kernel = kernel
+        self.weight = empty_parameter([out_features, in_features], "bfloat16")
+        self.bias = empty_parameter([out_features], dtype) if bias else None
+
+    def forward(self, x: Any) -> Any:
+        out = self.kernel(x, self.weight)
+        return out if self.bias is None else out + self.bias
+
+
+def make_linear(in_features: int, out_features: int, bias: bool, dtype: str, quant: Any = None,
+                kernels: Kernels = PORTABLE, bf16: bool = False) -> nn.Layer:
+    """A `Linear`; an `fp8_layers.Fp8Linear` (running the ``fp8_linear`` op of ``kernels``) when
+    ``quant`` (a `QuantConfig`) says the checkpoint's is FP8; else a `Bf16Linear` when ``bf16``
+    (`ModelConfig.bf16_weights`: bf16 weights, ``dtype`` compute)."""
+    if quant is not None:
+        from fdplug.core.model.fp8_layers import Fp8Linear
+
+        return Fp8Linear(in_features, out_features, bias, dtype, quant, kernels.fp8_linear)
+    if bf16:
+        return Bf16Linear(in_features, out_features, bias, dtype, kernels.bf16_linear)
+    return Linear(in_features, out_features, bias, dtype)
 
 
 class SwiGLU(nn.Layer):
@@ -76,11 +95,12 @@ class SwiGLU(nn.Layer):
     """
 
     def __init__(self, hidden: int, intermediate: int, bias: bool, dtype: str, kernels: Kernels = PORTABLE,
-                 quant: tuple[Any, Any] = (None, None)) -> None:
-        """``quant``: the `QuantConfig` of the fused gate/up and of the down projection (None: float)."""
+                 quant: tuple[Any, Any] = (None, None), bf16: bool = False) -> None:
+        """``quant``: the `QuantConfig` of the fused gate/up and of the down projection (None: float);
+        ``bf16``: float weights kept bf16 (`make_linear`)."""
         super().__init__()
-        self.gate_up_proj = make_linear(hidden, 2 * intermediate, bias, dtype, quant[0], kernels)
-        self.down_proj = make_linear(intermediate, hidden, bias, dtype, quant[1], kernels)
+        self.gate_up_proj = make_linear(hidden, 2 * intermediate, bias, dtype, quant[0], kernels, bf16)
+        self.down_proj = make_linear(intermediate, hidden, bias, dtype, quant[1], kernels, bf16)
         self.activation: Callable[[Any], Any] = kernels.swiglu
 
     def forward(self, x: Any) -> Any:

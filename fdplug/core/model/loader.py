@@ -42,22 +42,26 @@ _IGNORED_SUBSTRING = "mtp"
 def load_model(model_dir: str | Path, attn_backend: Any, dtype: str = "float32", *,
                max_positions: int | None = None, show_progress: bool = True,
                kernels: Kernels = PORTABLE, moe_backend: Any | None = None,
-               quantization: str | None = None) -> tuple[DecoderForCausalLM, ModelConfig]:
+               quantization: str | None = None,
+               weight_dtype: str | None = None) -> tuple[DecoderForCausalLM, ModelConfig]:
     """Build the decoder for ``model_dir``'s config and fill it from its safetensors files.
 
     ``dtype`` is the compute dtype (float32 on CPU); checkpoint tensors are cast to it.
     ``max_positions`` sizes the RoPE tables (default: the config's ``max_position_embeddings``).
     ``moe_backend`` runs the routed experts of a MoE model (default: the portable reference).
     ``quantization="fp8"`` quantizes a float checkpoint's linears to FP8 blocks as they are read.
+    ``weight_dtype="bfloat16"`` with a float32 ``dtype`` keeps the float linears, the embedding and
+    the lm_head in bf16 (`layers.Bf16Linear`, the ``bf16_linear`` op): half the bytes, float32 math.
     """
     started = time.perf_counter()
-    cfg = ModelConfig.from_dir(model_dir, quantization)
+    cfg = ModelConfig.from_dir(model_dir, quantization).keep_weights(dtype, weight_dtype)
     files = weight_files(model_dir)
     model = DecoderForCausalLM(cfg, attn_backend, dtype=dtype, max_positions=max_positions, kernels=kernels,
                                moe_backend=moe_backend)
     load_weights(model, cfg, files, show_progress=show_progress)
     logger.info("loaded %s (%s, %d layers) from %d file(s) as %s in %.1f s", model_dir, cfg.architecture,
-                cfg.num_layers, len(files), dtype, time.perf_counter() - started)
+                cfg.num_layers, len(files), dtype + (" (bf16 weights)" if cfg.bf16_weights else ""),
+                time.perf_counter() - started)
     return model, cfg
 
 

@@ -32,9 +32,11 @@ EXPERT_PARAMS = ("experts_gate_up", "experts_down", "experts_gate_up_scale", "ex
 
 class SparseMoEBlock(nn.Layer):
     def __init__(self, hidden: int, moe: MoEConfig, backend: Any, dtype: str, kernels: Kernels,
-                 quant: QuantConfig | None = None, prefix: str = "") -> None:
+                 quant: QuantConfig | None = None, prefix: str = "", bf16: bool = False) -> None:
         """``quant``/``prefix``: the checkpoint's FP8 config and this layer's HF name (``model.layers.3.``);
-        FP8 experts stay e4m3 with per-row scales (`fp8_layers`) until the backend takes them."""
+        FP8 experts stay e4m3 with per-row scales (`fp8_layers`) until the backend takes them.
+        ``bf16``: the shared expert's float weights kept bf16 (`layers.make_linear`); the routed
+        experts are the backend's, in the compute dtype."""
         super().__init__()
         self.routing, self.backend = moe.routing, backend
         self.router_dtype = "float32" if moe.routing.router_dtype == "float32" else dtype
@@ -52,7 +54,7 @@ class SparseMoEBlock(nn.Layer):
         self.experts: Any = None    # the backend's layer, once loaded
         shared = shared_expert_prefix(prefix, moe.shared_gate) if moe.shared_intermediate_size else ""
         self.shared_expert = (SwiGLU(hidden, moe.shared_intermediate_size, False, dtype, kernels,
-                                     mlp_quant(quant, shared))
+                                     mlp_quant(quant, shared), bf16)
                               if moe.shared_intermediate_size else None)
         self.shared_expert_gate = empty_parameter([hidden, 1], dtype) if moe.shared_gate else None
 

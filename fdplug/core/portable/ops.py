@@ -28,5 +28,10 @@ def fp8_linear(x: Any, weight: Any, weight_scale: Any, block_k: int) -> Any:
     return paddle.matmul(x, w if w.dtype == x.dtype else w.astype(x.dtype), transpose_y=True)
 
 
-PORTABLE = Kernels(swiglu=swiglu, rms_norm=rms_norm, fp8_linear=fp8_linear)
+def bf16_linear(x: Any, weight: Any) -> Any:
+    """The whole layer widened to ``x``'s dtype, then one matmul with the weight as stored."""
+    return paddle.matmul(x, weight if weight.dtype == x.dtype else weight.astype(x.dtype), transpose_y=True)
+
+
+PORTABLE = Kernels(swiglu=swiglu, rms_norm=rms_norm, fp8_linear=fp8_linear, bf16_linear=bf16_linear)
 """The table a model gets when nobody chose kernels for it (tests, tools)."""

@@ -55,7 +55,8 @@ def quantize_checkpoint(src: Path, dst: Path, *, block: tuple[int, int] = (128, 
              "modules_to_not_convert": list(keep)}
     _write(src, dst, fp8, config | {"quantization_config": quant})
     if dequantized is not None:
-        _write(src, dequantized, floats, config)
+        # float32 values (an e4m3 times its scale) that bf16 cannot hold: say so, or dtype=auto rounds them
+        _write(src, dequantized, floats, config | {k: "float32" for k in ("torch_dtype", "dtype") if k in config})
     return count
 
 

@@ -81,19 +81,21 @@ class ModelRunner:
 
         self.paddle.set_device(self.place)
         cfg = ModelConfig.from_dir(self.config.model_dir, self.config.quantization)
+        cfg.keep_weights(self.config.dtype, self.config.weight_dtype)
         footprint = check_weights_fit(cfg, self.config.dtype, self.selection)
         self.attn_backend = self.selection.attention.factory(self.config)
         self.moe_backend = self.selection.moe.factory(self.config) if cfg.moe is not None else None
         kernels = Kernels(**{op: spec.factory(self.config) for op, spec in self.selection.ops.items()})
         self.model, self.model_config = load_model(self.config.model_dir, self.attn_backend, dtype=self.config.dtype,
                                                    max_positions=self.config.max_model_len, kernels=kernels,
-                                                   moe_backend=self.moe_backend, quantization=self.config.quantization)
+                                                   moe_backend=self.moe_backend, quantization=self.config.quantization,
+                                                   weight_dtype=self.config.weight_dtype)
         self.model.eval()
         # The routed experts live in the MoE backend's layout, not as parameters: count them as loaded.
         params = sum(int(np.prod(p.shape)) * p.element_size() for p in self.model.parameters())
         self.model_bytes = params + footprint.expert_bytes
         for line in model_summary(cfg, self.config.dtype, self.selection.moe.name,
-                                  self.selection.ops["fp8_linear"].name).splitlines():
+                                  self.selection.ops).splitlines():
             logger.info(line)
         return ModelInfo(self.model_config.vocab_size, self.model_config.hidden_size, self.model_bytes)
 

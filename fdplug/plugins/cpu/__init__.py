@@ -1,9 +1,10 @@
 """Built-in ``cpu`` plugin: the host CPU as a device, and its compiled kernels.
 
 It registers the cpu device (threads, MKL dispatch, malloc tuning in ``device.py``) and, where the
-kernels in ``csrc/`` build with the system C compiler (``kernels.py``), three faster components
+kernels in ``csrc/`` build with the system C compiler (``kernels.py``), faster components
 for it: ``cpu_native`` attention (decode reads the paged cache in place), ``cpu_native`` MoE (the
-routed experts in one compiled call) and the ``cpu_native`` SwiGLU op kernel. Everything else on the cpu device is the core's portable code.
+routed experts in one compiled call) and the ``cpu_native`` SwiGLU, FP8-linear and bf16-linear op
+kernels. Everything else on the cpu device is the core's portable code.
 """
 
 from __future__ import annotations
@@ -43,6 +44,15 @@ def _native_fp8_linear_factory(config):
 
     kernels.load()
     return functools.partial(native_fp8.fp8_linear_or_portable, threads=device.cpu_threads())
+
+
+def _native_bf16_linear_factory(config):
+    import functools
+
+    from fdplug.plugins.cpu import kernels, native_bf16
+
+    kernels.load()
+    return functools.partial(native_bf16.bf16_linear_or_portable, threads=device.cpu_threads())
 
 
 def _native_kernels_supports(config) -> str | None:
@@ -87,6 +97,12 @@ def fdplug_register_ops(register):
                     priority=10, supports=_native_kernels_supports,
                     description="FP8 weights read in place, widened in registers (compiled C) up to "
                                 "FP8_MAX_ROWS rows; above, the portable dequantize-and-matmul"))
+
+
+    register(OpSpec(name="cpu_native_bf16_linear", op="bf16_linear", devices=("cpu",),
+                    factory=_native_bf16_linear_factory, priority=10, supports=_native_kernels_supports,
+                    description="bf16 weights read in place, widened in registers, float32 FMAs on AVX-512 "
+                                "(compiled C): half the bytes of float32 weights, the same math"))
 
 
 @hookimpl

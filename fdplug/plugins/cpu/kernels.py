@@ -1,10 +1,10 @@
 """The cpu device's compiled kernels: built once with the system C compiler, loaded with ctypes.
 
 ``csrc/cpu_kernels.c`` holds a paged attention that reads the KV cache in place, the KV write,
-SwiGLU and a MoE layer's routed experts (see the file for why). It is compiled the first time it is
-needed, with ``-march=native``, into ``$FDPLUG_CACHE_DIR/kernels/`` under a name that hashes the
-source, the flags, the compiler and the CPU's feature flags: a changed source or a different CPU
-gets its own build, and a build from another machine sharing the directory is never loaded. The
+SwiGLU, a MoE layer's routed experts and the FP8 and bf16 linears (see the files for why). It is
+compiled the first time it is needed, with ``-march=native``, into ``$FDPLUG_CACHE_DIR/kernels/``
+under a name that hashes the sources, the flags, the compiler and the CPU's feature flags: a
+changed source or a different CPU gets its own build, and a build from another machine sharing the directory is never loaded. The
 build goes to a temporary file that is renamed into place, so concurrent processes never load a
 half-written library.
 
@@ -37,9 +37,10 @@ from fdplug.plugins.cpu import settings
 
 logger = logging.getLogger("fdplug")
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
+CSRC = Path(__file__).parent / "csrc"
+SOURCE = CSRC / "cpu_kernels.c"    # it #includes the other files of CSRC
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared", "-pthread", "-std=c99")
-ABI = 4
+ABI = 5
 BUILD_TIMEOUT_S = 120.0
 
 _c_int, _c_float, _ptr = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
@@ -79,7 +80,8 @@ def _cpu_fingerprint() -> str:
 
 def library_path(cc: list[str]) -> Path:
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), " ".join(cc).encode(), _cpu_fingerprint().encode()):
+    included = (f.read_bytes() for f in sorted(CSRC.glob("*.c")) if f != SOURCE)
+    for part in (SOURCE.read_bytes(), *included, " ".join(FLAGS).encode(), " ".join(cc).encode(), _cpu_fingerprint().encode()):
         key.update(part)
         key.update(b"\0")
     return cache_dir() / "kernels" / f"cpu_kernels-{platform.machine()}-{key.hexdigest()[:16]}.so"
@@ -92,8 +94,8 @@ def build(cc: list[str], target: Path) -> None:
     os.close(fd)
     try:
         try:
-            result = subprocess.run([*cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
-                                    timeout=BUILD_TIMEOUT_S, check=False)
+            command = [*cc, *FLAGS, "-I", str(CSRC), "-o", tmp, str(SOURCE), "-lm"]
+            result = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False)
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise KernelsUnavailable(f"the C compiler {cc[0]!r} could not run: {exc}") from None
         if result.returncode != 0:
@@ -123,18 +125,15 @@ def load() -> ctypes.CDLL:
         raise KernelsUnavailable(f"{path} does not load: {exc}") from None
     if lib.fdplug_kernels_abi() != ABI:
         raise KernelsUnavailable(f"{path} has ABI {lib.fdplug_kernels_abi()}, expected {ABI}")
-    lib.fdplug_paged_attention.restype = _c_int
-    lib.fdplug_paged_attention.argtypes = [_ptr] * 8 + [_c_int] * 8 + [_c_float, _c_int]
-    lib.fdplug_write_kv.restype = None
-    lib.fdplug_write_kv.argtypes = [_ptr] * 5 + [_c_int] * 3 + [ctypes.c_int64]
-    lib.fdplug_swiglu.restype = None
-    lib.fdplug_swiglu.argtypes = [_ptr, _ptr, ctypes.c_int64, _c_int, _c_int]
-    lib.fdplug_moe_pack.restype = None
-    lib.fdplug_moe_pack.argtypes = [_ptr] * 5 + [_c_int] * 4
-    lib.fdplug_moe_experts.restype = _c_int
-    lib.fdplug_moe_experts.argtypes = [_ptr] * 6 + [_c_int] * 6
+    attention = lib.fdplug_paged_attention
+    attention.restype, attention.argtypes = _c_int, [_ptr] * 8 + [_c_int] * 8 + [_c_float, _c_int]
+    lib.fdplug_write_kv.restype, lib.fdplug_write_kv.argtypes = None, [_ptr] * 5 + [_c_int] * 3 + [ctypes.c_int64]
+    lib.fdplug_swiglu.restype, lib.fdplug_swiglu.argtypes = None, [_ptr, _ptr, ctypes.c_int64, _c_int, _c_int]
+    lib.fdplug_moe_pack.restype, lib.fdplug_moe_pack.argtypes = None, [_ptr] * 5 + [_c_int] * 4
+    lib.fdplug_moe_experts.restype, lib.fdplug_moe_experts.argtypes = _c_int, [_ptr] * 6 + [_c_int] * 6
     lib.fdplug_fp8_linear.restype, lib.fdplug_fp8_linear.argtypes = None, [_ptr] * 4 + [_c_int] * 5
     lib.fdplug_fp8_moe.restype, lib.fdplug_fp8_moe.argtypes = _c_int, [_ptr] * 8 + [_c_int] * 7
+    lib.fdplug_bf16_linear.restype, lib.fdplug_bf16_linear.argtypes = None, [_ptr] * 3 + [_c_int] * 4
     return lib
 
 
