@@ -1,7 +1,7 @@
 """bf16 weights on the float32 cpu device: half the bytes, float32 math on the same values.
 
 A bf16 checkpoint (or ``dtype="bfloat16"``) keeps its linears, embedding and lm_head in bf16
-(`layers.Bf16Linear`, the ``bf16_linear`` op); widening bf16 to float32 is exact, so the model must
+(`layers.Linear` with bf16 weights, the ``linear`` op); widening bf16 to float32 is exact, so the model must
 compute what the float32 model computes on the same (bf16-rounded) values: the same greedy tokens,
 logprobs to float32 summation order, and transformers' logits on the bf16 golden fixture.
 """
@@ -20,7 +20,6 @@ from safetensors.paddle import save_file
 from fdplug.cli import main
 from fdplug.core.engine.request import SamplingParams
 from fdplug.core.frontend.llm import LLM
-from fdplug.core.model.layers import Bf16Linear, Linear
 from fdplug.plugins.cpu import kernels
 from tests.conftest import GOLDEN, golden, write_test_model
 from tests.test_model_parity import TOL, Steps, max_diff
@@ -29,7 +28,7 @@ if kernels.unavailable_reason() is not None:
     pytest.skip(f"the cpu kernels do not build here: {kernels.unavailable_reason()}", allow_module_level=True)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3)
-PORTABLE_OP = {"bf16_linear": "paddle_bf16_linear"}
+PORTABLE_OP = {"linear": "paddle_linear"}
 
 
 def rewrite(src: Path, dst: Path, dtype: str, matrices_only: bool = False) -> Path:
@@ -86,11 +85,11 @@ def test_a_bf16_checkpoint_stays_bf16_and_generates_what_float32_does_on_its_val
     llm, got = run(bf16, max_num_batched_tokens=16, max_num_seqs=2)      # chunked, batched, preempting
     assert (llm.config.dtype, llm.config.weight_dtype) == ("float32", "bfloat16")
     model = llm.engine.runner.model
-    assert isinstance(model.layers[0].self_attn.qkv_proj, Bf16Linear) and isinstance(model.layers[0].mlp.down_proj,
-                                                                                      Bf16Linear)
+    assert model.layers[0].self_attn.qkv_proj.weight.dtype == paddle.bfloat16
+    assert model.layers[0].mlp.down_proj.weight.dtype == paddle.bfloat16
     assert model.embed_tokens.dtype == paddle.bfloat16 and model.layers[0].input_layernorm.weight.dtype == paddle.float32
     float_llm, want = run(rounded)
-    assert isinstance(float_llm.engine.runner.model.layers[0].self_attn.qkv_proj, Linear)
+    assert float_llm.engine.runner.model.layers[0].self_attn.qkv_proj.weight.dtype == paddle.float32
     assert llm.engine.runner.model_bytes < 0.52 * float_llm.engine.runner.model_bytes
     assert_same_generation(got, want)
 
@@ -109,7 +108,7 @@ def test_auto_keeps_float32_weights_where_only_the_portable_op_would_read_bf16(m
     llm, want = run(bf16, op_kernels=PORTABLE_OP)
     assert (llm.config.dtype, llm.config.weight_dtype) == ("float32", "float32")
     llm, got = run(bf16, op_kernels=PORTABLE_OP, dtype="bfloat16")
-    assert llm.config.weight_dtype == "bfloat16" and llm.engine.selection.ops["bf16_linear"].name == "paddle_bf16_linear"
+    assert llm.config.weight_dtype == "bfloat16" and llm.engine.selection.ops["linear"].name == "paddle_linear"
     assert_same_generation(got, want)
 
 
@@ -117,7 +116,7 @@ def test_explain_says_the_weights_are_bf16_and_which_kernel_reads_them(models):
     _, bf16, _, _ = models
     out = CliRunner().invoke(main, ["explain", "--model", str(bf16)])
     assert out.exit_code == 0, out.output
-    assert "weights: bf16, computed in float32 (linear layers and lm_head: cpu_native_bf16_linear" in out.output
+    assert "weights: bf16, computed in float32 (linear layers and lm_head: cpu_native_linear" in out.output
     out = CliRunner().invoke(main, ["explain", "--model", str(bf16), "--dtype", "float32"])
     assert out.exit_code == 0 and "weights: bf16" not in out.output
     assert CliRunner().invoke(main, ["explain", "--dtype", "bfloat16"]).exit_code != 0     # needs --model
@@ -136,7 +135,7 @@ def test_bf16_golden_fixture_matches_transformers_with_bf16_weights():
     steps = Steps(name, num_seqs=1, max_len=32)
     ops = Kernels(**{op: spec.factory(config) for op, spec in selection.ops.items()})
     steps.model, _ = load_model(GOLDEN / name, steps.backend, kernels=ops, weight_dtype="bfloat16", show_progress=False)
-    assert isinstance(steps.model.layers[0].self_attn.o_proj, Bf16Linear)
+    assert steps.model.layers[0].self_attn.o_proj.weight.dtype == paddle.bfloat16
     seqs, logits = golden(name)
     got = steps.step({0: seqs[0]})[0]
     assert max_diff(got, logits[0]) < TOL

@@ -121,7 +121,7 @@ def test_a_failing_compiler_falls_back_to_the_reference_and_says_why(fresh_kerne
     assert selection.attention.name == "reference" and selection.ops["swiglu"].name == "paddle_swiglu"
     assert selection.moe.name == "reference"
     rejected = [d for d in selection.decisions if d.name.startswith("cpu_native")]
-    assert {d.role for d in rejected} == {"op:swiglu", "op:fp8_linear", "op:bf16_linear", "attention", "moe"}
+    assert {d.role for d in rejected} == {"op:swiglu", "op:fp8_linear", "op:linear", "attention", "moe"}
     assert all("false failed" in d.reason for d in rejected)
 
 

@@ -15,8 +15,8 @@ the `Selection` (was ``backend``); settings and op kernels are registered throug
 routes (`fdplug.plugin_api.moe.select_experts` with a `Routing`), so ``MoEBackend.forward`` takes the
 chosen ``(topk_weights, topk_ids)`` instead of the router logits. 3.1: the ``fp8_linear`` op,
 ``ModelRunnerSpec.weight_formats`` (the linear layers' formats a runner executes) and `ModelTraits`
-fields for weight formats and shapes; FP8 formats in `fdplug.plugin_api.fp8`. 3.2: the ``bf16_linear``
-op (bf16 weights, computed in the activations' dtype) and ``EngineConfig.weight_dtype``.
+fields for weight formats and shapes; FP8 formats in `fdplug.plugin_api.fp8`. 3.2: the ``linear``
+op (every float linear layer, weights ``[N, K]``, bf16 weights allowed) and ``EngineConfig.weight_dtype``.
 """
 
 from __future__ import annotations

@@ -17,11 +17,12 @@ Contracts (``T`` tokens as rows; inputs are never modified; results in the input
     ``x [..., K]``, ``weight [N, K]`` float8_e4m3fn, ``weight_scale [N, ceil(K / block_k)]`` float32 (per-row
     block scales, `fdplug.core.model.fp8_layers`) -> ``y [..., N] = x @ (weight * scale)^T`` (no bias).
     A kernel may keep the weights one byte each; it must not change them.
-``bf16_linear(x, weight) -> y``
-    ``x [..., K]``, ``weight [N, K]`` bfloat16 (the checkpoint's layout, as the FP8 weights) ->
-    ``y [..., N] = x @ float32(weight)^T`` in ``x``'s dtype: bf16 storage, ``x``'s arithmetic. On a
-    device that computes in float32 this halves the weight bytes a decode step reads; the widening
-    is exact, so the result is the float32 model's with the same (bf16) weights.
+``linear(x, weight) -> y``
+    ``x [..., K]``, ``weight [N, K]`` (the checkpoint's layout) in ``x``'s dtype or bfloat16 ->
+    ``y [..., N] = x @ weight^T`` in ``x``'s dtype and arithmetic (no bias: the layer adds it). Every
+    float linear layer and the lm_head. bf16 weights with float32 ``x`` are how a device that
+    computes in float32 keeps a bf16 model at 2 bytes a weight; the widening is exact, so the result
+    is the float32 model's on the same (bf16) weights.
 
 A kernel must agree with the portable implementation to float32 rounding (relative 1e-5); the
 conformance kit (`fdplug.testing`) checks every registered op against it.
@@ -32,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-OPS: tuple[str, ...] = ("swiglu", "rms_norm", "fp8_linear", "bf16_linear")
+OPS: tuple[str, ...] = ("swiglu", "rms_norm", "fp8_linear", "linear")
 """Every op a plugin may override, in the order `Kernels` lists them."""
 
 
@@ -43,4 +44,4 @@ class Kernels:
     swiglu: Callable[[Any], Any]
     rms_norm: Callable[[Any, Any, float], Any]
     fp8_linear: Callable[[Any, Any, Any, int], Any]
-    bf16_linear: Callable[[Any, Any], Any]
+    linear: Callable[[Any, Any], Any]

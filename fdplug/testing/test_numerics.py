@@ -87,21 +87,23 @@ def test_fp8_linear_kernel_matches_the_portable_one(fdplug_selection, fdplug_pla
             np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * scale, err_msg=f"{n}x{k}/{bk} {rows} rows")
 
 
-def test_bf16_linear_kernel_matches_the_portable_one(fdplug_selection, fdplug_place):
-    """The selected ``bf16_linear`` kernel against the portable widen-and-matmul: depths that are not
-    a multiple of any vector width, 1 to 300 rows, weights spanning bf16's range."""
+@pytest.mark.parametrize("weight_dtype", ["float32", "bfloat16"])
+def test_linear_kernel_matches_the_portable_one(fdplug_selection, fdplug_place, weight_dtype):
+    """The selected ``linear`` kernel against the portable matmul: depths that are not a multiple of
+    any vector width, 1 to 300 rows, weights spanning bf16's range, float32 and bf16 weights (a
+    device computing in bf16 runs the float32 case in its dtype: this kit compares in float32)."""
     import paddle
 
     from fdplug.core.portable import ops as portable
 
-    kernel = fdplug_selection.ops["bf16_linear"].factory(EngineConfig())
+    kernel = fdplug_selection.ops["linear"].factory(EngineConfig())
     rng = np.random.default_rng(10)
     paddle.set_device(fdplug_place)
     for n, k in ((70, 200), (96, 17), (256, 512)):
         w = rng.standard_normal((n, k)).astype(np.float32) * np.exp(rng.uniform(-8, 3, (n, k))).astype(np.float32)
-        weight = paddle.to_tensor(w).astype("bfloat16")
+        weight = paddle.to_tensor(w).astype(weight_dtype)
         for rows in (1, 3, 8, 9, 300):
             x = paddle.to_tensor(rng.standard_normal((rows, k), dtype=np.float32))
-            got, expected = kernel(x, weight).numpy(), portable.bf16_linear(x, weight).numpy()
+            got, expected = kernel(x, weight).numpy(), portable.linear(x, weight).numpy()
             scale = np.abs(expected).max()
             np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * scale, err_msg=f"{n}x{k} {rows} rows")

@@ -67,18 +67,18 @@ def resolve_engine(model: str | None, device: str = "auto", runner: str | None =
 def compute_dtype(asked: str, model_dtype: str, selection: Selection) -> tuple[str, str]:
     """``(compute dtype, weight dtype)``. ``auto``: the model's dtype if the device computes in it,
     else the device's preferred one. bfloat16 on a device that computes only in float32 (the cpu)
-    means bf16 *weights* and float32 math (`layers.Bf16Linear`): asked for explicitly, always; under
-    ``auto`` for a bf16 checkpoint, where the selected ``bf16_linear`` kernel reads bf16 in place (the
+    means bf16 *weights* and float32 math (`layers.Linear`): asked for explicitly, always; under
+    ``auto`` for a bf16 checkpoint, where the selected ``linear`` kernel reads bf16 in place (the
     portable one widens every layer per call, slower than float32 weights). Another explicit dtype
     the device does not compute in is a ConfigError."""
-    from fdplug.core.portable import PORTABLE_BF16_LINEAR
+    from fdplug.core.portable import PORTABLE_LINEAR
 
     device = selection.device
     weights_only = "bfloat16" not in device.dtypes and "float32" in device.dtypes
     if asked == "auto":
         if model_dtype in device.dtypes:
             return model_dtype, model_dtype
-        if model_dtype == "bfloat16" and weights_only and selection.ops["bf16_linear"].name != PORTABLE_BF16_LINEAR:
+        if model_dtype == "bfloat16" and weights_only and selection.ops["linear"].name != PORTABLE_LINEAR:
             return "float32", "bfloat16"
         return device.dtypes[0], device.dtypes[0]
     if asked in device.dtypes:

@@ -98,7 +98,7 @@ class DecoderForCausalLM(nn.Layer):
         super().__init__()
         self.config = cfg
         self.dtype_name = dtype
-        self.logits_kernel = kernels.bf16_linear if cfg.bf16_weights else None
+        self.logits_kernel = kernels.linear       # the lm_head is a linear of [vocab, hidden] weights
         table_dtype = "bfloat16" if cfg.bf16_weights else dtype   # the embedding is the tied lm_head
         self.embed_tokens = empty_parameter([cfg.vocab_size, cfg.hidden_size], table_dtype)
         moe_layers = set(cfg.moe.layers) if cfg.moe else set()
@@ -120,7 +120,7 @@ class DecoderForCausalLM(nn.Layer):
     def embed(self, input_ids: Any) -> Any:
         """Token embeddings ``[T, hidden]``; multimodal code replaces rows before ``forward``."""
         h = F.embedding(input_ids, self.embed_tokens)
-        return h.astype(self.dtype_name) if self.logits_kernel is not None else h
+        return h.astype(self.dtype_name) if self.config.bf16_weights else h
 
     def forward(self, input_ids: Any, positions: Any, kv_caches: list[tuple[Any, Any]], attn_prepared: Any,
                 inputs_embeds: Any | None = None) -> Any:
@@ -138,7 +138,5 @@ class DecoderForCausalLM(nn.Layer):
     def compute_logits(self, hidden: Any) -> Any:
         """``hidden [N, hidden]`` -> logits ``[N, vocab]`` in float32."""
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
-        if self.logits_kernel is not None:
-            return self.logits_kernel(hidden, weight).astype("float32")
-        logits = paddle.matmul(hidden, weight, transpose_y=True)
+        logits = self.logits_kernel(hidden, weight)
         return logits if logits.dtype == paddle.float32 else logits.astype("float32")

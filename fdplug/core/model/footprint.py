@@ -74,14 +74,14 @@ def weight_footprint(cfg: ModelConfig, dtype: str) -> WeightFootprint:
 def model_summary(cfg: ModelConfig, dtype: str, moe_backend: str, ops: Mapping[str, Any] | None = None) -> str:
     """What `fdplug explain --model` and the startup log say about a model: architecture, dtype,
     weights, for bf16 weights on a float32 device and for a quantized model which kernel runs the
-    linears (the selected ``bf16_linear`` / ``fp8_linear`` of ``ops``, op name -> `OpSpec`), and for a
+    linears (the selected ``linear`` / ``fp8_linear`` of ``ops``, op name -> `OpSpec`), and for a
     MoE model which backend runs its experts and how tokens are routed."""
     def kernel(op: str) -> str:
         return ops[op].name if ops and op in ops else op
 
     lines = [f"model: {cfg.architecture}, computed in {dtype}, weights {weight_footprint(cfg, dtype).describe(cfg)}"]
     if cfg.bf16_weights:
-        lines.append(f"weights: bf16, computed in {dtype} (linear layers and lm_head: {kernel('bf16_linear')}; "
+        lines.append(f"weights: bf16, computed in {dtype} (linear layers and lm_head: {kernel('linear')}; "
                      f"norms and biases in {dtype}{', routed experts in ' + dtype if cfg.moe else ''})")
     if cfg.quant is not None:
         experts = f"; routed experts: {moe_backend}" if cfg.moe is not None else ""

@@ -1,8 +1,8 @@
 """The decoder's building blocks, in plain Paddle ops so every device runs them.
 
-Tokens of all sequences of a step are flat rows ``[T, ...]`` (no batch dimension). Weights are
-stored the Paddle way, ``[in, out]``, and created without storage: the loader assigns every one of
-them, so time spent on an init (even zero-filling) would be waste.
+Tokens of all sequences of a step are flat rows ``[T, ...]`` (no batch dimension). Linear weights
+are kept as checkpoints store them, ``[out, in]``, and created without storage: the loader assigns
+every one of them, so time spent on an init (even zero-filling) would be waste.
 """
 
 from __future__ import annotations
@@ -46,26 +46,19 @@ class RMSNorm(nn.Layer):
 
 
 class Linear(nn.Layer):
-    """``x @ weight (+ bias)`` with ``weight [in, out]``; fused projections are one of these."""
+    """``x @ weight^T (+ bias)`` with ``weight [out, in]`` as the checkpoint stores it, through the
+    selected ``linear`` op (`fdplug.plugin_api.ops`); fused projections are one of these.
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: str) -> None:
+    ``weight_dtype`` is the compute dtype, or bfloat16 on a device computing in float32
+    (`ModelConfig.bf16_weights`): half the bytes, float32 math on the same values. The bias stays in
+    the compute dtype.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: str, kernel: Any = None,
+                 weight_dtype: str | None = None) -> None:
         super().__init__()
-        self.weight = empty_parameter([in_features, out_features], dtype)
-        self.bias = empty_parameter([out_features], dtype) if bias else None
-
-    def forward(self, x: Any) -> Any:
-        return F.linear(x, self.weight, self.bias)
-
-
-class Bf16Linear(nn.Layer):
-    """``x @ W^T (+ bias)`` with ``W`` kept bf16 as ``weight [out, in]`` (the checkpoint's layout) while
-    ``x`` and the bias are in the compute dtype: the ``bf16_linear`` op of the selected kernels
-    (`fdplug.plugin_api.ops`). A float32 device keeps a bf16 checkpoint's weights at 2 bytes this way."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: str, kernel: Any) -> None:
-        super().__init__()
-        self.kernel = kernel
-        self.weight = empty_parameter([out_features, in_features], "bfloat16")
+        self.kernel = kernel or PORTABLE.linear
+        self.weight = empty_parameter([out_features, in_features], weight_dtype or dtype)
         self.bias = empty_parameter([out_features], dtype) if bias else None
 
     def forward(self, x: Any) -> Any:
@@ -75,16 +68,14 @@ class Bf16Linear(nn.Layer):
 
 def make_linear(in_features: int, out_features: int, bias: bool, dtype: str, quant: Any = None,
                 kernels: Kernels = PORTABLE, bf16: bool = False) -> nn.Layer:
-    """A `Linear`; an `fp8_layers.Fp8Linear` (running the ``fp8_linear`` op of ``kernels``) when
-    ``quant`` (a `QuantConfig`) says the checkpoint's is FP8; else a `Bf16Linear` when ``bf16``
-    (`ModelConfig.bf16_weights`: bf16 weights, ``dtype`` compute)."""
+    """A `Linear` (bf16 weights when ``bf16``, `ModelConfig.bf16_weights`), or an
+    `fp8_layers.Fp8Linear` (running the ``fp8_linear`` op of ``kernels``) when ``quant`` (a
+    `QuantConfig`) says the checkpoint's is FP8."""
     if quant is not None:
         from fdplug.core.model.fp8_layers import Fp8Linear
 
         return Fp8Linear(in_features, out_features, bias, dtype, quant, kernels.fp8_linear)
-    if bf16:
-        return Bf16Linear(in_features, out_features, bias, dtype, kernels.bf16_linear)
-    return Linear(in_features, out_features, bias, dtype)
+    return Linear(in_features, out_features, bias, dtype, kernels.linear, "bfloat16" if bf16 else dtype)
 
 
 class SwiGLU(nn.Layer):

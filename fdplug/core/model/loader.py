@@ -51,7 +51,7 @@ def load_model(model_dir: str | Path, attn_backend: Any, dtype: str = "float32",
     ``moe_backend`` runs the routed experts of a MoE model (default: the portable reference).
     ``quantization="fp8"`` quantizes a float checkpoint's linears to FP8 blocks as they are read.
     ``weight_dtype="bfloat16"`` with a float32 ``dtype`` keeps the float linears, the embedding and
-    the lm_head in bf16 (`layers.Bf16Linear`, the ``bf16_linear`` op): half the bytes, float32 math.
+    the lm_head in bf16 (`layers.Linear`, the ``linear`` op): half the bytes, float32 math.
     """
     started = time.perf_counter()
     cfg = ModelConfig.from_dir(model_dir, quantization).keep_weights(dtype, weight_dtype)

@@ -40,13 +40,12 @@ class Slot:
 
 
 def proj_slots(src: str, dst: str, shape: tuple[int, int], start: int, stop: int, permute: bool,
-               quant: QuantConfig | None, bf16: bool = False) -> dict[str, Slot]:
-    """One HF linear ``src`` (``[N, K]``) as rows ``start:stop`` of the projection ``dst``: transposed
-    into a float `layers.Linear`, as stored into a `layers.Bf16Linear` (``bf16``), or as stored into
-    an `fp8_layers.Fp8Linear` with its scale grid ``weight_scale_inv`` expanded to one row of scales
-    per weight row."""
+               quant: QuantConfig | None) -> dict[str, Slot]:
+    """One HF linear ``src`` (``[N, K]``) as rows ``start:stop`` of the projection ``dst``, as stored:
+    into a `layers.Linear` (in its weight dtype), or into an `fp8_layers.Fp8Linear` with its scale
+    grid ``weight_scale_inv`` expanded to one row of scales per weight row."""
     if quant is None:
-        return {src + "weight": Slot(dst + "weight", shape, "rows" if bf16 else "linear", start, stop, permute)}
+        return {src + "weight": Slot(dst + "weight", shape, "rows", start, stop, permute)}
     (bn, bk), (n, k) = quant.block, shape
     return {src + "weight": Slot(dst + "weight", shape, "rows", start, stop, permute),
             src + "weight_scale_inv": Slot(dst + "weight_scale", (-(-n // bn), -(-k // bk)), "rows", start, stop,
@@ -74,13 +73,13 @@ def weight_slots(cfg: ModelConfig, fused_experts: bool = False) -> dict[str, Slo
             rows = (offset * d, (offset + n) * d)
             permute = permute_qk and name != "v"
             slots |= proj_slots(attn + f"{name}_proj.", dst + "self_attn.qkv_proj.", (n * d, hid), *rows, permute,
-                                qkv_quant, cfg.bf16_weights)
+                                qkv_quant)
             if cfg.attention_bias:
                 slots[src + f"self_attn.{name}_proj.bias"] = Slot(dst + "self_attn.qkv_proj.bias", (n * d,),
                                                                   "vec", *rows, permute)
             offset += n
         slots |= proj_slots(attn + "o_proj.", dst + "self_attn.o_proj.", (hid, heads * d), 0, hid, False,
-                            fused_quant(cfg.quant, attn, ("o_proj",)), cfg.bf16_weights)
+                            fused_quant(cfg.quant, attn, ("o_proj",)))
         if cfg.o_proj_bias:
             slots[src + "self_attn.o_proj.bias"] = Slot(dst + "self_attn.o_proj.bias", (hid,))
         if cfg.qk_norm:
@@ -90,21 +89,20 @@ def weight_slots(cfg: ModelConfig, fused_experts: bool = False) -> dict[str, Slo
         if cfg.moe is not None and i in cfg.moe.layers:
             slots |= moe_slots(cfg, src + "mlp.", dst + "mlp.", fused_experts)
         else:
-            slots |= swiglu_slots(src + "mlp.", dst + "mlp.", hid, inter, cfg.mlp_bias, cfg.quant, cfg.bf16_weights)
+            slots |= swiglu_slots(src + "mlp.", dst + "mlp.", hid, inter, cfg.mlp_bias, cfg.quant)
     return slots
 
 
 def swiglu_slots(src: str, dst: str, hid: int, inter: int, bias: bool,
-                 quant: QuantConfig | None = None, bf16: bool = False) -> dict[str, Slot]:
+                 quant: QuantConfig | None = None) -> dict[str, Slot]:
     """An HF gate/up/down MLP into a `layers.SwiGLU` (gate and up fused into one matmul)."""
     slots = {}
     gate_up_quant, down_quant = mlp_quant(quant, src)
     for name, cols in (("gate", (0, inter)), ("up", (inter, 2 * inter))):
-        slots |= proj_slots(src + f"{name}_proj.", dst + "gate_up_proj.", (inter, hid), *cols, False, gate_up_quant,
-                            bf16)
+        slots |= proj_slots(src + f"{name}_proj.", dst + "gate_up_proj.", (inter, hid), *cols, False, gate_up_quant)
         if bias:
             slots[src + f"{name}_proj.bias"] = Slot(dst + "gate_up_proj.bias", (inter,), "vec", *cols)
-    slots |= proj_slots(src + "down_proj.", dst + "down_proj.", (hid, inter), 0, hid, False, down_quant, bf16)
+    slots |= proj_slots(src + "down_proj.", dst + "down_proj.", (hid, inter), 0, hid, False, down_quant)
     if bias:
         slots[src + "down_proj.bias"] = Slot(dst + "down_proj.bias", (hid,))
     return slots
@@ -123,7 +121,7 @@ def moe_slots(cfg: ModelConfig, src: str, dst: str, fused_experts: bool) -> dict
     if moe.shared_intermediate_size:
         layer = src.removesuffix("mlp.")
         slots |= swiglu_slots(shared_expert_prefix(layer, moe.shared_gate), dst + "shared_expert.", hid,
-                              moe.shared_intermediate_size, False, cfg.quant, cfg.bf16_weights)
+                              moe.shared_intermediate_size, False, cfg.quant)
     if moe.shared_gate:
         slots[src + "shared_expert_gate.weight"] = Slot(dst + "shared_expert_gate", (1, hid), "linear", 0, 1)
     quant = fused_quant(cfg.quant, src + "experts.", ("gate_proj", "up_proj", "down_proj"))

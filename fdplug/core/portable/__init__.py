@@ -19,8 +19,8 @@ from fdplug.plugin_api.specs import (
 )
 
 FDPLUG_API_VERSION = API_VERSION
-PORTABLE_BF16_LINEAR = "paddle_bf16_linear"
-"""The portable ``bf16_linear``: it widens a whole layer per call, so ``dtype=auto`` keeps a bf16
+PORTABLE_LINEAR = "paddle_linear"
+"""The portable ``linear``: it widens a whole bf16 layer per call, so ``dtype=auto`` keeps a bf16
 checkpoint's weights in bf16 on a float32 device only where another kernel reads them in place."""
 
 
@@ -81,6 +81,6 @@ def fdplug_register_ops(register):
     register(OpSpec(name="paddle_fp8_linear", op="fp8_linear", devices=(ANY_DEVICE,),
                     factory=_op_factory("fp8_linear"),
                     description="the FP8 layer dequantized to the compute dtype, then one paddle matmul"))
-    register(OpSpec(name=PORTABLE_BF16_LINEAR, op="bf16_linear", devices=(ANY_DEVICE,),
-                    factory=_op_factory("bf16_linear"),
-                    description="the bf16 layer cast to the compute dtype, then one paddle matmul (a copy per call)"))
+    register(OpSpec(name=PORTABLE_LINEAR, op="linear", devices=(ANY_DEVICE,), factory=_op_factory("linear"),
+                    description="one paddle matmul of the weights as stored (bf16 weights under float32 "
+                                "activations: cast first, a copy per call)"))

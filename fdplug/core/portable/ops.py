@@ -28,10 +28,11 @@ def fp8_linear(x: Any, weight: Any, weight_scale: Any, block_k: int) -> Any:
     return paddle.matmul(x, w if w.dtype == x.dtype else w.astype(x.dtype), transpose_y=True)
 
 
-def bf16_linear(x: Any, weight: Any) -> Any:
-    """The whole layer widened to ``x``'s dtype, then one matmul with the weight as stored."""
+def linear(x: Any, weight: Any) -> Any:
+    """One matmul with the weight as stored (``[N, K]``); a bf16 weight under other activations is
+    cast to their dtype first, a copy of the layer per call."""
     return paddle.matmul(x, weight if weight.dtype == x.dtype else weight.astype(x.dtype), transpose_y=True)
 
 
-PORTABLE = Kernels(swiglu=swiglu, rms_norm=rms_norm, fp8_linear=fp8_linear, bf16_linear=bf16_linear)
+PORTABLE = Kernels(swiglu=swiglu, rms_norm=rms_norm, fp8_linear=fp8_linear, linear=linear)
 """The table a model gets when nobody chose kernels for it (tests, tools)."""

@@ -1,7 +1,7 @@
 """The cpu device's compiled kernels: built once with the system C compiler, loaded with ctypes.
 
 ``csrc/cpu_kernels.c`` holds a paged attention that reads the KV cache in place, the KV write,
-SwiGLU, a MoE layer's routed experts and the FP8 and bf16 linears (see the files for why). It is
+SwiGLU, a MoE layer's routed experts, the FP8 linear and the linear layer (see the files for why). It is
 compiled the first time it is needed, with ``-march=native``, into ``$FDPLUG_CACHE_DIR/kernels/``
 under a name that hashes the sources, the flags, the compiler and the CPU's feature flags: a
 changed source or a different CPU gets its own build, and a build from another machine sharing the directory is never loaded. The
@@ -133,7 +133,7 @@ def load() -> ctypes.CDLL:
     lib.fdplug_moe_experts.restype, lib.fdplug_moe_experts.argtypes = _c_int, [_ptr] * 6 + [_c_int] * 6
     lib.fdplug_fp8_linear.restype, lib.fdplug_fp8_linear.argtypes = None, [_ptr] * 4 + [_c_int] * 5
     lib.fdplug_fp8_moe.restype, lib.fdplug_fp8_moe.argtypes = _c_int, [_ptr] * 8 + [_c_int] * 7
-    lib.fdplug_bf16_linear.restype, lib.fdplug_bf16_linear.argtypes = None, [_ptr] * 3 + [_c_int] * 4
+    lib.fdplug_linear.restype, lib.fdplug_linear.argtypes = None, [_ptr, _ptr, _c_int, _ptr] + [_c_int] * 4
     return lib
 
 

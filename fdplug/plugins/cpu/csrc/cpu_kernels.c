@@ -1,7 +1,7 @@
 /* fdplug cpu kernels: paged attention that reads the KV cache in place, the KV cache write,
  * SwiGLU (paddle's CPU swiglu is one scalar thread: 8% of a prefill, 7% of a decode step), the
  * routed experts of a MoE layer and an FP8 block linear for decode (both at the end of the file), and,
- * in bf16_linear.c (included at the end), a linear with bf16 weights and float32 compute.
+ * in linear.c (included at the end), the linear layer with float32 or bf16 weights.
  *
  * Why: on CPU, decode attention is memory-bound. The plain-Paddle reference gathers every
  * sequence's blocks into a dense tensor each layer (read the cache, write a copy, read the copy
@@ -1071,4 +1071,4 @@ int fdplug_fp8_moe(const float *x, const uint8_t *w13, const float *s13, const u
     return status;
 }
 
-#include "bf16_linear.c" /* bf16 weights, float32 compute (its own file: one concept a file) */
+#include "linear.c" /* the linear layer, float32 or bf16 weights (its own file: one concept a file) */
