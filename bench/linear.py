@@ -84,7 +84,7 @@ def main() -> None:
         root = Path(tmp)
         float_dir = make_model(root)
         bf16_dir = write_bf16(float_dir, root / "bf16")
-        engine_args = dict(max_model_len=2048, max_num_seqs=64, num_kv_blocks=1024)
+        engine_args = {"max_model_len": 2048, "max_num_seqs": 64, "num_kv_blocks": 1024}
         llms = {"bf16": LLM(str(bf16_dir), **engine_args), "float32": LLM(str(float_dir), **engine_args),
                 "paddle": LLM(str(float_dir), op_kernels={"linear": "paddle_linear"}, **engine_args)}
         assert llms["bf16"].config.weight_dtype == "bfloat16" and llms["float32"].config.weight_dtype == "float32"

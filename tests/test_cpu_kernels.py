@@ -61,6 +61,20 @@ def test_decode_over_long_shuffled_contexts(heads, kv_heads, dim, block):
         np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-5)
 
 
+# The prefill kernel: head dims 64 and 128 (its compiled-in widths), 48 and 256 (the general loop),
+# 40 (not a multiple of 16: the reference path); blocks of 4 (a 16-key tile spans four blocks) and
+# 32; chunks after a context, longer than a piece (PREFILL_PIECE), and with bidirectional spans.
+@pytest.mark.parametrize("heads,kv_heads,dim,block", [(8, 2, 64, 4), (4, 4, 128, 32), (6, 3, 48, 16),
+                                                      (2, 1, 256, 16), (4, 2, 40, 16)])
+def test_prefill_chunks_over_shuffled_blocks(heads, kv_heads, dim, block):
+    seqs = [SeqCase(0, 300), SeqCase(37, 45, spans=[(50, 70)]), SeqCase(100, 3), SeqCase(0, 1)]
+    case = AttentionCase(heads, kv_heads, dim, block, seqs, seed=heads + dim)
+    native = NativeCpuAttention(3)
+    assert native.prefill_kernel == ("avx512f" in kernels._cpu_fingerprint().split())   # built where the CPU has it
+    for a, b in zip(run_attention(native, case), naive_attention(case)):
+        np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-5)
+
+
 def test_write_kv_stores_the_rows_the_reference_stores():
     rng = np.random.default_rng(3)
     shape = (3, 9, 4, 16)  # kv_heads, blocks, block_size, dim

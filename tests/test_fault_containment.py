@@ -20,8 +20,8 @@ import pytest
 from tests.serverkit import Server
 
 HIDDEN = 64           # the sharp test model's hidden size (feature rows must have it)
-MAX_MODEL_LEN = 256
-BYSTANDER_TOKENS = 200
+MAX_MODEL_LEN = 512
+BYSTANDER_TOKENS = 400
 
 
 @pytest.fixture(scope="module")

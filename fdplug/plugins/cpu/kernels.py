@@ -134,6 +134,7 @@ def load() -> ctypes.CDLL:
     lib.fdplug_fp8_linear.restype, lib.fdplug_fp8_linear.argtypes = None, [_ptr] * 4 + [_c_int] * 5
     lib.fdplug_fp8_moe.restype, lib.fdplug_fp8_moe.argtypes = _c_int, [_ptr] * 8 + [_c_int] * 7
     lib.fdplug_linear.restype, lib.fdplug_linear.argtypes = None, [_ptr, _ptr, _c_int, _ptr] + [_c_int] * 4
+    lib.fdplug_prefill_attention.restype, lib.fdplug_prefill_attention.argtypes = _c_int, [_ptr] * 7 + [_c_int] * 7 + [_c_float, _c_int]
     return lib
 
 

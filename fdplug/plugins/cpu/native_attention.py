@@ -1,10 +1,12 @@
-"""``cpu_native`` attention: the reference's grouping, with decode and the cache write in compiled code.
+"""``cpu_native`` attention: the reference's grouping, with decode, prefill and the cache write compiled.
 
 Decode (one query token per sequence) is most of a busy server's steps and, on CPU, is bound by
 memory traffic: the reference gathers each sequence's blocks into a dense copy every layer. Here
 decode rows go to ``fdplug_paged_attention``, which reads every key and value once from its block.
-Prefill chunks stay on the reference's matmul path, where the work is compute-bound and MKL wins.
-Same cache layout as the reference, so the two are interchangeable on one cache.
+Prefill pieces (one sequence's query rows, `ReferenceAttention.prepare`) go to
+``fdplug_prefill_attention`` (csrc/prefill_attention.c: blocked, online softmax, AVX-512) where the
+CPU has AVX-512 and the head dim is a multiple of 16; elsewhere to the reference's matmuls. Same
+cache layout as the reference, so the two are interchangeable on one cache.
 """
 
 from __future__ import annotations
@@ -19,6 +21,25 @@ from fdplug.plugin_api.attention import AttentionMetadata, cdiv
 from fdplug.plugins.cpu import kernels
 
 
+def prefill_attention(q: Any, key_cache: Any, value_cache: Any, q_rows: np.ndarray, key_end: np.ndarray,
+                      table: np.ndarray, scale: float, threads: int) -> Any:
+    """``[len(q_rows), heads, dim]``: row ``i`` attends keys ``[0, key_end[i])`` of the sequence with
+    block table ``table`` (int32 arrays, checked by the caller like `paged_attention`'s)."""
+    import paddle
+
+    q = kernels._contiguous(q)
+    kernels._check_float32(q, key_cache, value_cache)
+    heads, dim, (kv_heads, num_blocks, block_size, _) = q.shape[1], q.shape[2], key_cache.shape
+    out = paddle.empty([len(q_rows), heads, dim], dtype="float32")
+    status = kernels.load().fdplug_prefill_attention(
+        q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), q_rows.ctypes.data, key_end.ctypes.data,
+        table.ctypes.data, out.data_ptr(), len(q_rows), heads, kv_heads, dim, num_blocks, block_size,
+        int(key_end.max()), scale, threads)
+    if status != 0:
+        raise MemoryError(f"cpu prefill attention failed ({status}): no scratch memory, or built without AVX-512")
+    return out
+
+
 @dataclass(slots=True)
 class _KernelGroup:
     """Decode rows for the kernel; every array int32 and C-contiguous, checked once per step."""
@@ -30,15 +51,30 @@ class _KernelGroup:
     max_block: int             # largest block id used, to check against the cache
 
 
+@dataclass(slots=True)
+class _PrefillGroup:
+    """Query rows of one sequence for the prefill kernel; int32 and C-contiguous, checked once per step."""
+
+    q_rows: np.ndarray         # [n] rows of q (and of the output, in this order)
+    key_end: np.ndarray        # [n] visible keys [0, key_end)
+    table: np.ndarray          # [blocks] the sequence's cache block ids, as far as any row sees
+    max_block: int
+    reference: tuple[Any, ...]  # build_group's arguments, for a head dim the kernel does not take
+    reference_group: Any = None
+
+
 class NativeCpuAttention(ReferenceAttention):
     name = "cpu_native"
 
     def __init__(self, threads: int) -> None:
-        kernels.load()  # fail at construction, not at the first step
+        lib = kernels.load()  # fail at construction, not at the first step
         self.threads = threads
+        self.prefill_kernel = bool(lib.fdplug_prefill_attention_available())   # built with AVX-512
 
     def build_group(self, meta: AttentionMetadata, seqs: np.ndarray,
                     piece: tuple[int, int] | None = None) -> tuple[Any, np.ndarray]:
+        if piece is not None and self.prefill_kernel:
+            return self._prefill_group(meta, int(seqs[0]), piece)
         if piece is not None or not (meta.query_lens()[seqs] == 1).all():
             return super().build_group(meta, seqs, piece)
         rows = meta.query_start_loc[seqs]
@@ -56,7 +92,31 @@ class NativeCpuAttention(ReferenceAttention):
             raise ValueError("attention metadata: negative block id in a block table")
         return group, rows
 
+    @staticmethod
+    def _prefill_group(meta: AttentionMetadata, seq: int, piece: tuple[int, int]) -> tuple[_PrefillGroup, np.ndarray]:
+        rows = meta.query_start_loc[seq] + piece[0] + np.arange(piece[1])
+        key_end = meta.key_end[rows]
+        blocks = cdiv(int(key_end.max()), meta.block_size)
+        if key_end.min() < 1 or blocks > meta.block_tables.shape[1]:
+            raise ValueError(f"attention metadata: key_end must be in [1, {meta.block_tables.shape[1]} blocks], "
+                             f"got {int(key_end.min())}..{int(key_end.max())}")
+        table = np.ascontiguousarray(meta.block_tables[seq, :blocks], dtype=np.int32)
+        if table.min(initial=0) < 0:
+            raise ValueError("attention metadata: negative block id in a block table")
+        group = _PrefillGroup(rows.astype(np.int32), key_end.astype(np.int32), table, int(table.max(initial=0)),
+                              (meta, np.array([seq]), piece))
+        return group, rows
+
     def attend(self, g: Any, q: Any, key_cache: Any, value_cache: Any, scale: float) -> Any:
+        if isinstance(g, _PrefillGroup) and not (16 <= q.shape[2] <= 256 and q.shape[2] % 16 == 0):
+            if g.reference_group is None:      # built once a step, used by every layer
+                g.reference_group = super().build_group(*g.reference)[0]
+            g = g.reference_group
+        if isinstance(g, _PrefillGroup):
+            if g.max_block >= key_cache.shape[1]:
+                raise ValueError(f"block id {g.max_block} is outside the KV cache ({key_cache.shape[1]} blocks)")
+            return prefill_attention(q, key_cache, value_cache, g.q_rows, g.key_end, g.table, scale,
+                                             self.threads)
         if not isinstance(g, _KernelGroup):
             return super().attend(g, q, key_cache, value_cache, scale)
         if g.max_block >= key_cache.shape[1]:
