@@ -1,4 +1,4 @@
-"""The cpu device's compiled MoE experts (`kernels.pack_experts` / `kernels.moe_experts`).
+"""The cpu device's compiled MoE experts (`native_moe.pack_experts` / `native_moe.moe_experts`).
 
 Against a float64 numpy reference written from the formula, on shapes that reach every path of the
 C code (narrow last panels when H or I is no multiple of 8 or 16, tiles of every row count, groups
@@ -16,7 +16,7 @@ import numpy as np
 import paddle
 import pytest
 
-from fdplug.plugins.cpu import kernels
+from fdplug.plugins.cpu import kernels, native_moe
 
 if kernels.compiler() is None:  # the reference still serves; say so rather than fail on a compiler-less box
     pytest.skip("no C compiler on PATH: the compiled cpu kernels cannot be built here", allow_module_level=True)
@@ -50,11 +50,11 @@ def _reference(x, gate, up, down, ids, weights):
 
 
 def _run(packed, x, ids, weights, threads):
-    return kernels.moe_experts(paddle.to_tensor(x), packed, ids, weights, threads).numpy()
+    return native_moe.moe_experts(paddle.to_tensor(x), packed, ids, weights, threads).numpy()
 
 
 def _pack(gate, up, down):
-    return kernels.pack_experts(paddle.to_tensor(gate), paddle.to_tensor(up), paddle.to_tensor(down))
+    return native_moe.pack_experts(paddle.to_tensor(gate), paddle.to_tensor(up), paddle.to_tensor(down))
 
 
 def _assert_matches(got, want):
@@ -96,7 +96,7 @@ def test_experts_without_tokens_and_repeated_ids():
 def test_no_tokens():
     rng = np.random.default_rng(6)
     packed = _pack(*_experts(rng, 4, 24, 16))
-    out = kernels.moe_experts(paddle.zeros([0, 24]), packed, np.zeros((0, 2), np.int32), np.zeros((0, 2), np.float32),
+    out = native_moe.moe_experts(paddle.zeros([0, 24]), packed, np.zeros((0, 2), np.int32), np.zeros((0, 2), np.float32),
                               2)
     assert out.shape == [0, 24] and str(out.dtype) == "paddle.float32"
 
@@ -156,21 +156,21 @@ def test_refuses_what_it_cannot_take():
     for bad in (4, -1, 2**31 - 1, -2**31):
         ids = np.array([[0, 1], [2, 3], [1, bad]], dtype=np.int32)
         with pytest.raises(ValueError, match=f"expert id {bad} is outside"):
-            kernels.moe_experts(x, packed, ids, weights, 2)
+            native_moe.moe_experts(x, packed, ids, weights, 2)
     with pytest.raises(TypeError, match="int32"):
-        kernels.moe_experts(x, packed, np.zeros((3, 2), np.int64), weights, 2)
+        native_moe.moe_experts(x, packed, np.zeros((3, 2), np.int64), weights, 2)
     with pytest.raises(ValueError, match="topk_ids and topk_weights"):
-        kernels.moe_experts(x, packed, np.zeros((2, 2), np.int32), weights[:2], 2)
+        native_moe.moe_experts(x, packed, np.zeros((2, 2), np.int32), weights[:2], 2)
     with pytest.raises(ValueError, match=r"x must be \[T, 16\]"):
-        kernels.moe_experts(paddle.zeros([3, 8]), packed, np.zeros((3, 2), np.int32), weights, 2)
+        native_moe.moe_experts(paddle.zeros([3, 8]), packed, np.zeros((3, 2), np.int32), weights, 2)
     with pytest.raises(TypeError, match="float32"):
-        kernels.moe_experts(paddle.zeros([3, 16], dtype="float64"), packed, np.zeros((3, 2), np.int32), weights, 2)
+        native_moe.moe_experts(paddle.zeros([3, 16], dtype="float64"), packed, np.zeros((3, 2), np.int32), weights, 2)
     with pytest.raises(ValueError, match=r"down must be \[E, H, I\]"):
-        kernels.pack_experts(paddle.zeros([2, 8, 16]), paddle.zeros([2, 8, 16]), paddle.zeros([2, 8, 16]))
+        native_moe.pack_experts(paddle.zeros([2, 8, 16]), paddle.zeros([2, 8, 16]), paddle.zeros([2, 8, 16]))
     # non-contiguous ids and float64 weights are converted, not misread
     ids = np.asfortranarray(np.array([[0, 1], [2, 3], [3, 0]], dtype=np.int32))
-    want = kernels.moe_experts(x, packed, np.ascontiguousarray(ids), weights, 1).numpy()
-    np.testing.assert_array_equal(kernels.moe_experts(x, packed, ids, weights.astype(np.float64), 1).numpy(), want)
+    want = native_moe.moe_experts(x, packed, np.ascontiguousarray(ids), weights, 1).numpy()
+    np.testing.assert_array_equal(native_moe.moe_experts(x, packed, ids, weights.astype(np.float64), 1).numpy(), want)
 
 
 _X86 = platform.machine().lower() in ("x86_64", "amd64")

@@ -61,6 +61,11 @@ def test_op_kernels_match_the_portable_ones(op, fdplug_selection, fdplug_place):
             weight = paddle.to_tensor(rng.standard_normal(2 * 96, dtype=np.float32))
             got, expected = kernel(x, weight, 1e-6), portable.rms_norm(x, weight, 1e-6)
         np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-5, atol=1e-6, err_msg=f"{rows} rows")
+    if op == "rms_norm":     # Qwen3's q/k norm: [tokens, heads, dim] rows, one weight row per head
+        x = paddle.to_tensor(rng.standard_normal((5, 6, 40), dtype=np.float32))
+        weight = paddle.to_tensor(rng.standard_normal((6, 40), dtype=np.float32))
+        np.testing.assert_allclose(kernel(x, weight, 1e-6).numpy(), portable.rms_norm(x, weight, 1e-6).numpy(),
+                                   rtol=1e-5, atol=1e-6, err_msg="per-head weights")
 
 
 def test_fp8_linear_kernel_matches_the_portable_one(fdplug_selection, fdplug_place):

@@ -3,8 +3,8 @@
 It registers the cpu device (threads, MKL dispatch, malloc tuning in ``device.py``) and, where the
 kernels in ``csrc/`` build with the system C compiler (``kernels.py``), faster components
 for it: ``cpu_native`` attention (decode reads the paged cache in place), ``cpu_native`` MoE (the
-routed experts in one compiled call) and the ``cpu_native`` SwiGLU, FP8-linear and linear op
-kernels. Everything else on the cpu device is the core's portable code.
+routed experts in one compiled call) and the ``cpu_native`` SwiGLU, RMSNorm, FP8-linear and linear
+op kernels. Everything else on the cpu device is the core's portable code.
 """
 
 from __future__ import annotations
@@ -44,6 +44,15 @@ def _native_fp8_linear_factory(config):
 
     kernels.load()
     return functools.partial(native_fp8.fp8_linear_or_portable, threads=device.cpu_threads())
+
+
+def _native_rms_norm_factory(config):
+    import functools
+
+    from fdplug.plugins.cpu import kernels
+
+    kernels.load()
+    return functools.partial(kernels.rms_norm, threads=device.cpu_threads())
 
 
 def _native_linear_factory(config):
@@ -99,6 +108,10 @@ def fdplug_register_ops(register):
                                 "FP8_MAX_ROWS rows; above, the portable dequantize-and-matmul"))
 
 
+    register(OpSpec(name="cpu_native_rms_norm", op="rms_norm", devices=("cpu",), factory=_native_rms_norm_factory,
+                    priority=10, supports=_native_kernels_supports,
+                    description="one compiled call instead of paddle's five ops (float32; the q/k norm's "
+                                "per-head weights too)"))
     register(OpSpec(name="cpu_native_linear", op="linear", devices=("cpu",), factory=_native_linear_factory,
                     priority=10, supports=_native_kernels_supports,
                     description="AVX-512 FMA tiles on float32 or bf16 weights read in place (compiled C; bf16 "

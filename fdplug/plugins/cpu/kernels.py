@@ -25,7 +25,6 @@ import shlex
 import shutil
 import subprocess
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +42,20 @@ FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared", "-pthrea
 ABI = 5
 BUILD_TIMEOUT_S = 120.0
 
-_c_int, _c_float, _ptr = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+_c_int, _c_float, _ptr, _i64 = ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_int64
+SIGNATURES = {   # (restype, argtypes) of every function the library exports (csrc/)
+    "fdplug_paged_attention": (_c_int, [_ptr] * 8 + [_c_int] * 8 + [_c_float, _c_int]),
+    "fdplug_write_kv": (None, [_ptr] * 5 + [_c_int] * 3 + [_i64]),
+    "fdplug_swiglu": (None, [_ptr, _ptr, _i64, _c_int, _c_int]),
+    "fdplug_moe_pack": (None, [_ptr] * 5 + [_c_int] * 4),
+    "fdplug_moe_experts": (_c_int, [_ptr] * 6 + [_c_int] * 6),
+    "fdplug_fp8_linear": (None, [_ptr] * 4 + [_c_int] * 5),
+    "fdplug_fp8_moe": (_c_int, [_ptr] * 8 + [_c_int] * 7),
+    "fdplug_linear": (None, [_ptr, _ptr, _c_int, _ptr] + [_c_int] * 4),
+    "fdplug_prefill_attention": (_c_int, [_ptr] * 7 + [_c_int] * 7 + [_c_float, _c_int]),
+    "fdplug_prefill_attention_available": (_c_int, []),
+    "fdplug_rms_norm": (None, [_ptr] * 3 + [_i64, _c_int, _c_int, _c_float, _c_int]),
+}
 
 
 class KernelsUnavailable(RuntimeError):
@@ -125,16 +137,9 @@ def load() -> ctypes.CDLL:
         raise KernelsUnavailable(f"{path} does not load: {exc}") from None
     if lib.fdplug_kernels_abi() != ABI:
         raise KernelsUnavailable(f"{path} has ABI {lib.fdplug_kernels_abi()}, expected {ABI}")
-    attention = lib.fdplug_paged_attention
-    attention.restype, attention.argtypes = _c_int, [_ptr] * 8 + [_c_int] * 8 + [_c_float, _c_int]
-    lib.fdplug_write_kv.restype, lib.fdplug_write_kv.argtypes = None, [_ptr] * 5 + [_c_int] * 3 + [ctypes.c_int64]
-    lib.fdplug_swiglu.restype, lib.fdplug_swiglu.argtypes = None, [_ptr, _ptr, ctypes.c_int64, _c_int, _c_int]
-    lib.fdplug_moe_pack.restype, lib.fdplug_moe_pack.argtypes = None, [_ptr] * 5 + [_c_int] * 4
-    lib.fdplug_moe_experts.restype, lib.fdplug_moe_experts.argtypes = _c_int, [_ptr] * 6 + [_c_int] * 6
-    lib.fdplug_fp8_linear.restype, lib.fdplug_fp8_linear.argtypes = None, [_ptr] * 4 + [_c_int] * 5
-    lib.fdplug_fp8_moe.restype, lib.fdplug_fp8_moe.argtypes = _c_int, [_ptr] * 8 + [_c_int] * 7
-    lib.fdplug_linear.restype, lib.fdplug_linear.argtypes = None, [_ptr, _ptr, _c_int, _ptr] + [_c_int] * 4
-    lib.fdplug_prefill_attention.restype, lib.fdplug_prefill_attention.argtypes = _c_int, [_ptr] * 7 + [_c_int] * 7 + [_c_float, _c_int]
+    for name, (restype, argtypes) in SIGNATURES.items():
+        function = getattr(lib, name)
+        function.restype, function.argtypes = restype, argtypes
     return lib
 
 
@@ -224,77 +229,26 @@ def swiglu(x: Any, threads: int) -> Any:
     return out
 
 
-@dataclass(frozen=True, slots=True)
-class PackedExperts:
-    """One layer's routed experts in the layout ``fdplug_moe_experts`` reads (see the C file).
-
-    ``gate_up`` [E, 2*I*H]: per expert, panels of 8 intermediate columns, each ``[H][8 gate | 8 up]``
-    (the last panel narrower when I is not a multiple of 8). ``down`` [E, H*I]: per expert, panels
-    of 16 output columns, each ``[I][16]`` (the last one narrower). Exactly the inputs' floats.
-    """
-
-    gate_up: Any
-    down: Any
-    num_experts: int
-    hidden: int
-    inter: int
+# Below this many rows one thread does the norm: starting the others costs more than it saves.
+RMS_NORM_MIN_PARALLEL_ROWS = 64
 
 
-def pack_experts(gate: Any, up: Any, down: Any, threads: int = 1) -> PackedExperts:
-    """One layer's experts (``gate``, ``up`` [E, I, H], ``down`` [E, H, I], float32) repacked, at load time.
-
-    The result holds new tensors only (as many bytes as the inputs, which it does not keep).
-    """
+def rms_norm(x: Any, weight: Any, eps: float, threads: int) -> Any:
+    """The ``rms_norm`` op (`fdplug.plugin_api.ops`) in one call for float32 ``x [..., D]`` and a
+    ``weight`` of ``[D]`` or of ``x``'s trailing ``[heads, D]`` (the q/k norm); else paddle's."""
     import paddle
 
-    lib = load()
-    gate, up, down = _contiguous(gate), _contiguous(up), _contiguous(down)
-    _check_float32(gate, up, down)
-    if len(gate.shape) != 3 or list(up.shape) != list(gate.shape):
-        raise ValueError(f"gate and up must both be [E, I, H], got {list(gate.shape)} and {list(up.shape)}")
-    experts, inter, hidden = (int(n) for n in gate.shape)
-    if list(down.shape) != [experts, hidden, inter]:
-        raise ValueError(f"down must be [E, H, I] = {[experts, hidden, inter]}, got {list(down.shape)}")
-    if min(experts, inter, hidden) <= 0 or 2 * inter * hidden >= 2**31:
-        raise ValueError(f"unsupported expert shape E={experts} I={inter} H={hidden}")
-    gate_up = paddle.empty([experts, 2 * inter * hidden], dtype="float32")
-    packed_down = paddle.empty([experts, hidden * inter], dtype="float32")
-    lib.fdplug_moe_pack(gate.data_ptr(), up.data_ptr(), down.data_ptr(), gate_up.data_ptr(), packed_down.data_ptr(),
-                        experts, hidden, inter, max(1, threads))
-    return PackedExperts(gate_up, packed_down, experts, hidden, inter)
+    from fdplug.core.portable.ops import rms_norm as portable
 
-
-def moe_experts(x: Any, packed: PackedExperts, topk_ids: np.ndarray, topk_weights: np.ndarray,
-                threads: int) -> Any:
-    """``out[t] = sum_k topk_weights[t, k] * down_e(silu(gate_e x_t) * up_e x_t)``, ``e = topk_ids[t, k]``.
-
-    ``x`` [T, H] float32; ``topk_ids`` int32 and ``topk_weights`` [T, K]. Each token's row is the
-    same, bit for bit, whatever else is in the batch and however many threads run it. An id outside
-    ``[0, E)`` is a ValueError (checked in C before anything is read through it).
-    """
-    import paddle
-
+    dim = int(x.shape[-1])
+    shape, wshape = list(x.shape), list(weight.shape)
+    if (x.dtype != paddle.float32 or weight.dtype != paddle.float32 or dim == 0
+            or wshape not in ([dim], shape[-len(wshape):]) or len(wshape) > 2):
+        return portable(x, weight, eps)
     x = _contiguous(x)
-    _check_float32(x)
-    if len(x.shape) != 2 or int(x.shape[1]) != packed.hidden:
-        raise ValueError(f"x must be [T, {packed.hidden}], got {x.shape}")
-    ids = np.asarray(topk_ids)
-    if ids.dtype != np.int32:
-        raise TypeError(f"topk_ids must be int32, got {ids.dtype}")
-    ids = np.ascontiguousarray(ids)
-    weights = np.ascontiguousarray(topk_weights, dtype=np.float32)
-    tokens = int(x.shape[0])
-    if ids.ndim != 2 or ids.shape[0] != tokens or weights.shape != ids.shape or ids.shape[1] < 1:
-        raise ValueError(f"topk_ids and topk_weights must both be [{tokens}, K], got {ids.shape} and {weights.shape}")
-    out = paddle.empty([tokens, packed.hidden], dtype="float32")
-    if tokens == 0:
-        return out
-    status = load().fdplug_moe_experts(
-        x.data_ptr(), packed.gate_up.data_ptr(), packed.down.data_ptr(), ids.ctypes.data, weights.ctypes.data,
-        out.data_ptr(), tokens, ids.shape[1], packed.num_experts, packed.hidden, packed.inter, threads)
-    if status == -2:
-        bad = ids[(ids < 0) | (ids >= packed.num_experts)]
-        raise ValueError(f"expert id {int(bad[0])} is outside [0, {packed.num_experts})")
-    if status != 0:
-        raise MemoryError("the cpu MoE kernel could not allocate its scratch memory")
+    rows = int(np.prod(shape[:-1]))
+    out = paddle.empty(shape, dtype="float32")
+    weight_rows = 1 if len(wshape) == 1 else wshape[0]
+    load().fdplug_rms_norm(x.data_ptr(), _contiguous(weight).data_ptr(), out.data_ptr(), rows, dim, weight_rows, eps,
+                           threads if rows >= RMS_NORM_MIN_PARALLEL_ROWS else 1)
     return out
