@@ -12,7 +12,6 @@ import paddle
 import pytest
 
 from fdplug.core.frontend.llm import LLM
-from fdplug.core.portable import ops as portable
 from fdplug.plugin_api.fp8 import block_quant
 from fdplug.plugins.cpu import kernels, native_fp8
 
@@ -67,14 +66,18 @@ def test_the_same_bits_whatever_the_thread_count():
     assert np.array_equal(one[2], native_fp8.fp8_linear(x[2:3], q, scales, 128, threads=2).numpy()[0])  # batch-free
 
 
-def test_long_inputs_go_to_the_portable_path_and_shapes_are_checked():
-    q, scales = quantized(16, 64, 32, seed=4)
-    x = paddle.to_tensor(np.random.default_rng(1).standard_normal((native_fp8.FP8_MAX_ROWS + 1, 64)).astype("float32"))
-    np.testing.assert_array_equal(native_fp8.fp8_linear_or_portable(x, q, scales, 32, threads=2).numpy(),
-                                  portable.fp8_linear(x, q, scales, 32).numpy())
+def test_long_inputs_widen_the_layer_once_and_shapes_are_checked():
+    q, scales = quantized(16, 72, 32, seed=4)     # 72: an edge block of 8
+    np.testing.assert_array_equal(native_fp8.dequantize(q, scales, 32, threads=2).numpy(),
+                                  reference(np.eye(72, dtype=np.float32), q, scales, 32).T.astype(np.float32))
+    x = paddle.to_tensor(np.random.default_rng(1).standard_normal((native_fp8.FP8_MAX_ROWS + 1, 72)).astype("float32"))
+    np.testing.assert_allclose(native_fp8.fp8_linear_or_portable(x, q, scales, 32, threads=2).numpy(),
+                               reference(x.numpy(), q, scales, 32), rtol=1e-5, atol=1e-5)
     assert native_fp8.fp8_linear(x[:0], q, scales, 32, threads=2).shape == [0, 16]
     with pytest.raises(ValueError, match="do not match block_k=64"):
         native_fp8.fp8_linear(x, q, scales, 64, threads=2)
+    with pytest.raises(ValueError, match="do not match block_k=64"):
+        native_fp8.dequantize(q, scales, 64, threads=2)
 
 
 def test_an_fp8_model_decodes_the_same_tokens_with_the_kernel(tmp_path):

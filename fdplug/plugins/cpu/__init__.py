@@ -105,7 +105,7 @@ def fdplug_register_ops(register):
     register(OpSpec(name="cpu_native_fp8_linear", op="fp8_linear", devices=("cpu",), factory=_native_fp8_linear_factory,
                     priority=10, supports=_native_kernels_supports,
                     description="FP8 weights read in place, widened in registers (compiled C) up to "
-                                "FP8_MAX_ROWS rows; above, the portable dequantize-and-matmul"))
+                                "FP8_MAX_ROWS rows; above, the layer widened once in C and the linear kernel"))
 
 
     register(OpSpec(name="cpu_native_rms_norm", op="rms_norm", devices=("cpu",), factory=_native_rms_norm_factory,

@@ -955,6 +955,34 @@ void fdplug_fp8_linear(const float *x, const uint8_t *w, const float *scales, fl
     run_workers(fp8_worker, &job, num_threads < pieces ? num_threads : (int)pieces);
 }
 
+/* out [cols, depth] float32 = w [cols, depth] e4m3 times its per-row block scales: the layer widened
+ * once for a long prefill, where fdplug_linear's tiles beat re-widening the weights every 8 rows. */
+typedef struct {
+    const uint8_t *w;
+    const float *scales;
+    float *out;
+    int cols, depth, blocks, block_k;
+    int next_col;
+} fp8_dequant_job;
+
+static void *fp8_dequant_worker(void *arg) {
+    fp8_dequant_job *job = arg;
+    for (;;) {
+        const int n = __atomic_fetch_add(&job->next_col, 1, __ATOMIC_RELAXED);
+        if (n >= job->cols) return NULL;
+        const uint8_t *w = job->w + (int64_t)n * job->depth;
+        float *o = job->out + (int64_t)n * job->depth;
+        for (int k = 0; k < job->depth; ++k) o[k] = e4m3_to_float(w[k]) * job->scales[(int64_t)n * job->blocks + k / job->block_k];
+    }
+}
+
+void fdplug_fp8_dequant(const uint8_t *w, const float *scales, float *out, int cols, int depth, int block_k,
+                        int num_threads) {
+    if (cols <= 0 || depth <= 0) return;
+    fp8_dequant_job job = {w, scales, out, cols, depth, (depth + block_k - 1) / block_k, block_k, 0};
+    run_workers(fp8_dequant_worker, &job, num_threads < cols ? num_threads : cols);
+}
+
 /* Grouped FP8 linear (FP8 experts): rows [offsets[g], offsets[g + 1]) of x [A, depth] times group g's
  * weight w[g] [cols, depth] with its scales [cols, blocks], into the same rows of out [A, cols]. Work
  * items are (group, column piece) pairs of the groups that have rows, all taken from one counter, so
