@@ -115,7 +115,7 @@ def doctor_command() -> None:
     failed = plugin_set.failed()
     click.echo(f"plugins: {len(plugin_set.plugins())} seen, {len(failed)} failed"
                + (f" ({', '.join(p.name for p in failed)}; see `fdplug plugins`)" if failed else ""))
-    from fdplug.server import settings as _server_settings  # noqa: F401  (declares the server's)
+    from fdplug.server import settings as _server_settings
 
     settings = [setting for _, setting in sorted(SETTINGS.items()) if setting.is_set()]
     click.echo("settings from the environment:" if settings else "settings from the environment: none")
@@ -138,27 +138,31 @@ def doctor_command() -> None:
               help="With --model: as if its float linears were quantized to FP8 at load.")
 @click.option("--dtype", default="auto", show_default=True,
               type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
-              help="With --model: as if served with this --dtype (bfloat16 on cpu: bf16 weights, float32 math).")
+              help="With --model: as if served with this --dtype (bfloat16 on cpu: bf16 weights).")
+@click.option("--op-kernel", "op_kernels", multiple=True, metavar="OP=NAME",
+              help="Kernel for one op, e.g. linear=cpu_native_linear (repeatable; default: by priority).")
 @click.option("--json", "as_json", is_flag=True, help="Print the selection as names (what another process rebuilds).")
 @user_errors
 def explain_command(device: str, runner: str | None, attention: str | None, moe: str | None, model: str | None,
-                    quantization: str | None, dtype: str, as_json: bool) -> None:
+                    quantization: str | None, dtype: str, op_kernels: tuple[str, ...], as_json: bool) -> None:
     """Show what would be selected for each role, and why every other candidate was not.
 
     Exits non-zero, with the reason and the fix, when no selection is possible.
     """
+    from fdplug.cli_options import parse_op_kernels
     from fdplug.core.config import EngineConfig
     from fdplug.core.engine.startup import resolve_engine
 
+    ops = parse_op_kernels(op_kernels)
     if model is not None:
-        config, model_config, selection = resolve_engine(model, device, runner, attention, moe,
+        config, model_config, selection = resolve_engine(model, device, runner, attention, moe, ops=ops,
                                                          quantization=quantization, dtype=dtype)
     elif quantization is not None or dtype != "auto":
         raise click.UsageError("--quantization and --dtype need --model (they are about a model's weights).")
     else:
         config, model_config = EngineConfig(), None
         plugin_set = load_plugins()
-        selection = select_components(device, runner, attention, moe, config=config, plugins=plugin_set)
+        selection = select_components(device, runner, attention, moe, ops=ops, config=config, plugins=plugin_set)
         plugin_set.configure(config, selection)
     if as_json:
         click.echo(json.dumps(selection.to_names(), indent=2))

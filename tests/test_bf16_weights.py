@@ -1,9 +1,11 @@
-"""bf16 weights on the float32 cpu device: half the bytes, float32 math on the same values.
+"""bf16 weights on the float32 cpu device: half the bytes, float32 or bf16 math.
 
 A bf16 checkpoint (or ``dtype="bfloat16"``) keeps its linears, embedding and lm_head in bf16
-(`layers.Linear` with bf16 weights, the ``linear`` op); widening bf16 to float32 is exact, so the model must
-compute what the float32 model computes on the same (bf16-rounded) values: the same greedy tokens,
-logprobs to float32 summation order, and transformers' logits on the bf16 golden fixture.
+(`layers.Linear` with bf16 weights, the ``linear`` op). With ``cpu_native_linear`` (float32 math:
+widening bf16 to float32 is exact) the model must compute what the float32 model computes on the
+same (bf16-rounded) values: the same greedy tokens, logprobs to float32 summation order, and
+transformers' logits on the bf16 golden fixture. The bf16-math kernel (selected where the CPU has
+AVX512-BF16) is checked in tests/test_cpu_bf16_linear_kernel.py and tests/test_bf16_math.py.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ if kernels.unavailable_reason() is not None:
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3)
 PORTABLE_OP = {"linear": "paddle_linear"}
+FLOAT32_MATH = {"linear": "cpu_native_linear"}
 
 
 def rewrite(src: Path, dst: Path, dtype: str, matrices_only: bool = False) -> Path:
@@ -82,7 +85,7 @@ def assert_same_generation(got, want):
 
 def test_a_bf16_checkpoint_stays_bf16_and_generates_what_float32_does_on_its_values(models):
     _, bf16, rounded, _ = models
-    llm, got = run(bf16, max_num_batched_tokens=16, max_num_seqs=2)      # chunked, batched, preempting
+    llm, got = run(bf16, max_num_batched_tokens=16, max_num_seqs=2, op_kernels=FLOAT32_MATH)  # chunked, batched, preempting
     assert (llm.config.dtype, llm.config.weight_dtype) == ("float32", "bfloat16")
     model = llm.engine.runner.model
     assert model.layers[0].self_attn.qkv_proj.weight.dtype == paddle.bfloat16
@@ -96,7 +99,7 @@ def test_a_bf16_checkpoint_stays_bf16_and_generates_what_float32_does_on_its_val
 
 def test_dtype_bfloat16_keeps_a_float32_checkpoint_in_bf16(models):
     src, _, _, matrices = models
-    llm, got = run(src, dtype="bfloat16")
+    llm, got = run(src, dtype="bfloat16", op_kernels=FLOAT32_MATH)
     assert (llm.config.dtype, llm.config.weight_dtype) == ("float32", "bfloat16")
     assert_same_generation(got, run(matrices)[1])
 
@@ -114,9 +117,9 @@ def test_auto_keeps_float32_weights_where_only_the_portable_op_would_read_bf16(m
 
 def test_explain_says_the_weights_are_bf16_and_which_kernel_reads_them(models):
     _, bf16, _, _ = models
-    out = CliRunner().invoke(main, ["explain", "--model", str(bf16)])
+    out = CliRunner().invoke(main, ["explain", "--model", str(bf16), "--op-kernel", "linear=cpu_native_linear"])
     assert out.exit_code == 0, out.output
-    assert "weights: bf16, computed in float32 (linear layers and lm_head: cpu_native_linear" in out.output
+    assert "weights: bf16, computed in float32 (linear layers and lm_head: cpu_native_linear;" in out.output
     out = CliRunner().invoke(main, ["explain", "--model", str(bf16), "--dtype", "float32"])
     assert out.exit_code == 0 and "weights: bf16" not in out.output
     assert CliRunner().invoke(main, ["explain", "--dtype", "bfloat16"]).exit_code != 0     # needs --model
@@ -130,7 +133,7 @@ def test_bf16_golden_fixture_matches_transformers_with_bf16_weights():
     from fdplug.plugin_api.ops import Kernels
 
     name = "qwen2_linear_bf16"
-    config, _, selection = resolve_engine(str(GOLDEN / name))
+    config, _, selection = resolve_engine(str(GOLDEN / name), ops=FLOAT32_MATH)
     assert config.weight_dtype == "bfloat16"
     steps = Steps(name, num_seqs=1, max_len=32)
     ops = Kernels(**{op: spec.factory(config) for op, spec in selection.ops.items()})

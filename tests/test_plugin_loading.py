@@ -73,7 +73,7 @@ def test_entry_point_plugin_is_discovered_with_its_distribution(site):
     write_dist(site, "fdplug-thing", "2.3.4", {"thing": "fdplug_thing"}, {"fdplug_thing": """
         from fdplug import hookimpl
         from fdplug.plugin_api.specs import DeviceSpec, Probe
-        FDPLUG_API_VERSION = "3.2"
+        FDPLUG_API_VERSION = "3.3"
         @hookimpl
         def fdplug_register_devices(register):
             register(DeviceSpec(name="thing", probe=lambda: Probe(False, "no thing here", fix="buy one"),
@@ -121,7 +121,7 @@ def test_api_major_mismatch_names_both_versions(site):
                {"fdplug_future": 'FDPLUG_API_VERSION = "4.1"\n'})
     info = load_plugins().infos["future"]
     assert info.status == "failed"
-    assert "API 4.1" in info.error and "API 3.2" in info.error
+    assert "API 4.1" in info.error and "API 3.3" in info.error
 
 
 def test_missing_api_version_is_refused():

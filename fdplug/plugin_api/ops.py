@@ -22,7 +22,9 @@ Contracts (``T`` tokens as rows; inputs are never modified; results in the input
     ``y [..., N] = x @ weight^T`` in ``x``'s dtype and arithmetic (no bias: the layer adds it). Every
     float linear layer and the lm_head. bf16 weights with float32 ``x`` are how a device that
     computes in float32 keeps a bf16 model at 2 bytes a weight; the widening is exact, so the result
-    is the float32 model's on the same (bf16) weights.
+    is the float32 model's on the same (bf16) weights. A kernel registered with
+    ``OpSpec(bf16_inputs=True)`` instead rounds ``x`` to bf16 when the weights are bf16 (bf16 x bf16
+    products, exact in float32, summed in float32): the result is the portable op's on ``bf16(x)``.
 
 A kernel must agree with the portable implementation to float32 rounding (relative 1e-5); the
 conformance kit (`fdplug.testing`) checks every registered op against it.

@@ -131,9 +131,15 @@ class OpSpec(ComponentSpec):
 
     ``factory(config)`` returns a callable with that op's contract. Selected per op, like the other
     components: the highest priority that runs on the device and whose ``supports`` does not object.
+
+    ``bf16_inputs`` (``linear`` only): with bf16 weights the kernel rounds ``x`` to bf16 and sums the
+    exact bf16 products in float32 (bf16 math, as vLLM and transformers compute a bf16 model);
+    float32 weights it computes as any other. The conformance kit compares it with the portable op
+    on the rounded ``x``; `fdplug explain` says which math a bf16 model gets.
     """
 
     op: str = ""
+    bf16_inputs: bool = False
 
     role = "op"
 
@@ -190,6 +196,8 @@ def validate_spec(spec: Any, expected: type) -> None:
             _require_callable(spec, "supports")
     if isinstance(spec, OpSpec) and spec.op not in OPS:
         raise ValueError(f"op {spec.op!r} of {spec.name!r} is not one of {', '.join(OPS)}")
+    if isinstance(spec, OpSpec) and spec.bf16_inputs is not False and (spec.bf16_inputs is not True or spec.op != "linear"):
+        raise ValueError(f"bf16_inputs of {spec.name!r} must be a bool, and True only for the 'linear' op")
     if isinstance(spec, DeviceSpec) and (isinstance(spec.dtypes, str) or not spec.dtypes):
         raise TypeError(f"dtypes of {spec.name!r} must be a non-empty tuple such as ('float32',)")
     if isinstance(spec, FeatureStorageSpec):

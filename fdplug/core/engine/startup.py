@@ -67,7 +67,8 @@ def resolve_engine(model: str | None, device: str = "auto", runner: str | None =
 def compute_dtype(asked: str, model_dtype: str, selection: Selection) -> tuple[str, str]:
     """``(compute dtype, weight dtype)``. ``auto``: the model's dtype if the device computes in it,
     else the device's preferred one. bfloat16 on a device that computes only in float32 (the cpu)
-    means bf16 *weights* and float32 math (`layers.Linear`): asked for explicitly, always; under
+    means bf16 *weights* (`layers.Linear`; the selected ``linear`` kernel decides the math: float32
+    on the widened weights, or bf16 math for one with ``OpSpec.bf16_inputs``): asked for explicitly, always; under
     ``auto`` for a bf16 checkpoint, where the selected ``linear`` kernel reads bf16 in place (the
     portable one widens every layer per call, slower than float32 weights). Another explicit dtype
     the device does not compute in is a ConfigError."""

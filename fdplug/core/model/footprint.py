@@ -81,7 +81,10 @@ def model_summary(cfg: ModelConfig, dtype: str, moe_backend: str, ops: Mapping[s
 
     lines = [f"model: {cfg.architecture}, computed in {dtype}, weights {weight_footprint(cfg, dtype).describe(cfg)}"]
     if cfg.bf16_weights:
-        lines.append(f"weights: bf16, computed in {dtype} (linear layers and lm_head: {kernel('linear')}; "
+        math = (f"linear layers and lm_head in bf16 math, inputs rounded to bf16 and {dtype} sums: {kernel('linear')}"
+                if ops and "linear" in ops and ops["linear"].bf16_inputs
+                else f"linear layers and lm_head: {kernel('linear')}")
+        lines.append(f"weights: bf16, computed in {dtype} ({math}; "
                      f"norms and biases in {dtype}{', routed experts in ' + dtype if cfg.moe else ''})")
     if cfg.quant is not None:
         experts = f"; routed experts: {moe_backend}" if cfg.moe is not None else ""

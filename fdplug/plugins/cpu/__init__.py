@@ -64,11 +64,28 @@ def _native_linear_factory(config):
     return functools.partial(native_linear.linear_or_portable, threads=device.cpu_threads())
 
 
+def _native_bf16_linear_factory(config):
+    import functools
+
+    from fdplug.plugins.cpu import native_linear
+
+    return functools.partial(native_linear.linear_or_portable, threads=device.cpu_threads(), bf16_math=True)
+
+
 def _native_kernels_supports(config) -> str | None:
     """The kernels are float32, as is the cpu device (``DeviceSpec.dtypes``): only the build can fail."""
     from fdplug.plugins.cpu import kernels
 
     return kernels.unavailable_reason()
+
+
+def _bf16_math_supports(config) -> str | None:
+    from fdplug.plugins.cpu import native_linear
+
+    reason = _native_kernels_supports(config)
+    if reason is None and not native_linear.bf16_math_available():
+        reason = "the CPU (or the C compiler) has no AVX512-BF16: bf16 weights run as cpu_native_linear's float32 math"
+    return reason
 
 
 @hookimpl
@@ -115,7 +132,12 @@ def fdplug_register_ops(register):
     register(OpSpec(name="cpu_native_linear", op="linear", devices=("cpu",), factory=_native_linear_factory,
                     priority=10, supports=_native_kernels_supports,
                     description="AVX-512 FMA tiles on float32 or bf16 weights read in place (compiled C; bf16 "
-                                "widened in registers: half the bytes, the same math); 1.1-1.9x paddle's matmul"))
+                                "widened in registers: half the bytes, float32 math); 1.1-1.9x paddle's matmul"))
+    register(OpSpec(name="cpu_native_bf16_linear", op="linear", devices=("cpu",), factory=_native_bf16_linear_factory,
+                    priority=20, supports=_bf16_math_supports, bf16_inputs=True,
+                    description="bf16 weights in bf16 math (AVX512-BF16 dot products: inputs rounded to bf16, "
+                                "float32 sums; ~2x cpu_native_linear where compute-bound); float32 weights as "
+                                "cpu_native_linear. --op-kernel linear=cpu_native_linear keeps float32 math"))
 
 
 @hookimpl

@@ -53,6 +53,8 @@ SIGNATURES = {   # (restype, argtypes) of every function the library exports (cs
     "fdplug_fp8_moe": (_c_int, [_ptr] * 8 + [_c_int] * 7),
     "fdplug_fp8_dequant": (None, [_ptr] * 3 + [_c_int] * 4),
     "fdplug_linear": (None, [_ptr, _ptr, _c_int, _ptr] + [_c_int] * 4),
+    "fdplug_linear_bf16dot": (_c_int, [_ptr] * 3 + [_c_int] * 4),
+    "fdplug_linear_bf16dot_available": (_c_int, []),
     "fdplug_prefill_attention": (_c_int, [_ptr] * 7 + [_c_int] * 7 + [_c_float, _c_int]),
     "fdplug_prefill_attention_available": (_c_int, []),
     "fdplug_rms_norm": (None, [_ptr] * 3 + [_i64, _c_int, _c_int, _c_float, _c_int]),

@@ -1117,5 +1117,6 @@ int fdplug_fp8_moe(const float *x, const uint8_t *w13, const float *s13, const u
 }
 
 #include "linear.c" /* the linear layer, float32 or bf16 weights (its own file: one concept a file) */
+#include "linear_bf16.c" /* the linear layer in bf16 math (AVX512-BF16) */
 #include "prefill_attention.c" /* prefill attention, blocked with an online softmax */
 #include "rms_norm.c"
