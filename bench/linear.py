@@ -4,10 +4,12 @@
     python bench/linear.py --quick    # fewer pairs
 
 The model is written twice: float32, and the same weights rounded to bf16 (a bf16 checkpoint,
-which ``dtype=auto`` serves with bf16 weights and float32 math). Three engines: ``bf16`` and
-``float32`` through the cpu plugin's ``cpu_native_linear`` (AVX-512 tiles, weights read in place),
-and ``paddle`` (float32 through the portable op, paddle's MKL matmul: the baseline). Figures, all
-measured in this run, engines alternated in ABBA order, medians:
+which ``dtype=auto`` serves with bf16 weights). Four engines: ``bf16`` (the selected linear kernel:
+``cpu_native_bf16_linear``'s bf16 math where the CPU has AVX512-BF16), ``bf16-f32`` (bf16 weights
+widened in registers, float32 math: ``cpu_native_linear``), ``float32`` through ``cpu_native_linear``
+(AVX-512 tiles, weights read in place), and ``paddle`` (float32 through the portable op, paddle's
+MKL matmul: the baseline). Figures, all measured in this run, engines alternated in ABBA order,
+medians:
 
 1. loaded weight bytes;
 2. the forward of a decode step at 1, 16 and 64 running requests;
@@ -72,6 +74,17 @@ def step_bytes(llm) -> int:
     return llm.engine.runner.model_bytes + kv
 
 
+def times(seconds: dict[str, float]) -> str:
+    return ", ".join(f"{name} {s * 1e3:.1f} ms" for name, s in seconds.items())
+
+
+def speedups(t: dict[str, float]) -> str:
+    """The comparisons that matter: bf16 math against float32 math on the same bf16 weights, bf16
+    weights against float32 ones, the kernel against paddle's matmul."""
+    return (f"bf16 math/f32 math {t['bf16-f32'] / t['bf16']:.2f}x, bf16-f32/float32 {t['float32'] / t['bf16-f32']:.2f}x, "
+            f"float32/paddle {t['paddle'] / t['float32']:.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="3 pairs of each")
@@ -85,7 +98,9 @@ def main() -> None:
         float_dir = make_model(root)
         bf16_dir = write_bf16(float_dir, root / "bf16")
         engine_args = {"max_model_len": 2048, "max_num_seqs": 64, "num_kv_blocks": 1024}
-        llms = {"bf16": LLM(str(bf16_dir), **engine_args), "float32": LLM(str(float_dir), **engine_args),
+        llms = {"bf16": LLM(str(bf16_dir), **engine_args),
+                "bf16-f32": LLM(str(bf16_dir), op_kernels={"linear": "cpu_native_linear"}, **engine_args),
+                "float32": LLM(str(float_dir), **engine_args),
                 "paddle": LLM(str(float_dir), op_kernels={"linear": "paddle_linear"}, **engine_args)}
         assert llms["bf16"].config.weight_dtype == "bfloat16" and llms["float32"].config.weight_dtype == "float32"
         size = {name: llm.engine.runner.model_bytes for name, llm in llms.items()}
@@ -97,9 +112,7 @@ def main() -> None:
               f"(ratio {size['bf16'] / size['float32']:.2f})")
         for running in (1, 16, 64):
             t = decode_forward(llms, running, pairs=pairs)
-            print(f"2. decode step forward, {running:2d} running: bf16 {t['bf16'] * 1e3:.1f} ms, float32 "
-                  f"{t['float32'] * 1e3:.1f} ms, paddle {t['paddle'] * 1e3:.1f} ms; float32/bf16 "
-                  f"{t['float32'] / t['bf16']:.2f}x, paddle/float32 {t['paddle'] / t['float32']:.2f}x")
+            print(f"2. decode step forward, {running:2d} running: {times(t)}; {speedups(t)}")
         bandwidth = read_bandwidth()
         step = abba(llms, pairs, decode_step_seconds)
         for name, seconds in step.items():
@@ -107,12 +120,9 @@ def main() -> None:
             print(f"3. single-stream decode, {name:7s}: {1 / seconds:6.1f} tok/s ({seconds * 1e3:.2f} ms/token); "
                   f"bound {bound * 1e3:.2f} ms ({step_bytes(llms[name]) / 1e6:.0f} MB at {bandwidth / 1e9:.1f} GB/s): "
                   f"{bound / seconds:.0%} of it")
-        print(f"   decode speed bf16/float32 {step['float32'] / step['bf16']:.2f}x, float32/paddle "
-              f"{step['paddle'] / step['float32']:.2f}x")
+        print(f"   decode speed: {speedups(step)}")
         ttft = abba(llms, pairs, lambda llm, rng: generate_seconds(llm, fresh_prompt(rng, 1024), 1))
-        print(f"4. TTFT, fresh 1024-token prompt: bf16 {ttft['bf16'] * 1e3:.0f} ms, float32 "
-              f"{ttft['float32'] * 1e3:.0f} ms, paddle {ttft['paddle'] * 1e3:.0f} ms; float32/bf16 "
-              f"{ttft['float32'] / ttft['bf16']:.2f}x, paddle/float32 {ttft['paddle'] / ttft['float32']:.2f}x")
+        print(f"4. TTFT, fresh 1024-token prompt: {times(ttft)}; {speedups(ttft)}")
 
 
 if __name__ == "__main__":
