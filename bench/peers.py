@@ -17,7 +17,7 @@ installed by this script. Peer setups (each its own venv):
         && vllm/bin/pip uninstall -y torchvision torchaudio torchcodec   # 0.32 pulls a CUDA torchvision
     python3 -m venv ct2 && ct2/bin/pip install ctranslate2 transformers torch==2.13.0   # also serves --hf-python
 
-Formats: fp32 (fdplug, vLLM, CTranslate2, transformers), bf16 (fdplug: bf16 weights, float32 math;
+Formats: fp32 (fdplug, vLLM, CTranslate2, transformers), bf16 (fdplug: bf16 weights, bf16 math where the CPU has AVX512-BF16;
 vLLM, transformers: bf16 math), int8: the 8-bit formats (CTranslate2's int8 weights; fdplug's FP8
 blocks, the float32 checkpoint quantized at load with ``quantization="fp8"``). Targets (issue "CPU performance"): batched throughput
 >= 1.2x vLLM of the same format; single-stream decode >= 1.1x the best peer of the same format;
