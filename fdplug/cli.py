@@ -115,7 +115,7 @@ def doctor_command() -> None:
     failed = plugin_set.failed()
     click.echo(f"plugins: {len(plugin_set.plugins())} seen, {len(failed)} failed"
                + (f" ({', '.join(p.name for p in failed)}; see `fdplug plugins`)" if failed else ""))
-    from fdplug.server import settings as _server_settings
+    from fdplug.server import settings as _server_settings  # noqa: F401  (declares the server's)
 
     settings = [setting for _, setting in sorted(SETTINGS.items()) if setting.is_set()]
     click.echo("settings from the environment:" if settings else "settings from the environment: none")

@@ -83,26 +83,32 @@ static inline __attribute__((always_inline)) void linear_tile(const linear_job *
         for (int c = 0; c < NR; ++c) job->out[(int64_t)(m0 + r) * job->cols + n0 + c] = _mm512_reduce_add_ps(acc[r][c]);
 }
 
-static void linear_block_typed(const linear_job *job, int m0, int mr, int n0, int nr, const int F32) {
-#define LIN_NCASE(M)                                       \
-    switch (nr) {                                          \
-    case 1: linear_tile(job, m0, n0, M, 1, F32); break;    \
-    case 2: linear_tile(job, m0, n0, M, 2, F32); break;    \
-    case 3: linear_tile(job, m0, n0, M, 3, F32); break;    \
-    default: linear_tile(job, m0, n0, M, 4, F32); break;   \
+/* A block of mr x nr (1..4 each) as the tile with those constant shapes: TILE(M, N) is the call. */
+#define LIN_NCASE(TILE, M)                                                                           \
+    switch (nr) {                                                                                    \
+    case 1: TILE(M, 1); break;                                                                       \
+    case 2: TILE(M, 2); break;                                                                       \
+    case 3: TILE(M, 3); break;                                                                       \
+    default: TILE(M, 4); break;                                                                      \
     }
-    switch (mr) {
-    case 1: LIN_NCASE(1) break;
-    case 2: LIN_NCASE(2) break;
-    case 3: LIN_NCASE(3) break;
-    default: LIN_NCASE(4) break;
+#define LIN_DISPATCH(TILE)                                                                           \
+    switch (mr) {                                                                                    \
+    case 1: LIN_NCASE(TILE, 1) break;                                                                \
+    case 2: LIN_NCASE(TILE, 2) break;                                                                \
+    case 3: LIN_NCASE(TILE, 3) break;                                                                \
+    default: LIN_NCASE(TILE, 4) break;                                                               \
     }
-#undef LIN_NCASE
-}
 
 static void linear_block(const linear_job *job, int m0, int mr, int n0, int nr) {
-    if (job->f32) linear_block_typed(job, m0, mr, n0, nr, 1);
-    else linear_block_typed(job, m0, mr, n0, nr, 0);
+#define LIN_F32_TILE(M, N) linear_tile(job, m0, n0, M, N, 1)
+#define LIN_BF16_TILE(M, N) linear_tile(job, m0, n0, M, N, 0)
+    if (job->f32) {
+        LIN_DISPATCH(LIN_F32_TILE)
+    } else {
+        LIN_DISPATCH(LIN_BF16_TILE)
+    }
+#undef LIN_F32_TILE
+#undef LIN_BF16_TILE
 }
 #else
 /* Without AVX-512: one float chain per output over k in index order. */
@@ -121,18 +127,35 @@ static void linear_block(const linear_job *job, int m0, int mr, int n0, int nr) 
 }
 #endif
 
-static void *linear_worker(void *arg) {
-    linear_job *job = arg;
+/* Pieces of columns taken from the job's counter until none is left; in each, every row tile
+ * times the piece's columns through block(). Shared with linear_bf16.c (its job starts with a
+ * linear_job). */
+static void linear_pieces(linear_job *job, void (*block)(const linear_job *, int m0, int mr, int n0, int nr)) {
     for (;;) {
         const int64_t begin = __atomic_fetch_add(&job->next_piece, 1, __ATOMIC_RELAXED) * job->cols_per_piece;
-        if (begin >= job->cols) return NULL;
+        if (begin >= job->cols) return;
         const int end = (int)(begin + job->cols_per_piece < job->cols ? begin + job->cols_per_piece : job->cols);
         for (int m0 = 0; m0 < job->rows; m0 += LIN_MR) {
             const int mr = job->rows - m0 < LIN_MR ? job->rows - m0 : LIN_MR;
             for (int n0 = (int)begin; n0 < end; n0 += LIN_NR)
-                linear_block(job, m0, mr, n0, end - n0 < LIN_NR ? end - n0 : LIN_NR);
+                block(job, m0, mr, n0, end - n0 < LIN_NR ? end - n0 : LIN_NR);
         }
     }
+}
+
+static void *linear_worker(void *arg) {
+    linear_pieces(arg, linear_block);
+    return NULL;
+}
+
+/* Pieces of about piece_weights weights of columns (a multiple of LIN_NR columns: ~128 KB, which
+ * stays in L2 while every row tile passes over it), run by worker on up to num_threads threads. */
+static void linear_run(linear_job *job, void *(*worker)(void *), int64_t piece_weights, int num_threads) {
+    int64_t cols_per_piece = piece_weights / job->depth;
+    job->cols_per_piece = cols_per_piece < LIN_NR ? LIN_NR : cols_per_piece - cols_per_piece % LIN_NR;
+    job->next_piece = 0;
+    const int64_t pieces = (job->cols + job->cols_per_piece - 1) / job->cols_per_piece;
+    run_workers(worker, job, num_threads < pieces ? num_threads : (int)pieces);
 }
 
 /* x [rows, depth] float32, w [cols, depth] (float32 if f32, else bf16 bits) -> out [rows, cols]
@@ -144,9 +167,6 @@ void fdplug_linear(const float *x, const void *w, int f32, float *out, int rows,
         memset(out, 0, sizeof(float) * (size_t)rows * (size_t)cols);
         return;
     }
-    int64_t cols_per_piece = ((int64_t)1 << 15) / depth;
-    cols_per_piece = cols_per_piece < LIN_NR ? LIN_NR : cols_per_piece - cols_per_piece % LIN_NR;
-    linear_job job = {x, w, out, rows, cols, depth, f32 != 0, cols_per_piece, 0};
-    const int64_t pieces = (cols + cols_per_piece - 1) / cols_per_piece;
-    run_workers(linear_worker, &job, num_threads < pieces ? num_threads : (int)pieces);
+    linear_job job = {x, w, out, rows, cols, depth, f32 != 0, 0, 0};
+    linear_run(&job, linear_worker, (int64_t)1 << 15, num_threads);
 }

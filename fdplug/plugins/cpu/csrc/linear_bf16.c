@@ -22,12 +22,10 @@
 #define HAVE_BF16_DOT 1
 
 typedef struct {
-    const float *x;
+    linear_job base;    /* x float32, w [cols, depth] bf16 bits, out; first, for linear_pieces */
     uint16_t *xb;       /* [rows, padded] bf16 bits of x, zeros past depth */
-    const uint16_t *w;  /* [cols, depth] bf16 bits */
-    float *out;
-    int rows, cols, depth, padded;
-    int64_t cols_per_piece, next_piece, next_row;
+    int padded;
+    int64_t next_row;
 } bf16dot_job;
 
 /* Rows of x rounded to bf16 (vcvtne2ps2bf16: to nearest even, NaN kept a NaN), zero-padded. */
@@ -35,11 +33,11 @@ static void *bf16dot_convert_worker(void *arg) {
     bf16dot_job *job = arg;
     for (;;) {
         const int64_t r = __atomic_fetch_add(&job->next_row, 1, __ATOMIC_RELAXED);
-        if (r >= job->rows) return NULL;
-        const float *x = job->x + r * job->depth;
+        if (r >= job->base.rows) return NULL;
+        const float *x = job->base.x + r * job->base.depth;
         uint16_t *xb = job->xb + r * job->padded;
         for (int k = 0; k < job->padded; k += 32) {
-            const int left = job->depth - k;
+            const int left = job->base.depth - k;
             const __mmask16 lo = left >= 16 ? 0xFFFF : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
             const __mmask16 hi = left >= 32 ? 0xFFFF : left > 16 ? (__mmask16)((1u << (left - 16)) - 1) : 0;
             const __m512 a = _mm512_maskz_loadu_ps(lo, x + k), b = _mm512_maskz_loadu_ps(hi, x + k + 16);
@@ -51,9 +49,9 @@ static void *bf16dot_convert_worker(void *arg) {
 /* Rows m0 .. m0 + MR - 1 times columns n0 .. n0 + NR - 1 (MR, NR constants at each call site). */
 static inline __attribute__((always_inline)) void bf16dot_tile(const bf16dot_job *job, int m0, int n0, const int MR,
                                                                const int NR) {
-    const int depth = job->depth, padded = job->padded;
+    const int depth = job->base.depth, padded = job->padded;
     const uint16_t *x = job->xb + (int64_t)m0 * padded;
-    const uint16_t *w = job->w + (int64_t)n0 * depth;
+    const uint16_t *w = (const uint16_t *)job->base.w + (int64_t)n0 * depth;
     __m512 acc[LIN_MR][LIN_NR];
     for (int r = 0; r < MR; ++r)
         for (int c = 0; c < NR; ++c) acc[r][c] = _mm512_setzero_ps();
@@ -76,38 +74,20 @@ static inline __attribute__((always_inline)) void bf16dot_tile(const bf16dot_job
         }
     }
     for (int r = 0; r < MR; ++r)
-        for (int c = 0; c < NR; ++c) job->out[(int64_t)(m0 + r) * job->cols + n0 + c] = _mm512_reduce_add_ps(acc[r][c]);
+        for (int c = 0; c < NR; ++c)
+            job->base.out[(int64_t)(m0 + r) * job->base.cols + n0 + c] = _mm512_reduce_add_ps(acc[r][c]);
 }
 
-static void bf16dot_block(const bf16dot_job *job, int m0, int mr, int n0, int nr) {
-#define BF16_NCASE(M)                                   \
-    switch (nr) {                                       \
-    case 1: bf16dot_tile(job, m0, n0, M, 1); break;     \
-    case 2: bf16dot_tile(job, m0, n0, M, 2); break;     \
-    case 3: bf16dot_tile(job, m0, n0, M, 3); break;     \
-    default: bf16dot_tile(job, m0, n0, M, 4); break;    \
-    }
-    switch (mr) {
-    case 1: BF16_NCASE(1) break;
-    case 2: BF16_NCASE(2) break;
-    case 3: BF16_NCASE(3) break;
-    default: BF16_NCASE(4) break;
-    }
-#undef BF16_NCASE
+static void bf16dot_block(const linear_job *base, int m0, int mr, int n0, int nr) {
+    const bf16dot_job *job = (const bf16dot_job *)base;
+#define BF16_TILE(M, N) bf16dot_tile(job, m0, n0, M, N)
+    LIN_DISPATCH(BF16_TILE)
+#undef BF16_TILE
 }
 
 static void *bf16dot_worker(void *arg) {
-    bf16dot_job *job = arg;
-    for (;;) {
-        const int64_t begin = __atomic_fetch_add(&job->next_piece, 1, __ATOMIC_RELAXED) * job->cols_per_piece;
-        if (begin >= job->cols) return NULL;
-        const int end = (int)(begin + job->cols_per_piece < job->cols ? begin + job->cols_per_piece : job->cols);
-        for (int m0 = 0; m0 < job->rows; m0 += LIN_MR) {
-            const int mr = job->rows - m0 < LIN_MR ? job->rows - m0 : LIN_MR;
-            for (int n0 = (int)begin; n0 < end; n0 += LIN_NR)
-                bf16dot_block(job, m0, mr, n0, end - n0 < LIN_NR ? end - n0 : LIN_NR);
-        }
-    }
+    linear_pieces(arg, bf16dot_block);
+    return NULL;
 }
 #endif
 
@@ -133,14 +113,10 @@ int fdplug_linear_bf16dot(const float *x, const uint16_t *w, float *out, int row
     const int padded = (depth + 31) / 32 * 32;
     void *buffer = NULL;
     if (posix_memalign(&buffer, 64, sizeof(uint16_t) * (size_t)rows * (size_t)padded) != 0) return -1;
-    uint16_t *xb = buffer;
-    int64_t cols_per_piece = ((int64_t)1 << 16) / depth; /* ~64K bf16 weights: 128 KB, as linear.c's float32 */
-    cols_per_piece = cols_per_piece < LIN_NR ? LIN_NR : cols_per_piece - cols_per_piece % LIN_NR;
-    bf16dot_job job = {x, xb, w, out, rows, cols, depth, padded, cols_per_piece, 0, 0};
+    bf16dot_job job = {{x, w, out, rows, cols, depth, 0, 0, 0}, buffer, padded, 0};
     run_workers(bf16dot_convert_worker, &job, num_threads < rows ? num_threads : rows);
-    const int64_t pieces = (cols + cols_per_piece - 1) / cols_per_piece;
-    run_workers(bf16dot_worker, &job, num_threads < pieces ? num_threads : (int)pieces);
-    free(xb);
+    linear_run(&job.base, bf16dot_worker, (int64_t)1 << 16, num_threads); /* 64K bf16 weights: 128 KB */
+    free(buffer);
     return 0;
 #else
     (void)x, (void)w, (void)out, (void)rows, (void)cols, (void)depth, (void)num_threads;
