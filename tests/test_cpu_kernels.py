@@ -21,7 +21,7 @@ from fdplug.core.plugin_loading.selection import select_components
 from fdplug.core.portable import ops as portable
 from fdplug.core.portable.attention import ReferenceAttention
 from fdplug.errors import ConfigError
-from fdplug.plugins.cpu import kernels
+from fdplug.plugins.cpu import kernels, native_norms
 from fdplug.plugins.cpu.native_attention import NativeCpuAttention
 from fdplug.testing.cases import (
     AttentionCase,
@@ -81,12 +81,13 @@ def test_rms_norm_rows_are_independent_and_other_shapes_fall_back():
     x = rng.standard_normal((130, 37), dtype=np.float32) * 10
     weight = paddle.to_tensor(rng.standard_normal(37, dtype=np.float32))
     want = x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-5) * weight.numpy()
-    together = kernels.rms_norm(paddle.to_tensor(x), weight, 1e-5, 3).numpy()     # threaded: >= 64 rows
+    together = native_norms.rms_norm(paddle.to_tensor(x), weight, 1e-5, 3).numpy()     # threaded: >= 64 rows
     np.testing.assert_allclose(together, want, rtol=2e-6, atol=1e-6)
-    np.testing.assert_array_equal(kernels.rms_norm(paddle.to_tensor(x[7:8]), weight, 1e-5, 1).numpy()[0], together[7])
+    alone = native_norms.rms_norm(paddle.to_tensor(x[7:8]), weight, 1e-5, 1).numpy()[0]
+    np.testing.assert_array_equal(alone, together[7])
     odd = paddle.to_tensor(rng.standard_normal((4, 3, 37), dtype=np.float32))
     weights = paddle.to_tensor(rng.standard_normal((4, 1, 37), dtype=np.float32))   # neither [D] nor [3, D]
-    np.testing.assert_array_equal(kernels.rms_norm(odd, weights, 1e-5, 2).numpy(),
+    np.testing.assert_array_equal(native_norms.rms_norm(odd, weights, 1e-5, 2).numpy(),
                                   portable.rms_norm(odd, weights, 1e-5).numpy())
 
 
@@ -150,7 +151,8 @@ def test_a_failing_compiler_falls_back_to_the_reference_and_says_why(fresh_kerne
     assert selection.attention.name == "reference" and selection.ops["swiglu"].name == "paddle_swiglu"
     assert selection.moe.name == "reference"
     rejected = [d for d in selection.decisions if d.name.startswith("cpu_native")]
-    assert {d.role for d in rejected} == {"op:swiglu", "op:rms_norm", "op:fp8_linear", "op:linear", "attention", "moe"}
+    assert {d.role for d in rejected} == {"op:swiglu", "op:rms_norm", "op:fp8_linear", "op:linear", "op:add_rms_norm",
+                                          "op:rope", "attention", "moe"}
     assert all("false failed" in d.reason for d in rejected)
 
 

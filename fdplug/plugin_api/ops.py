@@ -26,6 +26,17 @@ Contracts (``T`` tokens as rows; inputs are never modified; results in the input
     ``OpSpec(bf16_inputs=True)`` instead rounds ``x`` to bf16 when the weights are bf16 (bf16 x bf16
     products, exact in float32, summed in float32): the result is the portable op's on ``bf16(x)``.
 
+``add_rms_norm(x, residual, weight, eps) -> (y, total)``
+    ``total = x + residual`` (same shapes ``[..., D]``) and ``y = rms_norm(total, weight, eps)``: the
+    pre-norm block's residual add and the next norm in one op (vLLM's fused_add_rms_norm, without
+    writing into its inputs). The decoder calls it twice a layer; it is where an eager step's small
+    ops add up (each runs with caches the weights just streamed through).
+``rope(x, cos, sin) -> y``
+    ``x``, ``cos``, ``sin`` all ``[T, heads, D]`` (``D`` even; the tables as
+    ``layers.RotaryEmbedding.lookup`` gives them: each token's row tiled over the heads, ``sin``'s
+    first half negated) -> ``y = x * cos + roll(x, D / 2, axis=-1) * sin``, each product rounded, then
+    the sum (NeoX rotation; no fused multiply-add, so a kernel can match the portable op's bits).
+
 A kernel must agree with the portable implementation to float32 rounding (relative 1e-5); the
 conformance kit (`fdplug.testing`) checks every registered op against it.
 """
@@ -35,7 +46,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-OPS: tuple[str, ...] = ("swiglu", "rms_norm", "fp8_linear", "linear")
+OPS: tuple[str, ...] = ("swiglu", "rms_norm", "fp8_linear", "linear", "add_rms_norm", "rope")
 """Every op a plugin may override, in the order `Kernels` lists them."""
 
 
@@ -47,3 +58,5 @@ class Kernels:
     rms_norm: Callable[[Any, Any, float], Any]
     fp8_linear: Callable[[Any, Any, Any, int], Any]
     linear: Callable[[Any, Any], Any]
+    add_rms_norm: Callable[[Any, Any, Any, float], tuple[Any, Any]]
+    rope: Callable[[Any, Any, Any], Any]

@@ -68,6 +68,39 @@ def test_op_kernels_match_the_portable_ones(op, fdplug_selection, fdplug_place):
                                    rtol=1e-5, atol=1e-6, err_msg="per-head weights")
 
 
+def test_add_rms_norm_and_rope_kernels_match_the_portable_ones(fdplug_selection, fdplug_place):
+    """``add_rms_norm``: the sum exactly ``x + residual``, the norm to float32 rounding; ``rope``: 1 to
+    300 tokens of ``[T, heads, D]`` with the tables as ``RotaryEmbedding.lookup`` gives them (a
+    kernel may match the portable op's bits: this kit asks float32 rounding)."""
+    import paddle
+
+    from fdplug.core.model.layers import RotaryEmbedding
+    from fdplug.core.model.rope import RopeConfig
+    from fdplug.core.portable import ops as portable
+
+    add_norm = fdplug_selection.ops["add_rms_norm"].factory(EngineConfig())
+    rope = fdplug_selection.ops["rope"].factory(EngineConfig())
+    rng = np.random.default_rng(6)
+    paddle.set_device(fdplug_place)
+    rotary = RotaryEmbedding(RopeConfig(theta=10000.0), 64, 4096, "float32", heads=6)
+    for rows in (1, 7, 300):
+        x, residual = (paddle.to_tensor(rng.standard_normal((rows, 136), dtype=np.float32)) for _ in range(2))
+        weight = paddle.to_tensor(rng.standard_normal(136, dtype=np.float32))
+        inputs = x.numpy().copy(), residual.numpy().copy()
+        got, total = add_norm(x, residual, weight, 1e-6)
+        expected, expected_total = portable.add_rms_norm(x, residual, weight, 1e-6)
+        np.testing.assert_array_equal(total.numpy(), expected_total.numpy())
+        np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-5, atol=1e-6, err_msg=f"{rows} rows")
+        np.testing.assert_array_equal(x.numpy(), inputs[0])
+        np.testing.assert_array_equal(residual.numpy(), inputs[1])
+        heads = paddle.to_tensor(rng.standard_normal((rows, 6, 64), dtype=np.float32))
+        before = heads.numpy().copy()
+        cos, sin = rotary.lookup(paddle.to_tensor(rng.integers(0, 4096, rows)))
+        np.testing.assert_allclose(rope(heads, cos, sin).numpy(), portable.rope(heads, cos, sin).numpy(),
+                                   rtol=1e-5, atol=1e-6, err_msg=f"rope, {rows} tokens")
+        np.testing.assert_array_equal(heads.numpy(), before)
+
+
 def test_fp8_linear_kernel_matches_the_portable_one(fdplug_selection, fdplug_place):
     """The selected ``fp8_linear`` kernel against the portable dequantize-and-matmul: K that is not a
     multiple of the block (edge blocks), 32- and 128-wide blocks, 1 to 300 rows, e4m3 weights across

@@ -1,10 +1,11 @@
 """One decoder for Llama, Qwen2, Qwen3, ERNIE-4.5 and their MoE variants: the differences are config flags.
 
-Per layer a step is a handful of ops: RMSNorm, one fused q/k/v matmul, (Qwen3) one RMSNorm over the
-stacked q and k heads, one RoPE over them, the attention backend, the output projection, RMSNorm,
-one fused gate/up matmul, SwiGLU, the down projection (in a MoE layer, `moe_block.SparseMoEBlock`
-instead: router, routing rule, the selected MoE backend). RMSNorm and SwiGLU run the op kernels
-chosen at startup (`fdplug.plugin_api.ops`). Tokens of every sequence in the step are flat
+Per layer a step is a handful of ops: (residual add +) RMSNorm, one fused q/k/v matmul, (Qwen3)
+one RMSNorm over the stacked q and k heads, one RoPE over them, the attention backend, the output
+projection, residual add + RMSNorm, one fused gate/up matmul, SwiGLU, the down projection (in a MoE
+layer, `moe_block.SparseMoEBlock` instead: router, routing rule, the selected MoE backend). Norms,
+RoPE, SwiGLU and the linears run the op kernels chosen at startup (`fdplug.plugin_api.ops`); the
+residual adds run inside the norms (``add_rms_norm``). Tokens of every sequence in the step are flat
 rows; the attention backend (chosen at startup) owns the KV cache layout and the masking.
 """
 
@@ -79,10 +80,21 @@ class DecoderLayer(nn.Layer):
             self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype, kernels,
                               mlp_quant(cfg.quant, prefix + "mlp."), cfg.bf16_weights)
 
-    def forward(self, x: Any, cos: Any, sin: Any, rope: RotaryEmbedding, kv_cache: tuple[Any, Any],
-                prepared: Any) -> Any:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, rope, kv_cache, prepared)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: Any, residual: Any | None, cos: Any, sin: Any, rope: RotaryEmbedding,
+                kv_cache: tuple[Any, Any], prepared: Any) -> tuple[Any, Any]:
+        """``x``: the previous block's output, ``residual``: the stream it adds to (None before the
+        first layer: ``x`` is the embedding) -> this layer's MLP output and the stream before it.
+
+        Carrying the pair lets every residual add run inside the next norm (``add_rms_norm``); the
+        sums are the same float additions as ``x + f(norm(x))``.
+        """
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add(x, residual)
+        h = self.self_attn(h, cos, sin, rope, kv_cache, prepared)
+        h, residual = self.post_attention_layernorm.add(h, residual)
+        return self.mlp(h), residual
 
 
 class DecoderForCausalLM(nn.Layer):
@@ -114,7 +126,7 @@ class DecoderForCausalLM(nn.Layer):
         self.lm_head = (None if cfg.tie_word_embeddings
                         else empty_parameter([cfg.vocab_size, cfg.hidden_size], table_dtype))
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions or cfg.max_position_embeddings, dtype,
-                                      heads=cfg.num_heads + cfg.num_kv_heads)  # q and k rotate together
+                                      heads=cfg.num_heads + cfg.num_kv_heads, kernels=kernels)  # q, k together
         self.eval()
 
     def embed(self, input_ids: Any) -> Any:
@@ -130,10 +142,11 @@ class DecoderForCausalLM(nn.Layer):
         ``attn_prepared`` is ``backend.prepare(meta)`` for this step.
         """
         h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        residual = None
         cos, sin = self.rotary.lookup(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            h = layer(h, cos, sin, self.rotary, kv_cache, attn_prepared)
-        return self.norm(h)
+            h, residual = layer(h, residual, cos, sin, self.rotary, kv_cache, attn_prepared)
+        return self.norm(h) if residual is None else self.norm.add(h, residual)[0]
 
     def compute_logits(self, hidden: Any) -> Any:
         """``hidden [N, hidden]`` -> logits ``[N, vocab]`` in float32."""

@@ -11,7 +11,6 @@ from typing import Any, Callable
 
 import numpy as np
 import paddle
-import paddle.nn.functional as F
 from paddle import nn
 
 from fdplug.core.model.rope import RopeConfig, cos_sin
@@ -29,7 +28,8 @@ def empty_parameter(shape: list[int], dtype: str) -> Any:
 
 
 class RMSNorm(nn.Layer):
-    """``weight * x / rms(x)`` through the selected ``rms_norm`` kernel (`fdplug.plugin_api.ops`).
+    """``weight * x / rms(x)`` through the selected ``rms_norm`` kernel (`fdplug.plugin_api.ops`);
+    `add` is the pre-norm block's residual add and this norm in one ``add_rms_norm`` op.
 
     ``shape`` may have a leading head axis (``[heads, head_dim]``): Qwen3's q/k norms share one
     weight per head, and stacking the q and k weights lets a single norm serve both.
@@ -40,9 +40,14 @@ class RMSNorm(nn.Layer):
         self.eps = eps
         self.weight = empty_parameter([shape] if isinstance(shape, int) else list(shape), dtype)
         self.kernel = kernels.rms_norm
+        self.add_kernel = kernels.add_rms_norm
 
     def forward(self, x: Any) -> Any:
         return self.kernel(x, self.weight, self.eps)
+
+    def add(self, x: Any, residual: Any) -> tuple[Any, Any]:
+        """``(norm(x + residual), x + residual)``."""
+        return self.add_kernel(x, residual, self.weight, self.eps)
 
 
 class Linear(nn.Layer):
@@ -102,18 +107,20 @@ class RotaryEmbedding(nn.Layer):
     """NeoX-style RoPE from precomputed tables indexed by each token's position.
 
     ``x * cos + roll(x, d/2) * sin_signed`` where ``sin_signed`` holds ``-sin`` in its first half:
-    that is ``x * cos + rotate_half(x) * sin`` in four ops. Interleaved (GPT-J) checkpoints are
-    and partial-rotary ones are
-    permuted to this layout at load time (see ``rope.rope_permutation``).
+    that is ``x * cos + rotate_half(x) * sin``, the selected ``rope`` op (`fdplug.plugin_api.ops`).
+    Interleaved (GPT-J) and partial-rotary checkpoints are permuted to this layout at load time (see
+    ``rope.rope_permutation``).
 
     ``lookup`` tiles the rows over the ``heads`` that get rotated, once per step for every layer:
     on Paddle's CPU a broadcasting multiply ``[T, H, D] * [T, 1, D]`` took 10 ms where the
     same-shape one took 0.4 ms (2048 tokens, 12 heads).
     """
 
-    def __init__(self, rope: RopeConfig, head_dim: int, num_positions: int, dtype: str, heads: int = 1) -> None:
+    def __init__(self, rope: RopeConfig, head_dim: int, num_positions: int, dtype: str, heads: int = 1,
+                 kernels: Kernels = PORTABLE) -> None:
         super().__init__()
         self.heads = heads
+        self.kernel = kernels.rope
         cos, sin = cos_sin(rope, head_dim, num_positions)
         half = head_dim // 2
         sin = np.concatenate([-sin[:, :half], sin[:, half:]], axis=-1)
@@ -129,4 +136,4 @@ class RotaryEmbedding(nn.Layer):
 
     def forward(self, x: Any, cos: Any, sin: Any) -> Any:
         """Rotate ``x [T, heads, head_dim]``."""
-        return x * cos + paddle.roll(x, self.half, axis=-1) * sin
+        return self.kernel(x, cos, sin)

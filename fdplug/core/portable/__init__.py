@@ -81,6 +81,10 @@ def fdplug_register_ops(register):
     register(OpSpec(name="paddle_fp8_linear", op="fp8_linear", devices=(ANY_DEVICE,),
                     factory=_op_factory("fp8_linear"),
                     description="the FP8 layer dequantized to the compute dtype, then one paddle matmul"))
+    register(OpSpec(name="paddle_add_rms_norm", op="add_rms_norm", devices=(ANY_DEVICE,),
+                    factory=_op_factory("add_rms_norm"), description="one Paddle add, then paddle_rms_norm"))
+    register(OpSpec(name="paddle_rope", op="rope", devices=(ANY_DEVICE,), factory=_op_factory("rope"),
+                    description="x * cos + roll(x, D/2) * sin (four Paddle ops)"))
     register(OpSpec(name=PORTABLE_LINEAR, op="linear", devices=(ANY_DEVICE,), factory=_op_factory("linear"),
                     description="one paddle matmul of the weights as stored (bf16 weights under float32 "
                                 "activations: cast first, a copy per call)"))

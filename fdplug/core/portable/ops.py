@@ -34,5 +34,15 @@ def linear(x: Any, weight: Any) -> Any:
     return paddle.matmul(x, weight if weight.dtype == x.dtype else weight.astype(x.dtype), transpose_y=True)
 
 
-PORTABLE = Kernels(swiglu=swiglu, rms_norm=rms_norm, fp8_linear=fp8_linear, linear=linear)
+def add_rms_norm(x: Any, residual: Any, weight: Any, eps: float) -> tuple[Any, Any]:
+    total = x + residual
+    return rms_norm(total, weight, eps), total
+
+
+def rope(x: Any, cos: Any, sin: Any) -> Any:
+    return x * cos + paddle.roll(x, x.shape[-1] // 2, axis=-1) * sin
+
+
+PORTABLE = Kernels(swiglu=swiglu, rms_norm=rms_norm, fp8_linear=fp8_linear, linear=linear,
+                   add_rms_norm=add_rms_norm, rope=rope)
 """The table a model gets when nobody chose kernels for it (tests, tools)."""

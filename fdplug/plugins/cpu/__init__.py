@@ -46,13 +46,16 @@ def _native_fp8_linear_factory(config):
     return functools.partial(native_fp8.fp8_linear_or_portable, threads=device.cpu_threads())
 
 
-def _native_rms_norm_factory(config):
-    import functools
+def _native_norms_factory(op: str):
+    """The factory of `native_norms`'s ``op`` (rms_norm, add_rms_norm, rope) on this device's threads."""
+    def factory(config):
+        import functools
 
-    from fdplug.plugins.cpu import kernels
+        from fdplug.plugins.cpu import kernels, native_norms
 
-    kernels.load()
-    return functools.partial(kernels.rms_norm, threads=device.cpu_threads())
+        kernels.load()
+        return functools.partial(getattr(native_norms, op), threads=device.cpu_threads())
+    return factory
 
 
 def _native_linear_factory(config):
@@ -123,12 +126,16 @@ def fdplug_register_ops(register):
                     priority=10, supports=_native_kernels_supports,
                     description="FP8 weights read in place, widened in registers (compiled C) up to "
                                 "FP8_MAX_ROWS rows; above, the layer widened once in C and the linear kernel"))
-
-
-    register(OpSpec(name="cpu_native_rms_norm", op="rms_norm", devices=("cpu",), factory=_native_rms_norm_factory,
-                    priority=10, supports=_native_kernels_supports,
+    register(OpSpec(name="cpu_native_rms_norm", op="rms_norm", devices=("cpu",),
+                    factory=_native_norms_factory("rms_norm"), priority=10, supports=_native_kernels_supports,
                     description="one compiled call instead of paddle's five ops (float32; the q/k norm's "
                                 "per-head weights too)"))
+    register(OpSpec(name="cpu_native_add_rms_norm", op="add_rms_norm", devices=("cpu",),
+                    factory=_native_norms_factory("add_rms_norm"), priority=10, supports=_native_kernels_supports,
+                    description="the residual add and the norm in one compiled pass over each row (float32)"))
+    register(OpSpec(name="cpu_native_rope", op="rope", devices=("cpu",), factory=_native_norms_factory("rope"),
+                    priority=10, supports=_native_kernels_supports,
+                    description="the NeoX rotation in one compiled call, bit-identical to paddle's four ops"))
     register(OpSpec(name="cpu_native_linear", op="linear", devices=("cpu",), factory=_native_linear_factory,
                     priority=10, supports=_native_kernels_supports,
                     description="AVX-512 FMA tiles on float32 or bf16 weights read in place (compiled C; bf16 "

@@ -1,12 +1,13 @@
 """The cpu device's compiled kernels: built once with the system C compiler, loaded with ctypes.
 
 ``csrc/cpu_kernels.c`` holds a paged attention that reads the KV cache in place, the KV write,
-SwiGLU, a MoE layer's routed experts, the FP8 linear and the linear layer (see the files for why). It is
-compiled the first time it is needed, with ``-march=native``, into ``$FDPLUG_CACHE_DIR/kernels/``
-under a name that hashes the sources, the flags, the compiler and the CPU's feature flags: a
-changed source or a different CPU gets its own build, and a build from another machine sharing the directory is never loaded. The
-build goes to a temporary file that is renamed into place, so concurrent processes never load a
-half-written library.
+SwiGLU, RMSNorm (alone and with the residual add), RoPE, a MoE layer's routed experts, the FP8
+linear and the linear layer (see the files for why). It is compiled the first time it is needed,
+with ``-march=native``, into ``$FDPLUG_CACHE_DIR/kernels/`` under a name that hashes the sources,
+the flags, the compiler and the CPU's feature flags: a changed source or a different CPU gets its
+own build, and a build from another machine sharing the directory is never loaded. The build goes
+to a temporary file that is renamed into place, so concurrent processes never load a half-written
+library.
 
 ``FDPLUG_CPU_KERNELS``: ``auto`` uses them when they build, ``on`` makes a failed build an error,
 ``off`` keeps the plain-Paddle reference. ctypes releases the GIL for the call; the kernel spreads
@@ -39,7 +40,7 @@ logger = logging.getLogger("fdplug")
 CSRC = Path(__file__).parent / "csrc"
 SOURCE = CSRC / "cpu_kernels.c"    # it #includes the other files of CSRC
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared", "-pthread", "-std=c99")
-ABI = 5
+ABI = 6
 BUILD_TIMEOUT_S = 120.0
 
 _c_int, _c_float, _ptr, _i64 = ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_int64
@@ -58,6 +59,8 @@ SIGNATURES = {   # (restype, argtypes) of every function the library exports (cs
     "fdplug_prefill_attention": (_c_int, [_ptr] * 7 + [_c_int] * 7 + [_c_float, _c_int]),
     "fdplug_prefill_attention_available": (_c_int, []),
     "fdplug_rms_norm": (None, [_ptr] * 3 + [_i64, _c_int, _c_int, _c_float, _c_int]),
+    "fdplug_add_rms_norm": (None, [_ptr] * 5 + [_i64, _c_int, _c_float, _c_int]),
+    "fdplug_rope": (None, [_ptr] * 4 + [_i64, _c_int, _c_int]),
 }
 
 
@@ -229,29 +232,4 @@ def swiglu(x: Any, threads: int) -> Any:
     out = paddle.empty([*lead, inter], dtype="float32")
     parallel = threads if rows * inter >= SWIGLU_MIN_PARALLEL else 1
     load().fdplug_swiglu(x.data_ptr(), out.data_ptr(), rows, inter, parallel)
-    return out
-
-
-# Below this many rows one thread does the norm: starting the others costs more than it saves.
-RMS_NORM_MIN_PARALLEL_ROWS = 64
-
-
-def rms_norm(x: Any, weight: Any, eps: float, threads: int) -> Any:
-    """The ``rms_norm`` op (`fdplug.plugin_api.ops`) in one call for float32 ``x [..., D]`` and a
-    ``weight`` of ``[D]`` or of ``x``'s trailing ``[heads, D]`` (the q/k norm); else paddle's."""
-    import paddle
-
-    from fdplug.core.portable.ops import rms_norm as portable
-
-    dim = int(x.shape[-1])
-    shape, wshape = list(x.shape), list(weight.shape)
-    if (x.dtype != paddle.float32 or weight.dtype != paddle.float32 or dim == 0
-            or wshape not in ([dim], shape[-len(wshape):]) or len(wshape) > 2):
-        return portable(x, weight, eps)
-    x = _contiguous(x)
-    rows = int(np.prod(shape[:-1]))
-    out = paddle.empty(shape, dtype="float32")
-    weight_rows = 1 if len(wshape) == 1 else wshape[0]
-    load().fdplug_rms_norm(x.data_ptr(), _contiguous(weight).data_ptr(), out.data_ptr(), rows, dim, weight_rows, eps,
-                           threads if rows >= RMS_NORM_MIN_PARALLEL_ROWS else 1)
     return out
