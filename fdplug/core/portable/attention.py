@@ -43,6 +43,7 @@ class _Prepared:
     slots: np.ndarray          # the same, as numpy int64
     groups: list[Any]
     token_order: Any | None    # permutation from concatenated group outputs back to token order
+    slot_range: tuple[int, int] = (0, -1)   # smallest and largest slot (0, -1: no tokens), once a step
 
 
 class ReferenceAttention:
@@ -73,7 +74,8 @@ class ReferenceAttention:
         identity = np.array_equal(order, np.arange(meta.num_tokens))
         token_order = None if identity else paddle.to_tensor(np.argsort(order, kind="stable"))
         slots = meta.slot_mapping.astype(np.int64)
-        return _Prepared(paddle.to_tensor(slots), slots, groups, token_order)
+        slot_range = (int(slots.min()), int(slots.max())) if len(slots) else (0, -1)
+        return _Prepared(paddle.to_tensor(slots), slots, groups, token_order, slot_range)
 
     def build_group(self, meta: AttentionMetadata, seqs: np.ndarray,
                     piece: tuple[int, int] | None = None) -> tuple[Any, np.ndarray]:

@@ -168,8 +168,10 @@ def require() -> None:
 
 
 def _check_float32(*tensors: Any) -> None:
+    import paddle
+
     for t in tensors:
-        if str(t.dtype) != "paddle.float32":
+        if t.dtype != paddle.float32:
             raise TypeError(f"the cpu kernels compute in float32, got {t.dtype}")
 
 
@@ -178,8 +180,10 @@ def _contiguous(t: Any) -> Any:
 
 
 def paged_attention(q: Any, key_cache: Any, value_cache: Any, q_rows: np.ndarray, block_tables: np.ndarray,
-                    seq_of_token: np.ndarray, key_end: np.ndarray, scale: float, threads: int) -> Any:
-    """``[len(q_rows), heads, dim]``: each row's attention over keys ``[0, key_end)`` of its block table row.
+                    seq_of_token: np.ndarray, key_end: np.ndarray, max_key_end: int, scale: float,
+                    threads: int) -> Any:
+    """``[len(q_rows), heads, dim]``: each row's attention over keys ``[0, key_end)`` of its block table row
+    (``max_key_end`` is ``key_end.max()``, which the backend computes once a step).
 
     The int arrays are int32 and C-contiguous (the backend's ``prepare`` builds them once per step
     and checks every block id and key count against the cache, so the C code can trust them).
@@ -195,7 +199,7 @@ def paged_attention(q: Any, key_cache: Any, value_cache: Any, q_rows: np.ndarray
     status = lib.fdplug_paged_attention(
         q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), q_rows.ctypes.data, block_tables.ctypes.data,
         seq_of_token.ctypes.data, key_end.ctypes.data, out.data_ptr(), num_tokens, heads, kv_heads, dim,
-        num_blocks, block_size, block_tables.shape[1], int(key_end.max()) if num_tokens else 1, scale, threads)
+        num_blocks, block_size, block_tables.shape[1], max_key_end if num_tokens else 1, scale, threads)
     if status != 0:
         raise MemoryError("cpu paged attention could not allocate its scratch memory or start its threads")
     return out

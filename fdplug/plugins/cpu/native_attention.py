@@ -49,6 +49,7 @@ class _KernelGroup:
     block_tables: np.ndarray   # [n, blocks] cache block ids
     key_end: np.ndarray        # [n] visible keys [0, key_end)
     max_block: int             # largest block id used, to check against the cache
+    max_key_end: int           # key_end.max(), once a step instead of once a layer
 
 
 @dataclass(slots=True)
@@ -87,6 +88,7 @@ class NativeCpuAttention(ReferenceAttention):
         group = _KernelGroup(
             q_rows=rows.astype(np.int32), seq_of_token=np.arange(len(seqs), dtype=np.int32),
             block_tables=tables, key_end=key_end.astype(np.int32), max_block=int(tables.max(initial=0)),
+            max_key_end=int(key_end.max()),
         )
         if tables.min(initial=0) < 0:
             raise ValueError("attention metadata: negative block id in a block table")
@@ -122,12 +124,11 @@ class NativeCpuAttention(ReferenceAttention):
         if g.max_block >= key_cache.shape[1]:
             raise ValueError(f"block id {g.max_block} is outside the KV cache ({key_cache.shape[1]} blocks)")
         return kernels.paged_attention(q, key_cache, value_cache, g.q_rows, g.block_tables, g.seq_of_token,
-                                       g.key_end, scale, self.threads)
+                                       g.key_end, g.max_key_end, scale, self.threads)
 
     def write_cache(self, k: Any, v: Any, key_cache: Any, value_cache: Any, prepared: _Prepared) -> None:
-        slots = prepared.slots
+        low, high = prepared.slot_range
         capacity = key_cache.shape[1] * key_cache.shape[2]
-        if len(slots) and (slots.min() < 0 or slots.max() >= capacity):
-            raise ValueError(f"slot mapping outside the KV cache: {int(slots.min())}..{int(slots.max())} "
-                             f"for {capacity} slots")
-        kernels.write_kv(k, v, key_cache, value_cache, slots)
+        if low <= high and (low < 0 or high >= capacity):
+            raise ValueError(f"slot mapping outside the KV cache: {low}..{high} for {capacity} slots")
+        kernels.write_kv(k, v, key_cache, value_cache, prepared.slots)
