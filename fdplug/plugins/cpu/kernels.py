@@ -175,6 +175,14 @@ def _check_float32(*tensors: Any) -> None:
             raise TypeError(f"the cpu kernels compute in float32, got {t.dtype}")
 
 
+def _rows(shape: list[int]) -> int:
+    """The product of all but the last dimension (no numpy: called several times a layer)."""
+    rows = 1
+    for size in shape[:-1]:
+        rows *= size
+    return rows
+
+
 def _contiguous(t: Any) -> Any:
     return t if t.is_contiguous() else t.contiguous()
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from fdplug.plugins.cpu.kernels import _check_float32, _contiguous, load
+from fdplug.plugins.cpu.kernels import _check_float32, _contiguous, _rows, load
 
 # Up to this many rows the weights are widened in registers; above, one dequantized copy of the
 # layer and paddle's GEMM catch up (the widening is repeated for every 8 rows). Measured on this
@@ -27,20 +27,20 @@ def fp8_linear(x: Any, weight: Any, weight_scale: Any, block_k: int, threads: in
     (`fdplug.plugin_api.ops`), read in place: the weights stay one byte each."""
     import paddle
 
-    *lead, depth = x.shape
-    cols = int(weight.shape[0])
-    if depth <= 0 or block_k <= 0 or list(weight.shape) != [cols, depth] or list(weight_scale.shape) != [cols, -(-depth // block_k)]:
-        raise ValueError(f"fp8_linear: x [..., {depth}], weight {list(weight.shape)} and weight_scale "
-                         f"{list(weight_scale.shape)} do not match block_k={block_k}")
-    rows = int(np.prod(lead))
-    x = _contiguous(x.reshape([rows, depth]))
+    shape, wshape, sshape = x.shape, weight.shape, weight_scale.shape
+    depth, cols = shape[-1], wshape[0]
+    if depth <= 0 or block_k <= 0 or wshape != [cols, depth] or sshape != [cols, -(-depth // block_k)]:
+        raise ValueError(f"fp8_linear: x [..., {depth}], weight {wshape} and weight_scale {sshape} do not "
+                         f"match block_k={block_k}")
+    rows = _rows(shape)
+    x = _contiguous(x if len(shape) == 2 else x.reshape([rows, depth]))
     _check_float32(x, weight_scale)
     if weight.dtype != paddle.float8_e4m3fn:
         raise TypeError(f"fp8_linear needs a float8_e4m3fn weight, got {weight.dtype}")
     out = paddle.empty([rows, cols], dtype="float32")
     load().fdplug_fp8_linear(x.data_ptr(), _contiguous(weight).data_ptr(), _contiguous(weight_scale).data_ptr(),
                              out.data_ptr(), rows, cols, depth, block_k, threads)
-    return out.reshape([*lead, cols])
+    return out if len(shape) == 2 else out.reshape([*shape[:-1], cols])
 
 
 def dequantize(weight: Any, weight_scale: Any, block_k: int, threads: int) -> Any:
@@ -63,8 +63,10 @@ def fp8_linear_or_portable(x: Any, weight: Any, weight_scale: Any, block_k: int,
     """The ``fp8_linear`` op: `fp8_linear` for float32 inputs of up to FP8_MAX_ROWS rows; for longer
     float32 inputs (prefill) the layer widened once in C and the linear kernel's tiles; else (bf16/fp16
     activations) the portable dequantize-and-matmul."""
-    rows = int(np.prod(x.shape[:-1]))
-    if str(x.dtype) == "paddle.float32":
+    import paddle
+
+    rows = _rows(x.shape)
+    if x.dtype == paddle.float32:
         if rows <= FP8_MAX_ROWS:
             return fp8_linear(x, weight, weight_scale, block_k, threads)
         from fdplug.plugins.cpu.native_linear import linear

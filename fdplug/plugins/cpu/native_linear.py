@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fdplug.plugins.cpu.kernels import _contiguous, load
+from fdplug.plugins.cpu.kernels import _contiguous, _rows, load
 
 
 def linear(x: Any, weight: Any, threads: int, bf16_math: bool = False) -> Any:
@@ -39,9 +39,7 @@ def linear(x: Any, weight: Any, threads: int, bf16_math: bool = False) -> Any:
         raise TypeError(f"the cpu linear kernel reads float32 or bfloat16 weights, got {wdtype}")
     if x.dtype != paddle.float32:
         raise TypeError(f"the cpu kernels compute in float32, got {x.dtype}")
-    rows, cols = shape[0], wshape[0]
-    for size in shape[1:-1]:
-        rows *= size
+    rows, cols = _rows(shape), wshape[0]
     x, weight = _contiguous(x), _contiguous(weight)
     out = paddle.empty([rows, cols], dtype="float32")
     if bf16_math and wdtype == paddle.bfloat16:

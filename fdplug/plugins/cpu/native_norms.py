@@ -12,18 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from fdplug.plugins.cpu.kernels import _contiguous, load
+from fdplug.plugins.cpu.kernels import _contiguous, _rows, load
 
 # Below this many rows one thread does the norm: starting the others costs more than it saves.
 RMS_NORM_MIN_PARALLEL_ROWS = 64
-
-
-def _rows(shape: list[int]) -> int:
-    """The product of all but the last dimension (no numpy: called several times a layer)."""
-    rows = 1
-    for size in shape[:-1]:
-        rows *= size
-    return rows
 
 
 def _norm_threads(rows: int, threads: int) -> int:
