@@ -186,9 +186,9 @@ def test_native_is_the_cpu_default_and_generates_what_the_reference_generates(te
     assert outputs["cpu_native_swiglu", "cpu_native"] == outputs["paddle_swiglu", "reference"]
 
 
-# Row counts on both sides of the thresholds (paddle below SWIGLU_MIN_OUTPUTS, one thread below
-# SWIGLU_MIN_PARALLEL, then all threads with a row count no thread count divides); widths with and
-# without a tail past the last multiple of eight.
+# Row counts on both sides of the threshold (one thread below SWIGLU_MIN_PARALLEL, then all threads
+# with a row count no thread count divides); widths with and without a tail past the last multiple
+# of eight.
 @pytest.mark.parametrize("shape", [(1, 64), (3, 7, 2 * 1000), (64, 2 * 1536), (2047, 2 * 13), (301, 2 * 200)])
 @pytest.mark.parametrize("threads", [1, 2, 5])
 def test_swiglu_matches_paddle(shape, threads):
@@ -200,7 +200,7 @@ def test_swiglu_matches_paddle(shape, threads):
 
 def test_swiglu_at_the_ends_of_the_float_range():
     gates = np.array([-1e6, -200, -88, -87, -20, -1e-6, 0, 1e-6, 20, 87, 88, 200, 1e6, np.nan], dtype=np.float32)
-    x = np.ones((1024, 2 * len(gates)), dtype=np.float32)  # over SWIGLU_MIN_OUTPUTS: the C path
+    x = np.ones((1024, 2 * len(gates)), dtype=np.float32)  # over SWIGLU_MIN_PARALLEL: threaded
     x[:, :len(gates)] = gates
     got = kernels.swiglu(paddle.to_tensor(x), 2).numpy()[0]
     want = F.swiglu(paddle.to_tensor(x)).numpy()[0]

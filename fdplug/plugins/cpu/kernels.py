@@ -224,24 +224,24 @@ def write_kv(key: Any, value: Any, key_cache: Any, value_cache: Any, slots: np.n
 
 # Below this many outputs one thread is faster than starting another (a decode step's few rows).
 SWIGLU_MIN_PARALLEL = 1 << 15
-# Below this many, paddle's own loop beats this call's fixed cost (~50 us of ctypes and allocation).
-SWIGLU_MIN_OUTPUTS = 1 << 13
 
 
 def swiglu(x: Any, threads: int) -> Any:
-    """``silu(x[..., :n]) * x[..., n:]`` with ``n = x.shape[-1] // 2``: paddle's ``F.swiglu`` contract."""
-    import paddle
-    import paddle.nn.functional as F
+    """``silu(x[..., :n]) * x[..., n:]`` with ``n = x.shape[-1] // 2``: paddle's ``F.swiglu`` contract.
 
-    if x.size < 2 * SWIGLU_MIN_OUTPUTS:
-        return F.swiglu(x)
-    x = _contiguous(x)
-    _check_float32(x)
-    *lead, width = x.shape
+    Every size goes to C: with the thread pool and this wrapper's plain attribute reads the call
+    costs a few microseconds (small inputs went to paddle's op while a call cost ~50 us)."""
+    import paddle
+
+    shape = x.shape
+    width = shape[-1]
     if width % 2:
         raise ValueError(f"swiglu needs an even last dimension, got {width}")
-    rows, inter = int(np.prod(lead)), width // 2
-    out = paddle.empty([*lead, inter], dtype="float32")
-    parallel = threads if rows * inter >= SWIGLU_MIN_PARALLEL else 1
-    load().fdplug_swiglu(x.data_ptr(), out.data_ptr(), rows, inter, parallel)
+    if x.dtype != paddle.float32:
+        raise TypeError(f"the cpu kernels compute in float32, got {x.dtype}")
+    x = _contiguous(x)
+    rows, inter = _rows(shape), width // 2
+    out = paddle.empty([*shape[:-1], inter], dtype="float32")
+    load().fdplug_swiglu(x.data_ptr(), out.data_ptr(), rows, inter,
+                         threads if rows * inter >= SWIGLU_MIN_PARALLEL else 1)
     return out

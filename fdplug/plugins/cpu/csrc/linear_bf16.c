@@ -73,9 +73,7 @@ static inline __attribute__((always_inline)) void bf16dot_tile(const bf16dot_job
             for (int c = 0; c < NR; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, (__m512bh)wv[c]);
         }
     }
-    for (int r = 0; r < MR; ++r)
-        for (int c = 0; c < NR; ++c)
-            job->base.out[(int64_t)(m0 + r) * job->base.cols + n0 + c] = _mm512_reduce_add_ps(acc[r][c]);
+    store_tile_sums(acc, job->base.out + (int64_t)m0 * job->base.cols + n0, job->base.cols, MR, NR);
 }
 
 static void bf16dot_block(const linear_job *base, int m0, int mr, int n0, int nr) {
@@ -113,9 +111,9 @@ int fdplug_linear_bf16dot(const float *x, const uint16_t *w, float *out, int row
     const int padded = (depth + 31) / 32 * 32;
     void *buffer = NULL;
     if (posix_memalign(&buffer, 64, sizeof(uint16_t) * (size_t)rows * (size_t)padded) != 0) return -1;
-    bf16dot_job job = {{x, w, out, rows, cols, depth, 0, 0, 0}, buffer, padded, 0};
+    bf16dot_job job = {{x, w, out, rows, cols, depth, 0, 0, 0, 0, 0}, buffer, padded, 0};
     run_workers(bf16dot_convert_worker, &job, num_threads < rows ? num_threads : rows);
-    linear_run(&job.base, bf16dot_worker, (int64_t)1 << 16, num_threads); /* 64K bf16 weights: 128 KB */
+    linear_run(&job.base, bf16dot_worker, (int64_t)1 << 16, sizeof(uint16_t), num_threads); /* 64K weights: 128 KB */
     free(buffer);
     return 0;
 #else
