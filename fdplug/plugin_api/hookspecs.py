@@ -18,7 +18,7 @@ chosen ``(topk_weights, topk_ids)`` instead of the router logits. 3.1: the ``fp8
 fields for weight formats and shapes; FP8 formats in `fdplug.plugin_api.fp8`. 3.2: the ``linear``
 op (every float linear layer, weights ``[N, K]``, bf16 weights allowed) and ``EngineConfig.weight_dtype``.
 3.3: ``OpSpec.bf16_inputs``: a ``linear`` kernel that computes bf16 weights in bf16 math. 3.4: the
-``add_rms_norm`` and ``rope`` ops (a plugin written for 3.3 gets the portable ones).
+``add_rms_norm``, ``rope`` and ``argmax`` ops (a plugin written for 3.3 gets the portable ones).
 """
 
 from __future__ import annotations

@@ -36,6 +36,10 @@ Contracts (``T`` tokens as rows; inputs are never modified; results in the input
     ``layers.RotaryEmbedding.lookup`` gives them: each token's row tiled over the heads, ``sin``'s
     first half negated) -> ``y = x * cos + roll(x, D / 2, axis=-1) * sin``, each product rounded, then
     the sum (NeoX rotation; no fused multiply-add, so a kernel can match the portable op's bits).
+``argmax(logits) -> ids``
+    ``logits [T, V]`` float32 -> numpy int64 ``[T]``: each row's largest value's index, the lowest
+    among equal values, NaN never chosen (a row of only NaN gives 0); greedy sampling. On the host:
+    the sampler continues there.
 
 A kernel must agree with the portable implementation to float32 rounding (relative 1e-5); the
 conformance kit (`fdplug.testing`) checks every registered op against it.
@@ -46,7 +50,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-OPS: tuple[str, ...] = ("swiglu", "rms_norm", "fp8_linear", "linear", "add_rms_norm", "rope")
+OPS: tuple[str, ...] = ("swiglu", "rms_norm", "fp8_linear", "linear", "add_rms_norm", "rope", "argmax")
 """Every op a plugin may override, in the order `Kernels` lists them."""
 
 
@@ -60,3 +64,4 @@ class Kernels:
     linear: Callable[[Any, Any], Any]
     add_rms_norm: Callable[[Any, Any, Any, float], tuple[Any, Any]]
     rope: Callable[[Any, Any, Any], Any]
+    argmax: Callable[[Any], Any]

@@ -101,6 +101,28 @@ def test_add_rms_norm_and_rope_kernels_match_the_portable_ones(fdplug_selection,
         np.testing.assert_array_equal(heads.numpy(), before)
 
 
+def test_argmax_kernel_matches_the_portable_one(fdplug_selection, fdplug_place):
+    """The selected ``argmax`` exactly as the portable one: ties (the lowest index), NaN (never
+    chosen), -inf rows, widths that are not a multiple of any vector width, 1 to 300 rows."""
+    import paddle
+
+    from fdplug.core.portable import ops as portable
+
+    kernel = fdplug_selection.ops["argmax"].factory(EngineConfig())
+    rng = np.random.default_rng(8)
+    paddle.set_device(fdplug_place)
+    for rows, cols in ((1, 5), (3, 37), (64, 32000), (300, 129)):
+        x = rng.integers(-3, 4, (rows, cols)).astype(np.float32)   # many ties
+        x[0, cols // 2] = np.nan
+        x[-1, :] = -np.inf
+        if rows > 2:
+            x[1, :] = np.nan
+            x[1, -1] = 0.0
+        got = np.asarray(kernel(paddle.to_tensor(x)))
+        np.testing.assert_array_equal(got, portable.argmax(paddle.to_tensor(x)), err_msg=f"{rows}x{cols}")
+        assert got.dtype == np.int64 and got.shape == (rows,)
+
+
 def test_fp8_linear_kernel_matches_the_portable_one(fdplug_selection, fdplug_place):
     """The selected ``fp8_linear`` kernel against the portable dequantize-and-matmul: K that is not a
     multiple of the block (edge blocks), 32- and 128-wide blocks, 1 to 300 rows, e4m3 weights across

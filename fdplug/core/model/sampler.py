@@ -14,7 +14,9 @@ temperature and filters.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 import numpy as np
 
@@ -157,8 +159,12 @@ def _draw_full(cut: _Cut, sel: np.ndarray, u: np.ndarray) -> np.ndarray:
 class Sampler:
     """Stateless apart from the generator of unseeded rows; call once per step."""
 
-    def __init__(self, seed: int | None = None) -> None:
+    def __init__(self, seed: int | None = None, argmax: Callable[[Any], np.ndarray] | None = None) -> None:
+        """``argmax``: the selected ``argmax`` op (`fdplug.plugin_api.ops`; default: the portable one)."""
+        from fdplug.core.portable.ops import argmax as portable
+
         self._rng = np.random.default_rng(seed)
+        self._argmax = argmax or portable
 
     def __call__(self, logits, meta: SamplingMetadata) -> SamplerOutput:
         """``logits``: fp32 paddle [num_reqs, vocab], one row per request sampling this step.
@@ -168,7 +174,7 @@ class Sampler:
         if meta.all_random:
             tokens = self._sample_random(processed, meta)
         else:
-            tokens = processed.argmax(axis=1).numpy().astype(np.int64)
+            tokens = self._argmax(processed)
             if not meta.all_greedy:
                 rand = np.nonzero(~meta.greedy)[0]
                 tokens[rand] = self._sample_random(_take(processed, rand), meta.rows(rand))

@@ -85,6 +85,8 @@ def fdplug_register_ops(register):
                     factory=_op_factory("add_rms_norm"), description="one Paddle add, then paddle_rms_norm"))
     register(OpSpec(name="paddle_rope", op="rope", devices=(ANY_DEVICE,), factory=_op_factory("rope"),
                     description="x * cos + roll(x, D/2) * sin (four Paddle ops)"))
+    register(OpSpec(name="paddle_argmax", op="argmax", devices=(ANY_DEVICE,), factory=_op_factory("argmax"),
+                    description="paddle's argmax over each row, copied to the host"))
     register(OpSpec(name=PORTABLE_LINEAR, op="linear", devices=(ANY_DEVICE,), factory=_op_factory("linear"),
                     description="one paddle matmul of the weights as stored (bf16 weights under float32 "
                                 "activations: cast first, a copy per call)"))

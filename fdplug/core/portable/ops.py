@@ -43,6 +43,10 @@ def rope(x: Any, cos: Any, sin: Any) -> Any:
     return x * cos + paddle.roll(x, x.shape[-1] // 2, axis=-1) * sin
 
 
+def argmax(logits: Any) -> Any:
+    return logits.argmax(axis=1).numpy().astype("int64")
+
+
 PORTABLE = Kernels(swiglu=swiglu, rms_norm=rms_norm, fp8_linear=fp8_linear, linear=linear,
-                   add_rms_norm=add_rms_norm, rope=rope)
+                   add_rms_norm=add_rms_norm, rope=rope, argmax=argmax)
 """The table a model gets when nobody chose kernels for it (tests, tools)."""

@@ -86,6 +86,7 @@ class ModelRunner:
         self.attn_backend = self.selection.attention.factory(self.config)
         self.moe_backend = self.selection.moe.factory(self.config) if cfg.moe is not None else None
         kernels = Kernels(**{op: spec.factory(self.config) for op, spec in self.selection.ops.items()})
+        self.argmax = kernels.argmax
         self.model, self.model_config = load_model(self.config.model_dir, self.attn_backend, dtype=self.config.dtype,
                                                    max_positions=self.config.max_model_len, kernels=kernels,
                                                    moe_backend=self.moe_backend, quantization=self.config.quantization,
@@ -107,7 +108,7 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(self.attn_backend, plan, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                                             config.dtype)
         self.batch = self._new_batch()
-        self.sampler = Sampler(seed=config.seed)
+        self.sampler = Sampler(seed=config.seed, argmax=self.argmax)
         return plan
 
     # -- one step ---------------------------------------------------------------------------------

@@ -58,6 +58,15 @@ def _native_norms_factory(op: str):
     return factory
 
 
+def _native_argmax_factory(config):
+    import functools
+
+    from fdplug.plugins.cpu import kernels, native_argmax
+
+    kernels.load()
+    return functools.partial(native_argmax.argmax, threads=device.cpu_threads())
+
+
 def _native_linear_factory(config):
     import functools
 
@@ -136,6 +145,9 @@ def fdplug_register_ops(register):
     register(OpSpec(name="cpu_native_rope", op="rope", devices=("cpu",), factory=_native_norms_factory("rope"),
                     priority=10, supports=_native_kernels_supports,
                     description="the NeoX rotation in one compiled call, bit-identical to paddle's four ops"))
+    register(OpSpec(name="cpu_native_argmax", op="argmax", devices=("cpu",), factory=_native_argmax_factory,
+                    priority=10, supports=_native_kernels_supports,
+                    description="greedy sampling's argmax, 16 lanes at a time, rows over the cores (compiled C)"))
     register(OpSpec(name="cpu_native_linear", op="linear", devices=("cpu",), factory=_native_linear_factory,
                     priority=10, supports=_native_kernels_supports,
                     description="AVX-512 FMA tiles on float32 or bf16 weights read in place (compiled C; bf16 "

@@ -40,7 +40,7 @@ logger = logging.getLogger("fdplug")
 CSRC = Path(__file__).parent / "csrc"
 SOURCE = CSRC / "cpu_kernels.c"    # it #includes the other files of CSRC
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared", "-pthread", "-std=c99")
-ABI = 6
+ABI = 7
 BUILD_TIMEOUT_S = 120.0
 
 _c_int, _c_float, _ptr, _i64 = ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_int64
@@ -61,6 +61,7 @@ SIGNATURES = {   # (restype, argtypes) of every function the library exports (cs
     "fdplug_rms_norm": (None, [_ptr] * 3 + [_i64, _c_int, _c_int, _c_float, _c_int]),
     "fdplug_add_rms_norm": (None, [_ptr] * 5 + [_i64, _c_int, _c_float, _c_int]),
     "fdplug_rope": (None, [_ptr] * 4 + [_i64, _c_int, _c_int]),
+    "fdplug_argmax": (None, [_ptr, _ptr, _i64, _c_int, _c_int]),
 }
 
 

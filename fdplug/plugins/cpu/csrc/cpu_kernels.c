@@ -29,7 +29,7 @@
 #define HAVE_AVX2 1
 #endif
 
-int fdplug_kernels_abi(void) { return 6; }
+int fdplug_kernels_abi(void) { return 7; }
 
 /* ---------------------------------------------------------------------------------------------
  * Threads. A kernel call runs worker(job) on the calling thread and up to num_threads - 1 helpers
@@ -1189,3 +1189,4 @@ int fdplug_fp8_moe(const float *x, const uint8_t *w13, const float *s13, const u
 #include "linear_bf16.c" /* the linear layer in bf16 math (AVX512-BF16) */
 #include "prefill_attention.c" /* prefill attention, blocked with an online softmax */
 #include "rms_norm.c"
+#include "argmax.c" /* greedy sampling's argmax */
