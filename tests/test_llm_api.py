@@ -223,6 +223,18 @@ def test_repetition_penalty_changes_greedy_output(llm):
     assert len(set(penalised)) >= len(set(base))
 
 
+def test_penalised_request_is_the_same_next_to_unpenalised_ones(llm):
+    """Only penalised rows keep their token counts up to date; a penalised request batched with
+    unpenalised ones (before and after it in the slots) decodes as it does alone."""
+    penalised = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1.5,
+                               frequency_penalty=0.7, presence_penalty=0.3)
+    plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    alone = llm.generate("abab abab", penalised, use_tqdm=False)[0].outputs[0].token_ids
+    outs = llm.generate(["zz top", "abab abab", "hello there"], [plain, penalised, plain], use_tqdm=False)
+    assert outs[1].outputs[0].token_ids == alone
+    assert outs[0].outputs[0].token_ids == llm.generate("zz top", plain, use_tqdm=False)[0].outputs[0].token_ids
+
+
 def test_generate_queues_any_number_of_prompts(llm):
     """Offline, a generate() call queues all of its prompts at once: more than the server's default
     waiting limit (1024) is not a "retry later"."""

@@ -39,7 +39,7 @@ class _Group:
 
 @dataclass(slots=True)
 class _Prepared:
-    slot_mapping: Any          # paddle int64 [tokens]
+    slot_mapping: Any          # paddle int64 [tokens]; None where the backend writes from `slots`
     slots: np.ndarray          # the same, as numpy int64
     groups: list[Any]
     token_order: Any | None    # permutation from concatenated group outputs back to token order

@@ -48,6 +48,8 @@ SLOT_FIELDS: tuple[SlotField, ...] = (
     SlotField("presence_penalty", np.float32, 0.0),
     SlotField("frequency_penalty", np.float32, 0.0),
     SlotField("repetition_penalty", np.float32, 1.0),
+    SlotField("penalised", np.bool_, False),                   # any of the three penalties is on
+    SlotField("plain_greedy", np.bool_, False),                # greedy, no penalty, no logprobs: argmax alone
     SlotField("seed", np.int64, 0),                            # read where ``seeded``
     SlotField("seeded", np.bool_, False),
     SlotField("num_logprobs", np.int64, -1),                   # -1: no logprobs

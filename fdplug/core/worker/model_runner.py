@@ -16,7 +16,7 @@ import numpy as np
 
 from fdplug.core.config import EngineConfig
 from fdplug.core.model.penalties import penalty_tokens, record_tokens
-from fdplug.core.model.sampler import Sampler
+from fdplug.core.model.sampler import SAMPLING_EPS, Sampler
 from fdplug.core.scheduler.output import NewRequestData, SchedulerOutput
 from fdplug.core.worker.input_batch import InputBatch
 from fdplug.core.worker.kv_cache import (
@@ -24,7 +24,7 @@ from fdplug.core.worker.kv_cache import (
     bytes_per_block,
     plan_kv_cache,
 )
-from fdplug.core.worker.sampling import sampled_logprobs, sampling_metadata
+from fdplug.core.worker.sampling import plain_greedy, sampled_logprobs, sampling_metadata
 from fdplug.errors import ConfigError, RequestStepError
 from fdplug.plugin_api.attention import AttentionMetadata, cdiv
 from fdplug.plugin_api.model_runner import KVCachePlan, ModelInfo, ModelRunnerOutput, format_bytes
@@ -136,13 +136,16 @@ class ModelRunner:
                 paddle.gather(hidden, paddle.to_tensor(inputs.logits_rows))
             logits = self.model.compute_logits(rows)
         t2 = time.perf_counter()
-        meta = sampling_metadata(self.batch, inputs.sampling_slots)
-        result = self.sampler(logits, meta)
-        sampled = result.sampled_token_ids
+        if plain_greedy(self.batch, inputs.sampling_slots):
+            sampled, logprobs = self.argmax(logits), {}
+        else:
+            meta = sampling_metadata(self.batch, inputs.sampling_slots)
+            result = self.sampler(logits, meta)
+            sampled = result.sampled_token_ids
+            logprobs = sampled_logprobs(result, meta, inputs.sampling_req_ids)
         self._record_sampled(inputs, sampled)
         t3 = time.perf_counter()
         tokens = {rid: [int(t)] for rid, t in zip(inputs.sampling_req_ids, sampled)}
-        logprobs = sampled_logprobs(result, meta, inputs.sampling_req_ids)
         return ModelRunnerOutput(tokens, logprobs, {"prepare": t1 - t0, "forward": t2 - t1, "sample": t3 - t2})
 
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -184,12 +187,15 @@ class ModelRunner:
         tokens = [*new.prompt_token_ids, *new.output_token_ids]
         params = new.sampling_params
         penalty_ids, penalty_counts = penalty_tokens(new.prompt_token_ids, new.output_token_ids)
+        penalised = params.presence_penalty != 0 or params.frequency_penalty != 0 or params.repetition_penalty != 1
         values = {
             "token_ids": tokens, "num_tokens": len(tokens), "num_prompt_tokens": len(new.prompt_token_ids),
             "num_computed_tokens": new.num_computed_tokens, "block_table": new.block_ids,
             "num_blocks": len(new.block_ids), "temperature": params.temperature, "top_p": params.top_p,
             "top_k": params.top_k, "min_p": params.min_p, "presence_penalty": params.presence_penalty,
             "frequency_penalty": params.frequency_penalty, "repetition_penalty": params.repetition_penalty,
+            "penalised": penalised, "plain_greedy": (params.temperature < SAMPLING_EPS and not penalised
+                                                     and params.logprobs is None),
             "seed": 0 if params.seed is None else params.seed, "seeded": params.seed is not None,
             "num_logprobs": -1 if params.logprobs is None else params.logprobs,
             "mm_positions": tuple(new.mm_positions), "penalty_ids": penalty_ids, "penalty_counts": penalty_counts,
@@ -262,4 +268,7 @@ class ModelRunner:
         ends = batch.num_tokens[slots]
         batch.token_ids[slots, ends] = sampled
         batch.num_tokens[slots] = ends + 1
-        record_tokens(batch.penalty_ids, batch.penalty_counts, batch.num_penalty_ids, slots, sampled)
+        counted = batch.penalised[slots]     # only penalised rows' tables are ever read (sampling_metadata)
+        if counted.any():
+            record_tokens(batch.penalty_ids, batch.penalty_counts, batch.num_penalty_ids, slots[counted],
+                          sampled[counted])

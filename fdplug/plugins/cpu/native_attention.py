@@ -72,13 +72,30 @@ class NativeCpuAttention(ReferenceAttention):
         self.threads = threads
         self.prefill_kernel = bool(lib.fdplug_prefill_attention_available())   # built with AVX-512
 
+    def prepare(self, meta: AttentionMetadata) -> _Prepared:
+        """A step of decodes only (one token a sequence: every step of a steady single stream) skips
+        the general grouping: one kernel group in token order, and no paddle copy of the slots (this
+        backend writes the cache from the numpy ones). Measured: 46 -> ~20 us hot, and host work is
+        what a single-stream step spends outside the model."""
+        if meta.num_tokens != meta.num_seqs:
+            return super().prepare(meta)
+        seqs = np.arange(meta.num_seqs)
+        group, _ = self._decode_group(meta, seqs, seqs)
+        slots = np.asarray(meta.slot_mapping, dtype=np.int64)
+        slot_range = (int(slots.min()), int(slots.max())) if len(slots) else (0, -1)
+        return _Prepared(None, slots, [group], None, slot_range)
+
     def build_group(self, meta: AttentionMetadata, seqs: np.ndarray,
                     piece: tuple[int, int] | None = None) -> tuple[Any, np.ndarray]:
         if piece is not None and self.prefill_kernel:
             return self._prefill_group(meta, int(seqs[0]), piece)
         if piece is not None or not (meta.query_lens()[seqs] == 1).all():
             return super().build_group(meta, seqs, piece)
-        rows = meta.query_start_loc[seqs]
+        return self._decode_group(meta, seqs, meta.query_start_loc[seqs])
+
+    @staticmethod
+    def _decode_group(meta: AttentionMetadata, seqs: np.ndarray, rows: np.ndarray) -> tuple[_KernelGroup, np.ndarray]:
+        """Sequences ``seqs`` with one query token each, at token rows ``rows``."""
         key_end = meta.key_end[rows]
         blocks = cdiv(int(key_end.max()), meta.block_size)
         if key_end.min() < 1 or blocks > meta.block_tables.shape[1]:
