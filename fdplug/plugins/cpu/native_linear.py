@@ -7,6 +7,12 @@ FMA tiles on the weights in the checkpoint's ``[N, K]`` layout, widening bf16 we
 paddle's float32 matmul of the same shapes (512x1024, 512x3072, 1536x512): float32 weights 1.4-1.9x
 at 1 row, 1.4-1.5x at 64, 1.1-1.2x at 1,024 rows (~250 GFLOP/s against ~210); bf16 weights the
 same speed where compute-bound and up to twice it where the weights' bytes bound it (decode).
+Measured again on 2026-11-25 with MKL on both threads (``import paddle`` sets OMP_NUM_THREADS=1
+when it is unset, which an isolated comparison inherits): MKL 155-207 GFLOP/s at 64-1,024 rows
+against these tiles' ~120-140 (their 16 dot products end in horizontal sums; MKL's outer-product
+tiles do not), in the model too (1,024-token float32 TTFT 692 vs 546 ms with ``paddle_linear``);
+these tiles stay ahead at 1-16 rows (decode: 1.4-1.9x). Weights packed at load for outer-product
+tiles would keep the batch invariance and close that gap; not done yet.
 
 ``cpu_native_bf16_linear`` computes bf16 weights in bf16 math where the CPU has AVX512-BF16
 (csrc/linear_bf16.c: ``x`` rounded to bf16 once a call, vdpbf16ps, float32 sums): twice the
