@@ -90,11 +90,15 @@ static inline __attribute__((always_inline)) void prefill_tile(const prefill_job
             }
             const float top = _mm512_mask_reduce_max_ps(seen, s[v]);
             const float next = top > peak[v] ? top : peak[v];
-            const float alpha = peak[v] == -INFINITY ? 0.0f : expf(peak[v] - next);
             const __m512 p = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(s[v], _mm512_set1_ps(next))));
+            _mm512_store_ps(probs[v], p);
+            if (next == peak[v]) { /* the max held: alpha would be expf(0) = 1, and x * 1 is x */
+                total[v] += _mm512_reduce_add_ps(p);
+                continue;
+            }
+            const float alpha = peak[v] == -INFINITY ? 0.0f : expf(peak[v] - next);
             total[v] = total[v] * alpha + _mm512_reduce_add_ps(p);
             peak[v] = next;
-            _mm512_store_ps(probs[v], p);
             const __m512 a = _mm512_set1_ps(alpha);
             for (int c = 0; c < D / 16; ++c) acc[v][c] = _mm512_mul_ps(acc[v][c], a);
         }
