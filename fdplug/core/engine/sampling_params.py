@@ -73,6 +73,11 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS
 
+    @property
+    def has_penalties(self) -> bool:
+        """Any of the presence, frequency or repetition penalties is on."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
     def validate(self) -> "SamplingParams":
         """Raise InvalidRequestError naming the first bad field (``param``) and its allowed range."""
         _int_in("n", self.n, 1, MAX_N, f"an integer in [1, {MAX_N}]: fdplug caps sequences per request as OpenAI does")

@@ -74,8 +74,7 @@ class ReferenceAttention:
         identity = np.array_equal(order, np.arange(meta.num_tokens))
         token_order = None if identity else paddle.to_tensor(np.argsort(order, kind="stable"))
         slots = meta.slot_mapping.astype(np.int64)
-        slot_range = (int(slots.min()), int(slots.max())) if len(slots) else (0, -1)
-        return _Prepared(paddle.to_tensor(slots), slots, groups, token_order, slot_range)
+        return _Prepared(paddle.to_tensor(slots), slots, groups, token_order, slot_range(slots))
 
     def build_group(self, meta: AttentionMetadata, seqs: np.ndarray,
                     piece: tuple[int, int] | None = None) -> tuple[Any, np.ndarray]:
@@ -120,6 +119,11 @@ class ReferenceAttention:
 # Query rows per prefill group: a causal chunk of 512 fresh tokens in two pieces computes 3/4 of
 # the full 512 x 512 scores (the second piece alone sees all keys), 2048 tokens in 8 pieces 9/16.
 PREFILL_PIECE = 256
+
+
+def slot_range(slots: np.ndarray) -> tuple[int, int]:
+    """The smallest and largest slot of a step, ``(0, -1)`` for none: ``_Prepared.slot_range``."""
+    return (int(slots.min()), int(slots.max())) if len(slots) else (0, -1)
 
 
 def _write(cache: Any, new: Any, slot_mapping: Any) -> None:

@@ -16,7 +16,7 @@ import numpy as np
 
 from fdplug.core.config import EngineConfig
 from fdplug.core.model.penalties import penalty_tokens, record_tokens
-from fdplug.core.model.sampler import SAMPLING_EPS, Sampler
+from fdplug.core.model.sampler import Sampler
 from fdplug.core.scheduler.output import NewRequestData, SchedulerOutput
 from fdplug.core.worker.input_batch import InputBatch
 from fdplug.core.worker.kv_cache import (
@@ -187,15 +187,14 @@ class ModelRunner:
         tokens = [*new.prompt_token_ids, *new.output_token_ids]
         params = new.sampling_params
         penalty_ids, penalty_counts = penalty_tokens(new.prompt_token_ids, new.output_token_ids)
-        penalised = params.presence_penalty != 0 or params.frequency_penalty != 0 or params.repetition_penalty != 1
         values = {
             "token_ids": tokens, "num_tokens": len(tokens), "num_prompt_tokens": len(new.prompt_token_ids),
             "num_computed_tokens": new.num_computed_tokens, "block_table": new.block_ids,
             "num_blocks": len(new.block_ids), "temperature": params.temperature, "top_p": params.top_p,
             "top_k": params.top_k, "min_p": params.min_p, "presence_penalty": params.presence_penalty,
             "frequency_penalty": params.frequency_penalty, "repetition_penalty": params.repetition_penalty,
-            "penalised": penalised, "plain_greedy": (params.temperature < SAMPLING_EPS and not penalised
-                                                     and params.logprobs is None),
+            "penalised": params.has_penalties,
+            "plain_greedy": params.is_greedy and not params.has_penalties and params.logprobs is None,
             "seed": 0 if params.seed is None else params.seed, "seeded": params.seed is not None,
             "num_logprobs": -1 if params.logprobs is None else params.logprobs,
             "mm_positions": tuple(new.mm_positions), "penalty_ids": penalty_ids, "penalty_counts": penalty_counts,

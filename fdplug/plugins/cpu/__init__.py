@@ -28,60 +28,19 @@ def _native_moe_factory(config):
     return NativeCpuMoE(threads=device.cpu_threads())
 
 
-def _native_swiglu_factory(config):
-    import functools
-
-    from fdplug.plugins.cpu import kernels
-
-    kernels.load()  # fail at startup, not at the first step
-    return functools.partial(kernels.swiglu, threads=device.cpu_threads())
-
-
-def _native_fp8_linear_factory(config):
-    import functools
-
-    from fdplug.plugins.cpu import kernels, native_fp8
-
-    kernels.load()
-    return functools.partial(native_fp8.fp8_linear_or_portable, threads=device.cpu_threads())
-
-
-def _native_norms_factory(op: str):
-    """The factory of `native_norms`'s ``op`` (rms_norm, add_rms_norm, rope) on this device's threads."""
+def _op_factory(module: str, function: str, **bound):
+    """The factory of op kernel ``fdplug.plugins.cpu.<module>.<function>`` on this device's threads
+    (plus ``bound`` arguments); it builds the kernels first, to fail at startup, not at the first step."""
     def factory(config):
         import functools
+        import importlib
 
-        from fdplug.plugins.cpu import kernels, native_norms
+        from fdplug.plugins.cpu import kernels
 
         kernels.load()
-        return functools.partial(getattr(native_norms, op), threads=device.cpu_threads())
+        kernel = getattr(importlib.import_module(f"fdplug.plugins.cpu.{module}"), function)
+        return functools.partial(kernel, threads=device.cpu_threads(), **bound)
     return factory
-
-
-def _native_argmax_factory(config):
-    import functools
-
-    from fdplug.plugins.cpu import kernels, native_argmax
-
-    kernels.load()
-    return functools.partial(native_argmax.argmax, threads=device.cpu_threads())
-
-
-def _native_linear_factory(config):
-    import functools
-
-    from fdplug.plugins.cpu import kernels, native_linear
-
-    kernels.load()
-    return functools.partial(native_linear.linear_or_portable, threads=device.cpu_threads())
-
-
-def _native_bf16_linear_factory(config):
-    import functools
-
-    from fdplug.plugins.cpu import native_linear
-
-    return functools.partial(native_linear.linear_or_portable, threads=device.cpu_threads(), bf16_math=True)
 
 
 def _native_kernels_supports(config) -> str | None:
@@ -127,36 +86,35 @@ def fdplug_register_moe_backends(register):
 
 @hookimpl
 def fdplug_register_ops(register):
-    register(OpSpec(name="cpu_native_swiglu", op="swiglu", devices=("cpu",), factory=_native_swiglu_factory, priority=10,
-                    supports=_native_kernels_supports,
-                    description="AVX2 SwiGLU on every core (compiled C): 4-5x paddle's single-threaded one "
-                                "(FDPLUG_CPU_KERNELS)"))
-    register(OpSpec(name="cpu_native_fp8_linear", op="fp8_linear", devices=("cpu",), factory=_native_fp8_linear_factory,
-                    priority=10, supports=_native_kernels_supports,
-                    description="FP8 weights read in place, widened in registers (compiled C) up to "
-                                "FP8_MAX_ROWS rows; above, the layer widened once in C and the linear kernel"))
-    register(OpSpec(name="cpu_native_rms_norm", op="rms_norm", devices=("cpu",),
-                    factory=_native_norms_factory("rms_norm"), priority=10, supports=_native_kernels_supports,
-                    description="one compiled call instead of paddle's five ops (float32; the q/k norm's "
-                                "per-head weights too)"))
-    register(OpSpec(name="cpu_native_add_rms_norm", op="add_rms_norm", devices=("cpu",),
-                    factory=_native_norms_factory("add_rms_norm"), priority=10, supports=_native_kernels_supports,
-                    description="the residual add and the norm in one compiled pass over each row (float32)"))
-    register(OpSpec(name="cpu_native_rope", op="rope", devices=("cpu",), factory=_native_norms_factory("rope"),
-                    priority=10, supports=_native_kernels_supports,
-                    description="the NeoX rotation in one compiled call, bit-identical to paddle's four ops"))
-    register(OpSpec(name="cpu_native_argmax", op="argmax", devices=("cpu",), factory=_native_argmax_factory,
-                    priority=10, supports=_native_kernels_supports,
-                    description="greedy sampling's argmax, 16 lanes at a time, rows over the cores (compiled C)"))
-    register(OpSpec(name="cpu_native_linear", op="linear", devices=("cpu",), factory=_native_linear_factory,
-                    priority=10, supports=_native_kernels_supports,
-                    description="AVX-512 FMA tiles on float32 or bf16 weights read in place (compiled C; bf16 "
-                                "widened in registers: half the bytes, float32 math); 1.1-1.9x paddle's matmul"))
-    register(OpSpec(name="cpu_native_bf16_linear", op="linear", devices=("cpu",), factory=_native_bf16_linear_factory,
-                    priority=20, supports=_bf16_math_supports, bf16_inputs=True,
-                    description="bf16 weights in bf16 math (AVX512-BF16 dot products: inputs rounded to bf16, "
-                                "float32 sums; ~2x cpu_native_linear where compute-bound); float32 weights as "
-                                "cpu_native_linear. --op-kernel linear=cpu_native_linear keeps float32 math"))
+    def native(name: str, op: str, kernel: tuple[str, str], description: str, bound: dict | None = None,
+               **spec) -> None:
+        """Register ``kernel`` (module, function of this package) for ``op``: priority 10 and the
+        build as the condition unless ``spec`` says otherwise."""
+        spec = {"priority": 10, "supports": _native_kernels_supports, **spec}
+        register(OpSpec(name=name, op=op, devices=("cpu",), factory=_op_factory(*kernel, **(bound or {})),
+                        description=description, **spec))
+
+    native("cpu_native_swiglu", "swiglu", ("kernels", "swiglu"),
+           "AVX2 SwiGLU on every core (compiled C): 4-5x paddle's single-threaded one (FDPLUG_CPU_KERNELS)")
+    native("cpu_native_fp8_linear", "fp8_linear", ("native_fp8", "fp8_linear_or_portable"),
+           "FP8 weights read in place, widened in registers (compiled C) up to FP8_MAX_ROWS rows; above, "
+           "the layer widened once in C and the linear kernel")
+    native("cpu_native_rms_norm", "rms_norm", ("native_norms", "rms_norm"),
+           "one compiled call instead of paddle's five ops (float32; the q/k norm's per-head weights too)")
+    native("cpu_native_add_rms_norm", "add_rms_norm", ("native_norms", "add_rms_norm"),
+           "the residual add and the norm in one compiled pass over each row (float32)")
+    native("cpu_native_rope", "rope", ("native_norms", "rope"),
+           "the NeoX rotation in one compiled call, bit-identical to paddle's four ops")
+    native("cpu_native_argmax", "argmax", ("native_argmax", "argmax"),
+           "greedy sampling's argmax, 16 lanes at a time, rows over the cores (compiled C)")
+    native("cpu_native_linear", "linear", ("native_linear", "linear_or_portable"),
+           "AVX-512 FMA tiles on float32 or bf16 weights read in place (compiled C; bf16 widened in "
+           "registers: half the bytes, float32 math); 1.1-1.9x paddle's matmul")
+    native("cpu_native_bf16_linear", "linear", ("native_linear", "linear_or_portable"),
+           "bf16 weights in bf16 math (AVX512-BF16 dot products: inputs rounded to bf16, float32 sums; ~2x "
+           "cpu_native_linear where compute-bound); float32 weights as cpu_native_linear. --op-kernel "
+           "linear=cpu_native_linear keeps float32 math",
+           bound={"bf16_math": True}, priority=20, supports=_bf16_math_supports, bf16_inputs=True)
 
 
 @hookimpl

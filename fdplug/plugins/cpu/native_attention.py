@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from fdplug.core.portable.attention import ReferenceAttention, _Prepared
+from fdplug.core.portable.attention import ReferenceAttention, _Prepared, slot_range
 from fdplug.plugin_api.attention import AttentionMetadata, cdiv
 from fdplug.plugins.cpu import kernels
 
@@ -82,8 +82,7 @@ class NativeCpuAttention(ReferenceAttention):
         seqs = np.arange(meta.num_seqs)
         group, _ = self._decode_group(meta, seqs, seqs)
         slots = np.asarray(meta.slot_mapping, dtype=np.int64)
-        slot_range = (int(slots.min()), int(slots.max())) if len(slots) else (0, -1)
-        return _Prepared(None, slots, [group], None, slot_range)
+        return _Prepared(None, slots, [group], None, slot_range(slots))
 
     def build_group(self, meta: AttentionMetadata, seqs: np.ndarray,
                     piece: tuple[int, int] | None = None) -> tuple[Any, np.ndarray]:
