@@ -1,6 +1,6 @@
 """fdplug's plugin API: everything a plugin author imports, and nothing else.
 
-A plugin is a module with ``FDPLUG_API_VERSION = "3.4"`` and functions decorated with ``hookimpl``,
+A plugin is a module with ``FDPLUG_API_VERSION = "3.5"`` and functions decorated with ``hookimpl``,
 found through the ``fdplug`` entry-point group (``[project.entry-points.fdplug] mychip =
 "fdplug_mychip"``). Its hooks (`hookspecs`) each receive a ``register`` callback taking one spec
 (`specs`). The smallest useful plugin registers one `DeviceSpec`; the core's portable runner,
@@ -12,7 +12,7 @@ What you may register, and the contract each object keeps:
 hook                spec                    the object its factory returns
 ==================  ======================  ===================================================
 register_devices    `DeviceSpec`            (a probe answering `Probe`; ``setup``; ``dtypes``)
-register_ops        `OpSpec`                a kernel for one op (`ops`: ``swiglu``, ``rms_norm``, ``fp8_linear``)
+register_ops        `OpSpec`                a kernel for one op (`ops`: ``linear``, ``rms_norm``, ...)
 register_attention  `AttentionBackendSpec`  `AttentionBackend` (`attention`: mask spec, KV layout)
 register_moe        `MoEBackendSpec`        `MoEBackend` (`moe`: routing rule, expert weights)
 register_runners    `ModelRunnerSpec`       `ModelRunner` (`model_runner`): only for a different

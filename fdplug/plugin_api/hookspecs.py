@@ -1,7 +1,7 @@
 """The hooks: what a plugin implements. Read with `fdplug.plugin_api.specs` (what it registers).
 
 A plugin is a module (or object) with functions decorated by ``fdplug.hookimpl`` whose names are
-the hooks below, and a module-level ``FDPLUG_API_VERSION = "3.4"`` naming the API it was written
+the hooks below, and a module-level ``FDPLUG_API_VERSION = "3.5"`` naming the API it was written
 for. Registration hooks are called once, when plugins load, with a ``register`` callback that
 accepts one spec object; the core validates what is registered, so a bad registration fails loudly
 and only that plugin is skipped.
@@ -18,7 +18,9 @@ chosen ``(topk_weights, topk_ids)`` instead of the router logits. 3.1: the ``fp8
 fields for weight formats and shapes; FP8 formats in `fdplug.plugin_api.fp8`. 3.2: the ``linear``
 op (every float linear layer, weights ``[N, K]``, bf16 weights allowed) and ``EngineConfig.weight_dtype``.
 3.3: ``OpSpec.bf16_inputs``: a ``linear`` kernel that computes bf16 weights in bf16 math. 3.4: the
-``add_rms_norm``, ``rope`` and ``argmax`` ops (a plugin written for 3.3 gets the portable ones).
+``add_rms_norm``, ``rope`` and ``argmax`` ops (a plugin written for 3.3 gets the portable ones). 3.5:
+``OpSpec.prepare``: a ``linear`` kernel lays out each layer's weight its own way once at load
+(`fdplug.plugin_api.ops.PreparedWeight`).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ if TYPE_CHECKING:
     from fdplug.plugin_api.selection import Selection
 
 PROJECT_NAME = "fdplug"
-API_VERSION = "3.4"
+API_VERSION = "3.5"
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)

@@ -25,6 +25,9 @@ Contracts (``T`` tokens as rows; inputs are never modified; results in the input
     is the float32 model's on the same (bf16) weights. A kernel registered with
     ``OpSpec(bf16_inputs=True)`` instead rounds ``x`` to bf16 when the weights are bf16 (bf16 x bf16
     products, exact in float32, summed in float32): the result is the portable op's on ``bf16(x)``.
+    A kernel registered with ``OpSpec(prepare=...)`` lays out each linear layer's weight its own way
+    once at load: it then receives that `PreparedWeight` as ``weight`` (and still takes plain
+    ``[N, K]`` tensors: the tied lm_head is the embedding table, which stays as it is).
 
 ``add_rms_norm(x, residual, weight, eps) -> (y, total)``
     ``total = x + residual`` (same shapes ``[..., D]``) and ``y = rms_norm(total, weight, eps)``: the
@@ -54,9 +57,31 @@ OPS: tuple[str, ...] = ("swiglu", "rms_norm", "fp8_linear", "linear", "add_rms_n
 """Every op a plugin may override, in the order `Kernels` lists them."""
 
 
+@dataclass(slots=True)
+class PreparedWeight:
+    """A linear layer's weight in one kernel's own layout, made once at load (`OpSpec.prepare`).
+
+    Why: a kernel whose tiles want the weights in another order (panels of columns, k-major, as
+    BLAS libraries pack them on every call) pays for the reordering once instead of every step,
+    and the layer keeps one copy. ``data`` holds the same values in that order, same dtype, same
+    element count (the layer keeps it as its ``weight`` parameter, so footprints still add up);
+    ``shape`` is the logical ``[N, K]``; ``layout`` names the order, checked by the kernel that
+    reads it (a weight prepared for one kernel is never read by another as ``[N, K]``).
+    """
+
+    data: Any
+    shape: tuple[int, int]
+    layout: str
+
+    @property
+    def dtype(self) -> Any:
+        return self.data.dtype
+
+
 @dataclass(frozen=True, slots=True)
 class Kernels:
-    """The op implementations the model calls: one callable per name in `OPS`."""
+    """The op implementations the model calls: one callable per name in `OPS`, and the selected
+    ``linear`` kernel's weight preparation (`OpSpec.prepare`; None: weights stay ``[N, K]``)."""
 
     swiglu: Callable[[Any], Any]
     rms_norm: Callable[[Any, Any, float], Any]
@@ -65,3 +90,4 @@ class Kernels:
     add_rms_norm: Callable[[Any, Any, Any, float], tuple[Any, Any]]
     rope: Callable[[Any, Any, Any], Any]
     argmax: Callable[[Any], Any]
+    prepare_linear: Callable[[Any], PreparedWeight | None] | None = None

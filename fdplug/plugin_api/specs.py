@@ -136,10 +136,16 @@ class OpSpec(ComponentSpec):
     exact bf16 products in float32 (bf16 math, as vLLM and transformers compute a bf16 model);
     float32 weights it computes as any other. The conformance kit compares it with the portable op
     on the rounded ``x``; `fdplug explain` says which math a bf16 model gets.
+
+    ``prepare`` (``linear`` only), like ``factory`` called with the config: returns a function that
+    the core calls once per linear layer after load with its weight ``[N, K]``; what that returns
+    (a `fdplug.plugin_api.ops.PreparedWeight`, or None to keep the weight as it is) is what the
+    kernel then receives as that layer's ``weight``.
     """
 
     op: str = ""
     bf16_inputs: bool = False
+    prepare: Callable[["EngineConfig"], Callable[[Any], Any]] | None = None
 
     role = "op"
 
@@ -198,6 +204,10 @@ def validate_spec(spec: Any, expected: type) -> None:
         raise ValueError(f"op {spec.op!r} of {spec.name!r} is not one of {', '.join(OPS)}")
     if isinstance(spec, OpSpec) and spec.bf16_inputs is not False and (spec.bf16_inputs is not True or spec.op != "linear"):
         raise ValueError(f"bf16_inputs of {spec.name!r} must be a bool, and True only for the 'linear' op")
+    if isinstance(spec, OpSpec) and spec.prepare is not None:
+        _require_callable(spec, "prepare")
+        if spec.op != "linear":
+            raise ValueError(f"prepare of {spec.name!r}: only a 'linear' kernel prepares its weights")
     if isinstance(spec, DeviceSpec) and (isinstance(spec.dtypes, str) or not spec.dtypes):
         raise TypeError(f"dtypes of {spec.name!r} must be a non-empty tuple such as ('float32',)")
     if isinstance(spec, FeatureStorageSpec):

@@ -152,22 +152,33 @@ def test_linear_kernel_matches_the_portable_one(fdplug_selection, fdplug_place, 
     """The selected ``linear`` kernel against the portable matmul: depths that are not a multiple of
     any vector width, 1 to 300 rows, weights spanning bf16's range, float32 and bf16 weights (a
     device computing in bf16 runs the float32 case in its dtype: this kit compares in float32). A
-    kernel with ``bf16_inputs`` is compared on bf16 weights with the portable op on ``bf16(x)``."""
+    kernel with ``bf16_inputs`` is compared on bf16 weights with the portable op on ``bf16(x)``; one
+    with ``prepare`` on the weights it prepared too (where it prepares them), with the shape and
+    dtype `Linear.prepare` requires."""
     import paddle
 
     from fdplug.core.portable import ops as portable
 
     spec = fdplug_selection.ops["linear"]
     kernel = spec.factory(EngineConfig())
+    prepare = spec.prepare(EngineConfig()) if spec.prepare is not None else None
     rounds_x = spec.bf16_inputs and weight_dtype == "bfloat16"
     rng = np.random.default_rng(10)
     paddle.set_device(fdplug_place)
-    for n, k in ((70, 200), (96, 17), (256, 512)):
+    for n, k in ((70, 200), (96, 17), (256, 512), (80, 1100)):
         w = rng.standard_normal((n, k)).astype(np.float32) * np.exp(rng.uniform(-8, 3, (n, k))).astype(np.float32)
         weight = paddle.to_tensor(w).astype(weight_dtype)
+        weights = [weight]
+        prepared = prepare(weight) if prepare is not None else None
+        if prepared is not None:
+            assert tuple(prepared.shape) == (n, k) and prepared.dtype == weight.dtype
+            assert int(np.prod(prepared.data.shape)) == n * k
+            weights.append(prepared)
         for rows in (1, 3, 8, 9, 300):
             x = paddle.to_tensor(rng.standard_normal((rows, k), dtype=np.float32))
-            got = kernel(x, weight).numpy()
             expected = portable.linear(x.astype("bfloat16").astype("float32") if rounds_x else x, weight).numpy()
             scale = np.abs(expected).max()
-            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * scale, err_msg=f"{n}x{k} {rows} rows")
+            for each in weights:
+                got = kernel(x, each).numpy()
+                np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * scale,
+                                           err_msg=f"{n}x{k} {rows} rows, {type(each).__name__}")

@@ -19,6 +19,7 @@ from paddle import nn
 
 from fdplug.core.model.config import ModelConfig
 from fdplug.core.model.layers import (
+    Linear,
     RMSNorm,
     RotaryEmbedding,
     SwiGLU,
@@ -122,9 +123,10 @@ class DecoderForCausalLM(nn.Layer):
                                                  moe_backend if i in moe_layers else None, i)
                                     for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
-        # Stored [vocab, hidden] like the embedding, so tying is sharing one tensor.
+        # [vocab, hidden] like the embedding, so tying is sharing one tensor; untied, a Linear (its
+        # kernel may lay the weights out its own way at load, `Linear.prepare`).
         self.lm_head = (None if cfg.tie_word_embeddings
-                        else empty_parameter([cfg.vocab_size, cfg.hidden_size], table_dtype))
+                        else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, kernels.linear, table_dtype))
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions or cfg.max_position_embeddings, dtype,
                                       heads=cfg.num_heads + cfg.num_kv_heads, kernels=kernels)  # q, k together
         self.eval()
@@ -150,6 +152,5 @@ class DecoderForCausalLM(nn.Layer):
 
     def compute_logits(self, hidden: Any) -> Any:
         """``hidden [N, hidden]`` -> logits ``[N, vocab]`` in float32."""
-        weight = self.embed_tokens if self.lm_head is None else self.lm_head
-        logits = self.logits_kernel(hidden, weight)
+        logits = self.logits_kernel(hidden, self.embed_tokens) if self.lm_head is None else self.lm_head(hidden)
         return logits if logits.dtype == paddle.float32 else logits.astype("float32")

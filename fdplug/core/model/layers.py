@@ -15,7 +15,7 @@ from paddle import nn
 
 from fdplug.core.model.rope import RopeConfig, cos_sin
 from fdplug.core.portable.ops import PORTABLE
-from fdplug.plugin_api.ops import Kernels
+from fdplug.plugin_api.ops import Kernels, PreparedWeight
 
 
 def empty_parameter(shape: list[int], dtype: str) -> Any:
@@ -56,7 +56,7 @@ class Linear(nn.Layer):
 
     ``weight_dtype`` is the compute dtype, or bfloat16 on a device computing in float32
     (`ModelConfig.bf16_weights`): half the bytes, float32 math on the same values. The bias stays in
-    the compute dtype.
+    the compute dtype. After load, `prepare` may hand the weight to the kernel's own layout.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: str, kernel: Any = None,
@@ -65,9 +65,29 @@ class Linear(nn.Layer):
         self.kernel = kernel or PORTABLE.linear
         self.weight = empty_parameter([out_features, in_features], weight_dtype or dtype)
         self.bias = empty_parameter([out_features], dtype) if bias else None
+        self.prepared: PreparedWeight | None = None
+
+    def prepare(self, prepare: Callable[[Any], PreparedWeight | None]) -> None:
+        """Put the loaded weight in the ``linear`` kernel's layout (`OpSpec.prepare`), once; the
+        prepared values replace the ``[out, in]`` ones as this layer's parameter (one copy)."""
+        if self.prepared is not None:
+            return
+        prepared = prepare(self.weight)
+        if prepared is None:
+            return
+        shape, data = tuple(self.weight.shape), prepared.data
+        if (tuple(prepared.shape) != shape or data.dtype != self.weight.dtype
+                or int(np.prod(data.shape)) != shape[0] * shape[1]):
+            raise ValueError(f"the linear kernel prepared a {list(shape)} {self.weight.dtype} weight as "
+                             f"{list(data.shape)} {data.dtype} (logical {list(prepared.shape)}): it must keep "
+                             "the dtype, the element count and the logical shape")
+        param = empty_parameter(list(data.shape), data.dtype)
+        paddle.assign(data, param)
+        self.weight = param
+        self.prepared = PreparedWeight(param, shape, prepared.layout)
 
     def forward(self, x: Any) -> Any:
-        out = self.kernel(x, self.weight)
+        out = self.kernel(x, self.weight if self.prepared is None else self.prepared)
         return out if self.bias is None else out + self.bias
 
 

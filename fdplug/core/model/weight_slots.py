@@ -61,7 +61,7 @@ def weight_slots(cfg: ModelConfig, fused_experts: bool = False) -> dict[str, Slo
     slots = {"model.embed_tokens.weight": Slot("embed_tokens", (cfg.vocab_size, hid)),
              "model.norm.weight": Slot("norm.weight", (hid,))}
     if not cfg.tie_word_embeddings:
-        slots["lm_head.weight"] = Slot("lm_head", (cfg.vocab_size, hid))
+        slots["lm_head.weight"] = Slot("lm_head.weight", (cfg.vocab_size, hid))
     for i in range(cfg.num_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
         slots[src + "input_layernorm.weight"] = Slot(dst + "input_layernorm.weight", (hid,))

@@ -85,7 +85,9 @@ class ModelRunner:
         footprint = check_weights_fit(cfg, self.config.dtype, self.selection)
         self.attn_backend = self.selection.attention.factory(self.config)
         self.moe_backend = self.selection.moe.factory(self.config) if cfg.moe is not None else None
-        kernels = Kernels(**{op: spec.factory(self.config) for op, spec in self.selection.ops.items()})
+        linear = self.selection.ops["linear"]
+        kernels = Kernels(**{op: spec.factory(self.config) for op, spec in self.selection.ops.items()},
+                          prepare_linear=linear.prepare(self.config) if linear.prepare else None)
         self.argmax = kernels.argmax
         self.model, self.model_config = load_model(self.config.model_dir, self.attn_backend, dtype=self.config.dtype,
                                                    max_positions=self.config.max_model_len, kernels=kernels,
