@@ -40,7 +40,7 @@ logger = logging.getLogger("fdplug")
 CSRC = Path(__file__).parent / "csrc"
 SOURCE = CSRC / "cpu_kernels.c"    # it #includes the other files of CSRC
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared", "-pthread", "-std=c99")
-ABI = 7
+ABI = 8
 BUILD_TIMEOUT_S = 120.0
 
 _c_int, _c_float, _ptr, _i64 = ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_int64
@@ -56,6 +56,7 @@ SIGNATURES = {   # (restype, argtypes) of every function the library exports (cs
     "fdplug_linear": (None, [_ptr, _ptr, _c_int, _ptr] + [_c_int] * 4),
     "fdplug_linear_bf16dot": (_c_int, [_ptr] * 3 + [_c_int] * 4),
     "fdplug_linear_bf16dot_available": (_c_int, []),
+    "fdplug_linear_packed": (_c_int, [_ptr, _ptr, _c_int, _ptr] + [_c_int] * 4),
     "fdplug_prefill_attention": (_c_int, [_ptr] * 7 + [_c_int] * 7 + [_c_float, _c_int]),
     "fdplug_prefill_attention_available": (_c_int, []),
     "fdplug_rms_norm": (None, [_ptr] * 3 + [_i64, _c_int, _c_int, _c_float, _c_int]),

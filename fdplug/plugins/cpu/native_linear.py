@@ -12,7 +12,17 @@ when it is unset, which an isolated comparison inherits): MKL 155-207 GFLOP/s at
 against these tiles' ~120-140 (their 16 dot products end in horizontal sums; MKL's outer-product
 tiles do not), in the model too (1,024-token float32 TTFT 692 vs 546 ms with ``paddle_linear``);
 these tiles stay ahead at 1-16 rows (decode: 1.4-1.9x). Weights packed at load for outer-product
-tiles would keep the batch invariance and close that gap; not done yet.
+tiles would keep the batch invariance and close that gap: `prepare` does that (below).
+
+``prepare`` (the op's `OpSpec.prepare`) packs each linear layer's weight once at load into panels
+of 64 columns, k-major (csrc/linear_packed.c, layout ``cpu_panels64``): outer-product tiles, no
+horizontal sums, one sequential stream a thread in decode. Measured on this machine, 2 threads,
+against the in-place tiles, same run (``bench/linear.py --kernels``): float32 ~205-220 against
+~90-140 GFLOP/s at 64-1,024 rows (above MKL's 155-207), bf16 math ~390-410 against ~300-380; one
+row 1.3-2x. Each output is one FMA chain over k in order, so batch invariance holds as before;
+the bits differ from the in-place tiles' (another summation order), so a layer is either packed
+or not for the engine's life. The tied lm_head (the embedding table) and layers whose N is not a
+multiple of 16 stay ``[N, K]`` on the in-place tiles.
 
 ``cpu_native_bf16_linear`` computes bf16 weights in bf16 math where the CPU has AVX512-BF16
 (csrc/linear_bf16.c: ``x`` rounded to bf16 once a call, vdpbf16ps, float32 sums): twice the
@@ -24,7 +34,72 @@ from __future__ import annotations
 
 from typing import Any
 
+from fdplug.plugin_api.ops import PreparedWeight
 from fdplug.plugins.cpu.kernels import _contiguous, _rows, load
+
+PANELS = "cpu_panels64"
+"""The packed layout's name (`PreparedWeight.layout`): csrc/linear_packed.c's header describes it."""
+PANEL = 64
+_F32, _BF16, _BF16_MATH = 0, 1, 2    # fdplug_linear_packed's kinds
+
+
+def prepare(weight: Any) -> PreparedWeight | None:
+    """``weight [N, K]`` float32 or bf16 packed for `linear` (csrc/linear_packed.c), or None where
+    the layout does not apply (N not a multiple of 16, K odd with bf16, another dtype)."""
+    import paddle
+
+    if len(weight.shape) != 2 or weight.dtype not in (paddle.float32, paddle.bfloat16):
+        return None
+    n, k = weight.shape
+    pairs = weight.dtype == paddle.bfloat16
+    if n == 0 or k == 0 or n % 16 or (pairs and k % 2):
+        return None
+    panels = []
+    for start in range(0, n, PANEL):
+        width = min(PANEL, n - start)
+        block = weight[start:start + width]
+        block = (block.reshape([width, k // 2, 2]).transpose([1, 0, 2]) if pairs
+                 else block.transpose([1, 0]))
+        panels.append(block.flatten())
+    return PreparedWeight(paddle.concat(panels) if len(panels) > 1 else panels[0], (n, k), PANELS)
+
+
+def unpack(weight: PreparedWeight) -> Any:
+    """The ``[N, K]`` tensor of a `prepare`d weight (the portable fallback's input)."""
+    import paddle
+
+    n, k = weight.shape
+    pairs = weight.dtype == paddle.bfloat16
+    rows = []
+    for start in range(0, n, PANEL):
+        width = min(PANEL, n - start)
+        block = weight.data[start * k:(start + width) * k]
+        rows.append(block.reshape([k // 2, width, 2]).transpose([1, 0, 2]).reshape([width, k]) if pairs
+                    else block.reshape([k, width]).transpose([1, 0]))
+    return paddle.concat(rows) if len(rows) > 1 else rows[0]
+
+
+def _linear_packed(x: Any, weight: PreparedWeight, threads: int, bf16_math: bool) -> Any:
+    import paddle
+
+    if weight.layout != PANELS:
+        raise ValueError(f"cpu_native_linear reads weights prepared as {PANELS!r}, got {weight.layout!r}")
+    shape = x.shape
+    cols, depth = weight.shape
+    if shape[-1] != depth:
+        raise ValueError(f"linear: x [..., {shape[-1]}] and the prepared weight [{cols}, {depth}] do not match")
+    if x.dtype != paddle.float32:
+        raise TypeError(f"the cpu kernels compute in float32, got {x.dtype}")
+    kind = _F32 if weight.dtype == paddle.float32 else _BF16_MATH if bf16_math else _BF16
+    rows, x = _rows(shape), _contiguous(x)
+    out = paddle.empty([rows, cols], dtype="float32")
+    status = load().fdplug_linear_packed(x.data_ptr(), weight.data.data_ptr(), kind, out.data_ptr(), rows, cols,
+                                         depth, threads)
+    if status != 0:
+        raise MemoryError(f"cpu_native_bf16_linear: no memory for the bf16 copy of a [{rows}, {depth}] input"
+                          if status == -1 else f"cpu_native_linear: packed kernel refused [{rows}, {depth}] x "
+                          f"[{cols}, {depth}] ({status})")
+    return out if len(shape) == 2 else out.reshape([*shape[:-1], cols])
 
 
 def linear(x: Any, weight: Any, threads: int, bf16_math: bool = False) -> Any:
@@ -36,6 +111,8 @@ def linear(x: Any, weight: Any, threads: int, bf16_math: bool = False) -> Any:
     call, as long as the kernel on a 512 x 512 layer, before it stopped using numpy and reshapes)."""
     import paddle
 
+    if isinstance(weight, PreparedWeight):
+        return _linear_packed(x, weight, threads, bf16_math)
     shape, wshape = x.shape, weight.shape
     depth = shape[-1]
     if len(wshape) != 2 or wshape[1] != depth:
@@ -73,4 +150,4 @@ def linear_or_portable(x: Any, weight: Any, threads: int, bf16_math: bool = Fals
         return linear(x, weight, threads, bf16_math)
     from fdplug.core.portable.ops import linear as portable
 
-    return portable(x, weight)
+    return portable(x, unpack(weight) if isinstance(weight, PreparedWeight) else weight)

@@ -21,6 +21,10 @@ CPU_KERNELS = Setting("FDPLUG_CPU_KERNELS", "auto", parse_choice("auto", "on", "
                       "The cpu device's compiled kernels (paged attention read in place, SwiGLU; built once with the "
                       "system C compiler into FDPLUG_CACHE_DIR): auto (default) uses them if they build, on requires "
                       "them, off keeps plain Paddle.")
+PACK_WEIGHTS = Setting("FDPLUG_CPU_PACK_WEIGHTS", True, parse_bool,
+                       "1 (default): the cpu_native linear kernels pack each linear layer's weights once at load "
+                       "(panels of 64 columns: ~2x the in-place tiles at 64+ rows); 0: weights stay in the "
+                       "checkpoint's [out, in] layout (the in-place tiles; other bits, same accuracy).")
 CC = Setting("CC", None, str, "C compiler for the cpu device's kernels (default: cc, then gcc, then clang on PATH).")
 MKL_DEBUG_CPU_TYPE = Setting("MKL_DEBUG_CPU_TYPE", None, str,
                              "Honoured if set; otherwise the cpu device sets 5 on AMD CPUs (MKL's fast AVX2 path).",
@@ -30,4 +34,4 @@ KMP_BLOCKTIME = Setting("KMP_BLOCKTIME", None, str,
                         "spinning for 200 ms (they took the cores from the compiled attention kernel's threads).",
                         as_set_by_user=True)
 
-SETTINGS = (CPU_THREADS, CPU_MALLOC_TUNING, CPU_KERNELS, CC, MKL_DEBUG_CPU_TYPE, KMP_BLOCKTIME)
+SETTINGS = (CPU_THREADS, CPU_MALLOC_TUNING, CPU_KERNELS, PACK_WEIGHTS, CC, MKL_DEBUG_CPU_TYPE, KMP_BLOCKTIME)

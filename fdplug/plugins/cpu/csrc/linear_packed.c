@@ -1,0 +1,212 @@
+/* ---------------------------------------------------------------------------------------------
+ * The linear layer on weights packed once at load (native_linear.prepare): outer-product tiles.
+ *
+ * Why: linear.c reads W [N, K] in place, so each output is a dot product over 16 lanes that ends
+ * in a horizontal sum; at 64+ rows MKL's outer-product tiles ran 155-207 GFLOP/s on this machine's
+ * two cores against those tiles' 120-140. Packed in panels of 64 columns, k-major, a tile
+ * broadcasts one activation and multiplies it into 64 consecutive weights: no horizontal sums,
+ * each weight vector loaded feeds MR FMAs, and a one-row GEMV still reads each panel as one
+ * sequential stream (what the hardware prefetcher follows best: linear.c's LIN_STREAM_ROWS).
+ *
+ * Exactness: output (m, n) is one FMA chain over k in index order, from zero, in lane n % 16 of
+ * one accumulator (bf16 math: one vdpbf16ps per pair of k). Nothing else enters it: not the tile,
+ * the other rows, the thread count, nor the k blocking (a partial sum goes through memory as a
+ * float32, exactly). A token gets the same bits decoded alone, in a batch, or in a prompt chunk;
+ * bf16 weights in float32 math give the float32 kernel's bits on the same (widened) values.
+ *
+ * Layout (LP_PANEL = 64 columns; N a multiple of 16, so the last panel is 16, 32, 48 or 64 wide):
+ * panel p holds columns [64p, 64p + width) from element 64p * K. float32: (k, j) at k * width + j;
+ * bf16: pairs of k interleaved, (k, j) at (k / 2) * 2 * width + 2 * j + k % 2 (K even), so one
+ * 64-byte load is 16 columns times a pair of k: vdpbf16ps's operand as it is, or two float32
+ * vectors by a shift and a mask.
+ *
+ * Included by cpu_kernels.c after linear_bf16.c (its thread pool, the bf16 rounding of x).
+ * ------------------------------------------------------------------------------------------- */
+
+#define LP_PANEL 64
+#define LP_MR 6         /* rows of a tile: 6 x 4 accumulators + 4 weight vectors of the 32 registers */
+#define LP_K_BLOCK 1024 /* k a pass: a 64-column panel's slice is 256 KB (float32), in L2 for every row tile */
+enum { LP_F32 = 0, LP_BF16 = 1, LP_BF16_MATH = 2 };
+
+typedef struct {
+    const float *x;           /* [rows, depth] float32 (LP_F32, LP_BF16) */
+    const uint32_t *x_pairs;  /* [rows, x_pairs_ld] bf16 pairs of x (LP_BF16_MATH) */
+    const void *w;            /* packed */
+    float *out;               /* [rows, cols] */
+    int rows, cols, depth, kind, x_pairs_ld;
+    int rows_per_block, panels_per_piece, pieces;
+    int64_t next_item;
+} packed_job;
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+/* Rows m0 .. m0 + MR - 1 times the NV vectors of panel ``panel``, k in [k0, k1) (k0, k1 even for
+ * the bf16 kinds); MR, NV and KIND are constants at each call site. */
+static inline __attribute__((always_inline)) void packed_tile(const packed_job *job, int m0, int panel, int k0,
+                                                              int k1, const int MR, const int NV, const int KIND) {
+    const int depth = job->depth, cols = job->cols, width = NV * 16;
+    float *out = job->out + (int64_t)m0 * cols + (int64_t)panel * LP_PANEL;
+    const int64_t panel_start = (int64_t)panel * LP_PANEL * depth;
+    __m512 acc[LP_MR][4];
+    for (int r = 0; r < MR; ++r)
+        for (int v = 0; v < NV; ++v)
+            acc[r][v] = k0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(out + (int64_t)r * cols + 16 * v);
+    if (KIND == LP_F32) {
+        const float *w = (const float *)job->w + panel_start + (int64_t)k0 * width;
+        const float *x = job->x + (int64_t)m0 * depth;
+        for (int k = k0; k < k1; ++k, w += width) {
+            __m512 wv[4];
+            for (int v = 0; v < NV; ++v) wv[v] = _mm512_loadu_ps(w + 16 * v);
+            for (int r = 0; r < MR; ++r) {
+                const __m512 xb = _mm512_set1_ps(x[(int64_t)r * depth + k]);
+                for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(xb, wv[v], acc[r][v]);
+            }
+        }
+    } else if (KIND == LP_BF16) {
+        const uint16_t *w = (const uint16_t *)job->w + panel_start + (int64_t)k0 * width;
+        const float *x = job->x + (int64_t)m0 * depth;
+        const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
+        for (int k = k0; k < k1; k += 2, w += 2 * width) {
+            for (int v = 0; v < NV; ++v) {
+                const __m512i pairs = _mm512_loadu_si512((const void *)(w + 32 * v));
+                const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+                const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(pairs, high));
+                for (int r = 0; r < MR; ++r) {
+                    const float *xr = x + (int64_t)r * depth + k;
+                    acc[r][v] = _mm512_fmadd_ps(_mm512_set1_ps(xr[0]), even, acc[r][v]);
+                    acc[r][v] = _mm512_fmadd_ps(_mm512_set1_ps(xr[1]), odd, acc[r][v]);
+                }
+            }
+        }
+    } else {
+#ifdef HAVE_BF16_DOT
+        const uint16_t *w = (const uint16_t *)job->w + panel_start + (int64_t)k0 * width;
+        const uint32_t *x = job->x_pairs + (int64_t)m0 * job->x_pairs_ld;
+        for (int k = k0; k < k1; k += 2, w += 2 * width) {
+            __m512i wv[4];
+            for (int v = 0; v < NV; ++v) wv[v] = _mm512_loadu_si512((const void *)(w + 32 * v));
+            for (int r = 0; r < MR; ++r) {
+                const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)x[(int64_t)r * job->x_pairs_ld + k / 2]);
+                for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xb, (__m512bh)wv[v]);
+            }
+        }
+#endif
+    }
+    for (int r = 0; r < MR; ++r)
+        for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out + (int64_t)r * cols + 16 * v, acc[r][v]);
+}
+
+#define LP_VCASE(KIND, M)                                                                            \
+    switch (nv) {                                                                                    \
+    case 1: packed_tile(job, m0, panel, k0, k1, M, 1, KIND); break;                                  \
+    case 2: packed_tile(job, m0, panel, k0, k1, M, 2, KIND); break;                                  \
+    case 3: packed_tile(job, m0, panel, k0, k1, M, 3, KIND); break;                                  \
+    default: packed_tile(job, m0, panel, k0, k1, M, 4, KIND); break;                                 \
+    }
+#define LP_MCASE(KIND)                                                                               \
+    switch (mr) {                                                                                    \
+    case 1: LP_VCASE(KIND, 1) break;                                                                 \
+    case 2: LP_VCASE(KIND, 2) break;                                                                 \
+    case 3: LP_VCASE(KIND, 3) break;                                                                 \
+    case 4: LP_VCASE(KIND, 4) break;                                                                 \
+    case 5: LP_VCASE(KIND, 5) break;                                                                 \
+    default: LP_VCASE(KIND, 6) break;                                                                \
+    }
+
+static void packed_block(const packed_job *job, int m0, int mr, int panel, int nv, int k0, int k1) {
+    switch (job->kind) {
+    case LP_F32: LP_MCASE(LP_F32) break;
+    case LP_BF16: LP_MCASE(LP_BF16) break;
+    default: LP_MCASE(LP_BF16_MATH) break;
+    }
+}
+#else
+/* Without AVX-512: the same chains, one output at a time (the bf16 math kind is never asked for:
+ * fdplug_linear_bf16dot_available() is 0). */
+static void packed_block(const packed_job *job, int m0, int mr, int panel, int nv, int k0, int k1) {
+    const int depth = job->depth, width = nv * 16;
+    const int64_t panel_start = (int64_t)panel * LP_PANEL * depth;
+    for (int r = 0; r < mr; ++r)
+        for (int j = 0; j < width; ++j) {
+            float *out = job->out + (int64_t)(m0 + r) * job->cols + (int64_t)panel * LP_PANEL + j;
+            const float *x = job->x + (int64_t)(m0 + r) * depth;
+            float sum = k0 == 0 ? 0.0f : *out;
+            for (int k = k0; k < k1; ++k)
+                sum = fmaf(x[k],
+                           job->kind == LP_F32
+                               ? ((const float *)job->w)[panel_start + (int64_t)k * width + j]
+                               : bf16_to_float(((const uint16_t *)job->w)[panel_start + (int64_t)(k / 2) * 2 * width +
+                                                                          2 * j + k % 2]),
+                           sum);
+            *out = sum;
+        }
+}
+#endif
+
+/* Work items (a block of rows times a piece of panels) from the job's counter until none is left;
+ * in each, panel by panel and k block by k block, every row tile of the block. */
+static void *packed_worker(void *arg) {
+    packed_job *job = arg;
+    const int panels = (job->cols + LP_PANEL - 1) / LP_PANEL;
+    const int k_step = job->rows <= LP_MR ? job->depth : LP_K_BLOCK; /* one row tile: nothing comes back to a k block */
+    for (;;) {
+        const int64_t item = __atomic_fetch_add(&job->next_item, 1, __ATOMIC_RELAXED);
+        const int64_t first_row = item / job->pieces * job->rows_per_block;
+        if (first_row >= job->rows) return NULL;
+        const int first_panel = (int)(item % job->pieces) * job->panels_per_piece;
+        const int end_panel = first_panel + job->panels_per_piece < panels ? first_panel + job->panels_per_piece : panels;
+        const int last_row = (int)(first_row + job->rows_per_block < job->rows ? first_row + job->rows_per_block
+                                                                                : job->rows);
+        for (int panel = first_panel; panel < end_panel; ++panel) {
+            const int left = (job->cols - panel * LP_PANEL) / 16;
+            const int nv = left < 4 ? left : 4;
+            for (int k0 = 0; k0 < job->depth; k0 += k_step) {
+                const int k1 = k0 + k_step < job->depth ? k0 + k_step : job->depth;
+                for (int m0 = (int)first_row; m0 < last_row; m0 += LP_MR)
+                    packed_block(job, m0, last_row - m0 < LP_MR ? last_row - m0 : LP_MR, panel, nv, k0, k1);
+            }
+        }
+    }
+}
+
+/* x [rows, depth] float32 times weights packed as above (kind: LP_F32, LP_BF16 in float32 math,
+ * LP_BF16_MATH: x rounded to bf16, vdpbf16ps) -> out [rows, cols], on up to num_threads threads.
+ * cols must be a multiple of 16 and depth even for the bf16 kinds (the packing's conditions).
+ * Returns 0; -1 when LP_BF16_MATH is not built or its bf16 copy of x cannot be allocated (nothing
+ * written), -2 for arguments outside those conditions. */
+int fdplug_linear_packed(const float *x, const void *w, int kind, float *out, int rows, int cols, int depth,
+                         int num_threads) {
+    if (rows <= 0 || cols <= 0) return 0;
+    if (cols % 16 != 0 || kind < LP_F32 || kind > LP_BF16_MATH || (kind != LP_F32 && depth % 2 != 0)) return -2;
+    if (depth <= 0) {
+        memset(out, 0, sizeof(float) * (size_t)rows * (size_t)cols);
+        return 0;
+    }
+    packed_job job = {x, NULL, w, out, rows, cols, depth, kind, 0, 0, 0, 0, 0};
+    void *buffer = NULL;
+    if (kind == LP_BF16_MATH) {
+#ifdef HAVE_BF16_DOT
+        const int padded = (depth + 31) / 32 * 32;
+        if (posix_memalign(&buffer, 64, sizeof(uint16_t) * (size_t)rows * (size_t)padded) != 0) return -1;
+        bf16dot_job convert = {{x, NULL, NULL, rows, cols, depth, 0, 0, 0, 0, 0}, buffer, padded, 0};
+        run_workers(bf16dot_convert_worker, &convert, num_threads < rows ? num_threads : rows);
+        job.x_pairs = buffer;
+        job.x_pairs_ld = padded / 2;
+#else
+        return -1;
+#endif
+    }
+    const int x_bytes = kind == LP_BF16_MATH ? 2 : 4;
+    const int64_t k_slice = depth < LP_K_BLOCK ? depth : LP_K_BLOCK;
+    const int64_t block_rows = LIN_X_BLOCK_BYTES / (k_slice * x_bytes) / LP_MR * LP_MR;
+    job.rows_per_block = block_rows < LP_MR ? LP_MR : (int)block_rows;
+    const int panels = (cols + LP_PANEL - 1) / LP_PANEL;
+    const int threads = num_threads > 1 ? num_threads : 1;
+    /* One row tile (decode): a thread's share in about four pieces, each a sequential stream. More
+     * rows: one panel a piece, so both threads stay busy on small layers. */
+    job.panels_per_piece = rows <= LP_MR ? (panels + 4 * threads - 1) / (4 * threads) : 1;
+    job.pieces = (panels + job.panels_per_piece - 1) / job.panels_per_piece;
+    const int64_t items = (int64_t)job.pieces * ((rows + job.rows_per_block - 1) / job.rows_per_block);
+    run_workers(packed_worker, &job, num_threads < items ? num_threads : (int)items);
+    free(buffer);
+    return 0;
+}
