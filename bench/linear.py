@@ -7,8 +7,10 @@ The model is written twice: float32, and the same weights rounded to bf16 (a bf1
 which ``dtype=auto`` serves with bf16 weights). Four engines: ``bf16`` (the selected linear kernel:
 ``cpu_native_bf16_linear``'s bf16 math where the CPU has AVX512-BF16), ``bf16-f32`` (bf16 weights
 widened in registers, float32 math: ``cpu_native_linear``), ``float32`` through ``cpu_native_linear``
-(AVX-512 tiles, weights read in place), and ``paddle`` (float32 through the portable op, paddle's
-MKL matmul: the baseline). Figures, all measured in this run, engines alternated in ABBA order,
+(AVX-512 outer-product tiles on weights packed at load), ``bf16-inplace`` and ``f32-inplace``
+(the same kernels with ``FDPLUG_CPU_PACK_WEIGHTS=0``: dot-product tiles on the checkpoint's
+``[out, in]`` layout), and ``paddle`` (float32 through the portable op, paddle's MKL matmul: the
+baseline). Isolated GEMMs: ``bench/gemm.py``. Figures, all measured in this run, engines alternated in ABBA order,
 medians:
 
 1. loaded weight bytes;
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import statistics
 import sys
 import tempfile
@@ -92,7 +95,8 @@ def speedups(t: dict[str, float]) -> str:
     """The comparisons that matter: bf16 math against float32 math on the same bf16 weights, bf16
     weights against float32 ones, the kernel against paddle's matmul."""
     return (f"bf16 math/f32 math {t['bf16-f32'] / t['bf16']:.2f}x, bf16-f32/float32 {t['float32'] / t['bf16-f32']:.2f}x, "
-            f"float32/paddle {t['paddle'] / t['float32']:.2f}x")
+            f"float32/paddle {t['paddle'] / t['float32']:.2f}x, packed/in-place float32 "
+            f"{t['f32-inplace'] / t['float32']:.2f}x, bf16 {t['bf16-inplace'] / t['bf16']:.2f}x")
 
 
 def main() -> None:
@@ -112,6 +116,11 @@ def main() -> None:
                 "bf16-f32": LLM(str(bf16_dir), op_kernels={"linear": "cpu_native_linear"}, **engine_args),
                 "float32": LLM(str(float_dir), **engine_args),
                 "paddle": LLM(str(float_dir), op_kernels={"linear": "paddle_linear"}, **engine_args)}
+        os.environ["FDPLUG_CPU_PACK_WEIGHTS"] = "0"
+        llms |= {"bf16-inplace": LLM(str(bf16_dir), **engine_args), "f32-inplace": LLM(str(float_dir), **engine_args)}
+        del os.environ["FDPLUG_CPU_PACK_WEIGHTS"]
+        assert llms["f32-inplace"].engine.runner.model.layers[0].mlp.down_proj.prepared is None
+        assert llms["float32"].engine.runner.model.layers[0].mlp.down_proj.prepared is not None
         assert llms["bf16"].config.weight_dtype == "bfloat16" and llms["float32"].config.weight_dtype == "float32"
         size = {name: llm.engine.runner.model_bytes for name, llm in llms.items()}
         assert llms["paddle"].engine.selection.ops["linear"].name == "paddle_linear"
