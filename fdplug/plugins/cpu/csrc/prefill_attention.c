@@ -5,16 +5,22 @@
  *
  * Why: a prefill chunk's rows each see hundreds of keys. The plain-Paddle reference materialises
  * the scores, adds a mask and runs paddle's softmax (a third of a 1,024-token prefill on this
- * machine); the decode kernel reads every key once per query row. Here a work unit is (kv head,
- * chunk of PF_CHUNK rows): it transposes the keys it needs once into [tile][dim][16] and runs
- * micro-tiles of PF_MR query vectors (row, head of the group) over 16-key tiles: scores by
- * broadcast FMAs against the transposed keys, masked, the running max and sum rescaled, then the
- * probabilities times the value rows. One pass, nothing of size keys x rows in memory.
+ * machine); the decode kernel reads every key once per query row. First the keys are transposed
+ * once a call into [kv head][tile][dim][16] (in parallel: units of PF_KEYS_A_UNIT keys of a head;
+ * each row chunk used to transpose all the keys it saw, 32 times over for a 1,024-token prompt);
+ * then a work unit is (kv head, chunk of PF_CHUNK rows) running micro-tiles of PF_MR query vectors
+ * (row, head of the group) over 16-key tiles: scores by broadcast FMAs against the transposed
+ * keys, masked, the running max and sum rescaled, then the probabilities times the value rows.
+ * Nothing of size keys x rows in memory.
  * ------------------------------------------------------------------------------------------- */
 
 #define PF_MR 4      /* query vectors a micro-tile */
 #define PF_CHUNK 32  /* query rows a work unit */
 #define PF_MAX_DIM 256
+#define PF_KEYS_A_UNIT 256 /* keys a transposition unit (16 tiles) */
+/* Keep a loaded vector in a register: gcc otherwise folded the load into each of the PF_MR FMAs
+ * that use it (a memory operand each), and the loads, not the FMAs, bounded the loops (perf). */
+#define PF_IN_REGISTER(v) __asm__("" : "+v"(v))
 
 typedef struct {
     const float *q, *key_cache, *value_cache;
@@ -22,16 +28,31 @@ typedef struct {
     float *out;
     int rows, heads, kv_heads, dim, num_blocks, block_size, max_keys;
     float scale;
-    int next_unit, failed;
+    int next_unit;
+    float *kt;           /* [kv_heads][key_tiles][dim][16]: the transposed keys */
+    const float **value_rows; /* [kv_heads][key_tiles * 16]: where each key's value row is (NULL past max_keys) */
+    int key_tiles;       /* an even count: a score tile is two of them */
 } prefill_job;
 
 #if defined(__AVX512F__) && defined(HAVE_AVX2)
 int fdplug_prefill_attention_available(void) { return 1; }
 
+/* exp8's operations on 16 lanes (the same result in each lane). */
 static inline __m512 exp16(__m512 x) {
-    const __m256 lo = exp8(_mm512_castps512_ps256(x));
-    const __m256 hi = exp8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
-    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    const __m512i scale = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(scale));
 }
 
 static inline const float *key_row(const prefill_job *job, const float *cache, int kvh, int j) {
@@ -40,25 +61,41 @@ static inline const float *key_row(const prefill_job *job, const float *cache, i
     return cache + kvh * head_stride + (block * job->block_size + j % job->block_size) * job->dim;
 }
 
-/* keys [0, keys) of kv head kvh as kt[tile][d][16] (zeros past the last key). */
-static void transpose_keys(const prefill_job *job, int kvh, int keys, float *kt) {
-    const int dim = job->dim;
-    for (int j0 = 0; j0 < keys; j0 += 16) {
-        float *tile = kt + (int64_t)(j0 / 16) * dim * 16;
+/* Key tiles [tile0, tile1) of kv head kvh into job->kt (zeros past max_keys). */
+static void transpose_keys(const prefill_job *job, int kvh, int tile0, int tile1) {
+    const int dim = job->dim, keys = job->max_keys;
+    for (int tile_index = tile0; tile_index < tile1; ++tile_index) {
+        float *tile = job->kt + ((int64_t)kvh * job->key_tiles + tile_index) * dim * 16;
+        const int j0 = tile_index * 16;
         for (int t = 0; t < 16; ++t) {
             const float *k = j0 + t < keys ? key_row(job, job->key_cache, kvh, j0 + t) : NULL;
             for (int d = 0; d < dim; ++d) tile[d * 16 + t] = k ? k[d] : 0.0f;
+            job->value_rows[(int64_t)kvh * job->key_tiles * 16 + j0 + t] =
+                k ? key_row(job, job->value_cache, kvh, j0 + t) : NULL;
         }
     }
 }
 
-/* PF_MR query vectors (rows rows[v], heads heads[v]) over the keys their rows see. D is a constant
- * at the call sites that matter (64, 128); acc[v][D] stays in registers there. */
-static inline __attribute__((always_inline)) void prefill_tile(const prefill_job *job, int kvh, const int *rows,
-                                                               const int *heads, int nv, const float *kt,
-                                                               const int D) {
+static void *transpose_worker(void *arg) {
+    prefill_job *job = arg;
+    const int per_unit = PF_KEYS_A_UNIT / 16, chunks = (job->key_tiles + per_unit - 1) / per_unit;
+    for (;;) {
+        const int unit = __atomic_fetch_add(&job->next_unit, 1, __ATOMIC_RELAXED);
+        if (unit >= chunks * job->kv_heads) return NULL;
+        const int first = unit % chunks * per_unit;
+        transpose_keys(job, unit / chunks, first, first + per_unit < job->key_tiles ? first + per_unit : job->key_tiles);
+    }
+}
+
+/* PF_MR query vectors (rows rows[v], heads heads[v]) over the keys their rows see, 32 keys a step
+ * (two transposed tiles: eight independent FMA chains for the scores, one max and one sum a row per
+ * 32 keys). D is a constant at the call sites that matter (64, 128); acc[v][D] stays in registers
+ * there. value_rows: this kv head's value row of each key. */
+static inline __attribute__((always_inline)) void prefill_tile(const prefill_job *job, const float *const *value_rows,
+                                                               const int *rows, const int *heads, int nv,
+                                                               const float *kt, const int D) {
     float qv[PF_MR][PF_MAX_DIM] __attribute__((aligned(64)));
-    float probs[PF_MR][16] __attribute__((aligned(64)));
+    float probs[PF_MR][32] __attribute__((aligned(64)));
     __m512 acc[PF_MR][PF_MAX_DIM / 16];
     float peak[PF_MR], total[PF_MR];
     int ends[PF_MR], keys = 0;
@@ -73,40 +110,56 @@ static inline __attribute__((always_inline)) void prefill_tile(const prefill_job
         for (int c = 0; c < D / 16; ++c) acc[v][c] = _mm512_setzero_ps();
     }
     const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    for (int j0 = 0; j0 < keys; j0 += 16) {
-        const float *tile = kt + (int64_t)(j0 / 16) * D * 16;
-        __m512 s[PF_MR];
-        for (int v = 0; v < PF_MR; ++v) s[v] = _mm512_setzero_ps();
+    const __m512 none = _mm512_set1_ps(-INFINITY);
+    for (int j0 = 0; j0 < keys; j0 += 32) {
+        const float *tile = kt + (int64_t)(j0 / 16) * D * 16;  /* tiles j0 / 16 and the next: key_tiles is even */
+        __m512 s0[PF_MR], s1[PF_MR];
+        for (int v = 0; v < PF_MR; ++v) s0[v] = s1[v] = _mm512_setzero_ps();
         for (int d = 0; d < D; ++d) {
-            const __m512 k = _mm512_load_ps(tile + d * 16);
-            for (int v = 0; v < PF_MR; ++v) s[v] = _mm512_fmadd_ps(_mm512_set1_ps(qv[v][d]), k, s[v]);
+            __m512 k0 = _mm512_load_ps(tile + d * 16), k1 = _mm512_load_ps(tile + (D + d) * 16);
+            PF_IN_REGISTER(k0);
+            PF_IN_REGISTER(k1);
+            for (int v = 0; v < PF_MR; ++v) {
+                const __m512 qd = _mm512_set1_ps(qv[v][d]);
+                s0[v] = _mm512_fmadd_ps(qd, k0, s0[v]);
+                s1[v] = _mm512_fmadd_ps(qd, k1, s1[v]);
+            }
         }
-        const __m512i index = _mm512_add_epi32(lane, _mm512_set1_epi32(j0));
+        const __m512i index0 = _mm512_add_epi32(lane, _mm512_set1_epi32(j0));
+        const __m512i index1 = _mm512_add_epi32(index0, _mm512_set1_epi32(16));
         for (int v = 0; v < PF_MR; ++v) {
-            const __mmask16 seen = _mm512_cmplt_epi32_mask(index, _mm512_set1_epi32(ends[v]));
-            if (!seen) {   /* every key of this tile is past the row's end */
+            const __m512i end = _mm512_set1_epi32(ends[v]);
+            const __mmask16 seen0 = _mm512_cmplt_epi32_mask(index0, end), seen1 = _mm512_cmplt_epi32_mask(index1, end);
+            if (!seen0) {   /* every key of these 32 is past the row's end (seen1 is then empty too) */
                 _mm512_store_ps(probs[v], _mm512_setzero_ps());
+                _mm512_store_ps(probs[v] + 16, _mm512_setzero_ps());
                 continue;
             }
-            const float top = _mm512_mask_reduce_max_ps(seen, s[v]);
+            const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_mov_ps(none, seen0, s0[v]),
+                                                                 _mm512_mask_mov_ps(none, seen1, s1[v])));
             const float next = top > peak[v] ? top : peak[v];
-            const __m512 p = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(s[v], _mm512_set1_ps(next))));
-            _mm512_store_ps(probs[v], p);
+            const __m512 high = _mm512_set1_ps(next);
+            const __m512 p0 = _mm512_maskz_mov_ps(seen0, exp16(_mm512_sub_ps(s0[v], high)));
+            const __m512 p1 = _mm512_maskz_mov_ps(seen1, exp16(_mm512_sub_ps(s1[v], high)));
+            _mm512_store_ps(probs[v], p0);
+            _mm512_store_ps(probs[v] + 16, p1);
+            const float added = _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
             if (next == peak[v]) { /* the max held: alpha would be expf(0) = 1, and x * 1 is x */
-                total[v] += _mm512_reduce_add_ps(p);
+                total[v] += added;
                 continue;
             }
             const float alpha = peak[v] == -INFINITY ? 0.0f : expf(peak[v] - next);
-            total[v] = total[v] * alpha + _mm512_reduce_add_ps(p);
+            total[v] = total[v] * alpha + added;
             peak[v] = next;
             const __m512 a = _mm512_set1_ps(alpha);
             for (int c = 0; c < D / 16; ++c) acc[v][c] = _mm512_mul_ps(acc[v][c], a);
         }
-        const int n = keys - j0 < 16 ? keys - j0 : 16;
+        const int n = keys - j0 < 32 ? keys - j0 : 32;
         for (int t = 0; t < n; ++t) {
-            const float *value = key_row(job, job->value_cache, kvh, j0 + t);
+            const float *value = value_rows[j0 + t];
             for (int c = 0; c < D / 16; ++c) {
-                const __m512 val = _mm512_loadu_ps(value + c * 16);
+                __m512 val = _mm512_loadu_ps(value + c * 16);
+                PF_IN_REGISTER(val);
                 for (int v = 0; v < PF_MR; ++v) acc[v][c] = _mm512_fmadd_ps(_mm512_set1_ps(probs[v][t]), val, acc[v][c]);
             }
         }
@@ -118,13 +171,12 @@ static inline __attribute__((always_inline)) void prefill_tile(const prefill_job
     }
 }
 
-static void prefill_unit(const prefill_job *job, int unit, float *kt) {
+static void prefill_unit(const prefill_job *job, int unit) {
     const int group = job->heads / job->kv_heads, kvh = unit % job->kv_heads;
     const int first = (unit / job->kv_heads) * PF_CHUNK;
     const int last = first + PF_CHUNK < job->rows ? first + PF_CHUNK : job->rows;
-    int keys = 0;
-    for (int i = first; i < last; ++i) keys = job->key_end[i] > keys ? job->key_end[i] : keys;
-    transpose_keys(job, kvh, keys, kt);
+    const float *kt = job->kt + (int64_t)kvh * job->key_tiles * job->dim * 16;
+    const float *const *value_rows = job->value_rows + (int64_t)kvh * job->key_tiles * 16;
     const int vectors = (last - first) * group;
     for (int v0 = 0; v0 < vectors; v0 += PF_MR) {
         int rows[PF_MR], heads[PF_MR];
@@ -133,28 +185,20 @@ static void prefill_unit(const prefill_job *job, int unit, float *kt) {
             rows[v] = first + (v0 + v) / group;
             heads[v] = kvh * group + (v0 + v) % group;
         }
-        if (job->dim == 64) prefill_tile(job, kvh, rows, heads, nv, kt, 64);
-        else if (job->dim == 128) prefill_tile(job, kvh, rows, heads, nv, kt, 128);
-        else prefill_tile(job, kvh, rows, heads, nv, kt, job->dim);
+        if (job->dim == 64) prefill_tile(job, value_rows, rows, heads, nv, kt, 64);
+        else if (job->dim == 128) prefill_tile(job, value_rows, rows, heads, nv, kt, 128);
+        else prefill_tile(job, value_rows, rows, heads, nv, kt, job->dim);
     }
 }
 
 static void *prefill_worker(void *arg) {
     prefill_job *job = arg;
-    void *memory = NULL;
-    if (posix_memalign(&memory, 64, sizeof(float) * (size_t)((job->max_keys + 15) / 16) * 16 * job->dim) != 0) {
-        __atomic_store_n(&job->failed, 1, __ATOMIC_RELAXED);
-        return NULL;
-    }
-    float *kt = memory;
     const int units = ((job->rows + PF_CHUNK - 1) / PF_CHUNK) * job->kv_heads;
     for (;;) {
         const int unit = __atomic_fetch_add(&job->next_unit, 1, __ATOMIC_RELAXED);
-        if (unit >= units) break;
-        prefill_unit(job, unit, kt);
+        if (unit >= units) return NULL;
+        prefill_unit(job, unit);
     }
-    free(kt);
-    return NULL;
 }
 
 /* Rows i of out [rows, heads, dim] from q rows q_rows[i], keys [0, key_end[i]) of the sequence whose
@@ -164,11 +208,21 @@ int fdplug_prefill_attention(const float *q, const float *key_cache, const float
                              const int32_t *q_rows, const int32_t *key_end, const int32_t *table, float *out,
                              int rows, int heads, int kv_heads, int dim, int num_blocks, int block_size,
                              int max_keys, float scale, int num_threads) {
-    prefill_job job = {q, key_cache, value_cache, q_rows, key_end, table, out, rows, heads, kv_heads, dim,
-                       num_blocks, block_size, max_keys, scale, 0, 0};
     const int units = ((rows + PF_CHUNK - 1) / PF_CHUNK) * kv_heads;
-    if (units > 0) run_workers(prefill_worker, &job, num_threads < units ? num_threads : units);
-    return job.failed ? -1 : 0;
+    if (units <= 0) return 0;
+    prefill_job job = {q, key_cache, value_cache, q_rows, key_end, table, out, rows, heads, kv_heads, dim,
+                       num_blocks, block_size, max_keys, scale, 0, NULL, NULL, (max_keys + 31) / 32 * 2};
+    const size_t keys = (size_t)kv_heads * job.key_tiles * 16;
+    void *memory = NULL;
+    if (posix_memalign(&memory, 64, sizeof(float) * keys * dim + sizeof(float *) * keys) != 0) return -1;
+    job.kt = memory;
+    job.value_rows = (const float **)(job.kt + keys * dim);
+    const int transpose_units = kv_heads * ((job.key_tiles + PF_KEYS_A_UNIT / 16 - 1) / (PF_KEYS_A_UNIT / 16));
+    run_workers(transpose_worker, &job, num_threads < transpose_units ? num_threads : transpose_units);
+    job.next_unit = 0;
+    run_workers(prefill_worker, &job, num_threads < units ? num_threads : units);
+    free(memory);
+    return 0;
 }
 #else
 int fdplug_prefill_attention_available(void) { return 0; }
