@@ -80,6 +80,20 @@ def test_long_inputs_widen_the_layer_once_and_shapes_are_checked():
         native_fp8.dequantize(q, scales, 64, threads=2)
 
 
+def test_prefill_widens_into_the_packed_linear_kernels_panels():
+    """Above FP8_MAX_ROWS the layer is widened straight into the panels: the same bytes as packing
+    the [N, K] copy, a narrower last panel included (80 columns)."""
+    from fdplug.plugins.cpu import native_linear
+
+    q, scales = quantized(80, 72, 32, seed=5)
+    packed = native_fp8.dequantize(q, scales, 32, threads=2, packed=True)
+    assert packed.layout == native_linear.PANELS and packed.shape == (80, 72)
+    np.testing.assert_array_equal(packed.data.numpy(),
+                                  native_linear.prepare(native_fp8.dequantize(q, scales, 32, threads=2)).data.numpy())
+    odd = native_fp8.dequantize(*quantized(20, 72, 32, seed=6), 32, threads=2, packed=True)   # 20: not a panel width
+    assert list(odd.shape) == [20, 72]
+
+
 def test_an_fp8_model_decodes_the_same_tokens_with_the_kernel(tmp_path):
     """The demo model in FP8 (online, 128x128 blocks): the kernel and the portable op give the same
     greedy tokens (float32 rounding apart, the same numbers)."""

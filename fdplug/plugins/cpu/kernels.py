@@ -52,7 +52,7 @@ SIGNATURES = {   # (restype, argtypes) of every function the library exports (cs
     "fdplug_moe_experts": (_c_int, [_ptr] * 6 + [_c_int] * 6),
     "fdplug_fp8_linear": (None, [_ptr] * 4 + [_c_int] * 5),
     "fdplug_fp8_moe": (_c_int, [_ptr] * 8 + [_c_int] * 7),
-    "fdplug_fp8_dequant": (None, [_ptr] * 3 + [_c_int] * 4),
+    "fdplug_fp8_dequant": (None, [_ptr] * 3 + [_c_int] * 5),
     "fdplug_linear": (None, [_ptr, _ptr, _c_int, _ptr] + [_c_int] * 4),
     "fdplug_linear_bf16dot": (_c_int, [_ptr] * 3 + [_c_int] * 4),
     "fdplug_linear_bf16dot_available": (_c_int, []),

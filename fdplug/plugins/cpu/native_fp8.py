@@ -43,26 +43,31 @@ def fp8_linear(x: Any, weight: Any, weight_scale: Any, block_k: int, threads: in
     return out if len(shape) == 2 else out.reshape([*shape[:-1], cols])
 
 
-def dequantize(weight: Any, weight_scale: Any, block_k: int, threads: int) -> Any:
+def dequantize(weight: Any, weight_scale: Any, block_k: int, threads: int, packed: bool = False) -> Any:
     """The e4m3 ``weight [N, K]`` times its per-row block scales as float32 ``[N, K]``, in one compiled
-    pass (paddle's float8 casts are scalar: 25-30 ms for a 4096x1024 layer)."""
+    pass (paddle's float8 casts are scalar: 25-30 ms for a 4096x1024 layer); ``packed`` (N a multiple
+    of 16): as the `PreparedWeight` the packed linear kernel reads instead."""
     import paddle
+
+    from fdplug.plugins.cpu.native_linear import PANELS, PreparedWeight
 
     cols, depth = (int(d) for d in weight.shape)
     if weight.dtype != paddle.float8_e4m3fn or list(weight_scale.shape) != [cols, -(-depth // block_k)]:
         raise ValueError(f"dequantize: weight {list(weight.shape)} ({weight.dtype}) and weight_scale "
                          f"{list(weight_scale.shape)} do not match block_k={block_k}")
     _check_float32(weight_scale)
-    out = paddle.empty([cols, depth], dtype="float32")
+    packed = packed and cols % 16 == 0
+    out = paddle.empty([cols * depth] if packed else [cols, depth], dtype="float32")
     load().fdplug_fp8_dequant(_contiguous(weight).data_ptr(), _contiguous(weight_scale).data_ptr(), out.data_ptr(),
-                              cols, depth, block_k, threads)
-    return out
+                              cols, depth, block_k, int(packed), threads)
+    return PreparedWeight(out, (cols, depth), PANELS) if packed else out
 
 
 def fp8_linear_or_portable(x: Any, weight: Any, weight_scale: Any, block_k: int, threads: int) -> Any:
     """The ``fp8_linear`` op: `fp8_linear` for float32 inputs of up to FP8_MAX_ROWS rows; for longer
-    float32 inputs (prefill) the layer widened once in C and the linear kernel's tiles; else (bf16/fp16
-    activations) the portable dequantize-and-matmul."""
+    float32 inputs (prefill) the layer widened once in C into the packed linear kernel's panels (its
+    outer-product tiles: ~1.5x the in-place ones at these row counts); else (bf16/fp16 activations)
+    the portable dequantize-and-matmul."""
     import paddle
 
     rows = _rows(x.shape)
@@ -71,7 +76,7 @@ def fp8_linear_or_portable(x: Any, weight: Any, weight_scale: Any, block_k: int,
             return fp8_linear(x, weight, weight_scale, block_k, threads)
         from fdplug.plugins.cpu.native_linear import linear
 
-        return linear(x, dequantize(weight, weight_scale, block_k, threads), threads)
+        return linear(x, dequantize(weight, weight_scale, block_k, threads, packed=True), threads)
     from fdplug.core.portable.ops import fp8_linear as portable
 
     return portable(x, weight, weight_scale, block_k)
