@@ -236,10 +236,14 @@ def generate_command(prompts: tuple[str, ...], chat: bool, max_tokens: int, temp
               help="Requests queued beyond the running batch; more get 503.")
 @click.option("--trust-request-chat-template", is_flag=True,
               help="Run chat templates sent in requests (chat_template): a template is code; trusted clients only.")
+@click.option("--data-parallel-size", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Engine processes, each with its own KV cache, behind this one API (cpu: the cores split "
+                   "between them; other devices: device i for engine i). Requests go to the least loaded, "
+                   "preferring one that has their prefix cached.")
 @user_errors
 def serve_command(host: str, port: int, api_key: str | None, served_model_name: str | None, max_body_bytes: int,
                   stream_interval: int, max_waiting_requests: int, trust_request_chat_template: bool,
-                  **kw: Any) -> None:
+                  data_parallel_size: int, **kw: Any) -> None:
     """Serve the OpenAI API (chat, completions, streaming) with the engine in its own process."""
     from fdplug.server.launcher import ServerSettings, serve
 
@@ -248,7 +252,8 @@ def serve_command(host: str, port: int, api_key: str | None, served_model_name: 
     args["max_waiting_requests"] = max_waiting_requests
     settings = ServerSettings(host=host, port=port, api_key=api_key, served_model_name=served_model_name,
                               max_body_bytes=max_body_bytes, stream_interval=stream_interval,
-                              trust_request_chat_template=trust_request_chat_template)
+                              trust_request_chat_template=trust_request_chat_template,
+                              data_parallel_size=data_parallel_size)
     sys.exit(serve(settings, args))
 
 

@@ -52,7 +52,8 @@ def test_models_version_health(server):
     models = server.openai().models.list()
     assert [m.id for m in models.data] == ["demo"]
     assert httpx.get(server.url + "/version").json()["version"]
-    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    health = httpx.get(server.url + "/health").json()
+    assert health["status"] == "ok" and [e["rank"] for e in health["engines"]] == [0] and health["engines"][0]["alive"]
 
 
 def test_chat_completion_shape(server):

@@ -65,6 +65,7 @@ class EngineConfig:
     quantization: str | None = None
     weight_dtype: str | None = None   # derived with dtype: bfloat16 where a float32 device keeps bf16 weights
     seed: int = 0
+    device_index: int = 0             # which device of its kind (data parallel: rank i runs on device i)
     encoder_cache_rows: int = 16384
     feature_fetch_workers: int = field(default_factory=lambda: env("FD_PREFILL_PREPARE_REQ_THREAD_NUM"))
     allowed_feature_paths: tuple[str, ...] = field(default_factory=lambda: env("FDPLUG_ALLOWED_FEATURE_PATHS"))
@@ -84,6 +85,9 @@ class EngineConfig:
         if not isinstance(self.block_size, int) or self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}.",
                               fix="use 16 (the default) or another power of two such as 32 or 64.")
+        if not isinstance(self.device_index, int) or isinstance(self.device_index, bool) or self.device_index < 0:
+            raise ConfigError(f"device_index must be an integer >= 0, got {self.device_index!r}.",
+                              fix="give the index of the device among those of its kind (0: the first).")
         if not isinstance(self.encoder_cache_rows, int) or self.encoder_cache_rows < 0:
             raise ConfigError(f"encoder_cache_rows must be an integer >= 0, got {self.encoder_cache_rows!r}.",
                               fix="give the encoder cache size in feature rows; 0 keeps nothing once used.")

@@ -69,8 +69,12 @@ def build_app(client: EngineClient, model_name: str, api_key: str | None, max_bo
 
     @app.get("/health")
     async def health() -> Response:
+        """200 while an engine serves ("degraded" when a data-parallel engine died), with each
+        engine's rank, pid, state and requests in flight; 503 once none does."""
         if client.healthy:
-            return JSONResponse({"status": "ok"})
+            engines = client.engines()
+            return JSONResponse({"status": "ok" if all(e["alive"] for e in engines) else "degraded",
+                                 "engines": engines})
         error = client.error
         return JSONResponse(T.error_body(error.message, "server_error", None, 503), status_code=503)
 

@@ -45,9 +45,13 @@ class EngineClient:
     """Submit, abort and stream requests of one engine process."""
 
     def __init__(self, engine: Any, info: P.EngineInfo, tokenizer: Any, metrics: ServerMetrics,
-                 stall_timeout: float) -> None:
+                 stall_timeout: float, rank: int = 0, data_parallel_size: int = 1) -> None:
+        """``rank`` of ``data_parallel_size`` engines (`dp_client`): its label in the metrics, and
+        whether its death stops the server (the last engine's does)."""
         self.engine = engine                 # launcher.EngineProcess: sockets, poll(), pid
         self.info = info
+        self.rank, self.data_parallel_size = rank, data_parallel_size
+        self.num_waiting = 0                 # as the engine last reported (the router's load)
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.stall_timeout = stall_timeout
@@ -65,13 +69,21 @@ class EngineClient:
     # -- lifecycle --------------------------------------------------------------------------------
 
     def start(self) -> None:
-        self.metrics.engine_alive.set(1)
+        self.metrics.engine_alive_is(self.rank, True)
         self._tasks = [asyncio.create_task(self._read_loop(), name="fdplug-engine-reader"),
                        asyncio.create_task(self._watchdog(), name="fdplug-engine-watchdog")]
 
     @property
     def healthy(self) -> bool:
         return self.error is None
+
+    def engines(self) -> list[dict[str, Any]]:
+        return [{"rank": self.rank, **self.engine_status()}]
+
+    def engine_status(self) -> dict[str, Any]:
+        """For ``/health``: the engine's pid, whether it runs, the requests in flight on it."""
+        return {"pid": self.engine.pid, "alive": not isinstance(self.error, EngineDeadError),
+                "in_flight": len(self.streams)}
 
     def begin_shutdown(self) -> None:
         """Refuse new requests and end every request in flight with a 503 (SIGINT/SIGTERM)."""
@@ -107,6 +119,7 @@ class EngineClient:
             raise
         self._send_packed(P.ADD, message)
         self.metrics.prompt_tokens.inc(len(prompt_ids))
+        self.metrics.engine_requests.labels(self.metrics.model_name, str(self.rank)).inc()
         return stream
 
     def _unregister(self, stream: RequestStream) -> None:
@@ -144,15 +157,19 @@ class EngineClient:
         if tag == P.OUTPUTS:
             self._on_outputs([P.decode_output(o) for o in message[1]])
             if message[2] is not None:
-                self.metrics.update_engine(P.decode_stats(message[2]))
+                self._on_stats(P.decode_stats(message[2]))
         elif tag == P.STATS:
-            self.metrics.update_engine(P.decode_stats(message[1]))
+            self._on_stats(P.decode_stats(message[1]))
         elif tag == P.ADMITTED:
             self._on_admitted(message[1], message[2])
         elif tag == P.FATAL:
             logger.error("the engine loop crashed: %s", P.decode_error(message[1]).message)
         else:
             logger.error("ignoring an unexpected message %r from the engine", tag)
+
+    def _on_stats(self, stats: Any) -> None:
+        self.num_waiting = stats.num_waiting
+        self.metrics.update_engine(stats, self.rank)
 
     def _on_admitted(self, admitted: list[str], rejected: list[list]) -> None:
         for child in admitted:
@@ -260,10 +277,13 @@ class EngineClient:
 
     def _engine_died(self, code: int | None) -> None:
         shutting_down = isinstance(self.error, ServerShuttingDownError)
-        self.error = EngineDeadError(
-            f"the engine process (pid {self.engine.pid}) exited with status {code}; the server is stopping.",
-            fix="see the server log for the cause, then restart `fdplug serve`.")
-        self.metrics.engine_alive.set(0)
+        which = (f"data-parallel engine {self.rank} (pid {self.engine.pid})" if self.data_parallel_size > 1
+                 else f"the engine process (pid {self.engine.pid})")
+        after = ("its requests failed; the other engines keep serving" if self.data_parallel_size > 1
+                 else "the server is stopping")
+        self.error = EngineDeadError(f"{which} exited with status {code}; {after}.",
+                                     fix="see the server log for the cause, then restart `fdplug serve`.")
+        self.metrics.engine_alive_is(self.rank, False)
         if not shutting_down:
             logger.error("%s", self.error.message)
         self._fail_all(self.error, send_aborts=False)

@@ -51,6 +51,7 @@ class EngineSpec:
     parent_pid: int
     log_level: int = logging.WARNING
     scheduler_slice_us: int = 0   # FDPLUG_ENGINE_SLICE_US, read (and checked) by the API process; 0: kernel default
+    cpus: list[int] | None = None # data parallel on the cpu device: the cores this engine runs on (its threads)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -245,6 +246,8 @@ def _build(spec: EngineSpec) -> tuple[Any, P.EngineInfo]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     spec = EngineSpec.from_json(argv[0])
+    if spec.cpus:   # before paddle or any thread starts: every thread inherits it, the cpu device counts it
+        os.sched_setaffinity(0, spec.cpus)
     logging.basicConfig(level=spec.log_level, format="%(levelname)s %(name)s[engine]: %(message)s")
     return run_engine(spec)
 

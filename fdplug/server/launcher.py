@@ -49,6 +49,7 @@ class ServerSettings:
     stream_interval: int = 1
     trust_request_chat_template: bool = False
     log_level: int = logging.INFO
+    data_parallel_size: int = 1
 
 
 class EngineProcess:
@@ -158,13 +159,32 @@ def serve(settings: ServerSettings, engine_kwargs: dict[str, Any]) -> int:
     logger.info("selection:\n%s", selection.explain())
     tokenizer = Tokenizer.from_dir(config.model_dir)
     sock = bind_socket(settings.host, settings.port)
-    spec_args = {"model_dir": config.model_dir, "selection": selection.to_names(), "engine_args": kwargs}
+    spec_args = [{"model_dir": config.model_dir, "selection": selection.to_names(), "engine_args": engine_args,
+                  "cpus": cpus} for engine_args, cpus in
+                 data_parallel_ranks(kwargs, settings.data_parallel_size, selection.device.name == "cpu")]
     name = settings.served_model_name or (model if model else "demo")
     try:
         with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
             return runner.run(_serve(settings, spec_args, tokenizer, sock, name))
     finally:
         sock.close()
+
+
+def data_parallel_ranks(engine_args: dict, size: int, cpu: bool) -> list[tuple[dict, list[int] | None]]:
+    """Each engine's arguments and cores: on the cpu device the usable cores split into ``size``
+    contiguous shares (rank i's threads on share i: 2 cores, 2 engines: one core each; fewer cores
+    than engines: one core each, shared round-robin), elsewhere device ``i`` for rank ``i``."""
+    if size < 1:
+        raise ConfigError(f"--data-parallel-size must be at least 1, got {size}.", fix="use 1 (one engine) or more.")
+    if size == 1:
+        return [(dict(engine_args), None)]
+    if not cpu:
+        return [({**engine_args, "device_index": rank}, None) for rank in range(size)]
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < size:
+        return [(dict(engine_args), [cores[rank % len(cores)]]) for rank in range(size)]
+    return [(dict(engine_args), cores[rank * len(cores) // size:(rank + 1) * len(cores) // size])
+            for rank in range(size)]
 
 
 def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -186,8 +206,10 @@ def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     return uvloop.new_event_loop
 
 
-async def _serve(settings: ServerSettings, spec_args: dict, tokenizer: Any, sock: socket.socket, name: str) -> int:
+async def _serve(settings: ServerSettings, spec_args: list[dict], tokenizer: Any, sock: socket.socket,
+                 name: str) -> int:
     from fdplug.server.app import build_app
+    from fdplug.server.dp_client import DataParallelClient
     from fdplug.server.engine_client import EngineClient
     from fdplug.server.metrics import ServerMetrics
 
@@ -195,19 +217,27 @@ async def _serve(settings: ServerSettings, spec_args: dict, tokenizer: Any, sock
     interrupted = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):  # until uvicorn takes over: stop the startup cleanly
         loop.add_signal_handler(sig, interrupted.set)
-    engine = EngineProcess(spec_args, logging.getLogger("fdplug").getEffectiveLevel())
+    engines: list[EngineProcess] = []
     client = None
     try:
-        logger.info("engine process pid %d: loading %s", engine.pid, spec_args["model_dir"])
+        for rank, args in enumerate(spec_args):
+            engines.append(EngineProcess(args, logging.getLogger("fdplug").getEffectiveLevel()))
+            logger.info("engine process %spid %d%s: loading %s", f"{rank} " if len(spec_args) > 1 else "",
+                        engines[-1].pid, f" on cores {args['cpus']}" if args["cpus"] else "", args["model_dir"])
         try:
-            info = await engine.wait_ready(env("FDPLUG_ENGINE_STARTUP_TIMEOUT"), interrupted)
+            infos = await asyncio.gather(*(e.wait_ready(env("FDPLUG_ENGINE_STARTUP_TIMEOUT"), interrupted)
+                                           for e in engines))
         except KeyboardInterrupt:
             logger.warning("interrupted while the engine was starting")
             return 0
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
         metrics = ServerMetrics(name)
-        client = EngineClient(engine, info, tokenizer, metrics, stall_timeout=env("FDPLUG_ENGINE_STALL_TIMEOUT"))
+        clients = [EngineClient(engine, info, tokenizer, metrics, stall_timeout=env("FDPLUG_ENGINE_STALL_TIMEOUT"),
+                                rank=rank, data_parallel_size=len(engines))
+                   for rank, (engine, info) in enumerate(zip(engines, infos))]
+        client = clients[0] if len(clients) == 1 else DataParallelClient(clients)
+        info = infos[0]
         api_key = settings.api_key if settings.api_key is not None else env("FDPLUG_API_KEY")
         app = build_app(client, name, api_key, settings.max_body_bytes, settings.stream_interval,
                         settings.trust_request_chat_template)
@@ -230,8 +260,9 @@ async def _serve(settings: ServerSettings, spec_args: dict, tokenizer: Any, sock
         shown_host = f"[{host}]" if ":" in host else host
         logger.info("model %s (%s, %s) served as %r; max_model_len %d; vocab %d", info.model_dir, info.architecture,
                     info.dtype, name, info.max_model_len, info.vocab_size)
-        logger.info("device %s; KV cache %s; max_num_seqs %d, max_num_batched_tokens %d", info.selection["device"],
-                    info.kv_cache_description, info.max_num_seqs, info.max_num_batched_tokens)
+        logger.info("device %s; KV cache %s; max_num_seqs %d, max_num_batched_tokens %d%s", info.selection["device"],
+                    info.kv_cache_description, info.max_num_seqs, info.max_num_batched_tokens,
+                    f"; each of {len(engines)} data-parallel engines" if len(engines) > 1 else "")
         logger.info("API key %s", "required (Authorization: Bearer ...)" if api_key else
                     "not set: anyone who can reach the port can use it")
         logger.info("API process event loop: %s (FDPLUG_EVENT_LOOP); %d startup objects frozen out of GC passes; "
@@ -248,8 +279,9 @@ async def _serve(settings: ServerSettings, spec_args: dict, tokenizer: Any, sock
             if client.healthy:
                 client.begin_shutdown()
             await client.close()
-        code = await engine.stop(env("FDPLUG_SHUTDOWN_TIMEOUT"))
-        logger.info("engine process exited (status %s); server stopped", code)
+        codes = await asyncio.gather(*(engine.stop(env("FDPLUG_SHUTDOWN_TIMEOUT")) for engine in engines))
+        logger.info("engine process%s exited (status %s); server stopped", "es" if len(codes) > 1 else "",
+                    ", ".join(str(code) for code in codes))
 
 
 class _Server(uvicorn.Server):

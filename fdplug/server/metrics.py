@@ -8,6 +8,8 @@ process, where a client sees them: time to first token from the moment the reque
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from prometheus_client import (
     CONTENT_TYPE_LATEST,  # noqa: F401  (re-exported for the app)
     CollectorRegistry,
@@ -32,7 +34,9 @@ class ServerMetrics:
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
-        self._prefix_queries = self._prefix_hits = 0
+        self._engines: dict[int, SchedulerStats] = {}      # each engine's last stats (data parallel: several)
+        self._prefix_totals: dict[int, tuple[int, int]] = {}
+        self._alive: set[int] = set()
         r, label = self.registry, ["model_name"]
         self.running = Gauge("fdplug:num_requests_running", "Sequences in the running batch.", label, registry=r)
         self.waiting = Gauge("fdplug:num_requests_waiting", "Sequences waiting to be scheduled.", label, registry=r)
@@ -45,7 +49,18 @@ class ServerMetrics:
         self.prefix_hits = Counter("fdplug:prefix_cache_hits", "Prompt tokens found in the prefix cache.", label,
                                    registry=r)
         self.preemptions = Gauge("fdplug:num_preemptions", "Preemptions since start.", label, registry=r)
-        self.engine_alive = Gauge("fdplug:engine_alive", "1 while the engine process runs.", label, registry=r)
+        self.engine_alive = Gauge("fdplug:engine_alive", "Engine processes running (data parallel: of several).",
+                                  label, registry=r)
+        per_engine = ["model_name", "engine"]
+        self.engine_running = Gauge("fdplug:engine_num_requests_running", "Sequences running, per engine.", per_engine,
+                                    registry=r)
+        self.engine_waiting = Gauge("fdplug:engine_num_requests_waiting", "Sequences waiting, per engine.", per_engine,
+                                    registry=r)
+        self.engine_kv_usage = Gauge("fdplug:engine_kv_cache_usage_perc", "KV cache blocks in use (0-1), per engine.",
+                                     per_engine, registry=r)
+        self.engine_up = Gauge("fdplug:engine_up", "1 while this engine process runs.", per_engine, registry=r)
+        self.engine_requests = Counter("fdplug:engine_requests", "Requests sent to this engine.", per_engine,
+                                       registry=r)
         self.ttft = Histogram("fdplug:time_to_first_token_seconds", "Time to first token.", label,
                               buckets=_TTFT_BUCKETS, registry=r)
         self.itl = Histogram("fdplug:inter_token_latency_seconds", "Time between two output tokens.", label,
@@ -63,17 +78,36 @@ class ServerMetrics:
                      "preemptions", "engine_alive", "ttft", "itl", "e2e", "prompt_tokens", "generation_tokens"):
             setattr(self, name, getattr(self, name).labels(self.model_name))
 
-    def update_engine(self, stats: SchedulerStats) -> None:
-        self.running.set(stats.num_running)
-        self.waiting.set(stats.num_waiting)
-        self.kv_usage.set(stats.kv_cache_usage)
-        self.prefix_hit_rate.set(stats.prefix_cache_hit_rate)
-        self.preemptions.set(stats.num_preemptions)
+    def update_engine(self, stats: SchedulerStats, engine: int = 0) -> None:
+        """Engine ``engine``'s stats: its own gauges, and the totals over every engine's last stats
+        (sums; KV usage as the mean fraction; the hit rate from the summed token counts)."""
+        self._engines[engine] = stats
+        labels = (self.model_name, str(engine))
+        self.engine_running.labels(*labels).set(stats.num_running)
+        self.engine_waiting.labels(*labels).set(stats.num_waiting)
+        self.engine_kv_usage.labels(*labels).set(stats.kv_cache_usage)
+        every = list(self._engines.values())
+        self.running.set(sum(s.num_running for s in every))
+        self.waiting.set(sum(s.num_waiting for s in every))
+        self.kv_usage.set(sum(s.kv_cache_usage for s in every) / len(every))
+        self.preemptions.set(sum(s.num_preemptions for s in every))
+        queries = sum(s.prefix_cache_queries for s in every)
+        self.prefix_hit_rate.set(sum(s.prefix_cache_hits for s in every) / queries if queries else 0.0)
         # the engine reports totals; counters take increments (a reset prefix cache restarts them)
-        if stats.prefix_cache_queries >= self._prefix_queries:
-            self.prefix_queries.inc(stats.prefix_cache_queries - self._prefix_queries)
-            self.prefix_hits.inc(max(0, stats.prefix_cache_hits - self._prefix_hits))
-        self._prefix_queries, self._prefix_hits = stats.prefix_cache_queries, stats.prefix_cache_hits
+        last_queries, last_hits = self._prefix_totals.get(engine, (0, 0))
+        if stats.prefix_cache_queries >= last_queries:
+            self.prefix_queries.inc(stats.prefix_cache_queries - last_queries)
+            self.prefix_hits.inc(max(0, stats.prefix_cache_hits - last_hits))
+        self._prefix_totals[engine] = (stats.prefix_cache_queries, stats.prefix_cache_hits)
+
+    def engine_alive_is(self, engine: int, alive: bool) -> None:
+        """Engine ``engine`` started or died: a dead engine holds no requests and no KV cache."""
+        (self._alive.add if alive else self._alive.discard)(engine)
+        self.engine_alive.set(len(self._alive))
+        self.engine_up.labels(self.model_name, str(engine)).set(int(alive))
+        if not alive and engine in self._engines:
+            self.update_engine(replace(self._engines[engine], num_running=0, num_waiting=0,
+                                       num_waiting_for_features=0, kv_cache_usage=0.0), engine)
 
     def finished(self, finish_reason: str) -> None:
         self.requests.labels(self.model_name, finish_reason).inc()

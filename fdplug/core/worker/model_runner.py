@@ -70,7 +70,7 @@ class ModelRunner:
         self.config = config
         self.selection = selection
         self.paddle = import_paddle()
-        self.place = selection.device.paddle_place_name(0)
+        self.place = selection.device.paddle_place_name(config.device_index)
 
     # -- setup ------------------------------------------------------------------------------------
 

@@ -1,0 +1,112 @@
+"""Data parallel on one machine: ``fdplug serve --data-parallel-size 2`` against one engine.
+
+    python bench/scale.py                  # bench/throughput.py's 54M Qwen2, 64 requests, 4 pairs
+    python bench/scale.py --quick          # 2 pairs
+    python bench/scale.py --model DIR --num-prompts 128
+
+Both servers run at once on the same model (the idle one waits in a poll): ``dp1`` is one engine
+on every core (its kernels use them all), ``dp2`` two engines with their own KV caches, each pinned
+to its half of the cores. A run sends every request at once (streamed, ``ignore_eos``, seeded
+random prompts as bench/serve.py's), through bench/serve.py's client in a ``SCHED_IDLE`` thread;
+runs alternate dp1, dp2, dp2, dp1, ... and each side's median output tokens/s counts. Printed: both
+medians, their ratio, TTFT p50, and how the router spread the requests over dp2's engines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+from serve import run_client, run_rate, summarize, workload
+
+
+def start(model: str, dp: int, max_num_seqs: int, log: Path) -> tuple[subprocess.Popen, str]:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [str(Path(sys.executable).parent / "fdplug"), "serve", "--port", str(port), "--model", model,
+           "--served-model-name", "bench", "--max-num-seqs", str(max_num_seqs), "--max-model-len", "1024",
+           "--data-parallel-size", str(dp)]
+    proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"dp={dp} server exited with {proc.returncode}; see {log}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise SystemExit(f"dp={dp} server not ready in 300 s; see {log}")
+
+
+def routed(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics", timeout=5).text
+    return {m.group(1): float(m.group(2))
+            for m in re.finditer(r'^fdplug:engine_requests_total\{engine="(\d+)"[^}]*\} (\S+)$', text, re.M)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="model directory (default: bench/throughput.py's 54M Qwen2)")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--range-ratio", type=float, default=0.5)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--pairs", type=int, default=4)
+    ap.add_argument("--quick", action="store_true", help="2 pairs")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    pairs = 2 if args.quick else args.pairs
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model
+        if model is None:
+            from throughput import make_model
+
+            model = str(make_model(Path(tmp)))
+        from fdplug.core.model.config import ModelConfig
+
+        vocab = ModelConfig.from_dir(model).vocab_size
+        servers = {name: start(model, dp, args.max_num_seqs, Path(tmp) / f"{name}.log")
+                   for name, dp in (("dp1", 1), ("dp2", 2))}
+        try:
+            prompts, outputs = workload(args, vocab, seed=10_000)
+            for _, url in servers.values():    # warm-up: one full run each
+                run_client(run_rate(url, "bench", prompts, outputs, float("inf"), 0))
+            got: dict[str, list[dict]] = {name: [] for name in servers}
+            order = list(servers)
+            for i in range(pairs):
+                for name in (order if i % 2 == 0 else order[::-1]):
+                    prompts, outputs = workload(args, vocab, seed=i)
+                    results, duration = run_client(run_rate(servers[name][1], "bench", prompts, outputs,
+                                                            float("inf"), i))
+                    got[name].append(summarize("inf", results, duration))
+            tput = {name: statistics.median(r["out_tok_per_s"] for r in rows) for name, rows in got.items()}
+            ttft = {name: statistics.median(r["ttft_p50"] for r in rows) for name, rows in got.items()}
+            print(f"{args.num_prompts} requests at once, ~{args.input_len} in / ~{args.output_len} out, "
+                  f"{pairs} pairs, medians:")
+            for name in servers:
+                print(f"  {name}: {tput[name]:7.1f} output tok/s, TTFT p50 {ttft[name]:7.1f} ms")
+            print(f"  dp2 / dp1 throughput: {tput['dp2'] / tput['dp1']:.2f}x; requests per engine of dp2: "
+                  f"{routed(servers['dp2'][1])}")
+        finally:
+            for proc, _ in servers.values():
+                proc.terminate()
+                proc.wait(30)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""Data parallel serving: one API process in front of N engine processes, each with its own KV cache.
+
+``fdplug serve --data-parallel-size N`` starts N engine processes (the same ``engine_process`` as
+one engine, each on its share of the cores or its own device) and one `EngineClient` per engine;
+this client gives the app the same face as a single `EngineClient` (``add``, ``abort``, ``healthy``,
+``metrics``...) and routes each request with `dp_router.Router` (least loaded, then prefix
+affinity). Outputs never cross engines: a request lives and ends on the engine it was sent to.
+
+An engine that dies fails only its own requests (its client's watchdog ends them with an
+``EngineDeadError``); the router stops sending it anything, ``/health`` lists it as dead and stays
+200 while another engine serves, ``fdplug:engine_alive`` counts the live ones. When the last one
+dies the server stops with status 1, as with one engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+from fdplug.core.engine.request import SamplingParams
+from fdplug.core.frontend.processor import ProcessedPrompt
+from fdplug.errors import EngineDeadError, FdplugError
+from fdplug.server.dp_router import Router
+from fdplug.server.engine_client import EngineClient
+from fdplug.server.request_stream import RequestStream
+
+logger = logging.getLogger("fdplug.server")
+
+
+class DataParallelClient:
+    """``EngineClient``'s interface over several engine clients (rank = index in ``clients``)."""
+
+    def __init__(self, clients: list[EngineClient]) -> None:
+        self.clients = clients
+        first = clients[0]
+        self.info, self.tokenizer, self.metrics = first.info, first.tokenizer, first.metrics
+        self.input_processor = first.input_processor
+        self.router = Router(len(clients), first.info.block_size)
+        self.on_engine_dead: Callable[[], None] | None = None
+        self._shutdown_error: FdplugError | None = None
+        for rank, client in enumerate(clients):
+            client.on_engine_dead = lambda rank=rank: self._engine_died(rank)
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        for client in self.clients:
+            client.start()
+
+    @property
+    def healthy(self) -> bool:
+        return self._shutdown_error is None and any(c.healthy for c in self.clients)
+
+    @property
+    def error(self) -> FdplugError | None:
+        if self._shutdown_error is not None:
+            return self._shutdown_error
+        return None if self.healthy else self.clients[-1].error
+
+    def engines(self) -> list[dict[str, Any]]:
+        """Each engine's rank, pid, whether it runs, and its requests in flight (``/health``)."""
+        return [{"rank": rank, **client.engine_status()} for rank, client in enumerate(self.clients)]
+
+    def begin_shutdown(self) -> None:
+        for client in self.clients:
+            client.begin_shutdown()
+        self._shutdown_error = self.clients[0].error
+
+    async def close(self) -> None:
+        for client in self.clients:
+            await client.close()
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    def add(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
+            cache_salt: str | None = None, queue: Any = None, rank: int | None = None) -> RequestStream:
+        """Queue a validated request on the engine the router picks (``rank``: an explicit choice)."""
+        for _ in range(len(self.clients)):   # an engine may die between the choice and the send
+            for i, client in enumerate(self.clients):
+                self.router.engines[i].in_flight = client.num_registered()
+                self.router.reported(i, client.num_waiting)
+            chosen = self.router.choose(prompt.token_ids, cache_salt, rank)
+            if chosen is None:
+                break
+            try:
+                stream = self.clients[chosen].add(request_id, prompt, params, cache_salt, queue)
+            except EngineDeadError:
+                self.router.dead(chosen)
+                if rank is not None:
+                    raise
+                continue
+            self.router.sent(chosen, prompt.token_ids, cache_salt)
+            return stream
+        if self._shutdown_error is not None:
+            raise type(self._shutdown_error)(self._shutdown_error.message, fix=self._shutdown_error.fix)
+        if rank is not None and not 0 <= rank < len(self.clients):
+            from fdplug.errors import InvalidRequestError
+
+            raise InvalidRequestError(f"data_parallel_rank {rank} is not one of 0..{len(self.clients) - 1}.",
+                                      fix="leave it out to let the server choose, or pick a rank in that range.")
+        raise EngineDeadError(f"no data-parallel engine {'of rank %d ' % rank if rank is not None else ''}is running.",
+                              fix="see the server log for why the engines exited, then restart `fdplug serve`.")
+
+    def abort(self, request_id: str) -> None:
+        for client in self.clients:
+            client.abort(request_id)
+
+    def num_registered(self) -> int:
+        return sum(client.num_registered() for client in self.clients)
+
+    # -- engines ----------------------------------------------------------------------------------
+
+    def _engine_died(self, rank: int) -> None:
+        self.router.dead(rank)
+        alive = sum(client.healthy for client in self.clients)
+        logger.error("data-parallel engine %d died; %d of %d still serving", rank, alive, len(self.clients))
+        if alive == 0 and self.on_engine_dead is not None:
+            self.on_engine_dead()
