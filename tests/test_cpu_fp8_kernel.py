@@ -80,18 +80,32 @@ def test_long_inputs_widen_the_layer_once_and_shapes_are_checked():
         native_fp8.dequantize(q, scales, 64, threads=2)
 
 
-def test_prefill_widens_into_the_packed_linear_kernels_panels():
-    """Above FP8_MAX_ROWS the layer is widened straight into the panels: the same bytes as packing
-    the [N, K] copy, a narrower last panel included (80 columns)."""
+@pytest.mark.parametrize("n, k, block_k", [(80, 72, 32), (48, 1100, 128), (16, 2, 1), (320, 512, 128)])
+def test_packed_weights_widen_in_registers_with_the_same_bits_for_any_rows(n, k, block_k):
+    """Weights packed at load (one byte each still): against the float64 definition; the same bits
+    as the layer dequantized and run through the packed float32 tiles (a weight is e4m3 x scale
+    rounded once either way); a row alone on one thread gives the batch's bits; and the prepared
+    weight round-trips through the portable fallback."""
     from fdplug.plugins.cpu import native_linear
 
-    q, scales = quantized(80, 72, 32, seed=5)
-    packed = native_fp8.dequantize(q, scales, 32, threads=2, packed=True)
-    assert packed.layout == native_linear.PANELS and packed.shape == (80, 72)
-    np.testing.assert_array_equal(packed.data.numpy(),
-                                  native_linear.prepare(native_fp8.dequantize(q, scales, 32, threads=2)).data.numpy())
-    odd = native_fp8.dequantize(*quantized(20, 72, 32, seed=6), 32, threads=2, packed=True)   # 20: not a panel width
-    assert list(odd.shape) == [20, 72]
+    q, scales = quantized(n, k, block_k, seed=n + k)
+    packed = native_fp8.prepare(q)
+    assert packed.layout == native_linear.PANELS and packed.dtype == q.dtype and packed.shape == (n, k)
+    rng = np.random.default_rng(n)
+    for rows in (1, 5, 7, 300):
+        x = paddle.to_tensor(rng.standard_normal((rows, k)).astype(np.float32))
+        got = native_fp8.fp8_linear_or_portable(x, packed, scales, block_k, threads=2).numpy()
+        want = reference(x.numpy(), q, scales, block_k)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+        widened = native_linear.prepare(native_fp8.dequantize(q, scales, block_k, threads=2))
+        np.testing.assert_array_equal(got, native_linear.linear(x, widened, 2).numpy())
+        alone = native_fp8.fp8_linear(x[rows - 1:rows], packed, scales, block_k, threads=1).numpy()
+        np.testing.assert_array_equal(alone[0], got[rows - 1])
+    x64 = rng.standard_normal((2, k))                 # float64 x: the portable op, on the unpacked weight
+    portable = native_fp8.fp8_linear_or_portable(paddle.to_tensor(x64), packed, scales, block_k, threads=2)
+    want = reference(x64, q, scales, block_k)
+    np.testing.assert_allclose(portable.numpy(), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    assert native_fp8.prepare(quantized(20, 72, 32, seed=1)[0]) is None       # 20 columns: not in panels
 
 
 def test_an_fp8_model_decodes_the_same_tokens_with_the_kernel(tmp_path):

@@ -90,3 +90,20 @@ def test_block_hashes_cover_only_full_blocks():
     assert block_hashes(list(range(8)), 4)[1] != block_hashes(list(range(4, 8)), 4)[0]
     with pytest.raises(ValueError):
         Router(0, 4)
+
+
+def test_engines_split_the_cores_or_take_a_device_each(monkeypatch):
+    import os
+
+    from fdplug.errors import ConfigError
+    from fdplug.server.dp_client import data_parallel_ranks
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {4, 5, 6, 7, 8})
+    args = {"max_num_seqs": 8}
+    assert data_parallel_ranks(args, 1, cpu=True) == [(args, None)]
+    assert [cpus for _, cpus in data_parallel_ranks(args, 2, cpu=True)] == [[4, 5], [6, 7, 8]]
+    assert [cpus for _, cpus in data_parallel_ranks(args, 7, cpu=True)] == [[4], [5], [6], [7], [8], [4], [5]]
+    assert [a["device_index"] for a, _ in data_parallel_ranks(args, 3, cpu=False)] == [0, 1, 2]
+    assert args == {"max_num_seqs": 8}                      # each engine gets its own copy
+    with pytest.raises(ConfigError, match="at least 1"):
+        data_parallel_ranks(args, 0, cpu=True)

@@ -16,7 +16,8 @@ Contracts (``T`` tokens as rows; inputs are never modified; results in the input
 ``fp8_linear(x, weight, weight_scale, block_k) -> y``
     ``x [..., K]``, ``weight [N, K]`` float8_e4m3fn, ``weight_scale [N, ceil(K / block_k)]`` float32 (per-row
     block scales, `fdplug.core.model.fp8_layers`) -> ``y [..., N] = x @ (weight * scale)^T`` (no bias).
-    A kernel may keep the weights one byte each; it must not change them.
+    A kernel may keep the weights one byte each; it must not change them. One registered with
+    ``OpSpec(prepare=...)`` gets its `PreparedWeight` as ``weight`` (as for ``linear``).
 ``linear(x, weight) -> y``
     ``x [..., K]``, ``weight [N, K]`` (the checkpoint's layout) in ``x``'s dtype or bfloat16 ->
     ``y [..., N] = x @ weight^T`` in ``x``'s dtype and arithmetic (no bias: the layer adds it). Every
@@ -55,6 +56,8 @@ from typing import Any, Callable
 
 OPS: tuple[str, ...] = ("swiglu", "rms_norm", "fp8_linear", "linear", "add_rms_norm", "rope", "argmax")
 """Every op a plugin may override, in the order `Kernels` lists them."""
+PREPARED_OPS: tuple[str, ...] = ("linear", "fp8_linear")
+"""The ops whose kernels may lay out the layers' weights once at load (`OpSpec.prepare`)."""
 
 
 @dataclass(slots=True)
@@ -81,7 +84,8 @@ class PreparedWeight:
 @dataclass(frozen=True, slots=True)
 class Kernels:
     """The op implementations the model calls: one callable per name in `OPS`, and the selected
-    ``linear`` kernel's weight preparation (`OpSpec.prepare`; None: weights stay ``[N, K]``)."""
+    ``linear`` and ``fp8_linear`` kernels' weight preparation (`OpSpec.prepare`; None: weights stay
+    ``[N, K]``)."""
 
     swiglu: Callable[[Any], Any]
     rms_norm: Callable[[Any, Any, float], Any]
@@ -91,3 +95,4 @@ class Kernels:
     rope: Callable[[Any, Any, Any], Any]
     argmax: Callable[[Any], Any]
     prepare_linear: Callable[[Any], PreparedWeight | None] | None = None
+    prepare_fp8_linear: Callable[[Any], PreparedWeight | None] | None = None

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from fdplug.plugin_api.ops import OPS
+from fdplug.plugin_api.ops import OPS, PREPARED_OPS
 from fdplug.plugin_api.settings import Setting
 
 if TYPE_CHECKING:
@@ -137,10 +137,10 @@ class OpSpec(ComponentSpec):
     float32 weights it computes as any other. The conformance kit compares it with the portable op
     on the rounded ``x``; `fdplug explain` says which math a bf16 model gets.
 
-    ``prepare`` (``linear`` only), like ``factory`` called with the config: returns a function that
-    the core calls once per linear layer after load with its weight ``[N, K]``; what that returns
-    (a `fdplug.plugin_api.ops.PreparedWeight`, or None to keep the weight as it is) is what the
-    kernel then receives as that layer's ``weight``.
+    ``prepare`` (``linear`` and ``fp8_linear`` only), like ``factory`` called with the config:
+    returns a function that the core calls once per such layer after load with its weight ``[N,
+    K]``; what that returns (a `fdplug.plugin_api.ops.PreparedWeight`, or None to keep the weight as
+    it is) is what the kernel then receives as that layer's ``weight`` (FP8 scales stay as they are).
     """
 
     op: str = ""
@@ -206,8 +206,8 @@ def validate_spec(spec: Any, expected: type) -> None:
         raise ValueError(f"bf16_inputs of {spec.name!r} must be a bool, and True only for the 'linear' op")
     if isinstance(spec, OpSpec) and spec.prepare is not None:
         _require_callable(spec, "prepare")
-        if spec.op != "linear":
-            raise ValueError(f"prepare of {spec.name!r}: only a 'linear' kernel prepares its weights")
+        if spec.op not in PREPARED_OPS:
+            raise ValueError(f"prepare of {spec.name!r}: only {' and '.join(PREPARED_OPS)} kernels prepare weights")
     if isinstance(spec, DeviceSpec) and (isinstance(spec.dtypes, str) or not spec.dtypes):
         raise TypeError(f"dtypes of {spec.name!r} must be a non-empty tuple such as ('float32',)")
     if isinstance(spec, FeatureStorageSpec):

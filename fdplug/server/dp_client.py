@@ -15,11 +15,12 @@ dies the server stops with status 1, as with one engine.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Callable
 
 from fdplug.core.engine.request import SamplingParams
 from fdplug.core.frontend.processor import ProcessedPrompt
-from fdplug.errors import EngineDeadError, FdplugError
+from fdplug.errors import ConfigError, EngineDeadError, FdplugError
 from fdplug.server.dp_router import Router
 from fdplug.server.engine_client import EngineClient
 from fdplug.server.request_stream import RequestStream
@@ -116,3 +117,20 @@ class DataParallelClient:
         logger.error("data-parallel engine %d died; %d of %d still serving", rank, alive, len(self.clients))
         if alive == 0 and self.on_engine_dead is not None:
             self.on_engine_dead()
+
+
+def data_parallel_ranks(engine_args: dict, size: int, cpu: bool) -> list[tuple[dict, list[int] | None]]:
+    """Each engine's arguments and cores: on the cpu device the usable cores split into ``size``
+    contiguous shares (rank i's threads on share i: 2 cores, 2 engines: one core each; fewer cores
+    than engines: one core each, shared round-robin), elsewhere device ``i`` for rank ``i``."""
+    if size < 1:
+        raise ConfigError(f"--data-parallel-size must be at least 1, got {size}.", fix="use 1 (one engine) or more.")
+    if size == 1:
+        return [(dict(engine_args), None)]
+    if not cpu:
+        return [({**engine_args, "device_index": rank}, None) for rank in range(size)]
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < size:
+        return [(dict(engine_args), [cores[rank % len(cores)]]) for rank in range(size)]
+    return [(dict(engine_args), cores[rank * len(cores) // size:(rank + 1) * len(cores) // size])
+            for rank in range(size)]

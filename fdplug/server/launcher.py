@@ -150,6 +150,7 @@ def serve(settings: ServerSettings, engine_kwargs: dict[str, Any]) -> int:
     """Run the server until a signal (exit status 0) or the engine's death (1)."""
     from fdplug.core.engine.startup import resolve_engine
     from fdplug.core.model.tokenizer import Tokenizer
+    from fdplug.server.dp_client import data_parallel_ranks
 
     kwargs = dict(engine_kwargs)
     model = kwargs.pop("model", None)
@@ -168,23 +169,6 @@ def serve(settings: ServerSettings, engine_kwargs: dict[str, Any]) -> int:
             return runner.run(_serve(settings, spec_args, tokenizer, sock, name))
     finally:
         sock.close()
-
-
-def data_parallel_ranks(engine_args: dict, size: int, cpu: bool) -> list[tuple[dict, list[int] | None]]:
-    """Each engine's arguments and cores: on the cpu device the usable cores split into ``size``
-    contiguous shares (rank i's threads on share i: 2 cores, 2 engines: one core each; fewer cores
-    than engines: one core each, shared round-robin), elsewhere device ``i`` for rank ``i``."""
-    if size < 1:
-        raise ConfigError(f"--data-parallel-size must be at least 1, got {size}.", fix="use 1 (one engine) or more.")
-    if size == 1:
-        return [(dict(engine_args), None)]
-    if not cpu:
-        return [({**engine_args, "device_index": rank}, None) for rank in range(size)]
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < size:
-        return [(dict(engine_args), [cores[rank % len(cores)]]) for rank in range(size)]
-    return [(dict(engine_args), cores[rank * len(cores) // size:(rank + 1) * len(cores) // size])
-            for rank in range(size)]
 
 
 def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:

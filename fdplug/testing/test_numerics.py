@@ -126,25 +126,34 @@ def test_argmax_kernel_matches_the_portable_one(fdplug_selection, fdplug_place):
 def test_fp8_linear_kernel_matches_the_portable_one(fdplug_selection, fdplug_place):
     """The selected ``fp8_linear`` kernel against the portable dequantize-and-matmul: K that is not a
     multiple of the block (edge blocks), 32- and 128-wide blocks, 1 to 300 rows, e4m3 weights across
-    their range (subnormals, both signs)."""
+    their range (subnormals, both signs); with ``prepare``, on the prepared weights too."""
     import paddle
 
     from fdplug.core.portable import ops as portable
     from fdplug.plugin_api.fp8 import block_quant
 
-    kernel = fdplug_selection.ops["fp8_linear"].factory(EngineConfig())
+    spec = fdplug_selection.ops["fp8_linear"]
+    kernel = spec.factory(EngineConfig())
+    prepare = spec.prepare(EngineConfig()) if spec.prepare is not None else None
     rng = np.random.default_rng(9)
     paddle.set_device(fdplug_place)
-    for (n, k), bk in (((70, 200), 128), ((96, 136), 32), ((256, 512), 128)):
+    for (n, k), bk in (((70, 200), 128), ((96, 136), 32), ((256, 512), 128), ((80, 1100), 128)):
         w = rng.standard_normal((n, k)).astype(np.float32) * np.exp(rng.uniform(-8, 3, (n, k))).astype(np.float32)
         q, grid = block_quant(paddle.to_tensor(w), (bk, bk))
         scales = paddle.repeat_interleave(grid, bk, axis=0)[:n]
+        weights = [q]
+        prepared = prepare(q) if prepare is not None else None
+        if prepared is not None:
+            assert tuple(prepared.shape) == (n, k) and prepared.dtype == q.dtype
+            weights.append(prepared)
         for rows in (1, 3, 8, 9, 300):
             x = paddle.to_tensor(rng.standard_normal((rows, k), dtype=np.float32))
-            got = kernel(x, q, scales, bk).numpy()
             expected = portable.fp8_linear(x, q, scales, bk).numpy()
             scale = np.abs(expected).max()
-            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * scale, err_msg=f"{n}x{k}/{bk} {rows} rows")
+            for each in weights:
+                got = kernel(x, each, scales, bk).numpy()
+                np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * scale,
+                                           err_msg=f"{n}x{k}/{bk} {rows} rows, {type(each).__name__}")
 
 
 @pytest.mark.parametrize("weight_dtype", ["float32", "bfloat16"])

@@ -19,6 +19,7 @@ from typing import Any
 import paddle
 from paddle import nn
 
+from fdplug.core.model.layers import PreparedWeightMixin
 from fdplug.core.model.quant_config import QuantConfig
 
 FP8_DTYPE = "float8_e4m3fn"
@@ -55,7 +56,7 @@ def fp8_rows(values: Any, op) -> Any:
     return op(as_bytes).view(paddle.float8_e4m3fn)
 
 
-class Fp8Linear(nn.Layer):
+class Fp8Linear(PreparedWeightMixin, nn.Layer):
     """``x @ W^T (+ bias)`` with ``W`` kept as ``weight [out, in]`` e4m3 and ``weight_scale [out, ceil(in / bk)]``.
 
     HF layout (``[out, in]``, not transposed like `layers.Linear`): paddle cannot transpose-copy
@@ -74,7 +75,8 @@ class Fp8Linear(nn.Layer):
         self.weight = empty_parameter([out_features, in_features], FP8_DTYPE)
         self.weight_scale = empty_parameter([out_features, -(-in_features // self.block_k)], "float32")
         self.bias = empty_parameter([out_features], dtype) if bias else None
+        self.prepared = None
 
     def forward(self, x: Any) -> Any:
-        out = self.kernel(x, self.weight, self.weight_scale, self.block_k)
+        out = self.kernel(x, self.kernel_weight, self.weight_scale, self.block_k)
         return out if self.bias is None else out + self.bias

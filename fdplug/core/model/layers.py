@@ -50,7 +50,38 @@ class RMSNorm(nn.Layer):
         return self.add_kernel(x, residual, self.weight, self.eps)
 
 
-class Linear(nn.Layer):
+class PreparedWeightMixin:
+    """`prepare` for a layer whose ``weight`` a kernel may lay out its own way once at load
+    (`OpSpec.prepare`): the prepared values replace the checkpoint's as the layer's parameter (one
+    copy, the same dtype and element count, so footprints add up); ``kernel_weight`` is what the
+    layer then hands its kernel."""
+
+    weight: Any
+    prepared: PreparedWeight | None = None
+
+    def prepare(self, prepare: Callable[[Any], PreparedWeight | None]) -> None:
+        if self.prepared is not None:
+            return
+        prepared = prepare(self.weight)
+        if prepared is None:
+            return
+        shape, data = tuple(self.weight.shape), prepared.data
+        if (tuple(prepared.shape) != shape or data.dtype != self.weight.dtype
+                or int(np.prod(data.shape)) != shape[0] * shape[1]):
+            raise ValueError(f"the kernel prepared a {list(shape)} {self.weight.dtype} weight as "
+                             f"{list(data.shape)} {data.dtype} (logical {list(prepared.shape)}): it must keep "
+                             "the dtype, the element count and the logical shape")
+        param = empty_parameter(list(data.shape), data.dtype)
+        paddle.assign(data, param)
+        self.weight = param
+        self.prepared = PreparedWeight(param, shape, prepared.layout)
+
+    @property
+    def kernel_weight(self) -> Any:
+        return self.weight if self.prepared is None else self.prepared
+
+
+class Linear(PreparedWeightMixin, nn.Layer):
     """``x @ weight^T (+ bias)`` with ``weight [out, in]`` as the checkpoint stores it, through the
     selected ``linear`` op (`fdplug.plugin_api.ops`); fused projections are one of these.
 
@@ -65,29 +96,10 @@ class Linear(nn.Layer):
         self.kernel = kernel or PORTABLE.linear
         self.weight = empty_parameter([out_features, in_features], weight_dtype or dtype)
         self.bias = empty_parameter([out_features], dtype) if bias else None
-        self.prepared: PreparedWeight | None = None
-
-    def prepare(self, prepare: Callable[[Any], PreparedWeight | None]) -> None:
-        """Put the loaded weight in the ``linear`` kernel's layout (`OpSpec.prepare`), once; the
-        prepared values replace the ``[out, in]`` ones as this layer's parameter (one copy)."""
-        if self.prepared is not None:
-            return
-        prepared = prepare(self.weight)
-        if prepared is None:
-            return
-        shape, data = tuple(self.weight.shape), prepared.data
-        if (tuple(prepared.shape) != shape or data.dtype != self.weight.dtype
-                or int(np.prod(data.shape)) != shape[0] * shape[1]):
-            raise ValueError(f"the linear kernel prepared a {list(shape)} {self.weight.dtype} weight as "
-                             f"{list(data.shape)} {data.dtype} (logical {list(prepared.shape)}): it must keep "
-                             "the dtype, the element count and the logical shape")
-        param = empty_parameter(list(data.shape), data.dtype)
-        paddle.assign(data, param)
-        self.weight = param
-        self.prepared = PreparedWeight(param, shape, prepared.layout)
+        self.prepared = None
 
     def forward(self, x: Any) -> Any:
-        out = self.kernel(x, self.weight if self.prepared is None else self.prepared)
+        out = self.kernel(x, self.kernel_weight)
         return out if self.bias is None else out + self.bias
 
 

@@ -21,7 +21,7 @@ import paddle
 
 from fdplug.core.model.config import _DIR_FIX, ModelConfig
 from fdplug.core.model.decoder import DecoderForCausalLM
-from fdplug.core.model.fp8_layers import expand_scale_rows, fp8_rows
+from fdplug.core.model.fp8_layers import Fp8Linear, expand_scale_rows, fp8_rows
 from fdplug.core.model.layers import Linear
 from fdplug.core.model.moe_block import EXPERT_PARAMS
 from fdplug.core.model.rope import rope_permutation
@@ -60,13 +60,15 @@ def load_model(model_dir: str | Path, attn_backend: Any, dtype: str = "float32",
     model = DecoderForCausalLM(cfg, attn_backend, dtype=dtype, max_positions=max_positions, kernels=kernels,
                                moe_backend=moe_backend)
     load_weights(model, cfg, files, show_progress=show_progress)
-    if kernels.prepare_linear is not None:
-        linears = [layer for layer in model.sublayers() if isinstance(layer, Linear)]
-        for layer in linears:
-            layer.prepare(kernels.prepare_linear)
-        prepared = [layer.prepared.layout for layer in linears if layer.prepared is not None]
-        logger.info("linear layers: %d of %d laid out for the linear kernel at load%s", len(prepared), len(linears),
-                    f" ({prepared[0]})" if prepared else "")
+    for kind, prepare in ((Linear, kernels.prepare_linear), (Fp8Linear, kernels.prepare_fp8_linear)):
+        layers = [layer for layer in model.sublayers() if isinstance(layer, kind)]
+        if prepare is None or not layers:
+            continue
+        for layer in layers:
+            layer.prepare(prepare)
+        prepared = [layer.prepared.layout for layer in layers if layer.prepared is not None]
+        logger.info("%s layers: %d of %d laid out for their kernel at load%s", kind.__name__, len(prepared),
+                    len(layers), f" ({prepared[0]})" if prepared else "")
     logger.info("loaded %s (%s, %d layers) from %d file(s) as %s in %.1f s", model_dir, cfg.architecture,
                 cfg.num_layers, len(files), dtype + (" (bf16 weights)" if cfg.bf16_weights else ""),
                 time.perf_counter() - started)

@@ -28,7 +28,7 @@ from fdplug.core.worker.sampling import plain_greedy, sampled_logprobs, sampling
 from fdplug.errors import ConfigError, RequestStepError
 from fdplug.plugin_api.attention import AttentionMetadata, cdiv
 from fdplug.plugin_api.model_runner import KVCachePlan, ModelInfo, ModelRunnerOutput, format_bytes
-from fdplug.plugin_api.ops import Kernels
+from fdplug.plugin_api.ops import PREPARED_OPS, Kernels
 from fdplug.plugin_api.paddle import import_paddle
 from fdplug.plugin_api.selection import Selection
 
@@ -85,9 +85,9 @@ class ModelRunner:
         footprint = check_weights_fit(cfg, self.config.dtype, self.selection)
         self.attn_backend = self.selection.attention.factory(self.config)
         self.moe_backend = self.selection.moe.factory(self.config) if cfg.moe is not None else None
-        linear = self.selection.ops["linear"]
-        kernels = Kernels(**{op: spec.factory(self.config) for op, spec in self.selection.ops.items()},
-                          prepare_linear=linear.prepare(self.config) if linear.prepare else None)
+        ops = self.selection.ops
+        kernels = Kernels(**{op: spec.factory(self.config) for op, spec in ops.items()},
+                          **{f"prepare_{op}": ops[op].prepare(self.config) for op in PREPARED_OPS if ops[op].prepare})
         self.argmax = kernels.argmax
         self.model, self.model_config = load_model(self.config.model_dir, self.attn_backend, dtype=self.config.dtype,
                                                    max_positions=self.config.max_model_len, kernels=kernels,

@@ -51,6 +51,14 @@ def _linear_prepare_factory(config):
     return native_linear.prepare if settings.PACK_WEIGHTS.value() else lambda weight: None
 
 
+def _fp8_prepare_factory(config):
+    """`OpSpec.prepare` of the FP8 linear kernel: e4m3 weights packed once at load (native_fp8.prepare),
+    unless FDPLUG_CPU_PACK_WEIGHTS=0."""
+    from fdplug.plugins.cpu import native_fp8
+
+    return native_fp8.prepare if settings.PACK_WEIGHTS.value() else lambda weight: None
+
+
 def _native_kernels_supports(config) -> str | None:
     """The kernels are float32, as is the cpu device (``DeviceSpec.dtypes``): only the build can fail."""
     from fdplug.plugins.cpu import kernels
@@ -105,8 +113,8 @@ def fdplug_register_ops(register):
     native("cpu_native_swiglu", "swiglu", ("kernels", "swiglu"),
            "AVX2 SwiGLU on every core (compiled C): 4-5x paddle's single-threaded one (FDPLUG_CPU_KERNELS)")
     native("cpu_native_fp8_linear", "fp8_linear", ("native_fp8", "fp8_linear_or_portable"),
-           "FP8 weights read in place, widened in registers (compiled C) up to FP8_MAX_ROWS rows; above, "
-           "the layer widened once in C and the linear kernel")
+           "FP8 weights kept one byte, packed at load in panels of 64 columns, widened in registers and "
+           "scaled per block in outer-product tiles (compiled C)", prepare=_fp8_prepare_factory)
     native("cpu_native_rms_norm", "rms_norm", ("native_norms", "rms_norm"),
            "one compiled call instead of paddle's five ops (float32; the q/k norm's per-head weights too)")
     native("cpu_native_add_rms_norm", "add_rms_norm", ("native_norms", "add_rms_norm"),

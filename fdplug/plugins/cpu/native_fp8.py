@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from fdplug.plugin_api.ops import PreparedWeight
+from fdplug.plugins.cpu import native_linear
 from fdplug.plugins.cpu.kernels import _check_float32, _contiguous, _rows, load
 
 # Up to this many rows the weights are widened in registers; above, one dequantized copy of the
@@ -21,12 +23,52 @@ from fdplug.plugins.cpu.kernels import _check_float32, _contiguous, _rows, load
 FP8_MAX_ROWS = 256
 
 
+def prepare(weight: Any) -> PreparedWeight | None:
+    """An e4m3 ``weight [N, K]`` packed once at load into native_linear's panels (one byte a weight
+    still, csrc/linear_packed.c), for `fp8_linear`'s outer-product tiles; None where N is not a
+    multiple of 16 (that layer keeps the row-major kernels)."""
+    import paddle
+
+    if len(weight.shape) != 2 or weight.dtype != paddle.float8_e4m3fn:
+        return None
+    n, k = weight.shape
+    if n == 0 or k == 0 or n % 16:
+        return None
+    packed = native_linear.prepare(weight.view(paddle.uint8))
+    return PreparedWeight(packed.data.view(paddle.float8_e4m3fn), (n, k), native_linear.PANELS)
+
+
+def _fp8_linear_packed(x: Any, weight: PreparedWeight, weight_scale: Any, block_k: int, threads: int) -> Any:
+    import paddle
+
+    cols, depth = weight.shape
+    shape, sshape = x.shape, weight_scale.shape
+    if weight.layout != native_linear.PANELS or weight.dtype != paddle.float8_e4m3fn:
+        raise ValueError(f"cpu_native_fp8_linear reads e4m3 weights prepared as {native_linear.PANELS!r}, got "
+                         f"{weight.layout!r} ({weight.dtype})")
+    if shape[-1] != depth or block_k <= 0 or list(sshape) != [cols, -(-depth // block_k)]:
+        raise ValueError(f"fp8_linear: x [..., {shape[-1]}], the prepared weight [{cols}, {depth}] and "
+                         f"weight_scale {list(sshape)} do not match block_k={block_k}")
+    rows = _rows(shape)
+    x = _contiguous(x if len(shape) == 2 else x.reshape([rows, depth]))
+    _check_float32(x, weight_scale)
+    out = paddle.empty([rows, cols], dtype="float32")
+    status = load().fdplug_linear_packed_fp8(x.data_ptr(), weight.data.data_ptr(), _contiguous(weight_scale).data_ptr(),
+                                             out.data_ptr(), rows, cols, depth, block_k, threads)
+    if status != 0:
+        raise MemoryError(f"cpu_native_fp8_linear: no memory for the transposed scales of a [{cols}, {depth}] layer")
+    return out if len(shape) == 2 else out.reshape([*shape[:-1], cols])
+
+
 def fp8_linear(x: Any, weight: Any, weight_scale: Any, block_k: int, threads: int) -> Any:
     """``x [..., K]`` float32 times the e4m3 ``weight [N, K]`` with per-row block scales
     ``weight_scale [N, ceil(K / block_k)]`` -> ``[..., N]``: the ``fp8_linear`` op's contract
-    (`fdplug.plugin_api.ops`), read in place: the weights stay one byte each."""
+    (`fdplug.plugin_api.ops`), read in place: the weights stay one byte each (a `prepare`d weight:
+    the packed tiles, whatever the row count)."""
     import paddle
 
+    if isinstance(weight, PreparedWeight):
+        return _fp8_linear_packed(x, weight, weight_scale, block_k, threads)
     shape, wshape, sshape = x.shape, weight.shape, weight_scale.shape
     depth, cols = shape[-1], wshape[0]
     if depth <= 0 or block_k <= 0 or wshape != [cols, depth] or sshape != [cols, -(-depth // block_k)]:
@@ -43,42 +85,40 @@ def fp8_linear(x: Any, weight: Any, weight_scale: Any, block_k: int, threads: in
     return out if len(shape) == 2 else out.reshape([*shape[:-1], cols])
 
 
-def dequantize(weight: Any, weight_scale: Any, block_k: int, threads: int, packed: bool = False) -> Any:
+def dequantize(weight: Any, weight_scale: Any, block_k: int, threads: int) -> Any:
     """The e4m3 ``weight [N, K]`` times its per-row block scales as float32 ``[N, K]``, in one compiled
-    pass (paddle's float8 casts are scalar: 25-30 ms for a 4096x1024 layer); ``packed`` (N a multiple
-    of 16): as the `PreparedWeight` the packed linear kernel reads instead."""
+    pass (paddle's float8 casts are scalar: 25-30 ms for a 4096x1024 layer)."""
     import paddle
-
-    from fdplug.plugins.cpu.native_linear import PANELS, PreparedWeight
 
     cols, depth = (int(d) for d in weight.shape)
     if weight.dtype != paddle.float8_e4m3fn or list(weight_scale.shape) != [cols, -(-depth // block_k)]:
         raise ValueError(f"dequantize: weight {list(weight.shape)} ({weight.dtype}) and weight_scale "
                          f"{list(weight_scale.shape)} do not match block_k={block_k}")
     _check_float32(weight_scale)
-    packed = packed and cols % 16 == 0
-    out = paddle.empty([cols * depth] if packed else [cols, depth], dtype="float32")
+    out = paddle.empty([cols, depth], dtype="float32")
     load().fdplug_fp8_dequant(_contiguous(weight).data_ptr(), _contiguous(weight_scale).data_ptr(), out.data_ptr(),
-                              cols, depth, block_k, int(packed), threads)
-    return PreparedWeight(out, (cols, depth), PANELS) if packed else out
+                              cols, depth, block_k, threads)
+    return out
 
 
 def fp8_linear_or_portable(x: Any, weight: Any, weight_scale: Any, block_k: int, threads: int) -> Any:
     """The ``fp8_linear`` op: `fp8_linear` for float32 inputs of up to FP8_MAX_ROWS rows; for longer
-    float32 inputs (prefill) the layer widened once in C into the packed linear kernel's panels (its
-    outer-product tiles: ~1.5x the in-place ones at these row counts); else (bf16/fp16 activations)
-    the portable dequantize-and-matmul."""
+    float32 inputs (prefill) the layer widened once in C and the linear kernel's tiles; else (bf16/fp16
+    activations) the portable dequantize-and-matmul."""
     import paddle
 
     rows = _rows(x.shape)
     if x.dtype == paddle.float32:
-        if rows <= FP8_MAX_ROWS:
+        if rows <= FP8_MAX_ROWS or isinstance(weight, PreparedWeight):
             return fp8_linear(x, weight, weight_scale, block_k, threads)
         from fdplug.plugins.cpu.native_linear import linear
 
-        return linear(x, dequantize(weight, weight_scale, block_k, threads, packed=True), threads)
+        return linear(x, dequantize(weight, weight_scale, block_k, threads), threads)
     from fdplug.core.portable.ops import fp8_linear as portable
 
+    if isinstance(weight, PreparedWeight):
+        weight = native_linear.unpack(PreparedWeight(weight.data.view(paddle.uint8), weight.shape, weight.layout)
+                                      ).view(paddle.float8_e4m3fn)
     return portable(x, weight, weight_scale, block_k)
 
 

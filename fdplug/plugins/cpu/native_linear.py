@@ -48,10 +48,10 @@ def prepare(weight: Any) -> PreparedWeight | None:
     the layout does not apply (N not a multiple of 16, K odd with bf16, another dtype)."""
     import paddle
 
-    if len(weight.shape) != 2 or weight.dtype not in (paddle.float32, paddle.bfloat16):
+    if len(weight.shape) != 2 or weight.dtype not in (paddle.float32, paddle.bfloat16, paddle.uint8):
         return None
     n, k = weight.shape
-    pairs = weight.dtype == paddle.bfloat16
+    pairs = weight.dtype == paddle.bfloat16   # uint8: e4m3 bytes (native_fp8.prepare), laid out as float32
     if n == 0 or k == 0 or n % 16 or (pairs and k % 2):
         return None
     panels = []

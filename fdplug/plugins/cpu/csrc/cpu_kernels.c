@@ -1048,7 +1048,7 @@ typedef struct {
     const uint8_t *w;
     const float *scales;
     float *out;
-    int cols, depth, blocks, block_k, packed;
+    int cols, depth, blocks, block_k;
     int next_col;
 } fp8_dequant_job;
 
@@ -1058,25 +1058,15 @@ static void *fp8_dequant_worker(void *arg) {
         const int n = __atomic_fetch_add(&job->next_col, 1, __ATOMIC_RELAXED);
         if (n >= job->cols) return NULL;
         const uint8_t *w = job->w + (int64_t)n * job->depth;
-        /* column n's k-th value at o[k * step]: row n of [N, K], or column n % 64 of its panel */
         float *o = job->out + (int64_t)n * job->depth;
-        int64_t step = 1;
-        if (job->packed) {
-            const int panel = n / 64, width = job->cols - panel * 64 < 64 ? job->cols - panel * 64 : 64;
-            o = job->out + (int64_t)panel * 64 * job->depth + n % 64;
-            step = width;
-        }
-        for (int k = 0; k < job->depth; ++k)
-            o[k * step] = e4m3_to_float(w[k]) * job->scales[(int64_t)n * job->blocks + k / job->block_k];
+        for (int k = 0; k < job->depth; ++k) o[k] = e4m3_to_float(w[k]) * job->scales[(int64_t)n * job->blocks + k / job->block_k];
     }
 }
 
-/* out = the e4m3 w [cols, depth] times its per-row block scales, float32: [cols, depth], or with
- * packed (cols a multiple of 16) in linear_packed.c's float32 panels. */
 void fdplug_fp8_dequant(const uint8_t *w, const float *scales, float *out, int cols, int depth, int block_k,
-                        int packed, int num_threads) {
+                        int num_threads) {
     if (cols <= 0 || depth <= 0) return;
-    fp8_dequant_job job = {w, scales, out, cols, depth, (depth + block_k - 1) / block_k, block_k, packed != 0, 0};
+    fp8_dequant_job job = {w, scales, out, cols, depth, (depth + block_k - 1) / block_k, block_k, 0};
     run_workers(fp8_dequant_worker, &job, num_threads < cols ? num_threads : cols);
 }
 

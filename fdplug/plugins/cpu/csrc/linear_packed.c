@@ -14,8 +14,12 @@
  * float32, exactly). A token gets the same bits decoded alone, in a batch, or in a prompt chunk;
  * bf16 weights in float32 math give the float32 kernel's bits on the same (widened) values.
  *
+ * FP8 (e4m3 bytes with per-row block scales, fdplug_linear_packed_fp8): each 16 bytes widened in
+ * registers (as the FP8 GEMV does: half precision, exact) times their columns' scales, so a weight is
+ * e4m3 x scale rounded once, as dequantizing would give, and the layer is never widened in memory.
+ *
  * Layout (LP_PANEL = 64 columns; N a multiple of 16, so the last panel is 16, 32, 48 or 64 wide):
- * panel p holds columns [64p, 64p + width) from element 64p * K. float32: (k, j) at k * width + j;
+ * panel p holds columns [64p, 64p + width) from element 64p * K. float32 and e4m3: (k, j) at k * width + j;
  * bf16: pairs of k interleaved, (k, j) at (k / 2) * 2 * width + 2 * j + k % 2 (K even), so one
  * 64-byte load is 16 columns times a pair of k: vdpbf16ps's operand as it is, or two float32
  * vectors by a shift and a mask.
@@ -26,7 +30,7 @@
 #define LP_PANEL 64
 #define LP_MR 6         /* rows of a tile: 6 x 4 accumulators + 4 weight vectors of the 32 registers */
 #define LP_K_BLOCK 1024 /* k a pass: a 64-column panel's slice is 256 KB (float32), in L2 for every row tile */
-enum { LP_F32 = 0, LP_BF16 = 1, LP_BF16_MATH = 2 };
+enum { LP_F32 = 0, LP_BF16 = 1, LP_BF16_MATH = 2, LP_FP8 = 3 };
 
 typedef struct {
     const float *x;           /* [rows, depth] float32 (LP_F32, LP_BF16) */
@@ -36,6 +40,8 @@ typedef struct {
     int rows, cols, depth, kind, x_pairs_ld;
     int rows_per_block, panels_per_piece, pieces;
     int64_t next_item;
+    const float *scales_t;    /* LP_FP8: [blocks][cols], 256 x each column's block scale */
+    int block_k;
 } packed_job;
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -77,6 +83,31 @@ static inline __attribute__((always_inline)) void packed_tile(const packed_job *
                 }
             }
         }
+    } else if (KIND == LP_FP8) {
+        /* sign-extended and shifted by 7, a byte is a half of 2^-8 times its e4m3 value once bit 14
+         * is cleared (the FP8 GEMV's conversion); times 256 x the scale: exact, then rounded once */
+        const uint8_t *w = (const uint8_t *)job->w + panel_start + (int64_t)k0 * width;
+        const float *x = job->x + (int64_t)m0 * depth;
+        const __m256i keep = _mm256_set1_epi16((short)0xBF80);
+        __m512 scale[4];
+        int block_end = k0;
+        for (int k = k0; k < k1; ++k, w += width) {
+            if (k == block_end) {
+                const float *row = job->scales_t + (int64_t)(k / job->block_k) * cols + (int64_t)panel * LP_PANEL;
+                for (int v = 0; v < NV; ++v) scale[v] = _mm512_loadu_ps(row + 16 * v);
+                block_end = (k / job->block_k + 1) * job->block_k;
+            }
+            __m512 wv[4];
+            for (int v = 0; v < NV; ++v) {
+                const __m256i h = _mm256_and_si256(
+                    _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 16 * v))), 7), keep);
+                wv[v] = _mm512_mul_ps(_mm512_cvtph_ps(h), scale[v]);
+            }
+            for (int r = 0; r < MR; ++r) {
+                const __m512 xb = _mm512_set1_ps(x[(int64_t)r * depth + k]);
+                for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(xb, wv[v], acc[r][v]);
+            }
+        }
     } else {
 #ifdef HAVE_BF16_DOT
         const uint16_t *w = (const uint16_t *)job->w + panel_start + (int64_t)k0 * width;
@@ -116,6 +147,7 @@ static void packed_block(const packed_job *job, int m0, int mr, int panel, int n
     switch (job->kind) {
     case LP_F32: LP_MCASE(LP_F32) break;
     case LP_BF16: LP_MCASE(LP_BF16) break;
+    case LP_FP8: LP_MCASE(LP_FP8) break;
     default: LP_MCASE(LP_BF16_MATH) break;
     }
 }
@@ -130,13 +162,16 @@ static void packed_block(const packed_job *job, int m0, int mr, int panel, int n
             float *out = job->out + (int64_t)(m0 + r) * job->cols + (int64_t)panel * LP_PANEL + j;
             const float *x = job->x + (int64_t)(m0 + r) * depth;
             float sum = k0 == 0 ? 0.0f : *out;
-            for (int k = k0; k < k1; ++k)
-                sum = fmaf(x[k],
-                           job->kind == LP_F32
-                               ? ((const float *)job->w)[panel_start + (int64_t)k * width + j]
-                               : bf16_to_float(((const uint16_t *)job->w)[panel_start + (int64_t)(k / 2) * 2 * width +
-                                                                          2 * j + k % 2]),
-                           sum);
+            for (int k = k0; k < k1; ++k) {
+                const int64_t at = panel_start + (int64_t)k * width + j;
+                const float w = job->kind == LP_F32 ? ((const float *)job->w)[at]
+                              : job->kind == LP_FP8
+                                  ? e4m3_to_float(((const uint8_t *)job->w)[at]) * 0x1p-8f *
+                                        job->scales_t[(int64_t)(k / job->block_k) * job->cols + panel * LP_PANEL + j]
+                                  : bf16_to_float(((const uint16_t *)job->w)[panel_start + (int64_t)(k / 2) * 2 * width +
+                                                                             2 * j + k % 2]);
+                sum = fmaf(x[k], w, sum);
+            }
             *out = sum;
         }
 }
@@ -168,6 +203,21 @@ static void *packed_worker(void *arg) {
     }
 }
 
+/* Rows in blocks that keep their inputs in L2, panels in pieces over the threads; runs the job. */
+static void packed_run(packed_job *job, int x_bytes, int num_threads) {
+    const int64_t k_slice = job->depth < LP_K_BLOCK ? job->depth : LP_K_BLOCK;
+    const int64_t block_rows = LIN_X_BLOCK_BYTES / (k_slice * x_bytes) / LP_MR * LP_MR;
+    job->rows_per_block = block_rows < LP_MR ? LP_MR : (int)block_rows;
+    const int panels = (job->cols + LP_PANEL - 1) / LP_PANEL;
+    const int threads = num_threads > 1 ? num_threads : 1;
+    /* One row tile (decode): a thread's share in about four pieces, each a sequential stream. More
+     * rows: one panel a piece, so both threads stay busy on small layers. */
+    job->panels_per_piece = job->rows <= LP_MR ? (panels + 4 * threads - 1) / (4 * threads) : 1;
+    job->pieces = (panels + job->panels_per_piece - 1) / job->panels_per_piece;
+    const int64_t items = (int64_t)job->pieces * ((job->rows + job->rows_per_block - 1) / job->rows_per_block);
+    run_workers(packed_worker, job, num_threads < items ? num_threads : (int)items);
+}
+
 /* x [rows, depth] float32 times weights packed as above (kind: LP_F32, LP_BF16 in float32 math,
  * LP_BF16_MATH: x rounded to bf16, vdpbf16ps) -> out [rows, cols], on up to num_threads threads.
  * cols must be a multiple of 16 and depth even for the bf16 kinds (the packing's conditions).
@@ -181,7 +231,7 @@ int fdplug_linear_packed(const float *x, const void *w, int kind, float *out, in
         memset(out, 0, sizeof(float) * (size_t)rows * (size_t)cols);
         return 0;
     }
-    packed_job job = {x, NULL, w, out, rows, cols, depth, kind, 0, 0, 0, 0, 0};
+    packed_job job = {x, NULL, w, out, rows, cols, depth, kind, 0, 0, 0, 0, 0, NULL, 0};
     void *buffer = NULL;
     if (kind == LP_BF16_MATH) {
 #ifdef HAVE_BF16_DOT
@@ -195,18 +245,29 @@ int fdplug_linear_packed(const float *x, const void *w, int kind, float *out, in
         return -1;
 #endif
     }
-    const int x_bytes = kind == LP_BF16_MATH ? 2 : 4;
-    const int64_t k_slice = depth < LP_K_BLOCK ? depth : LP_K_BLOCK;
-    const int64_t block_rows = LIN_X_BLOCK_BYTES / (k_slice * x_bytes) / LP_MR * LP_MR;
-    job.rows_per_block = block_rows < LP_MR ? LP_MR : (int)block_rows;
-    const int panels = (cols + LP_PANEL - 1) / LP_PANEL;
-    const int threads = num_threads > 1 ? num_threads : 1;
-    /* One row tile (decode): a thread's share in about four pieces, each a sequential stream. More
-     * rows: one panel a piece, so both threads stay busy on small layers. */
-    job.panels_per_piece = rows <= LP_MR ? (panels + 4 * threads - 1) / (4 * threads) : 1;
-    job.pieces = (panels + job.panels_per_piece - 1) / job.panels_per_piece;
-    const int64_t items = (int64_t)job.pieces * ((rows + job.rows_per_block - 1) / job.rows_per_block);
-    run_workers(packed_worker, &job, num_threads < items ? num_threads : (int)items);
+    packed_run(&job, kind == LP_BF16_MATH ? 2 : 4, num_threads);
     free(buffer);
+    return 0;
+}
+
+/* x [rows, depth] float32 times e4m3 weights packed as above with their block scales [cols,
+ * ceil(depth / block_k)] (fp8_layers' layout, unpacked) -> out [rows, cols]. Returns 0, -1 if the
+ * scales' transposed copy cannot be allocated, -2 for cols not a multiple of 16 or block_k < 1. */
+int fdplug_linear_packed_fp8(const float *x, const uint8_t *w, const float *scales, float *out, int rows, int cols,
+                             int depth, int block_k, int num_threads) {
+    if (rows <= 0 || cols <= 0) return 0;
+    if (cols % 16 != 0 || block_k < 1) return -2;
+    if (depth <= 0) {
+        memset(out, 0, sizeof(float) * (size_t)rows * (size_t)cols);
+        return 0;
+    }
+    const int blocks = (depth + block_k - 1) / block_k;
+    float *scales_t = malloc(sizeof(float) * (size_t)blocks * (size_t)cols);
+    if (scales_t == NULL) return -1;
+    for (int n = 0; n < cols; ++n)
+        for (int b = 0; b < blocks; ++b) scales_t[(int64_t)b * cols + n] = scales[(int64_t)n * blocks + b] * 256.0f;
+    packed_job job = {x, NULL, w, out, rows, cols, depth, LP_FP8, 0, 0, 0, 0, 0, scales_t, block_k};
+    packed_run(&job, 4, num_threads);
+    free(scales_t);
     return 0;
 }
