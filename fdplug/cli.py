@@ -240,10 +240,16 @@ def generate_command(prompts: tuple[str, ...], chat: bool, max_tokens: int, temp
               help="Engine processes, each with its own KV cache, behind this one API (cpu: the cores split "
                    "between them; other devices: device i for engine i). Requests go to the least loaded, "
                    "preferring one that has their prefix cached.")
+@click.option("--data-parallel-backend", type=click.Choice(["mp", "ray"]), default="mp", show_default=True,
+              help="mp: engine processes on this machine; ray: engines placed by Ray (across its machines), "
+                   "restarted when they die.")
+@click.option("--ray-address", default=None,
+              help="With --data-parallel-backend ray: the cluster to join (ray start --head's address); "
+                   "default: a local Ray.")
 @user_errors
 def serve_command(host: str, port: int, api_key: str | None, served_model_name: str | None, max_body_bytes: int,
                   stream_interval: int, max_waiting_requests: int, trust_request_chat_template: bool,
-                  data_parallel_size: int, **kw: Any) -> None:
+                  data_parallel_size: int, data_parallel_backend: str, ray_address: str | None, **kw: Any) -> None:
     """Serve the OpenAI API (chat, completions, streaming) with the engine in its own process."""
     from fdplug.server.launcher import ServerSettings, serve
 
@@ -253,7 +259,8 @@ def serve_command(host: str, port: int, api_key: str | None, served_model_name: 
     settings = ServerSettings(host=host, port=port, api_key=api_key, served_model_name=served_model_name,
                               max_body_bytes=max_body_bytes, stream_interval=stream_interval,
                               trust_request_chat_template=trust_request_chat_template,
-                              data_parallel_size=data_parallel_size)
+                              data_parallel_size=data_parallel_size, data_parallel_backend=data_parallel_backend,
+                              ray_address=ray_address)
     sys.exit(serve(settings, args))
 
 

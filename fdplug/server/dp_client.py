@@ -14,25 +14,33 @@ dies the server stops with status 1, as with one engine.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 from fdplug.core.engine.request import SamplingParams
 from fdplug.core.frontend.processor import ProcessedPrompt
 from fdplug.errors import ConfigError, EngineDeadError, FdplugError
 from fdplug.server.dp_router import Router
 from fdplug.server.engine_client import EngineClient
+from fdplug.server.engine_handle import EngineProcess
 from fdplug.server.request_stream import RequestStream
 
 logger = logging.getLogger("fdplug.server")
+
+MAX_RESTARTS = 3     # per rank, where the backend restarts engines (Ray): one that keeps dying is left dead
 
 
 class DataParallelClient:
     """``EngineClient``'s interface over several engine clients (rank = index in ``clients``)."""
 
-    def __init__(self, clients: list[EngineClient]) -> None:
+    def __init__(self, clients: list[EngineClient],
+                 restart: Callable[[int], Awaitable[EngineClient]] | None = None) -> None:
+        """``restart(rank)``: a new engine and its client for a rank that died (None: dead stays dead)."""
         self.clients = clients
+        self.restart = restart
+        self.restarts = [0] * len(clients)
         first = clients[0]
         self.info, self.tokenizer, self.metrics = first.info, first.tokenizer, first.metrics
         self.input_processor = first.input_processor
@@ -115,8 +123,32 @@ class DataParallelClient:
         self.router.dead(rank)
         alive = sum(client.healthy for client in self.clients)
         logger.error("data-parallel engine %d died; %d of %d still serving", rank, alive, len(self.clients))
-        if alive == 0 and self.on_engine_dead is not None:
+        if self.restart is not None and self._shutdown_error is None and self.restarts[rank] < MAX_RESTARTS:
+            self.restarts[rank] += 1
+            asyncio.get_running_loop().create_task(self._restart(rank), name=f"fdplug-restart-engine-{rank}")
+        elif alive == 0 and self.on_engine_dead is not None:
             self.on_engine_dead()
+
+    async def _restart(self, rank: int) -> None:
+        logger.warning("restarting data-parallel engine %d (restart %d of at most %d)", rank, self.restarts[rank],
+                       MAX_RESTARTS)
+        try:
+            client = await self.restart(rank)
+        except Exception:  # noqa: BLE001
+            # a failed restart leaves the rank dead, logged
+            logger.exception("data-parallel engine %d could not be restarted", rank)
+            if not self.healthy and self.on_engine_dead is not None:
+                self.on_engine_dead()
+            return
+        if self._shutdown_error is not None:
+            client.begin_shutdown()
+            return
+        await self.clients[rank].close()
+        client.on_engine_dead = lambda: self._engine_died(rank)
+        self.clients[rank] = client
+        client.start()
+        self.router.revived(rank)
+        logger.info("data-parallel engine %d is back (pid %d)", rank, client.engine.pid)
 
 
 def data_parallel_ranks(engine_args: dict, size: int, cpu: bool) -> list[tuple[dict, list[int] | None]]:
@@ -134,3 +166,35 @@ def data_parallel_ranks(engine_args: dict, size: int, cpu: bool) -> list[tuple[d
         return [(dict(engine_args), [cores[rank % len(cores)]]) for rank in range(size)]
     return [(dict(engine_args), cores[rank * len(cores) // size:(rank + 1) * len(cores) // size])
             for rank in range(size)]
+
+
+class EngineSet:
+    """The engine processes of one server, local (``mp``) or placed by Ray (``ray``, `ray_engines`);
+    `make` starts rank ``i``'s engine (again, for a restart)."""
+
+    def __init__(self, spec_args: list[dict], log_level: int, backend: str = "mp",
+                 ray_address: str | None = None) -> None:
+        if backend not in ("mp", "ray"):
+            raise ConfigError(f"--data-parallel-backend must be mp or ray, got {backend!r}.",
+                              fix="mp: engine processes on this machine; ray: placed by Ray (--ray-address).")
+        self.spec_args, self.log_level = spec_args, log_level
+        self.cluster = None
+        if backend == "ray":
+            from fdplug.server.ray_engines import RayCluster
+
+            self.cluster = RayCluster(len(spec_args), ray_address)
+        self.engines: list[EngineProcess] = []
+        for rank in range(len(spec_args)):
+            self.engines.append(self.make(rank))
+
+    def make(self, rank: int) -> EngineProcess:
+        if self.cluster is not None:
+            return self.cluster.engine(self.spec_args[rank], self.log_level, rank)
+        return EngineProcess(self.spec_args[rank], self.log_level)
+
+    async def stop(self, timeout: float) -> list[int | None]:
+        try:
+            return list(await asyncio.gather(*(engine.stop(timeout) for engine in self.engines)))
+        finally:
+            if self.cluster is not None:
+                self.cluster.shutdown()

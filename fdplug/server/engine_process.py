@@ -52,6 +52,7 @@ class EngineSpec:
     log_level: int = logging.WARNING
     scheduler_slice_us: int = 0   # FDPLUG_ENGINE_SLICE_US, read (and checked) by the API process; 0: kernel default
     cpus: list[int] | None = None # data parallel on the cpu device: the cores this engine runs on (its threads)
+    curve_server_key: str | None = None   # TCP sockets (an engine on another machine): the API's CURVE public key
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -187,6 +188,9 @@ def run_engine(spec: EngineSpec) -> int:
     output_socket.setsockopt(zmq.SNDHWM, 0)   # never block a step on a slow reader; the parent's death ends us
     for sock in (input_socket, output_socket):
         sock.setsockopt(zmq.LINGER, 1000)
+        if spec.curve_server_key:   # encrypted, and the API accepts only a peer that knows its key
+            sock.curve_serverkey = spec.curve_server_key.encode()
+            sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
     input_socket.connect(spec.input_address)
     output_socket.connect(spec.output_address)
     try:

@@ -1,4 +1,4 @@
-"""``fdplug serve``: select the selection, start the engine process, run uvicorn, stop cleanly.
+"""``fdplug serve``: select the selection, start the engine process(es), run uvicorn, stop cleanly.
 
 Order matters for the user: the port is bound and the selection selected (strict ``--device``
 errors, with their fix) before the model loads, so mistakes fail in seconds, not after loading.
@@ -14,27 +14,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import shutil
 import signal
 import socket
-import subprocess
-import sys
-import tempfile
-import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
 import uvicorn
-import zmq
-import zmq.asyncio
 
-from fdplug.errors import ConfigError, EngineDeadError
+from fdplug.errors import ConfigError
 from fdplug.server import protocol as P
-from fdplug.server.engine_process import EngineSpec
 from fdplug.server.heap import freeze_startup_heap
-from fdplug.server.settings import env, env_is_set
+from fdplug.server.settings import env
 
 logger = logging.getLogger("fdplug.server")
 
@@ -50,84 +40,8 @@ class ServerSettings:
     trust_request_chat_template: bool = False
     log_level: int = logging.INFO
     data_parallel_size: int = 1
-
-
-class EngineProcess:
-    """The engine subprocess and the two IPC sockets (bound here, in a private temp dir)."""
-
-    def __init__(self, spec_args: dict, log_level: int) -> None:
-        slice_us = env("FDPLUG_ENGINE_SLICE_US")   # a malformed value fails here, before anything is created
-        self.tmpdir = tempfile.mkdtemp(prefix="fdplug-")
-        os.chmod(self.tmpdir, 0o700)  # only this user may connect to the sockets
-        self.sync_context = zmq.Context()
-        self.async_context = zmq.asyncio.Context()
-        self.input_socket = self.sync_context.socket(zmq.PUSH)
-        self.input_socket.setsockopt(zmq.SNDHWM, 0)
-        self.output_socket = self.async_context.socket(zmq.PULL)
-        self.output_socket.setsockopt(zmq.RCVHWM, 0)
-        for sock in (self.input_socket, self.output_socket):
-            sock.setsockopt(zmq.LINGER, 0)
-        input_address, output_address = f"ipc://{self.tmpdir}/input", f"ipc://{self.tmpdir}/output"
-        self.input_socket.bind(input_address)
-        self.output_socket.bind(output_address)
-        spec = EngineSpec(input_address, output_address, parent_pid=os.getpid(), log_level=log_level,
-                          scheduler_slice_us=slice_us, **spec_args)
-        environ = dict(os.environ)
-        if not env_is_set("OMP_NUM_THREADS"):   # written by `import paddle` here, not by the user: don't pass it on
-            environ.pop("OMP_NUM_THREADS", None)
-        package_root = str(Path(__file__).resolve().parents[3])  # the same fdplug as this process
-        environ["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, environ.get("PYTHONPATH")]))
-        self.popen = subprocess.Popen([sys.executable, "-m", "fdplug.server.engine_process", spec.to_json()],
-                                      env=environ, stdin=subprocess.DEVNULL)
-        self.pid = self.popen.pid
-
-    def poll(self) -> int | None:
-        return self.popen.poll()
-
-    def kill(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.kill()
-
-    async def wait_ready(self, timeout: float, interrupted: asyncio.Event) -> P.EngineInfo:
-        """The engine's handshake: its ``EngineInfo``, or its startup error raised here."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and not interrupted.is_set():
-            if await self.output_socket.poll(100):
-                message = P.unpack(await self.output_socket.recv())
-                if message[0] == P.READY:
-                    return P.EngineInfo.from_dict(message[1])
-                if message[0] == P.STARTUP_ERROR:
-                    raise P.decode_error(message[1])
-            code = self.poll()
-            if code is not None:
-                raise EngineDeadError(f"the engine process exited with status {code} while starting.",
-                                      fix="see the messages above for the cause.")
-        if interrupted.is_set():
-            raise KeyboardInterrupt
-        raise EngineDeadError(f"the engine process did not report ready within {timeout:.0f} s.",
-                              fix="set FDPLUG_ENGINE_STARTUP_TIMEOUT higher for a large model, or check the log.")
-
-    async def stop(self, timeout: float) -> int | None:
-        """Ask the engine to exit, then SIGTERM, then SIGKILL; close the sockets; remove the temp dir."""
-        if self.poll() is None:
-            try:
-                self.input_socket.send(P.pack([P.SHUTDOWN]), zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
-        for action in (None, self.popen.terminate, self.popen.kill):
-            if action is not None and self.poll() is None:
-                action()
-            deadline = time.monotonic() + (timeout if action is None else 2.0)
-            while self.poll() is None and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            if self.poll() is not None:
-                break
-        self.input_socket.close(0)
-        self.output_socket.close(0)
-        self.sync_context.term()
-        self.async_context.term()
-        shutil.rmtree(self.tmpdir, ignore_errors=True)
-        return self.poll()
+    data_parallel_backend: str = "mp"
+    ray_address: str | None = None
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -160,9 +74,11 @@ def serve(settings: ServerSettings, engine_kwargs: dict[str, Any]) -> int:
     logger.info("selection:\n%s", selection.explain())
     tokenizer = Tokenizer.from_dir(config.model_dir)
     sock = bind_socket(settings.host, settings.port)
+    pin = selection.device.name == "cpu" and settings.data_parallel_backend == "mp"   # Ray places its own
     spec_args = [{"model_dir": config.model_dir, "selection": selection.to_names(), "engine_args": engine_args,
-                  "cpus": cpus} for engine_args, cpus in
-                 data_parallel_ranks(kwargs, settings.data_parallel_size, selection.device.name == "cpu")]
+                  "cpus": cpus if pin else None}
+                 for engine_args, cpus in data_parallel_ranks(kwargs, settings.data_parallel_size,
+                                                              selection.device.name == "cpu")]
     name = settings.served_model_name or (model if model else "demo")
     try:
         with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
@@ -193,21 +109,24 @@ def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 async def _serve(settings: ServerSettings, spec_args: list[dict], tokenizer: Any, sock: socket.socket,
                  name: str) -> int:
     from fdplug.server.app import build_app
-    from fdplug.server.dp_client import DataParallelClient
+    from fdplug.server.dp_client import DataParallelClient, EngineSet
     from fdplug.server.engine_client import EngineClient
+    from fdplug.server.engine_handle import EngineProcess
     from fdplug.server.metrics import ServerMetrics
 
     loop = asyncio.get_running_loop()
     interrupted = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):  # until uvicorn takes over: stop the startup cleanly
         loop.add_signal_handler(sig, interrupted.set)
-    engines: list[EngineProcess] = []
+    engine_set = None
     client = None
     try:
-        for rank, args in enumerate(spec_args):
-            engines.append(EngineProcess(args, logging.getLogger("fdplug").getEffectiveLevel()))
+        engine_set = EngineSet(spec_args, logging.getLogger("fdplug").getEffectiveLevel(),
+                               settings.data_parallel_backend, settings.ray_address)
+        engines = engine_set.engines
+        for rank, (args, engine) in enumerate(zip(spec_args, engines)):
             logger.info("engine process %spid %d%s: loading %s", f"{rank} " if len(spec_args) > 1 else "",
-                        engines[-1].pid, f" on cores {args['cpus']}" if args["cpus"] else "", args["model_dir"])
+                        engine.pid, f" on cores {args['cpus']}" if args["cpus"] else "", args["model_dir"])
         try:
             infos = await asyncio.gather(*(e.wait_ready(env("FDPLUG_ENGINE_STARTUP_TIMEOUT"), interrupted)
                                            for e in engines))
@@ -217,10 +136,20 @@ async def _serve(settings: ServerSettings, spec_args: list[dict], tokenizer: Any
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
         metrics = ServerMetrics(name)
-        clients = [EngineClient(engine, info, tokenizer, metrics, stall_timeout=env("FDPLUG_ENGINE_STALL_TIMEOUT"),
+
+        def engine_client(engine: EngineProcess, info: P.EngineInfo, rank: int) -> EngineClient:
+            return EngineClient(engine, info, tokenizer, metrics, stall_timeout=env("FDPLUG_ENGINE_STALL_TIMEOUT"),
                                 rank=rank, data_parallel_size=len(engines))
-                   for rank, (engine, info) in enumerate(zip(engines, infos))]
-        client = clients[0] if len(clients) == 1 else DataParallelClient(clients)
+
+        async def restart(rank: int) -> EngineClient:
+            await engines[rank].stop(env("FDPLUG_SHUTDOWN_TIMEOUT"))       # its resources, free for the new one
+            engines[rank] = await asyncio.to_thread(engine_set.make, rank)   # off the event loop: Ray starts an actor
+            info = await engines[rank].wait_ready(env("FDPLUG_ENGINE_STARTUP_TIMEOUT"), asyncio.Event())
+            return engine_client(engines[rank], info, rank)
+
+        clients = [engine_client(engine, info, rank) for rank, (engine, info) in enumerate(zip(engines, infos))]
+        client = clients[0] if len(clients) == 1 else DataParallelClient(
+            clients, restart if settings.data_parallel_backend == "ray" else None)
         info = infos[0]
         api_key = settings.api_key if settings.api_key is not None else env("FDPLUG_API_KEY")
         app = build_app(client, name, api_key, settings.max_body_bytes, settings.stream_interval,
@@ -263,7 +192,7 @@ async def _serve(settings: ServerSettings, spec_args: list[dict], tokenizer: Any
             if client.healthy:
                 client.begin_shutdown()
             await client.close()
-        codes = await asyncio.gather(*(engine.stop(env("FDPLUG_SHUTDOWN_TIMEOUT")) for engine in engines))
+        codes = await engine_set.stop(env("FDPLUG_SHUTDOWN_TIMEOUT")) if engine_set is not None else []
         logger.info("engine process%s exited (status %s); server stopped", "es" if len(codes) > 1 else "",
                     ", ".join(str(code) for code in codes))
 

@@ -1,0 +1,65 @@
+"""`fdplug serve --data-parallel-size 2 --data-parallel-backend ray`: engines placed by a real local Ray.
+
+The same answers as one engine (the golden fixture's greedy tokens), over CURVE-encrypted TCP
+sockets; an engine killed mid-request fails its own request only, and Ray brings it back: a new
+engine process on the same rank, serving again.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+
+import httpx
+import numpy as np
+import pytest
+
+pytest.importorskip("ray", reason="the ray extra: pip install -e '.[test]' installs it")
+
+from tests.conftest import golden  # noqa: E402
+from tests.serverkit import Server, wait_until  # noqa: E402
+from tests.test_server_dp import golden_model, per_engine  # noqa: E402, F401  (a fixture)
+
+
+def test_ray_engines_answer_like_one_engine_and_come_back_after_a_kill(golden_model, tmp_path):
+    server = Server(["--model", str(golden_model), "--served-model-name", "golden", "--max-model-len", "128",
+                     "--num-kv-blocks", "256", "--data-parallel-size", "2", "--data-parallel-backend", "ray"],
+                    tmp_path / "ray.log", RAY_AUTH_MODE="disabled").wait_ready(180)
+    try:
+        log = server.log()
+        assert re.search(r"Ray local: 2 engines of 1 CPUs each", log), log
+        assert "tcp://127.0.0.1:" not in log          # addresses (and keys) stay out of the log
+        (sequence, _), (logits, _) = golden("llama")
+        client = server.openai()
+        for k in (4, 8, 11):
+            reply = client.completions.create(model="golden", prompt=sequence[:k], max_tokens=1, temperature=0,
+                                              logprobs=1, extra_body={"ignore_eos": True})
+            row = logits[k - 1].astype(np.float64)
+            want = row - row.max() - np.log(np.exp(row - row.max()).sum())
+            assert abs(reply.choices[0].logprobs.token_logprobs[0] - want.max()) <= 1e-4, k
+
+        engines = httpx.get(server.url + "/health").json()["engines"]
+        stream = client.completions.create(model="golden", prompt=[1, 2, 3], max_tokens=120, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        chunks = iter(stream)
+        next(chunks)
+        busy = [e for e in httpx.get(server.url + "/health").json()["engines"] if e["in_flight"]]
+        assert len(busy) == 1
+        os.kill(busy[0]["pid"], signal.SIGKILL)
+        with pytest.raises(Exception):   # noqa: B017 (the openai client's stream error)
+            list(chunks)
+
+        def back() -> bool:
+            now = httpx.get(server.url + "/health").json()["engines"]
+            return all(e["alive"] for e in now) and now[busy[0]["rank"]]["pid"] != busy[0]["pid"]
+
+        wait_until(back, 120, 0.5, what="the killed engine restarted by Ray")
+        assert [e["rank"] for e in httpx.get(server.url + "/health").json()["engines"]] == [0, 1]
+        assert engines[1 - busy[0]["rank"]]["pid"] == httpx.get(server.url + "/health").json()["engines"][
+            1 - busy[0]["rank"]]["pid"]                # the other engine was never touched
+        for _ in range(4):                             # both serve again
+            client.completions.create(model="golden", prompt=[7, 8, 9], max_tokens=2, temperature=0)
+        assert per_engine(server, "fdplug:engine_up") == {0: 1.0, 1: 1.0}
+    finally:
+        assert server.stop(timeout=60) == 0, server.log()
