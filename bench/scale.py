@@ -3,13 +3,17 @@
     python bench/scale.py                  # bench/throughput.py's 54M Qwen2, 64 requests, 4 pairs
     python bench/scale.py --quick          # 2 pairs
     python bench/scale.py --model DIR --num-prompts 128
+    python bench/scale.py --ray            # also dp2 on the Ray backend (a local Ray): startup, overhead
 
 Both servers run at once on the same model (the idle one waits in a poll): ``dp1`` is one engine
 on every core (its kernels use them all), ``dp2`` two engines with their own KV caches, each pinned
 to its half of the cores. A run sends every request at once (streamed, ``ignore_eos``, seeded
 random prompts as bench/serve.py's), through bench/serve.py's client in a ``SCHED_IDLE`` thread;
 runs alternate dp1, dp2, dp2, dp1, ... and each side's median output tokens/s counts. Printed: both
-medians, their ratio, TTFT p50, and how the router spread the requests over dp2's engines.
+medians, their ratio, TTFT p50, and how the router spread the requests over dp2's engines. Per
+server also its startup (launch to /health 200) and the per-request overhead: the median latency
+of 20 one-token requests sent one after the other (``--ray`` adds ``dp2-ray``, the Ray backend,
+to those two; the throughput runs stay dp1 against dp2).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import httpx
 from serve import run_client, run_rate, summarize, workload
 
 
-def start(model: str, dp: int, max_num_seqs: int, log: Path) -> tuple[subprocess.Popen, str]:
+def start(model: str, dp: int, max_num_seqs: int, log: Path, backend: str = "mp") -> tuple[subprocess.Popen, str]:
     import socket
 
     with socket.socket() as s:
@@ -35,7 +39,8 @@ def start(model: str, dp: int, max_num_seqs: int, log: Path) -> tuple[subprocess
         port = s.getsockname()[1]
     cmd = [str(Path(sys.executable).parent / "fdplug"), "serve", "--port", str(port), "--model", model,
            "--served-model-name", "bench", "--max-num-seqs", str(max_num_seqs), "--max-model-len", "1024",
-           "--data-parallel-size", str(dp)]
+           "--data-parallel-size", str(dp), "--data-parallel-backend", backend]
+    started = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
@@ -44,12 +49,29 @@ def start(model: str, dp: int, max_num_seqs: int, log: Path) -> tuple[subprocess
             raise SystemExit(f"dp={dp} server exited with {proc.returncode}; see {log}")
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
+                STARTUP[url] = time.monotonic() - started
                 return proc, url
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
     proc.kill()
     raise SystemExit(f"dp={dp} server not ready in 300 s; see {log}")
+
+
+STARTUP: dict[str, float] = {}
+
+
+def overhead_ms(url: str, n: int = 20) -> float:
+    """Median latency of one-token requests, one at a time: the per-request path's cost."""
+    seconds = []
+    with httpx.Client(timeout=30) as client:
+        for i in range(n + 2):
+            start = time.perf_counter()
+            reply = client.post(url + "/v1/completions", json={"model": "bench", "prompt": [5, 6, 7, i],
+                                                               "max_tokens": 1, "temperature": 0})
+            reply.raise_for_status()
+            seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds[2:]) * 1e3
 
 
 def routed(url: str) -> dict[str, float]:
@@ -69,6 +91,7 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=4)
     ap.add_argument("--quick", action="store_true", help="2 pairs")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ray", action="store_true", help="also dp2 on the Ray backend: startup and overhead")
     args = ap.parse_args()
     pairs = 2 if args.quick else args.pairs
     with tempfile.TemporaryDirectory() as tmp:
@@ -82,7 +105,16 @@ def main() -> None:
         vocab = ModelConfig.from_dir(model).vocab_size
         servers = {name: start(model, dp, args.max_num_seqs, Path(tmp) / f"{name}.log")
                    for name, dp in (("dp1", 1), ("dp2", 2))}
+        if args.ray:
+            servers["dp2-ray"] = start(model, 2, args.max_num_seqs, Path(tmp) / "dp2-ray.log", backend="ray")
         try:
+            for name, (_, url) in servers.items():
+                print(f"  {name}: startup {STARTUP[url]:.1f} s, one-token request {overhead_ms(url):.1f} ms (median "
+                      "of 20, one at a time)", flush=True)
+            if "dp2-ray" in servers:               # only startup and overhead: stopped before the throughput runs
+                proc, _ = servers.pop("dp2-ray")
+                proc.terminate()
+                proc.wait(60)
             prompts, outputs = workload(args, vocab, seed=10_000)
             for _, url in servers.values():    # warm-up: one full run each
                 run_client(run_rate(url, "bench", prompts, outputs, float("inf"), 0))
