@@ -7,9 +7,11 @@ The issue's question for the GEMMs: measure the library's best against our own k
 faster. Per shape (``[N, K]`` weights of the bench model's layers) and row count, GFLOP/s of:
 ``packed`` (csrc/linear_packed.c on weights packed at load: what the engine runs), ``inplace``
 (csrc/linear.c on the checkpoint's ``[N, K]``: ``FDPLUG_CPU_PACK_WEIGHTS=0``), ``paddle``
-(``paddle.matmul(x, w, transpose_y=True)``: MKL, on as many threads as the kernels), for float32
-weights, bf16 weights in float32 math, and bf16 math (``cpu_native_bf16_linear``; paddle has no
-CPU bf16 matmul to compare). All in this run, the variants alternated (ABAB...) and the median of
+(``paddle.matmul(x, w, transpose_y=True)``: MKL, on as many threads as the kernels), ``onednn``
+(``dnnl_sgemm`` / ``dnnl_gemm_bf16bf16f32`` of the oneDNN 3 that paddle's wheel bundles,
+``paddle/libs/libdnnl.so.3``, called on the same buffers; its bf16 GEMM is given the input already
+rounded to bf16, a conversion the others pay inside), for float32 weights, bf16 weights in float32
+math, and bf16 math (``cpu_native_bf16_linear``; paddle has no CPU bf16 matmul to compare). All in this run, the variants alternated (ABAB...) and the median of
 each taken: this machine drifts, so only the ratios within a line mean anything.
 """
 
@@ -31,6 +33,33 @@ def shapes() -> list[tuple[int, int]]:
     h, i = MODEL["hidden_size"], MODEL["intermediate_size"]
     heads, kv, d = MODEL["num_attention_heads"], MODEL["num_key_value_heads"], h // MODEL["num_attention_heads"]
     return [((heads + 2 * kv) * d, h), (h, heads * d), (2 * i, h), (h, i)]
+
+
+def onednn():
+    """oneDNN's row-major GEMMs from paddle's wheel (None where the library is not there)."""
+    import ctypes
+    from pathlib import Path
+
+    import paddle
+
+    path = Path(paddle.__file__).parent / "libs" / "libdnnl.so.3"
+    if not path.exists():
+        return None
+    lib = ctypes.CDLL(str(path))
+    i64, ptr, f32, ch = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_char
+    for name in ("dnnl_sgemm", "dnnl_gemm_bf16bf16f32"):
+        getattr(lib, name).argtypes = [ch, ch, i64, i64, i64, f32, ptr, i64, ptr, i64, f32, ptr, i64]
+        getattr(lib, name).restype = ctypes.c_int
+    return lib
+
+
+def dnnl_call(lib, name: str, x, w, out) -> None:
+    """out [M, N] = x [M, K] @ w [N, K]^T (row-major, w transposed) through oneDNN's ``name``."""
+    m, k = x.shape
+    n = w.shape[0]
+    status = getattr(lib, name)(b"N", b"T", m, n, k, 1.0, x.data_ptr(), k, w.data_ptr(), k, 0.0, out.data_ptr(), n)
+    if status != 0:
+        raise RuntimeError(f"{name} failed with status {status}")
 
 
 def seconds(call, budget: float) -> float:
@@ -64,7 +93,9 @@ def main() -> None:
     threads = device.cpu_threads()
     rounds, budget = (4, 0.05) if args.quick else (8, 0.1)
     bf16_math = native_linear.bf16_math_available()
-    print(f"{threads} threads; GFLOP/s, medians of {rounds} interleaved timings; 'x' = packed / best other")
+    dnnl = onednn()
+    print(f"{threads} threads; GFLOP/s, medians of {rounds} interleaved timings; 'x' = packed / best other"
+          + ("" if dnnl else "; no libdnnl.so.3 in paddle's wheel: oneDNN not compared"))
     rng = np.random.default_rng(0)
     for n, k in shapes():
         w = paddle.to_tensor(rng.standard_normal((n, k)).astype(np.float32) * 0.05)
@@ -72,22 +103,29 @@ def main() -> None:
         packed, packed_b = native_linear.prepare(w), native_linear.prepare(wb)
         for rows in ROWS:
             x = paddle.to_tensor(rng.standard_normal((rows, k)).astype(np.float32))
+            xb, out = x.astype("bfloat16"), paddle.empty([rows, n], dtype="float32")
             flops = 2.0 * rows * n * k
-            f32 = compare({"packed": lambda: native_linear.linear(x, packed, threads),
-                           "inplace": lambda: native_linear.linear(x, w, threads),
-                           "paddle": lambda: paddle.matmul(x, w, transpose_y=True)}, flops, rounds, budget)
+            calls = {"packed": lambda: native_linear.linear(x, packed, threads),
+                     "inplace": lambda: native_linear.linear(x, w, threads),
+                     "paddle": lambda: paddle.matmul(x, w, transpose_y=True)}
+            if dnnl:
+                calls["onednn"] = lambda: dnnl_call(dnnl, "dnnl_sgemm", x, w, out)
+            f32 = compare(calls, flops, rounds, budget)
             b16 = compare({"packed": lambda: native_linear.linear(x, packed_b, threads),
                            "inplace": lambda: native_linear.linear(x, wb, threads)}, flops, rounds, budget)
-            line = (f"[{n:4d}, {k:4d}] {rows:4d} rows | float32 packed {f32['packed']:6.1f} inplace {f32['inplace']:6.1f} "
-                    f"paddle {f32['paddle']:6.1f} ({f32['packed'] / max(f32['inplace'], f32['paddle']):.2f}x) | "
-                    f"bf16 weights packed {b16['packed']:6.1f} inplace {b16['inplace']:6.1f} "
-                    f"({b16['packed'] / b16['inplace']:.2f}x)")
+            others = max(v for name, v in f32.items() if name != "packed")
+            line = (f"[{n:4d}, {k:4d}] {rows:4d} rows | float32 " + " ".join(f"{a} {v:6.1f}" for a, v in f32.items())
+                    + f" ({f32['packed'] / others:.2f}x) | bf16 weights packed {b16['packed']:6.1f} inplace "
+                    f"{b16['inplace']:6.1f} ({b16['packed'] / b16['inplace']:.2f}x)")
             if bf16_math:
-                dot = compare({"packed": lambda: native_linear.linear(x, packed_b, threads, bf16_math=True),
-                               "inplace": lambda: native_linear.linear(x, wb, threads, bf16_math=True)},
-                              flops, rounds, budget)
-                line += (f" | bf16 math packed {dot['packed']:6.1f} inplace {dot['inplace']:6.1f} "
-                         f"({dot['packed'] / dot['inplace']:.2f}x)")
+                calls = {"packed": lambda: native_linear.linear(x, packed_b, threads, bf16_math=True),
+                         "inplace": lambda: native_linear.linear(x, wb, threads, bf16_math=True)}
+                if dnnl:
+                    calls["onednn"] = lambda: dnnl_call(dnnl, "dnnl_gemm_bf16bf16f32", xb, wb, out)
+                dot = compare(calls, flops, rounds, budget)
+                others = max(v for name, v in dot.items() if name != "packed")
+                line += (" | bf16 math " + " ".join(f"{a} {v:6.1f}" for a, v in dot.items())
+                         + f" ({dot['packed'] / others:.2f}x)")
             print(line, flush=True)
 
 
