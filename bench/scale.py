@@ -4,6 +4,7 @@
     python bench/scale.py --quick          # 2 pairs
     python bench/scale.py --model DIR --num-prompts 128
     python bench/scale.py --ray            # also dp2 on the Ray backend (a local Ray): startup, overhead
+    python bench/scale.py --affinity       # dp2 with and without prefix affinity on shared prefixes
 
 Both servers run at once on the same model (the idle one waits in a poll): ``dp1`` is one engine
 on every core (its kernels use them all), ``dp2`` two engines with their own KV caches, each pinned
@@ -14,6 +15,13 @@ medians, their ratio, TTFT p50, and how the router spread the requests over dp2'
 server also its startup (launch to /health 200) and the per-request overhead: the median latency
 of 20 one-token requests sent one after the other (``--ray`` adds ``dp2-ray``, the Ray backend,
 to those two; the throughput runs stay dp1 against dp2).
+
+``--affinity`` measures the router's prefix affinity instead: two dp2 servers, one with
+``FDPLUG_DP_PREFIX_AFFINITY=0``; a run is 8 waves of 8 requests, one per "system prompt" (8 shared
+prefixes of 384 tokens, fresh each run, plus 16 tokens of its own and 32 out), each wave sent at
+once after the previous finished; runs alternate between the servers. Printed per server: the
+prefix cache hit rate of its runs (hit tokens / prompt tokens, from /metrics), output tokens/s and
+TTFT p50, medians.
 """
 
 from __future__ import annotations
@@ -31,7 +39,8 @@ import httpx
 from serve import run_client, run_rate, summarize, workload
 
 
-def start(model: str, dp: int, max_num_seqs: int, log: Path, backend: str = "mp") -> tuple[subprocess.Popen, str]:
+def start(model: str, dp: int, max_num_seqs: int, log: Path, backend: str = "mp",
+          env: dict | None = None) -> tuple[subprocess.Popen, str]:
     import socket
 
     with socket.socket() as s:
@@ -41,7 +50,10 @@ def start(model: str, dp: int, max_num_seqs: int, log: Path, backend: str = "mp"
            "--served-model-name", "bench", "--max-num-seqs", str(max_num_seqs), "--max-model-len", "1024",
            "--data-parallel-size", str(dp), "--data-parallel-backend", backend]
     started = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    import os
+
+    proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -74,6 +86,48 @@ def overhead_ms(url: str, n: int = 20) -> float:
     return statistics.median(seconds[2:]) * 1e3
 
 
+def prefix_counts(url: str) -> tuple[float, float]:
+    text = httpx.get(url + "/metrics", timeout=5).text
+    get = lambda name: float(re.search(rf"^{name}\{{[^}}]*\}} (\S+)$", text, re.M).group(1))  # noqa: E731
+    return get("fdplug:prefix_cache_hits_total"), get("fdplug:prefix_cache_queries_total")
+
+
+def affinity(args, model: str, tmp: Path, vocab: int) -> None:
+    import numpy as np
+
+    servers = {name: start(model, 2, args.max_num_seqs, tmp / f"{name}.log",
+                           env={"FDPLUG_DP_PREFIX_AFFINITY": flag})
+               for name, flag in (("affinity", "1"), ("load-only", "0"))}
+    try:
+        got: dict[str, list[tuple[float, float, float]]] = {name: [] for name in servers}
+        for i in range(2 * args.pairs):
+            rng = np.random.default_rng(1000 + i)
+            prefixes = [rng.integers(0, vocab, 384).tolist() for _ in range(8)]
+            for name in (list(servers) if i % 2 == 0 else list(servers)[::-1]):
+                url = servers[name][1]
+                hits0, queries0 = prefix_counts(url)
+                results, seconds = [], 0.0
+                for wave in range(8):
+                    prompts = [p + rng.integers(0, vocab, 16).tolist() for p in prefixes]
+                    wave_results, duration = run_client(run_rate(url, "bench", prompts, [32] * 8, float("inf"), wave))
+                    results += wave_results
+                    seconds += duration
+                time.sleep(1.5)    # the engines' stats (every 0.25-1 s) reach /metrics
+                hits1, queries1 = prefix_counts(url)
+                row = summarize("inf", results, seconds)
+                got[name].append(((hits1 - hits0) / max(1.0, queries1 - queries0), row["out_tok_per_s"],
+                                  row["ttft_p50"]))
+        print(f"8 waves x 8 requests (8 shared 384-token prefixes), {2 * args.pairs} runs each, medians:")
+        for name, rows in got.items():
+            print(f"  {name:9s}: prefix cache hit rate {statistics.median(r[0] for r in rows):.0%}, "
+                  f"{statistics.median(r[1] for r in rows):.1f} output tok/s, TTFT p50 "
+                  f"{statistics.median(r[2] for r in rows):.1f} ms")
+    finally:
+        for proc, _ in servers.values():
+            proc.terminate()
+            proc.wait(30)
+
+
 def routed(url: str) -> dict[str, float]:
     text = httpx.get(url + "/metrics", timeout=5).text
     return {m.group(1): float(m.group(2))
@@ -92,6 +146,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="2 pairs")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ray", action="store_true", help="also dp2 on the Ray backend: startup and overhead")
+    ap.add_argument("--affinity", action="store_true", help="only the prefix-affinity comparison")
     args = ap.parse_args()
     pairs = 2 if args.quick else args.pairs
     with tempfile.TemporaryDirectory() as tmp:
@@ -103,6 +158,8 @@ def main() -> None:
         from fdplug.core.model.config import ModelConfig
 
         vocab = ModelConfig.from_dir(model).vocab_size
+        if args.affinity:
+            return affinity(args, model, Path(tmp), vocab)
         servers = {name: start(model, dp, args.max_num_seqs, Path(tmp) / f"{name}.log")
                    for name, dp in (("dp1", 1), ("dp2", 2))}
         if args.ray:

@@ -50,6 +50,15 @@ def test_a_cached_prefix_wins_within_the_slack_and_not_beyond():
     assert router.choose(prompt(5)) == 0                        # no prefix anywhere: load
 
 
+def test_without_affinity_only_load_and_rank_decide():
+    router = Router(2, BS, affinity=False)
+    router.sent(1, prompt(7, 8, 9))
+    assert router.engines[1].blocks == {}                        # nothing remembered
+    assert router.choose(prompt(7, 8, 9, tail=3)) == 0           # 1 in flight on engine 1: engine 0
+    router.finished(1)
+    assert router.choose(prompt(7, 8, 9, tail=3)) == 0           # a tie: the lower rank
+
+
 def test_the_longest_leading_run_of_blocks_wins_and_chains_are_by_position():
     router = Router(3, BS)
     router.sent(1, prompt(1, 2))

@@ -26,6 +26,7 @@ from fdplug.server.dp_router import Router
 from fdplug.server.engine_client import EngineClient
 from fdplug.server.engine_handle import EngineProcess
 from fdplug.server.request_stream import RequestStream
+from fdplug.server.settings import env
 
 logger = logging.getLogger("fdplug.server")
 
@@ -44,7 +45,7 @@ class DataParallelClient:
         first = clients[0]
         self.info, self.tokenizer, self.metrics = first.info, first.tokenizer, first.metrics
         self.input_processor = first.input_processor
-        self.router = Router(len(clients), first.info.block_size)
+        self.router = Router(len(clients), first.info.block_size, affinity=env("FDPLUG_DP_PREFIX_AFFINITY"))
         self.on_engine_dead: Callable[[], None] | None = None
         self._shutdown_error: FdplugError | None = None
         for rank, client in enumerate(clients):

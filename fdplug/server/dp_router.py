@@ -49,12 +49,15 @@ def block_hashes(token_ids: list[int], block_size: int, salt: str | None = None)
 class Router:
     """Engine choice for ``size`` data-parallel engines (`choose`), kept current by the client."""
 
-    def __init__(self, size: int, block_size: int, remembered_blocks: int = REMEMBERED_BLOCKS) -> None:
+    def __init__(self, size: int, block_size: int, remembered_blocks: int = REMEMBERED_BLOCKS,
+                 affinity: bool = True) -> None:
+        """``affinity`` False: the least loaded engine only (FDPLUG_DP_PREFIX_AFFINITY=0)."""
         if size < 1 or block_size < 1:
             raise ValueError(f"a router needs at least one engine and a block size, got {size}, {block_size}")
         self.engines = [EngineLoad() for _ in range(size)]
         self.block_size = block_size
         self.remembered_blocks = remembered_blocks
+        self.affinity = affinity
 
     def choose(self, token_ids: list[int], salt: str | None = None, rank: int | None = None) -> int | None:
         """The engine for a prompt (``rank``: the caller's explicit choice, honoured if alive), or
@@ -65,8 +68,8 @@ class Router:
         if not live:
             return None
         least = min(self.engines[i].score() for i in live)
-        near = [i for i in live if self.engines[i].score() <= least + AFFINITY_SLACK]
-        hashes = block_hashes(token_ids, self.block_size, salt) if len(near) > 1 else []
+        near = [i for i in live if self.engines[i].score() <= least + (AFFINITY_SLACK if self.affinity else 0)]
+        hashes = block_hashes(token_ids, self.block_size, salt) if len(near) > 1 and self.affinity else []
         return min(near, key=lambda i: (-self._cached_run(i, hashes), self.engines[i].score(), i))
 
     def _cached_run(self, rank: int, hashes: list[int]) -> int:
@@ -82,6 +85,8 @@ class Router:
         """A request went to ``rank``: count it in flight and remember its blocks there."""
         engine = self.engines[rank]
         engine.in_flight += 1
+        if not self.affinity:
+            return
         for h in block_hashes(token_ids, self.block_size, salt):
             engine.blocks[h] = None
             engine.blocks.move_to_end(h)

@@ -7,6 +7,7 @@ from fdplug.plugin_api.settings import (
     declare,
     env,
     env_is_set,
+    parse_bool,
     parse_choice,
     parse_positive_float,
 )
@@ -38,5 +39,8 @@ for _setting in (
     Setting("FDPLUG_EVENT_LOOP", "auto", parse_choice("auto", "uvloop", "asyncio"),
             "The API process's event loop: auto (default) uses uvloop where it is installed (a dependency on Linux "
             "and macOS: its C sockets cost about a fifth less CPU per streamed token), else asyncio's."),
+    Setting("FDPLUG_DP_PREFIX_AFFINITY", True, parse_bool,
+            "1 (default): with --data-parallel-size > 1 a request prefers, among the engines within 2 requests of "
+            "the least loaded, the one holding its prompt's prefix; 0: the least loaded engine only."),
 ):
     declare(_setting)
