@@ -1,0 +1,1 @@
+"""Parallelism across ranks (paddle.distributed): expert parallel MoE exchanges (`expert_parallel`)."""
