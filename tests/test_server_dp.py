@@ -109,7 +109,7 @@ def test_a_cached_prefix_draws_its_request_and_a_dead_engine_fails_only_its_own(
             try:
                 got += list(chunks)
                 outcomes.append(sum(len(c.choices[0].text) > 0 for c in got))
-            except Exception as exc:   # noqa: BLE001: the openai client's stream error
+            except Exception as exc:  # noqa: BLE001 (the openai client's stream error)
                 outcomes.append(type(exc).__name__)
         assert isinstance(outcomes[0], int) and outcomes[0] > 0 and not isinstance(outcomes[1], int), outcomes
         wait_until(lambda: not alive(pids[1]), 10, what="engine 1 reaped")

@@ -108,7 +108,8 @@ class DataParallelClient:
 
             raise InvalidRequestError(f"data_parallel_rank {rank} is not one of 0..{len(self.clients) - 1}.",
                                       fix="leave it out to let the server choose, or pick a rank in that range.")
-        raise EngineDeadError(f"no data-parallel engine {'of rank %d ' % rank if rank is not None else ''}is running.",
+        which = f"of rank {rank} " if rank is not None else ""
+        raise EngineDeadError(f"no data-parallel engine {which}is running.",
                               fix="see the server log for why the engines exited, then restart `fdplug serve`.")
 
     def abort(self, request_id: str) -> None:
