@@ -186,8 +186,15 @@ class EngineSet:
 
             self.cluster = RayCluster(len(spec_args), ray_address)
         self.engines: list[EngineProcess] = []
-        for rank in range(len(spec_args)):
-            self.engines.append(self.make(rank))
+        try:
+            for rank in range(len(spec_args)):
+                self.engines.append(self.make(rank))
+        except BaseException:   # the ones started must not outlive a failed start
+            for engine in self.engines:
+                engine.kill()
+            if self.cluster is not None:
+                self.cluster.shutdown()
+            raise
 
     def make(self, rank: int) -> EngineProcess:
         if self.cluster is not None:

@@ -192,9 +192,10 @@ async def _serve(settings: ServerSettings, spec_args: list[dict], tokenizer: Any
             if client.healthy:
                 client.begin_shutdown()
             await client.close()
-        codes = await engine_set.stop(env("FDPLUG_SHUTDOWN_TIMEOUT")) if engine_set is not None else []
-        logger.info("engine process%s exited (status %s); server stopped", "es" if len(codes) > 1 else "",
-                    ", ".join(str(code) for code in codes))
+        if engine_set is not None:
+            codes = await engine_set.stop(env("FDPLUG_SHUTDOWN_TIMEOUT"))
+            logger.info("engine process%s exited (status %s); server stopped", "es" if len(codes) > 1 else "",
+                        ", ".join(str(code) for code in codes))
 
 
 class _Server(uvicorn.Server):
