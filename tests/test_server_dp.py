@@ -123,3 +123,26 @@ def test_a_cached_prefix_draws_its_request_and_a_dead_engine_fails_only_its_own(
         assert per_engine(server, "fdplug:engine_up") == {0: 1.0, 1: 0.0}
     finally:
         assert server.stop() == 0, server.log()
+
+
+def test_fan_out_and_client_disconnects_are_handled_on_the_engine_that_has_them(test_model_dir, tmp_path):
+    """``n=3`` goes to one engine as three sequences; a client that hangs up mid-stream frees its
+    request there (both engines end with nothing in flight, their KV caches empty)."""
+    server = start(test_model_dir, tmp_path / "dp.log", max_model_len=2048)
+    try:
+        client = server.openai()
+        reply = client.completions.create(model="golden", prompt=[4, 5, 6], max_tokens=4, n=3, temperature=1.0,
+                                          seed=7)
+        assert len(reply.choices) == 3 and sorted(c.index for c in reply.choices) == [0, 1, 2]
+        for p in (1, 2):                                     # streams dropped after their first chunk
+            with httpx.stream("POST", server.url + "/v1/completions", timeout=30,
+                              json={"model": "golden", "prompt": [p, 3], "max_tokens": 2000, "stream": True,
+                                    "ignore_eos": True}) as response:
+                next(response.iter_lines())
+        wait_until(lambda: all(e["in_flight"] == 0 for e in httpx.get(server.url + "/health").json()["engines"]),
+                   20, what="both engines idle after the disconnects")
+        wait_until(lambda: server.metrics()["fdplug:kv_cache_usage_perc"] == 0.0, 20,
+                   what="every KV block free again")
+        assert sum(per_engine(server, "fdplug:engine_requests_total").values()) == 3
+    finally:
+        assert server.stop() == 0, server.log()
