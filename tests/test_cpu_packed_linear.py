@@ -138,3 +138,22 @@ def test_the_engine_packs_its_linear_layers_once_and_keeps_one_copy(test_model_d
     batch = [out.outputs[0].token_ids for out in llm.generate(prompts, greedy, use_tqdm=False)]
     alone = [llm.generate([p], greedy, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     assert batch == alone
+
+
+def test_a_preparation_must_keep_dtype_count_and_shape():
+    """`Linear.prepare` refuses what would break footprints or the kernel's reading, keeps None
+    (weights stay [N, K]) and prepares once."""
+    from fdplug.core.model.layers import Linear
+
+    layer = Linear(8, 16, False, "float32", kernel=lambda x, w: w)
+    paddle.assign(paddle.ones([16, 8]), layer.weight)
+    with pytest.raises(ValueError, match="must keep"):
+        layer.prepare(lambda w: PreparedWeight(w.astype("bfloat16"), (16, 8), "x"))
+    with pytest.raises(ValueError, match="must keep"):
+        layer.prepare(lambda w: PreparedWeight(w[:8], (16, 8), "x"))
+    layer.prepare(lambda w: None)
+    assert layer.prepared is None and layer.kernel_weight is layer.weight
+    layer.prepare(native_linear.prepare)
+    assert layer.prepared.layout == native_linear.PANELS and layer.kernel_weight is layer.prepared
+    assert list(layer.weight.shape) == [128] and layer.prepared.data is layer.weight
+    layer.prepare(lambda w: pytest.fail("prepared twice"))

@@ -194,3 +194,26 @@ def test_configure_failures_name_their_plugin():
     plugin_set = load_plugins(extra=[("grumpy", Grumpy())])
     with pytest.raises(PluginError, match="'grumpy' failed in fdplug_configure"):
         plugin_set.configure(EngineConfig(), select_components(plugins=plugin_set))
+
+
+def test_weight_preparation_is_for_the_linear_ops_only():
+    """``OpSpec.prepare`` (API 3.5): a callable, and only on ``linear`` / ``fp8_linear``."""
+    from fdplug.plugin_api.specs import OpSpec
+
+    def plugin(spec):
+        class One:
+            FDPLUG_API_VERSION = "3.5"
+
+            @hookimpl
+            def fdplug_register_ops(self, register):
+                register(spec)
+        return One()
+
+    kernel = lambda config: (lambda x: x)  # noqa: E731
+    good = OpSpec(name="packed", op="fp8_linear", devices=("cpu",), factory=kernel, prepare=lambda config: None)
+    wrong_op = OpSpec(name="norm_prep", op="rms_norm", devices=("cpu",), factory=kernel, prepare=lambda config: None)
+    not_callable = OpSpec(name="bad_prep", op="linear", devices=("cpu",), factory=kernel, prepare="pack")
+    plugin_set = load_plugins(extra=[("good", plugin(good)), ("wrong", plugin(wrong_op)), ("bad", plugin(not_callable))])
+    assert plugin_set.infos["good"].status != "failed"
+    assert "only linear and fp8_linear kernels prepare weights" in plugin_set.infos["wrong"].error
+    assert "prepare of 'bad_prep' must be callable" in plugin_set.infos["bad"].error
