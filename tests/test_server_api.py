@@ -219,3 +219,13 @@ def test_metrics(server):
     assert m["fdplug:inter_token_latency_seconds_count"] >= 1
     assert m["fdplug:prompt_tokens_total"] >= 1 and m["fdplug:generation_tokens_total"] >= 3
     assert m["fdplug:engine_alive"] == 1
+
+
+def test_the_data_parallel_rank_header_names_the_one_engine_or_is_a_400(server):
+    body = {"model": "demo", "prompt": [5, 6], "max_tokens": 1}
+    ok = httpx.post(server.url + "/v1/completions", json=body, headers={**server.headers, "X-Data-Parallel-Rank": "0"})
+    assert ok.status_code == 200, ok.text
+    reply = httpx.post(server.url + "/v1/completions", json=body,
+                       headers={**server.headers, "X-Data-Parallel-Rank": "1"})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "X-Data-Parallel-Rank", reply.text
+    assert "(0..0)" in reply.json()["error"]["message"]

@@ -72,6 +72,16 @@ def test_greedy_tokens_match_transformers_on_both_engines_and_requests_spread(go
             assert abs(reply.choices[0].logprobs.token_logprobs[0] - want[best]) <= 1e-4, k
         routed = per_engine(server, "fdplug:engine_requests_total")
         assert sum(routed.values()) == len(PREFIXES) and min(routed.values()) >= 1, routed
+        for _ in range(2):                                   # vLLM's header: an explicit engine wins
+            ask_one = client.completions.with_raw_response.create(
+                model="golden", prompt=[1, 2], max_tokens=1, extra_headers={"X-Data-Parallel-Rank": "1"})
+            assert ask_one.status_code == 200
+        assert per_engine(server, "fdplug:engine_requests_total")[1] == routed[1] + 2
+        for bad, why in (("2", "is not one of this server's engines (0..1)"), ("x", "must be an engine's rank")):
+            reply = httpx.post(server.url + "/v1/completions", headers={"X-Data-Parallel-Rank": bad},
+                               json={"model": "golden", "prompt": [1, 2], "max_tokens": 1})
+            assert reply.status_code == 400 and why in reply.json()["error"]["message"], reply.text
+            assert reply.json()["error"]["param"] == "X-Data-Parallel-Rank"
     finally:
         assert server.stop() == 0, server.log()
 

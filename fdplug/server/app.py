@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 import fdplug
-from fdplug.errors import AuthenticationError, FdplugError, RequestTooLargeError
+from fdplug.errors import AuthenticationError, FdplugError, InvalidRequestError, RequestTooLargeError
 from fdplug.server import openai_types as T
 from fdplug.server.engine_client import EngineClient
 from fdplug.server.jobs import JobBuilder
@@ -115,17 +115,29 @@ def build_app(client: EngineClient, model_name: str, api_key: str | None, max_bo
         req, job, prepared, params = await asyncio.to_thread(chat_job, await request.body(), tenant(request))
         return await _run(job, prepared, params, req, request)
 
+    def data_parallel_rank(request: Request) -> int | None:
+        """vLLM's ``X-Data-Parallel-Rank`` header: the engine a request must go to (None: the router's choice)."""
+        raw = request.headers.get("x-data-parallel-rank")
+        if raw is None:
+            return None
+        if not raw.strip().isdigit():
+            raise InvalidRequestError(f"X-Data-Parallel-Rank must be an engine's rank (0, 1, ...), got {raw[:20]!r}.",
+                                      fix="send a non-negative integer, or leave the header out.",
+                                      param="X-Data-Parallel-Rank")
+        return int(raw)
+
     def tenant(request: Request) -> str:
         """Whose multimodal uuids these are: a digest of the presented API key (no key: one tenant)."""
         token = request.headers.get("authorization", "").partition(" ")[2].strip()
         return hashlib.sha256(token.encode()).hexdigest()[:32] if token else ""
 
     async def _run(job: Any, prepared: list, params: Any, req: Any, request: Request) -> Response:
+        rank = data_parallel_rank(request)
         if not req.stream:
-            serving.submit(job, prepared, params, None, req.cache_salt)
+            serving.submit(job, prepared, params, None, req.cache_salt, rank)
             return await serving.respond(job, request)
         queue: asyncio.Queue = asyncio.Queue()
-        serving.submit(job, prepared, params, queue, req.cache_salt)
+        serving.submit(job, prepared, params, queue, req.cache_salt, rank)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await serving.stream(job, queue, include_usage, request)
 

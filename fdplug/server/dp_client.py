@@ -106,8 +106,10 @@ class DataParallelClient:
         if rank is not None and not 0 <= rank < len(self.clients):
             from fdplug.errors import InvalidRequestError
 
-            raise InvalidRequestError(f"data_parallel_rank {rank} is not one of 0..{len(self.clients) - 1}.",
-                                      fix="leave it out to let the server choose, or pick a rank in that range.")
+            raise InvalidRequestError(f"data-parallel rank {rank} is not one of this server's engines "
+                                      f"(0..{len(self.clients) - 1}).",
+                                      fix="leave X-Data-Parallel-Rank out, or name an engine that exists.",
+                                      param="X-Data-Parallel-Rank")
         which = f"of rank {rank} " if rank is not None else ""
         raise EngineDeadError(f"no data-parallel engine {which}is running.",
                               fix="see the server log for why the engines exited, then restart `fdplug serve`.")

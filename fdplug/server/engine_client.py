@@ -30,6 +30,7 @@ from fdplug.errors import (
     EngineDeadError,
     EngineRequestError,
     FdplugError,
+    InvalidRequestError,
     ServerShuttingDownError,
 )
 from fdplug.server import protocol as P
@@ -100,8 +101,14 @@ class EngineClient:
     # -- requests ---------------------------------------------------------------------------------
 
     def add(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
-            cache_salt: str | None = None, queue: asyncio.Queue | None = None) -> RequestStream:
-        """Queue a validated request on the engine; its events arrive through the returned stream."""
+            cache_salt: str | None = None, queue: asyncio.Queue | None = None,
+            rank: int | None = None) -> RequestStream:
+        """Queue a validated request on the engine; its events arrive through the returned stream.
+        ``rank``: the engine asked for (only this one's, or None)."""
+        if rank is not None and rank != self.rank:
+            raise InvalidRequestError(f"data-parallel rank {rank} is not one of this server's engines (0..{self.rank}).",
+                                      fix="leave X-Data-Parallel-Rank out, or name an engine that exists.",
+                                      param="X-Data-Parallel-Rank")
         if self.error is not None:   # a fresh copy: re-raising one instance would grow its traceback
             raise type(self.error)(self.error.message, fix=self.error.fix)
         prompt_ids = prompt.token_ids

@@ -39,11 +39,12 @@ class Serving:
     # -- sequences --------------------------------------------------------------------------------
 
     def submit(self, job: Job, prepared: list, params: SamplingParams, queue: asyncio.Queue | None,
-               cache_salt: str | None) -> None:
+               cache_salt: str | None, rank: int | None = None) -> None:
+        """``rank``: the data-parallel engine asked for (``X-Data-Parallel-Rank``), else the router's."""
         try:
             for i, prompt in enumerate(prepared):
                 rid = job.id if len(prepared) == 1 else f"{job.id}-{i}"
-                job.streams.append(self.client.add(rid, prompt, params, cache_salt, queue=queue))
+                job.streams.append(self.client.add(rid, prompt, params, cache_salt, queue=queue, rank=rank))
                 job.prompt_tokens += len(prompt.token_ids)
         except BaseException:
             self.abort(job)
