@@ -157,3 +157,35 @@ def test_a_preparation_must_keep_dtype_count_and_shape():
     assert layer.prepared.layout == native_linear.PANELS and layer.kernel_weight is layer.prepared
     assert list(layer.weight.shape) == [128] and layer.prepared.data is layer.weight
     layer.prepare(lambda w: pytest.fail("prepared twice"))
+
+
+def test_the_bias_a_prepared_weight_carries_is_added_in_the_store_with_the_same_bits():
+    """``PreparedWeight.bias``: the kernel's output plus the bias is exactly the float32 add after it,
+    for every kind, past the k blocks, and for FP8 weights; the portable fallback adds it too."""
+    from fdplug.plugins.cpu import native_fp8
+    from tests.test_cpu_fp8_kernel import quantized
+
+    rng = np.random.default_rng(13)
+    bias = paddle.to_tensor(rng.standard_normal(80).astype(np.float32))
+    for dtype, bf16_math in kinds():
+        tensor, _ = weight(80, 1100, seed=13, dtype=dtype)
+        plain = native_linear.prepare(tensor)
+        biased = PreparedWeight(plain.data, plain.shape, plain.layout, bias)
+        for rows in (1, 9):
+            x = paddle.to_tensor(rng.standard_normal((rows, 1100)).astype(np.float32))
+            np.testing.assert_array_equal(run(x.numpy(), biased, bf16_math=bf16_math),
+                                          (native_linear.linear(x, plain, 2, bf16_math) + bias).numpy())
+    q, scales = quantized(80, 256, 128, seed=14)
+    plain = native_fp8.prepare(q)
+    biased = PreparedWeight(plain.data, plain.shape, plain.layout, bias)
+    x = paddle.to_tensor(rng.standard_normal((7, 256)).astype(np.float32))
+    np.testing.assert_array_equal(native_fp8.fp8_linear(x, biased, scales, 128, 2).numpy(),
+                                  (native_fp8.fp8_linear(x, plain, scales, 128, 2) + bias).numpy())
+    tensor, exact = weight(80, 1100, seed=13, dtype="float32")
+    packed = native_linear.prepare(tensor)
+    x64 = paddle.to_tensor(rng.standard_normal((2, 1100)))        # float64: the portable fallback
+    fallback = native_linear.linear_or_portable(x64, PreparedWeight(packed.data, packed.shape, packed.layout, bias), 2)
+    np.testing.assert_allclose(fallback.numpy(), x64.numpy() @ exact.T + bias.numpy(), rtol=1e-6, atol=1e-6)
+    with pytest.raises(TypeError, match="float32 bias of \\[80\\]"):
+        run(rng.standard_normal((1, 1100)).astype(np.float32),
+            PreparedWeight(packed.data, packed.shape, packed.layout, bias[:3]))

@@ -28,7 +28,8 @@ Contracts (``T`` tokens as rows; inputs are never modified; results in the input
     products, exact in float32, summed in float32): the result is the portable op's on ``bf16(x)``.
     A kernel registered with ``OpSpec(prepare=...)`` lays out each linear layer's weight its own way
     once at load: it then receives that `PreparedWeight` as ``weight`` (and still takes plain
-    ``[N, K]`` tensors: the tied lm_head is the embedding table, which stays as it is).
+    ``[N, K]`` tensors: the tied lm_head is the embedding table, which stays as it is), and adds
+    the layer's bias it carries (``PreparedWeight.bias``).
 
 ``add_rms_norm(x, residual, weight, eps) -> (y, total)``
     ``total = x + residual`` (same shapes ``[..., D]``) and ``y = rms_norm(total, weight, eps)``: the
@@ -75,6 +76,9 @@ class PreparedWeight:
     data: Any
     shape: tuple[int, int]
     layout: str
+    bias: Any = None
+    """The layer's bias ``[N]`` (None: none): a kernel handed a `PreparedWeight` adds it itself (in
+    its output store: one op less a layer, the same float addition)."""
 
     @property
     def dtype(self) -> Any:

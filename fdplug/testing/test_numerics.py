@@ -141,18 +141,22 @@ def test_fp8_linear_kernel_matches_the_portable_one(fdplug_selection, fdplug_pla
         w = rng.standard_normal((n, k)).astype(np.float32) * np.exp(rng.uniform(-8, 3, (n, k))).astype(np.float32)
         q, grid = block_quant(paddle.to_tensor(w), (bk, bk))
         scales = paddle.repeat_interleave(grid, bk, axis=0)[:n]
-        weights = [q]
+        weights = [(q, 0.0)]
         prepared = prepare(q) if prepare is not None else None
         if prepared is not None:
+            from fdplug.plugin_api.ops import PreparedWeight
+
             assert tuple(prepared.shape) == (n, k) and prepared.dtype == q.dtype
-            weights.append(prepared)
+            bias = rng.standard_normal(n).astype(np.float32)
+            weights += [(prepared, 0.0),
+                        (PreparedWeight(prepared.data, prepared.shape, prepared.layout, paddle.to_tensor(bias)), bias)]
         for rows in (1, 3, 8, 9, 300):
             x = paddle.to_tensor(rng.standard_normal((rows, k), dtype=np.float32))
             expected = portable.fp8_linear(x, q, scales, bk).numpy()
             scale = np.abs(expected).max()
-            for each in weights:
+            for each, added in weights:
                 got = kernel(x, each, scales, bk).numpy()
-                np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * scale,
+                np.testing.assert_allclose(got, expected + added, rtol=1e-5, atol=1e-5 * scale,
                                            err_msg=f"{n}x{k}/{bk} {rows} rows, {type(each).__name__}")
 
 
@@ -177,17 +181,21 @@ def test_linear_kernel_matches_the_portable_one(fdplug_selection, fdplug_place, 
     for n, k in ((70, 200), (96, 17), (256, 512), (80, 1100)):
         w = rng.standard_normal((n, k)).astype(np.float32) * np.exp(rng.uniform(-8, 3, (n, k))).astype(np.float32)
         weight = paddle.to_tensor(w).astype(weight_dtype)
-        weights = [weight]
+        weights = [(weight, 0.0)]
         prepared = prepare(weight) if prepare is not None else None
         if prepared is not None:
+            from fdplug.plugin_api.ops import PreparedWeight
+
             assert tuple(prepared.shape) == (n, k) and prepared.dtype == weight.dtype
             assert int(np.prod(prepared.data.shape)) == n * k
-            weights.append(prepared)
+            bias = rng.standard_normal(n).astype(np.float32)
+            weights += [(prepared, 0.0),       # and carrying a bias, which the kernel adds
+                        (PreparedWeight(prepared.data, prepared.shape, prepared.layout, paddle.to_tensor(bias)), bias)]
         for rows in (1, 3, 8, 9, 300):
             x = paddle.to_tensor(rng.standard_normal((rows, k), dtype=np.float32))
             expected = portable.linear(x.astype("bfloat16").astype("float32") if rounds_x else x, weight).numpy()
             scale = np.abs(expected).max()
-            for each in weights:
+            for each, added in weights:
                 got = kernel(x, each).numpy()
-                np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * scale,
+                np.testing.assert_allclose(got, expected + added, rtol=1e-5, atol=1e-5 * scale,
                                            err_msg=f"{n}x{k} {rows} rows, {type(each).__name__}")

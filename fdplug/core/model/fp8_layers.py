@@ -78,5 +78,4 @@ class Fp8Linear(PreparedWeightMixin, nn.Layer):
         self.prepared = None
 
     def forward(self, x: Any) -> Any:
-        out = self.kernel(x, self.kernel_weight, self.weight_scale, self.block_k)
-        return out if self.bias is None else out + self.bias
+        return self.add_bias(self.kernel(x, self.kernel_weight, self.weight_scale, self.block_k))

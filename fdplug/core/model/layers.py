@@ -53,8 +53,8 @@ class RMSNorm(nn.Layer):
 class PreparedWeightMixin:
     """`prepare` for a layer whose ``weight`` a kernel may lay out its own way once at load
     (`OpSpec.prepare`): the prepared values replace the checkpoint's as the layer's parameter (one
-    copy, the same dtype and element count, so footprints add up); ``kernel_weight`` is what the
-    layer then hands its kernel."""
+    copy, the same dtype and element count, so footprints add up) and carry the layer's bias, which
+    the kernel then adds; ``kernel_weight`` is what the layer hands its kernel."""
 
     weight: Any
     prepared: PreparedWeight | None = None
@@ -74,7 +74,12 @@ class PreparedWeightMixin:
         param = empty_parameter(list(data.shape), data.dtype)
         paddle.assign(data, param)
         self.weight = param
-        self.prepared = PreparedWeight(param, shape, prepared.layout)
+        self.prepared = PreparedWeight(param, shape, prepared.layout, getattr(self, "bias", None))
+
+    def add_bias(self, out: Any) -> Any:
+        """The bias, where the kernel did not add it (a weight it did not prepare)."""
+        bias = getattr(self, "bias", None)
+        return out if bias is None or self.prepared is not None else out + bias
 
     @property
     def kernel_weight(self) -> Any:
@@ -99,8 +104,7 @@ class Linear(PreparedWeightMixin, nn.Layer):
         self.prepared = None
 
     def forward(self, x: Any) -> Any:
-        out = self.kernel(x, self.kernel_weight)
-        return out if self.bias is None else out + self.bias
+        return self.add_bias(self.kernel(x, self.kernel_weight))
 
 
 def make_linear(in_features: int, out_features: int, bias: bool, dtype: str, quant: Any = None,

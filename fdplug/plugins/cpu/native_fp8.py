@@ -54,7 +54,8 @@ def _fp8_linear_packed(x: Any, weight: PreparedWeight, weight_scale: Any, block_
     _check_float32(x, weight_scale)
     out = paddle.empty([rows, cols], dtype="float32")
     status = load().fdplug_linear_packed_fp8(x.data_ptr(), weight.data.data_ptr(), _contiguous(weight_scale).data_ptr(),
-                                             out.data_ptr(), rows, cols, depth, block_k, threads)
+                                             native_linear.bias_pointer(weight), out.data_ptr(), rows, cols, depth,
+                                             block_k, threads)
     if status != 0:
         raise MemoryError(f"cpu_native_fp8_linear: no memory for the transposed scales of a [{cols}, {depth}] layer")
     return out if len(shape) == 2 else out.reshape([*shape[:-1], cols])
@@ -116,10 +117,11 @@ def fp8_linear_or_portable(x: Any, weight: Any, weight_scale: Any, block_k: int,
         return linear(x, dequantize(weight, weight_scale, block_k, threads), threads)
     from fdplug.core.portable.ops import fp8_linear as portable
 
-    if isinstance(weight, PreparedWeight):
-        weight = native_linear.unpack(PreparedWeight(weight.data.view(paddle.uint8), weight.shape, weight.layout)
-                                      ).view(paddle.float8_e4m3fn)
-    return portable(x, weight, weight_scale, block_k)
+    if not isinstance(weight, PreparedWeight):
+        return portable(x, weight, weight_scale, block_k)
+    unpacked = native_linear.unpack(PreparedWeight(weight.data.view(paddle.uint8), weight.shape, weight.layout))
+    out = portable(x, unpacked.view(paddle.float8_e4m3fn), weight_scale, block_k)
+    return out if weight.bias is None else out + weight.bias.astype(out.dtype)
 
 
 

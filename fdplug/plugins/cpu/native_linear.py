@@ -79,6 +79,18 @@ def unpack(weight: PreparedWeight) -> Any:
     return paddle.concat(rows) if len(rows) > 1 else rows[0]
 
 
+def bias_pointer(weight: PreparedWeight) -> int | None:
+    """The address of the layer's float32 bias ``[N]`` the packed kernels add (None: no bias)."""
+    import paddle
+
+    bias = weight.bias
+    if bias is None:
+        return None
+    if bias.dtype != paddle.float32 or list(bias.shape) != [weight.shape[0]]:
+        raise TypeError(f"the cpu kernels add a float32 bias of [{weight.shape[0]}], got {list(bias.shape)} {bias.dtype}")
+    return _contiguous(bias).data_ptr()
+
+
 def _linear_packed(x: Any, weight: PreparedWeight, threads: int, bf16_math: bool) -> Any:
     import paddle
 
@@ -93,8 +105,8 @@ def _linear_packed(x: Any, weight: PreparedWeight, threads: int, bf16_math: bool
     kind = _F32 if weight.dtype == paddle.float32 else _BF16_MATH if bf16_math else _BF16
     rows, x = _rows(shape), _contiguous(x)
     out = paddle.empty([rows, cols], dtype="float32")
-    status = load().fdplug_linear_packed(x.data_ptr(), weight.data.data_ptr(), kind, out.data_ptr(), rows, cols,
-                                         depth, threads)
+    status = load().fdplug_linear_packed(x.data_ptr(), weight.data.data_ptr(), kind, bias_pointer(weight),
+                                         out.data_ptr(), rows, cols, depth, threads)
     if status != 0:
         raise MemoryError(f"cpu_native_bf16_linear: no memory for the bf16 copy of a [{rows}, {depth}] input"
                           if status == -1 else f"cpu_native_linear: packed kernel refused [{rows}, {depth}] x "
@@ -150,4 +162,7 @@ def linear_or_portable(x: Any, weight: Any, threads: int, bf16_math: bool = Fals
         return linear(x, weight, threads, bf16_math)
     from fdplug.core.portable.ops import linear as portable
 
-    return portable(x, unpack(weight) if isinstance(weight, PreparedWeight) else weight)
+    if not isinstance(weight, PreparedWeight):
+        return portable(x, weight)
+    out = portable(x, unpack(weight))
+    return out if weight.bias is None else out + weight.bias.astype(out.dtype)

@@ -42,6 +42,7 @@ typedef struct {
     int64_t next_item;
     const float *scales_t;    /* LP_FP8: [blocks][cols], 256 x each column's block scale */
     int block_k;
+    const float *bias;        /* [cols] added to the finished sums, or NULL */
 } packed_job;
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -122,6 +123,12 @@ static inline __attribute__((always_inline)) void packed_tile(const packed_job *
         }
 #endif
     }
+    if (job->bias != NULL && k1 == depth) { /* the finished sums: plus the bias, one rounding, as an add after */
+        for (int v = 0; v < NV; ++v) {
+            const __m512 b = _mm512_loadu_ps(job->bias + (int64_t)panel * LP_PANEL + 16 * v);
+            for (int r = 0; r < MR; ++r) acc[r][v] = _mm512_add_ps(acc[r][v], b);
+        }
+    }
     for (int r = 0; r < MR; ++r)
         for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out + (int64_t)r * cols + 16 * v, acc[r][v]);
 }
@@ -172,7 +179,7 @@ static void packed_block(const packed_job *job, int m0, int mr, int panel, int n
                                                                              2 * j + k % 2]);
                 sum = fmaf(x[k], w, sum);
             }
-            *out = sum;
+            *out = job->bias != NULL && k1 == depth ? sum + job->bias[(int64_t)panel * LP_PANEL + j] : sum;
         }
 }
 #endif
@@ -219,19 +226,17 @@ static void packed_run(packed_job *job, int x_bytes, int num_threads) {
 }
 
 /* x [rows, depth] float32 times weights packed as above (kind: LP_F32, LP_BF16 in float32 math,
- * LP_BF16_MATH: x rounded to bf16, vdpbf16ps) -> out [rows, cols], on up to num_threads threads.
+ * LP_BF16_MATH: x rounded to bf16, vdpbf16ps), plus bias [cols] unless NULL -> out [rows, cols], on up
+ * to num_threads threads.
  * cols must be a multiple of 16 and depth even for the bf16 kinds (the packing's conditions).
  * Returns 0; -1 when LP_BF16_MATH is not built or its bf16 copy of x cannot be allocated (nothing
  * written), -2 for arguments outside those conditions. */
-int fdplug_linear_packed(const float *x, const void *w, int kind, float *out, int rows, int cols, int depth,
-                         int num_threads) {
+int fdplug_linear_packed(const float *x, const void *w, int kind, const float *bias, float *out, int rows, int cols,
+                         int depth, int num_threads) {
     if (rows <= 0 || cols <= 0) return 0;
     if (cols % 16 != 0 || kind < LP_F32 || kind > LP_BF16_MATH || (kind != LP_F32 && depth % 2 != 0)) return -2;
-    if (depth <= 0) {
-        memset(out, 0, sizeof(float) * (size_t)rows * (size_t)cols);
-        return 0;
-    }
-    packed_job job = {x, NULL, w, out, rows, cols, depth, kind, 0, 0, 0, 0, 0, NULL, 0};
+    if (depth <= 0) return -2;   /* the prepared layouts need a depth */
+    packed_job job = {x, NULL, w, out, rows, cols, depth, kind, 0, 0, 0, 0, 0, NULL, 0, bias};
     void *buffer = NULL;
     if (kind == LP_BF16_MATH) {
 #ifdef HAVE_BF16_DOT
@@ -253,20 +258,16 @@ int fdplug_linear_packed(const float *x, const void *w, int kind, float *out, in
 /* x [rows, depth] float32 times e4m3 weights packed as above with their block scales [cols,
  * ceil(depth / block_k)] (fp8_layers' layout, unpacked) -> out [rows, cols]. Returns 0, -1 if the
  * scales' transposed copy cannot be allocated, -2 for cols not a multiple of 16 or block_k < 1. */
-int fdplug_linear_packed_fp8(const float *x, const uint8_t *w, const float *scales, float *out, int rows, int cols,
-                             int depth, int block_k, int num_threads) {
+int fdplug_linear_packed_fp8(const float *x, const uint8_t *w, const float *scales, const float *bias, float *out,
+                             int rows, int cols, int depth, int block_k, int num_threads) {
     if (rows <= 0 || cols <= 0) return 0;
-    if (cols % 16 != 0 || block_k < 1) return -2;
-    if (depth <= 0) {
-        memset(out, 0, sizeof(float) * (size_t)rows * (size_t)cols);
-        return 0;
-    }
+    if (cols % 16 != 0 || block_k < 1 || depth <= 0) return -2;
     const int blocks = (depth + block_k - 1) / block_k;
     float *scales_t = malloc(sizeof(float) * (size_t)blocks * (size_t)cols);
     if (scales_t == NULL) return -1;
     for (int n = 0; n < cols; ++n)
         for (int b = 0; b < blocks; ++b) scales_t[(int64_t)b * cols + n] = scales[(int64_t)n * blocks + b] * 256.0f;
-    packed_job job = {x, NULL, w, out, rows, cols, depth, LP_FP8, 0, 0, 0, 0, 0, scales_t, block_k};
+    packed_job job = {x, NULL, w, out, rows, cols, depth, LP_FP8, 0, 0, 0, 0, 0, scales_t, block_k, bias};
     packed_run(&job, 4, num_threads);
     free(scales_t);
     return 0;
