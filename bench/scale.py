@@ -36,38 +36,18 @@ import time
 from pathlib import Path
 
 import httpx
-from serve import run_client, run_rate, summarize, workload
+from serve import launch, run_client, run_rate, summarize, workload
 
 
 def start(model: str, dp: int, max_num_seqs: int, log: Path, backend: str = "mp",
           env: dict | None = None) -> tuple[subprocess.Popen, str]:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [str(Path(sys.executable).parent / "fdplug"), "serve", "--port", str(port), "--model", model,
-           "--served-model-name", "bench", "--max-num-seqs", str(max_num_seqs), "--max-model-len", "1024",
-           "--data-parallel-size", str(dp), "--data-parallel-backend", backend]
+    """bench/serve.py's `launch` of a ``dp``-engine server; its startup time goes to STARTUP."""
     started = time.monotonic()
-    import os
-
-    proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            env={**os.environ, **(env or {})})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"dp={dp} server exited with {proc.returncode}; see {log}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                STARTUP[url] = time.monotonic() - started
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise SystemExit(f"dp={dp} server not ready in 300 s; see {log}")
+    proc, url = launch(["--model", model, "--served-model-name", "bench", "--max-num-seqs", str(max_num_seqs),
+                        "--max-model-len", "1024", "--data-parallel-size", str(dp), "--data-parallel-backend",
+                        backend], log, env)
+    STARTUP[url] = time.monotonic() - started
+    return proc, url
 
 
 STARTUP: dict[str, float] = {}

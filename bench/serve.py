@@ -256,24 +256,22 @@ def summarize(label: str, results: list[Result], duration: float) -> dict:
     return row
 
 
-def start_server(args) -> tuple[subprocess.Popen, str]:
+def launch(serve_args: list[str], log_path, env: dict | None = None,
+           timeout: float = 300.0) -> tuple[subprocess.Popen, str]:
+    """``fdplug serve --port P *serve_args`` on a free loopback port, its output in ``log_path``;
+    returns once /health answers 200 (exits the bench if it dies or is not ready in ``timeout``)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [str(Path(sys.executable).parent / "fdplug"), "serve", "--port", str(port), "--device", args.device,
-           "--max-num-seqs", str(args.max_num_seqs), "--served-model-name", "bench",
-           "--stream-interval", str(args.stream_interval)]
-    if args.model:
-        cmd += ["--model", args.model]
-    if args.max_model_len:
-        cmd += ["--max-model-len", str(args.max_model_len)]
-    log = open(args.server_log, "wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    cmd = [str(Path(sys.executable).parent / "fdplug"), "serve", "--port", str(port), *serve_args]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode}; see {args.server_log}")
+            raise SystemExit(f"server exited with {proc.returncode}; see {log_path}")
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
                 return proc, url
@@ -281,7 +279,17 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
             pass
         time.sleep(0.2)
     proc.kill()
-    raise SystemExit(f"server not ready in 300 s; see {args.server_log}")
+    raise SystemExit(f"server not ready in {timeout:.0f} s; see {log_path}")
+
+
+def start_server(args) -> tuple[subprocess.Popen, str]:
+    serve_args = ["--device", args.device, "--max-num-seqs", str(args.max_num_seqs), "--served-model-name", "bench",
+                  "--stream-interval", str(args.stream_interval)]
+    if args.model:
+        serve_args += ["--model", args.model]
+    if args.max_model_len:
+        serve_args += ["--max-model-len", str(args.max_model_len)]
+    return launch(serve_args, args.server_log)
 
 
 def main() -> None:

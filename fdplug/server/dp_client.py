@@ -21,7 +21,7 @@ from typing import Any, Awaitable, Callable
 
 from fdplug.core.engine.request import SamplingParams
 from fdplug.core.frontend.processor import ProcessedPrompt
-from fdplug.errors import ConfigError, EngineDeadError, FdplugError
+from fdplug.errors import ConfigError, EngineDeadError, FdplugError, InvalidRequestError
 from fdplug.server.dp_router import Router
 from fdplug.server.engine_client import EngineClient
 from fdplug.server.engine_handle import EngineProcess
@@ -104,8 +104,6 @@ class DataParallelClient:
         if self._shutdown_error is not None:
             raise type(self._shutdown_error)(self._shutdown_error.message, fix=self._shutdown_error.fix)
         if rank is not None and not 0 <= rank < len(self.clients):
-            from fdplug.errors import InvalidRequestError
-
             raise InvalidRequestError(f"data-parallel rank {rank} is not one of this server's engines "
                                       f"(0..{len(self.clients) - 1}).",
                                       fix="leave X-Data-Parallel-Rank out, or name an engine that exists.",

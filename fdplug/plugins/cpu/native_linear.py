@@ -94,8 +94,9 @@ def bias_pointer(weight: PreparedWeight) -> int | None:
 def _linear_packed(x: Any, weight: PreparedWeight, threads: int, bf16_math: bool) -> Any:
     import paddle
 
-    if weight.layout != PANELS:
-        raise ValueError(f"cpu_native_linear reads weights prepared as {PANELS!r}, got {weight.layout!r}")
+    if weight.layout != PANELS or weight.dtype not in (paddle.float32, paddle.bfloat16):
+        raise ValueError(f"cpu_native_linear reads float32 or bf16 weights prepared as {PANELS!r}, got "
+                         f"{weight.layout!r} ({weight.dtype})")
     shape = x.shape
     cols, depth = weight.shape
     if shape[-1] != depth:
