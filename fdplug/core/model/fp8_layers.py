@@ -75,7 +75,6 @@ class Fp8Linear(PreparedWeightMixin, nn.Layer):
         self.weight = empty_parameter([out_features, in_features], FP8_DTYPE)
         self.weight_scale = empty_parameter([out_features, -(-in_features // self.block_k)], "float32")
         self.bias = empty_parameter([out_features], dtype) if bias else None
-        self.prepared = None
 
     def forward(self, x: Any) -> Any:
         return self.add_bias(self.kernel(x, self.kernel_weight, self.weight_scale, self.block_k))

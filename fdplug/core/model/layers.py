@@ -57,7 +57,7 @@ class PreparedWeightMixin:
     the kernel then adds; ``kernel_weight`` is what the layer hands its kernel."""
 
     weight: Any
-    prepared: PreparedWeight | None = None
+    prepared: PreparedWeight | None = None   # until `prepare` (a class default: no per-layer init)
 
     def prepare(self, prepare: Callable[[Any], PreparedWeight | None]) -> None:
         if self.prepared is not None:
@@ -101,7 +101,6 @@ class Linear(PreparedWeightMixin, nn.Layer):
         self.kernel = kernel or PORTABLE.linear
         self.weight = empty_parameter([out_features, in_features], weight_dtype or dtype)
         self.bias = empty_parameter([out_features], dtype) if bias else None
-        self.prepared = None
 
     def forward(self, x: Any) -> Any:
         return self.add_bias(self.kernel(x, self.kernel_weight))
