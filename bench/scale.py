@@ -5,6 +5,7 @@
     python bench/scale.py --model DIR --num-prompts 128
     python bench/scale.py --ray            # also dp2 on the Ray backend (a local Ray): startup, overhead
     python bench/scale.py --affinity       # dp2 with and without prefix affinity on shared prefixes
+    python bench/scale.py --ep             # expert parallel 2 against one engine on a random MoE model
 
 Both servers run at once on the same model (the idle one waits in a poll): ``dp1`` is one engine
 on every core (its kernels use them all), ``dp2`` two engines with their own KV caches, each pinned
@@ -15,6 +16,13 @@ medians, their ratio, TTFT p50, and how the router spread the requests over dp2'
 server also its startup (launch to /health 200) and the per-request overhead: the median latency
 of 20 one-token requests sent one after the other (``--ray`` adds ``dp2-ray``, the Ray backend,
 to those two; the throughput runs stay dp1 against dp2).
+
+``--ep`` measures expert parallel instead, on a random Qwen3-MoE (16 experts, top-4; ``--model``
+for another MoE checkpoint): ``ep1`` (one engine on every core) against ``ep2``
+(``--expert-parallel-size 2``: each engine on one core holding 8 experts, every forward pass a
+round of both). Printed: whether both give the same greedy tokens (8 prompts, 32 tokens), the
+throughput pairs as above, and from ep2's engines' exit lines their passes (own and dummy) and the
+exchange's share of the time in passes.
 
 ``--affinity`` measures the router's prefix affinity instead: two dp2 servers, one with
 ``FDPLUG_DP_PREFIX_AFFINITY=0``; a run is 8 waves of 8 requests, one per "system prompt" (8 shared
@@ -40,12 +48,14 @@ from serve import launch, run_client, run_rate, summarize, workload
 
 
 def start(model: str, dp: int, max_num_seqs: int, log: Path, backend: str = "mp",
-          env: dict | None = None) -> tuple[subprocess.Popen, str]:
-    """bench/serve.py's `launch` of a ``dp``-engine server; its startup time goes to STARTUP."""
+          env: dict | None = None, ep: int = 1) -> tuple[subprocess.Popen, str]:
+    """bench/serve.py's `launch` of a ``dp``-engine server (``ep``: expert parallel size); its
+    startup time goes to STARTUP."""
     started = time.monotonic()
+    parallel = ["--expert-parallel-size", str(ep)] if ep > 1 else ["--data-parallel-size", str(dp),
+                                                                    "--data-parallel-backend", backend]
     proc, url = launch(["--model", model, "--served-model-name", "bench", "--max-num-seqs", str(max_num_seqs),
-                        "--max-model-len", "1024", "--data-parallel-size", str(dp), "--data-parallel-backend",
-                        backend], log, env)
+                        "--max-model-len", "1024", *parallel], log, env)
     STARTUP[url] = time.monotonic() - started
     return proc, url
 
@@ -108,6 +118,74 @@ def affinity(args, model: str, tmp: Path, vocab: int) -> None:
             proc.wait(30)
 
 
+def make_moe_model(tmp: Path) -> str:
+    """A random Qwen3-MoE of ~60M parameters: 4 layers, 16 experts of width 512, top-4."""
+    from fdplug.demo.random_model import write_random_model
+
+    out = tmp / "moe"
+    out.mkdir()
+    write_random_model(out, architectures=["Qwen3MoeForCausalLM"], hidden_size=512, intermediate_size=1024,
+                       num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, num_experts=16,
+                       num_experts_per_tok=4, moe_intermediate_size=512, norm_topk_prob=True,
+                       decoder_sparse_step=1, initializer_range=0.1)
+    return str(out)
+
+
+def greedy_tokens(url: str, prompts: list[list[int]], n: int = 32) -> list[list[str]]:
+    with httpx.Client(timeout=120) as client:
+        return [client.post(url + "/v1/completions", json={
+            "model": "bench", "prompt": p, "max_tokens": n, "temperature": 0, "ignore_eos": True, "logprobs": 1,
+        }).json()["choices"][0]["logprobs"]["tokens"] for p in prompts]
+
+
+def expert_parallel(args, tmp: Path, pairs: int) -> None:
+    import numpy as np
+
+    model = args.model or make_moe_model(tmp)
+    from fdplug.core.model.config import ModelConfig
+
+    vocab = ModelConfig.from_dir(model).vocab_size
+    servers = {"ep1": start(model, 1, args.max_num_seqs, tmp / "ep1.log"),
+               "ep2": start(model, 2, args.max_num_seqs, tmp / "ep2.log", ep=2)}
+    try:
+        rng = np.random.default_rng(7)
+        prompts = [rng.integers(0, vocab, int(n)).tolist() for n in rng.integers(8, 200, 8)]
+        tokens = {name: greedy_tokens(url, prompts) for name, (_, url) in servers.items()}
+        same = sum(a == b for a, b in zip(tokens["ep1"], tokens["ep2"]))
+        print(f"greedy tokens: {same} of {len(prompts)} prompts identical (32 tokens each)", flush=True)
+        throughput_pairs(args, servers, vocab, pairs)
+    finally:
+        for proc, _ in servers.values():
+            proc.terminate()
+            proc.wait(60)
+    for line in (tmp / "ep2.log").read_text(errors="replace").splitlines():
+        if "passes of its own" in line:
+            print("  " + line.split(": ", 1)[1])
+
+
+def throughput_pairs(args, servers: dict, vocab: int, pairs: int) -> dict[str, float]:
+    """Every request at once, alternating servers for ``pairs`` rounds; prints and returns the medians."""
+    prompts, outputs = workload(args, vocab, seed=10_000)
+    for _, url in servers.values():    # warm-up: one full run each
+        run_client(run_rate(url, "bench", prompts, outputs, float("inf"), 0))
+    got: dict[str, list[dict]] = {name: [] for name in servers}
+    order = list(servers)
+    for i in range(pairs):
+        for name in (order if i % 2 == 0 else order[::-1]):
+            prompts, outputs = workload(args, vocab, seed=i)
+            results, duration = run_client(run_rate(servers[name][1], "bench", prompts, outputs, float("inf"), i))
+            got[name].append(summarize("inf", results, duration))
+    tput = {name: statistics.median(r["out_tok_per_s"] for r in rows) for name, rows in got.items()}
+    ttft = {name: statistics.median(r["ttft_p50"] for r in rows) for name, rows in got.items()}
+    print(f"{args.num_prompts} requests at once, ~{args.input_len} in / ~{args.output_len} out, {pairs} pairs, medians:")
+    for name in servers:
+        print(f"  {name}: {tput[name]:7.1f} output tok/s, TTFT p50 {ttft[name]:7.1f} ms")
+    first, second = order
+    print(f"  {second} / {first} throughput: {tput[second] / tput[first]:.2f}x; requests per engine of {second}: "
+          f"{routed(servers[second][1])}")
+    return tput
+
+
 def routed(url: str) -> dict[str, float]:
     text = httpx.get(url + "/metrics", timeout=5).text
     return {m.group(1): float(m.group(2))
@@ -127,9 +205,12 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ray", action="store_true", help="also dp2 on the Ray backend: startup and overhead")
     ap.add_argument("--affinity", action="store_true", help="only the prefix-affinity comparison")
+    ap.add_argument("--ep", action="store_true", help="only expert parallel 2 against one engine (a MoE model)")
     args = ap.parse_args()
     pairs = 2 if args.quick else args.pairs
     with tempfile.TemporaryDirectory() as tmp:
+        if args.ep:
+            return expert_parallel(args, Path(tmp), pairs)
         model = args.model
         if model is None:
             from throughput import make_model
@@ -152,25 +233,7 @@ def main() -> None:
                 proc, _ = servers.pop("dp2-ray")
                 proc.terminate()
                 proc.wait(60)
-            prompts, outputs = workload(args, vocab, seed=10_000)
-            for _, url in servers.values():    # warm-up: one full run each
-                run_client(run_rate(url, "bench", prompts, outputs, float("inf"), 0))
-            got: dict[str, list[dict]] = {name: [] for name in servers}
-            order = list(servers)
-            for i in range(pairs):
-                for name in (order if i % 2 == 0 else order[::-1]):
-                    prompts, outputs = workload(args, vocab, seed=i)
-                    results, duration = run_client(run_rate(servers[name][1], "bench", prompts, outputs,
-                                                            float("inf"), i))
-                    got[name].append(summarize("inf", results, duration))
-            tput = {name: statistics.median(r["out_tok_per_s"] for r in rows) for name, rows in got.items()}
-            ttft = {name: statistics.median(r["ttft_p50"] for r in rows) for name, rows in got.items()}
-            print(f"{args.num_prompts} requests at once, ~{args.input_len} in / ~{args.output_len} out, "
-                  f"{pairs} pairs, medians:")
-            for name in servers:
-                print(f"  {name}: {tput[name]:7.1f} output tok/s, TTFT p50 {ttft[name]:7.1f} ms")
-            print(f"  dp2 / dp1 throughput: {tput['dp2'] / tput['dp1']:.2f}x; requests per engine of dp2: "
-                  f"{routed(servers['dp2'][1])}")
+            throughput_pairs(args, servers, vocab, pairs)
         finally:
             for proc, _ in servers.values():
                 proc.terminate()

@@ -246,10 +246,15 @@ def generate_command(prompts: tuple[str, ...], chat: bool, max_tokens: int, temp
 @click.option("--ray-address", default=None,
               help="With --data-parallel-backend ray: the cluster to join (ray start --head's address); "
                    "default: a local Ray.")
+@click.option("--expert-parallel-size", type=click.IntRange(min=1), default=1, show_default=True,
+              help="MoE models: shard the routed experts over this many engines (the data-parallel engines; "
+                   "each keeps its own KV cache and requests) that run every forward pass together, tokens "
+                   "exchanged through paddle.distributed (gloo on cpu).")
 @user_errors
 def serve_command(host: str, port: int, api_key: str | None, served_model_name: str | None, max_body_bytes: int,
                   stream_interval: int, max_waiting_requests: int, trust_request_chat_template: bool,
-                  data_parallel_size: int, data_parallel_backend: str, ray_address: str | None, **kw: Any) -> None:
+                  data_parallel_size: int, data_parallel_backend: str, ray_address: str | None,
+                  expert_parallel_size: int, **kw: Any) -> None:
     """Serve the OpenAI API (chat, completions, streaming) with the engine in its own process."""
     from fdplug.server.launcher import ServerSettings, serve
 
@@ -260,7 +265,7 @@ def serve_command(host: str, port: int, api_key: str | None, served_model_name: 
                               max_body_bytes=max_body_bytes, stream_interval=stream_interval,
                               trust_request_chat_template=trust_request_chat_template,
                               data_parallel_size=data_parallel_size, data_parallel_backend=data_parallel_backend,
-                              ray_address=ray_address)
+                              ray_address=ray_address, expert_parallel_size=expert_parallel_size)
     sys.exit(serve(settings, args))
 
 

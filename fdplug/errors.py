@@ -216,6 +216,14 @@ class EngineRequestError(FdplugError):
     error_type = "server_error"
 
 
+class ParallelGroupError(FdplugError):
+    """A collective of the expert-parallel group failed (a peer rank is gone): the group's engines
+    cannot step without it, so this engine stops, failing its requests."""
+
+    http_status = 500
+    error_type = "server_error"
+
+
 class ServerShuttingDownError(FdplugError):
     """The server is stopping (SIGINT/SIGTERM): requests in flight are aborted."""
 

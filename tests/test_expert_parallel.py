@@ -1,9 +1,15 @@
 """Expert parallel on real paddle.distributed processes (gloo, 2 ranks on this machine).
 
-Each rank holds half of a MoE layer's experts and its own tokens; through `AllGatherExchange` every
+Each rank holds half of a MoE layer's experts and its own tokens. Through either exchange every
 rank's tokens get the same outputs as one rank holding every expert (float32 rounding apart: the
-parts are summed in another order), including a step where one rank has no tokens at all (it runs
-the collectives with zero rows and gets zero rows back; nobody waits on it).
+parts are summed in another order), including steps where one rank has no tokens at all (it runs
+the collectives with zero rows and gets zero rows back; nobody waits on it). gloo has no
+all_to_all, so `AllToAllExchange`'s own routing runs here over an all_gather stand-in for
+``alltoall_single`` (``GatheredAllToAll``); the capability probe itself is checked on gloo.
+
+The lockstep protocol (`lockstep.LockstepGroup`) runs with blocks that make one real collective a
+layer: a rank idle for many passes of the other never blocks it, a pass that raises part way is
+finished with dummy layers (the other rank's pass completes), and a leaving rank ends both loops.
 """
 
 from __future__ import annotations
@@ -15,10 +21,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fdplug.core.parallel.expert_parallel import ExpertShard
+from fdplug.core.parallel.exchange import AllToAllExchange, ExpertShard
 
 EXPERTS, HIDDEN, INTER, TOP_K = 4, 16, 24, 2
-STEPS = [(5, 3), (4, 0), (0, 2)]    # tokens of rank 0 and rank 1 in each step: idle ranks included
+STEPS = [(5, 3), (4, 0), (0, 2), (0, 0), (1, 1)]    # tokens of rank 0 and rank 1 a step: idle ranks included
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="paddle.distributed.spawn with gloo: Linux")
 
 
 def experts(seed: int = 0):
@@ -35,63 +43,167 @@ def tokens(step: int, rank: int, count: int):
     return x, ids.astype(np.int64), weights
 
 
-def moe(weights, x, ids, w, first: int = 0, count: int = EXPERTS):
-    """The reference backend on experts [first, first + count) of ``weights``."""
+def reference(first: int = 0, count: int = EXPERTS):
+    """The reference backend on experts [first, first + count) and its loaded layer."""
     import paddle
 
     from fdplug.core.portable.moe import ReferenceMoE
     from fdplug.plugin_api.moe import ExpertWeights
 
-    backend = ReferenceMoE()
-    layer = backend.load_weights(ExpertWeights(*(paddle.to_tensor(weights[n][first:first + count])
-                                                 for n in ("gate", "up", "down"))))
-    return backend.forward(paddle.to_tensor(x), paddle.to_tensor(w), paddle.to_tensor(ids), layer)
+    backend, weights = ReferenceMoE(), experts()
+    return backend, backend.load_weights(ExpertWeights(*(paddle.to_tensor(weights[n][first:first + count])
+                                                        for n in ("gate", "up", "down"))))
 
 
-def rank_main(out_dir: str) -> None:
+class GatheredAllToAll(AllToAllExchange):
+    """`AllToAllExchange` with ``alltoall_single`` done as gloo can (every rank's pieces all_gathered,
+    each rank keeping those sent to it): the exchange's own sorting, splitting and combining run."""
+
+    def _counts(self, send):
+        import paddle
+
+        everyone = []
+        self.dist.all_gather(everyone, paddle.to_tensor(send, dtype="int64"))
+        return [int(sent.numpy()[self.shard.rank]) for sent in everyone]
+
+    def _all_to_all(self, tensor, send, recv):
+        import paddle
+
+        from fdplug.core.parallel.exchange import _pad
+
+        sizes, splits = [], []
+        self.dist.all_gather(sizes, paddle.to_tensor([int(tensor.shape[0])], dtype="int64"))
+        self.dist.all_gather(splits, paddle.to_tensor(send, dtype="int64"))
+        parts = []
+        self.dist.all_gather(parts, _pad(tensor, max(1, *(int(s.numpy()[0]) for s in sizes))))
+        me = self.shard.rank
+        pieces = [part[int(split.numpy()[:me].sum()):int(split.numpy()[:me + 1].sum())]
+                  for part, split in zip(parts, splits)]
+        out = paddle.concat(pieces)
+        assert [int(p.shape[0]) for p in pieces] == recv
+        return out
+
+
+def exchange_main(out_dir: str, kind: str) -> None:
     import paddle
     import paddle.distributed as dist
 
-    from fdplug.core.parallel.expert_parallel import AllGatherExchange
+    from fdplug.core.parallel.exchange import AllGatherExchange, has_all_to_all
 
     dist.init_parallel_env()
     rank = dist.get_rank()
     shard = ExpertShard(rank, dist.get_world_size(), EXPERTS)
-    exchange, weights, results = AllGatherExchange(), experts(), []
+    exchange = (AllGatherExchange if kind == "all_gather" else GatheredAllToAll)(shard)
+    backend, layer = reference(shard.first, shard.count)
+    results = {"has_all_to_all": has_all_to_all(), "steps": []}
     for step, counts in enumerate(STEPS):
         x, ids, w = tokens(step, rank, counts[rank])
-        sent = exchange.dispatch(paddle.to_tensor(x), paddle.to_tensor(ids), paddle.to_tensor(w))
-        local_ids, local_w = shard.localize(sent.topk_ids, sent.topk_weights)
-        if int(sent.hidden.shape[0]):
-            partial = moe(weights, sent.hidden.numpy(), local_ids.numpy(), local_w.numpy(), shard.first, shard.count)
-        else:
-            partial = paddle.zeros([0, HIDDEN])
-        results.append(exchange.combine(partial, sent).numpy().tolist())
+        batch = exchange.dispatch(paddle.to_tensor(x), paddle.to_tensor(w), paddle.to_tensor(ids))
+        ids_seen = batch.topk_ids.numpy().reshape(-1).tolist()
+        assert all(0 <= i < shard.count for i in ids_seen), ids_seen
+        rows = int(batch.hidden.shape[0])
+        out = (backend.forward(batch.hidden, batch.topk_weights, batch.topk_ids, layer) if rows
+               else paddle.zeros([0, HIDDEN]))
+        results["steps"].append({"out": exchange.combine(out, batch).numpy().tolist(), "rows": rows})
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
 
 
-def test_two_ranks_give_one_ranks_outputs_with_an_idle_rank(tmp_path):
+@pytest.mark.parametrize("kind", ["all_gather", "all_to_all"])
+def test_two_ranks_give_one_ranks_outputs_with_idle_ranks(tmp_path, kind):
     import paddle.distributed as dist
 
-    if sys.platform != "linux":
-        pytest.skip("paddle.distributed.spawn with gloo: Linux")
-    dist.spawn(rank_main, args=(str(tmp_path),), nprocs=2, backend="gloo", join=True)
+    dist.spawn(exchange_main, args=(str(tmp_path), kind), nprocs=2, backend="gloo", join=True)
+    backend, layer = reference()
+    rows = {0: [], 1: []}
     for rank in (0, 1):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert got["has_all_to_all"] is False       # gloo: the capability probe says so on every rank
         for step, counts in enumerate(STEPS):
             x, ids, w = tokens(step, rank, counts[rank])
-            want = moe(experts(), x, ids, w).numpy() if counts[rank] else np.zeros((0, HIDDEN), np.float32)
-            assert np.asarray(got[step]).reshape(want.shape).shape == (counts[rank], HIDDEN)
-            np.testing.assert_allclose(np.asarray(got[step]).reshape(want.shape), want, rtol=1e-5, atol=1e-5,
-                                       err_msg=f"rank {rank}, step {step}")
+            want = (backend.forward(*(__import__("paddle").to_tensor(a) for a in (x, w, ids)), layer).numpy()
+                    if counts[rank] else np.zeros((0, HIDDEN), np.float32))
+            mine = np.asarray(got["steps"][step]["out"], np.float32).reshape(counts[rank], HIDDEN)
+            np.testing.assert_allclose(mine, want, rtol=1e-5, atol=1e-5, err_msg=f"rank {rank}, step {step}")
+            rows[rank].append(got["steps"][step]["rows"])
+    for step, counts in enumerate(STEPS):       # every assignment ran once, on its expert's rank
+        assert rows[0][step] + rows[1][step] == TOP_K * sum(counts)
 
 
-def test_a_shard_keeps_its_experts_and_weighs_the_others_zero():
+def test_a_shard_runs_only_its_assignments():
     import paddle
 
     shard = ExpertShard(1, 2, 4)
     assert (shard.first, shard.count) == (2, 2)
-    ids, w = shard.localize(paddle.to_tensor([[0, 3], [2, 1]]), paddle.to_tensor([[0.5, 0.25], [0.75, 0.125]]))
-    assert ids.numpy().tolist() == [[0, 1], [0, 0]] and w.numpy().tolist() == [[0.0, 0.25], [0.75, 0.0]]
+    token, ids, w = shard.assignments(paddle.to_tensor([[0, 3], [2, 1], [3, 2]]),
+                                      paddle.to_tensor([[0.5, 0.25], [0.75, 0.125], [1.0, 2.0]]))
+    assert token.numpy().tolist() == [0, 1, 2, 2]
+    assert ids.numpy().tolist() == [[1], [0], [1], [0]] and w.numpy().tolist() == [[0.25], [0.75], [1.0], [2.0]]
+    assert shard.owner(paddle.to_tensor([0, 1, 2, 3])).numpy().tolist() == [0, 0, 1, 1]
     with pytest.raises(ValueError, match="do not split"):
         ExpertShard(0, 3, 4)
+
+
+# -- the lockstep protocol -------------------------------------------------------------------------
+
+LAYERS = 3
+
+
+class CollectiveLayer:
+    """A MoE block's part in a pass: one real collective (its sum checks who took part)."""
+
+    def __init__(self, group, index: int, log: list) -> None:
+        self.group, self.index, self.log = group, index, log
+
+    def expert_round(self, x):
+        import paddle
+
+        value = paddle.to_tensor([0 if x is None else 1], dtype="int64")
+        self.group.collective(lambda: self.group.dist.all_reduce(value))
+        self.group.moe_layer()
+        self.log.append((self.index, int(value.numpy()[0])))
+        if x == "fail" and self.index == 0:
+            raise RuntimeError("a kernel failed in layer 0")
+
+
+def lockstep_main(out_dir: str) -> None:
+    import paddle.distributed as dist
+
+    from fdplug.core.parallel.lockstep import LockstepGroup
+
+    dist.init_parallel_env()
+    rank = dist.get_rank()
+    group = LockstepGroup(rank, 2)
+    log: list = []
+    group.blocks = [CollectiveLayer(group, i, log) for i in range(LAYERS)]
+    errors = []
+    if rank == 0:     # 40 real passes, the 5th failing in its first layer; rank 1 has nothing to do
+        for n in range(40):
+            try:
+                with group.forward_pass():
+                    for layer in group.blocks:
+                        layer.expert_round("fail" if n == 4 else "x")
+                        if n == 4:
+                            break
+            except RuntimeError as exc:
+                errors.append(str(exc))
+        group.idle_round(leaving=True)
+    else:
+        rounds = 0
+        while not group.leaving:
+            group.idle_round()
+            rounds += 1
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(
+        {"log": log, "errors": errors, "passes": group.passes, "dummy": group.dummy_passes, "leaving": group.leaving}))
+
+
+def test_lockstep_an_idle_rank_a_failed_pass_and_leaving(tmp_path):
+    import paddle.distributed as dist
+
+    dist.spawn(lockstep_main, args=(str(tmp_path),), nprocs=2, backend="gloo", join=True)
+    busy, idle = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert busy["passes"] == 40 and busy["errors"] == ["a kernel failed in layer 0"]
+    assert idle["dummy"] == 40 and idle["passes"] == 0 and busy["leaving"] and idle["leaving"]
+    # every layer of every pass ran on both ranks, matched: the failed pass's layers 1-2 as dummies
+    assert len(busy["log"]) == len(idle["log"]) == 40 * LAYERS
+    assert [i for i, _ in busy["log"]] == [i for i, _ in idle["log"]] == list(range(LAYERS)) * 40
+    assert busy["log"][4 * LAYERS:5 * LAYERS] == [[0, 1], [1, 0], [2, 0]]   # layer 0 real, then dummies

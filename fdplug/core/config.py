@@ -66,6 +66,7 @@ class EngineConfig:
     weight_dtype: str | None = None   # derived with dtype: bfloat16 where a float32 device keeps bf16 weights
     seed: int = 0
     device_index: int = 0             # which device of its kind (data parallel: rank i runs on device i)
+    expert_parallel_size: int = 1     # > 1: this engine is one rank of an expert-parallel group (`fdplug serve`)
     encoder_cache_rows: int = 16384
     feature_fetch_workers: int = field(default_factory=lambda: env("FD_PREFILL_PREPARE_REQ_THREAD_NUM"))
     allowed_feature_paths: tuple[str, ...] = field(default_factory=lambda: env("FDPLUG_ALLOWED_FEATURE_PATHS"))
@@ -77,7 +78,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks",
-                     "max_waiting_requests", "feature_fetch_workers"):
+                     "max_waiting_requests", "feature_fetch_workers", "expert_parallel_size"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}.",

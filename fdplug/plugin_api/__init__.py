@@ -1,6 +1,6 @@
 """fdplug's plugin API: everything a plugin author imports, and nothing else.
 
-A plugin is a module with ``FDPLUG_API_VERSION = "3.5"`` and functions decorated with ``hookimpl``,
+A plugin is a module with ``FDPLUG_API_VERSION = "3.6"`` and functions decorated with ``hookimpl``,
 found through the ``fdplug`` entry-point group (``[project.entry-points.fdplug] mychip =
 "fdplug_mychip"``). Its hooks (`hookspecs`) each receive a ``register`` callback taking one spec
 (`specs`). The smallest useful plugin registers one `DeviceSpec`; the core's portable runner,
@@ -51,6 +51,7 @@ _EXPORTS = {
     "KVCachePlan": "fdplug.plugin_api.model_runner", "ModelInfo": "fdplug.plugin_api.model_runner",
     "ModelRunner": "fdplug.plugin_api.model_runner", "ModelRunnerOutput": "fdplug.plugin_api.model_runner",
     "ExpertWeights": "fdplug.plugin_api.moe", "MoEBackend": "fdplug.plugin_api.moe",
+    "ExpertBatch": "fdplug.plugin_api.moe", "ExpertExchange": "fdplug.plugin_api.moe",
     "select_experts": "fdplug.plugin_api.moe",
     "OPS": "fdplug.plugin_api.ops", "Kernels": "fdplug.plugin_api.ops", "PreparedWeight": "fdplug.plugin_api.ops",
     "PREPARED_OPS": "fdplug.plugin_api.ops",

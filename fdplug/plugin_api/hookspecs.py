@@ -1,7 +1,7 @@
 """The hooks: what a plugin implements. Read with `fdplug.plugin_api.specs` (what it registers).
 
 A plugin is a module (or object) with functions decorated by ``fdplug.hookimpl`` whose names are
-the hooks below, and a module-level ``FDPLUG_API_VERSION = "3.5"`` naming the API it was written
+the hooks below, and a module-level ``FDPLUG_API_VERSION = "3.6"`` naming the API it was written
 for. Registration hooks are called once, when plugins load, with a ``register`` callback that
 accepts one spec object; the core validates what is registered, so a bad registration fails loudly
 and only that plugin is skipped.
@@ -20,7 +20,8 @@ op (every float linear layer, weights ``[N, K]``, bf16 weights allowed) and ``En
 3.3: ``OpSpec.bf16_inputs``: a ``linear`` kernel that computes bf16 weights in bf16 math. 3.4: the
 ``add_rms_norm``, ``rope`` and ``argmax`` ops (a plugin written for 3.3 gets the portable ones). 3.5:
 ``OpSpec.prepare``: a ``linear`` kernel lays out each layer's weight its own way once at load
-(`fdplug.plugin_api.ops.PreparedWeight`).
+(`fdplug.plugin_api.ops.PreparedWeight`). 3.6: expert parallel: `fdplug.plugin_api.moe.ExpertExchange`
+and `ExpertBatch`, and an optional ``MoEBackend.make_exchange`` (a backend's own dispatch/combine).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ if TYPE_CHECKING:
     from fdplug.plugin_api.selection import Selection
 
 PROJECT_NAME = "fdplug"
-API_VERSION = "3.5"
+API_VERSION = "3.6"
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)

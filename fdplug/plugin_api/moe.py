@@ -11,6 +11,15 @@ A MoE layer is three parts, and only the last belongs to a backend:
 
 Shared experts (Qwen2-MoE's gated one, ERNIE-4.5's ungated ones) are ordinary MLPs of the model,
 not a backend's business.
+
+Expert parallel (``--expert-parallel-size N``): each rank's backend holds ``1/N`` of a layer's
+experts, and an `ExpertExchange` moves work between ranks around ``forward``: ``dispatch`` turns this
+rank's tokens and their chosen experts into an `ExpertBatch` of the assignments *this rank's*
+experts must run (from every rank, one row per assignment, local ids), the backend runs them as
+usual (``K = 1``), and ``combine`` brings each assignment's row back to the rank that owns its
+token and sums a token's rows. The core's exchanges (`fdplug.core.parallel.exchange`) are chosen by
+what the collective backend can do (all_to_all where it exists, all_gather + all_reduce on every
+backend); a backend that brings its own (DeepEP-style) defines ``make_exchange``.
 """
 
 from __future__ import annotations
@@ -148,6 +157,39 @@ class ExpertWeights:
         return int(self.gate.shape[0])
 
 
+@dataclass(slots=True)
+class ExpertBatch:
+    """What ``ExpertExchange.dispatch`` gives this rank's backend: one row per (token, expert)
+    assignment routed to this rank's experts, from any rank.
+
+    ``hidden [A, H]``, ``topk_ids [A, 1]`` int64 local expert ids (``0 .. experts per rank - 1``),
+    ``topk_weights [A, 1]`` float32; ``state`` is the exchange's own (what ``combine`` needs)."""
+
+    hidden: Any
+    topk_ids: Any
+    topk_weights: Any
+    state: Any = None
+
+
+@runtime_checkable
+class ExpertExchange(Protocol):
+    """Moves a MoE layer's work between the ranks of an expert-parallel group (a collective: every
+    rank calls ``dispatch`` and ``combine`` once per MoE layer per forward pass, a rank without
+    tokens with zero rows)."""
+
+    name: str
+
+    def dispatch(self, hidden: Any, topk_weights: Any, topk_ids: Any) -> ExpertBatch:
+        """This rank's tokens ``hidden [T, H]`` with their global ``topk_ids``/``topk_weights
+        [T, K]`` -> the assignments this rank's experts run."""
+        ...
+
+    def combine(self, expert_out: Any, batch: ExpertBatch) -> Any:
+        """``expert_out [A, H]`` (the backend's output for ``batch``) -> ``[T, H]``: each of this
+        rank's tokens summed over its ``K`` assignments, wherever they ran."""
+        ...
+
+
 @runtime_checkable
 class MoEBackend(Protocol):
     """What a MoE backend's factory returns."""
@@ -165,5 +207,10 @@ class MoEBackend(Protocol):
         `select_experts` -> ``[T, H]`` in ``hidden``'s dtype::
 
             out[t] = sum_k topk_weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)),  e = topk_ids[t, k]
+
+        Under expert parallel the layer holds this rank's experts only and ``topk_ids`` are local.
+        A backend may also define ``make_exchange(group, rank, size, num_experts) -> ExpertExchange``
+        (optional, API 3.6): its own exchange over the paddle.distributed ``group``, used instead of
+        the core's.
         """
         ...

@@ -10,6 +10,12 @@ An engine that dies fails only its own requests (its client's watchdog ends them
 ``EngineDeadError``); the router stops sending it anything, ``/health`` lists it as dead and stays
 200 while another engine serves, ``fdplug:engine_alive`` counts the live ones. When the last one
 dies the server stops with status 1, as with one engine.
+
+Expert parallel (``--expert-parallel-size N``): the N engines are also the ranks of one
+paddle.distributed group that runs every forward pass together (`fdplug.core.parallel.lockstep`).
+Routing is the same; each request also wakes the other engines (``lockstep``), so they join the
+group's round without waiting out their idle poll. A rank that dies takes the group with it: the
+others' next collective fails, and each fails its own requests.
 """
 
 from __future__ import annotations
@@ -17,7 +23,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import Any, Awaitable, Callable
+import socket
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from fdplug.core.engine.request import SamplingParams
 from fdplug.core.frontend.processor import ProcessedPrompt
@@ -37,9 +45,11 @@ class DataParallelClient:
     """``EngineClient``'s interface over several engine clients (rank = index in ``clients``)."""
 
     def __init__(self, clients: list[EngineClient],
-                 restart: Callable[[int], Awaitable[EngineClient]] | None = None) -> None:
-        """``restart(rank)``: a new engine and its client for a rank that died (None: dead stays dead)."""
+                 restart: Callable[[int], Awaitable[EngineClient]] | None = None, lockstep: bool = False) -> None:
+        """``restart(rank)``: a new engine and its client for a rank that died (None: dead stays dead);
+        ``lockstep``: the engines are an expert-parallel group (wake the others on each request)."""
         self.clients = clients
+        self.lockstep = lockstep
         self.restart = restart
         self.restarts = [0] * len(clients)
         first = clients[0]
@@ -100,6 +110,10 @@ class DataParallelClient:
                     raise
                 continue
             self.router.sent(chosen, prompt.token_ids, cache_salt)
+            if self.lockstep:
+                for other in self.clients:
+                    if other is not self.clients[chosen] and other.healthy:
+                        other.engine.wake()
             return stream
         if self._shutdown_error is not None:
             raise type(self._shutdown_error)(self._shutdown_error.message, fix=self._shutdown_error.fix)
@@ -136,7 +150,7 @@ class DataParallelClient:
                        MAX_RESTARTS)
         try:
             client = await self.restart(rank)
-        except Exception:  # noqa: BLE001
+        except Exception:
             # a failed restart leaves the rank dead, logged
             logger.exception("data-parallel engine %d could not be restarted", rank)
             if not self.healthy and self.on_engine_dead is not None:
@@ -168,6 +182,36 @@ def data_parallel_ranks(engine_args: dict, size: int, cpu: bool) -> list[tuple[d
         return [(dict(engine_args), [cores[rank % len(cores)]]) for rank in range(size)]
     return [(dict(engine_args), cores[rank * len(cores) // size:(rank + 1) * len(cores) // size])
             for rank in range(size)]
+
+
+def expert_parallel_ranks(model_config: Any, size: int) -> list[dict] | None:
+    """Each engine's place in the expert-parallel group (None: no group): rank, size, and the
+    rendezvous endpoints (free ports on this machine; rank 0's hosts the group's store)."""
+    if size == 1:
+        return None
+    moe = model_config.moe
+    if moe is None:
+        raise ConfigError(f"--expert-parallel-size {size} shards a MoE model's experts, and "
+                          f"{model_config.architecture} has none.", fix="use --data-parallel-size for a dense model.")
+    if moe.num_experts % size:
+        raise ConfigError(f"{moe.num_experts} experts do not split evenly over --expert-parallel-size {size}.",
+                          fix=f"choose a size that divides {moe.num_experts}.")
+    endpoints = [f"127.0.0.1:{port}" for port in free_ports(size)]
+    return [{"rank": rank, "size": size, "endpoints": endpoints} for rank in range(size)]
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct TCP ports free on 127.0.0.1 now (held together while chosen)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind(("127.0.0.1", 0))
+            sockets.append(sock)
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 class EngineSet:

@@ -68,6 +68,14 @@ class EngineProcess:
                                       env=environ, stdin=subprocess.DEVNULL)
         return self.popen.pid
 
+    def wake(self) -> None:
+        """Expert parallel: a peer engine got a request; this one joins the group's round now, not
+        after its idle poll."""
+        try:
+            self.input_socket.send(P.pack([P.WAKE]), zmq.NOBLOCK)
+        except zmq.ZMQError:   # gone: the client's watchdog reports it
+            pass
+
     def poll(self) -> int | None:
         return self.popen.poll()
 

@@ -1,14 +1,17 @@
-"""The engine process: EngineCore's step loop behind two ZMQ sockets.
+"""The engine process: EngineCore's step loop (`engine_loop`) behind two ZMQ sockets.
 
 Why a process of its own: the step loop is compute-bound Python; next to the HTTP server in one
-process, the GIL would make tokenizing, SSE and step interleave badly. Here the loop only ever
-blocks in a ZMQ poll when it has nothing to do, and never waits on a client.
+process, the GIL would make tokenizing, SSE and step interleave badly.
 
 The API process starts it with ``python -m fdplug.server.engine_process SPEC_JSON`` and binds
 both sockets first; this side connects. The selection is rebuilt from ``Selection.to_names()`` with
 ``resolve_engine`` (the same code the API process ran), so both processes agree on the selection.
 It exits when told to ("shutdown"), when its parent dies (PR_SET_PDEATHSIG, and ``getppid()``
 polled every loop), or with status 1 after reporting an error it cannot serve past.
+
+Expert parallel (``EngineSpec.expert_parallel``): the process first joins its paddle.distributed
+group (before the model loads: the model's MoE layers are the group's), then the loop keeps the
+group's lockstep.
 """
 
 from __future__ import annotations
@@ -19,24 +22,20 @@ import os
 import shutil
 import signal
 import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import zmq
 
-from fdplug.errors import FdplugError, InvalidRequestError
+from fdplug.errors import FdplugError
 from fdplug.server import protocol as P
+from fdplug.server.engine_loop import EngineLoop
 from fdplug.server.heap import freeze_startup_heap
 from fdplug.server.os_timeslice import shorten_scheduler_slice
+from fdplug.server.settings import env
 
 logger = logging.getLogger("fdplug.engine_process")
-
-IDLE_POLL_MS = 100        # nothing to run: wait this long for a message, then check the parent
-STALLED_POLL_MS = 5       # requests exist but none could be scheduled (e.g. waiting for features)
-STATS_INTERVAL_S = 0.25   # busy: attach stats to outputs at most this often
-HEARTBEAT_S = 1.0         # idle: send stats at least this often (the API's /metrics stays fresh)
 
 
 @dataclass(slots=True)
@@ -53,111 +52,14 @@ class EngineSpec:
     scheduler_slice_us: int = 0   # FDPLUG_ENGINE_SLICE_US, read (and checked) by the API process; 0: kernel default
     cpus: list[int] | None = None # data parallel on the cpu device: the cores this engine runs on (its threads)
     curve_server_key: str | None = None   # TCP sockets (an engine on another machine): the API's CURVE public key
+    expert_parallel: dict | None = None   # {"rank", "size", "endpoints": [host:port]}: a rank of an expert-parallel group
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
 
     @classmethod
-    def from_json(cls, text: str) -> "EngineSpec":
+    def from_json(cls, text: str) -> EngineSpec:
         return cls(**json.loads(text))
-
-
-class EngineLoop:
-    """Drain messages, step, send outputs; until shutdown or the parent is gone."""
-
-    def __init__(self, core: Any, input_socket: Any, output_socket: Any, parent_pid: int) -> None:
-        self.core = core
-        self.input = input_socket
-        self.output = output_socket
-        self.parent_pid = parent_pid
-        self.poller = zmq.Poller()
-        self.poller.register(input_socket, zmq.POLLIN)
-        self.running = True
-        self._last_stats_time = 0.0
-        self._last_stats: dict | None = None
-
-    def run(self) -> None:
-        from fdplug.core.engine.request import RequestStatus
-
-        stalled = False
-        while self.running:
-            if os.getppid() != self.parent_pid:
-                logger.warning("the API process is gone; the engine process exits")
-                return
-            busy = self.core.has_unfinished_requests()
-            self._drain(0 if busy and not stalled else STALLED_POLL_MS if busy else IDLE_POLL_MS)
-            if not self.running:
-                break
-            if self.core.has_unfinished_requests():
-                outputs, scheduled = self.core.step()
-                stalled = not outputs and not scheduled   # only feature downloads are in flight
-                stats = self._stats_if(due=time.monotonic() - self._last_stats_time >= STATS_INTERVAL_S)
-                if outputs or stats is not None:
-                    self._send([P.OUTPUTS, [P.encode_output(o) for o in outputs], stats])
-            else:
-                stalled = False
-                stats = self._stats_if(due=time.monotonic() - self._last_stats_time >= HEARTBEAT_S, changed=True)
-                if stats is not None:
-                    self._send([P.STATS, stats])
-        # told to shut down: free every request's blocks before the process goes
-        self.core.abort_requests(list(self.core.scheduler.requests), RequestStatus.FINISHED_ABORTED)
-
-    def _drain(self, timeout_ms: int) -> None:
-        if not self.poller.poll(timeout_ms):
-            return
-        admitted: list[str] = []
-        rejected: list[list] = []
-        while self.running:
-            try:
-                data = self.input.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            try:
-                self._handle(P.unpack(data), admitted, rejected)
-            except Exception:   # a malformed message (a bug in the sender) must not stop the loop
-                logger.exception("ignoring a message the engine could not handle")
-        if admitted or rejected:
-            self._send([P.ADMITTED, admitted, rejected])
-
-    def _handle(self, message: list, admitted: list[str], rejected: list[list]) -> None:
-        from fdplug.core.engine.request import RequestStatus
-
-        tag = message[0]
-        if tag == P.ADD:
-            for item in message[1]:
-                try:
-                    request = P.decode_request(item)
-                    self.core.add_request(request)
-                    admitted.append(request.request_id)
-                except FdplugError as exc:
-                    rejected.append([_request_id(item), P.encode_error(exc)])
-                except Exception as exc:  # not a request this engine can read: refuse it, keep serving
-                    logger.exception("could not admit a request")
-                    rejected.append([_request_id(item), P.encode_error(InvalidRequestError(
-                        f"the engine could not read this request ({type(exc).__name__}).",
-                        fix="report it with the server log: the API process sent a malformed request."))])
-        elif tag == P.ABORT:
-            self.core.abort_requests(message[1], RequestStatus(message[2]))
-        elif tag == P.SHUTDOWN:
-            self.running = False
-        else:
-            logger.error("ignoring an unknown message %r", tag)
-
-    def _stats_if(self, due: bool, changed: bool = False) -> dict | None:
-        if not (due or changed):
-            return None
-        stats = P.encode_stats(self.core.stats())
-        if due or (changed and stats != self._last_stats):
-            self._last_stats, self._last_stats_time = stats, time.monotonic()
-            return stats
-        return None
-
-    def _send(self, message: list) -> None:
-        self.output.send(P.pack(message), copy=False)
-
-
-def _request_id(item: Any) -> str:
-    return item[0] if isinstance(item, list) and item and isinstance(item[0], str) else ""
 
 
 def _die_with_parent() -> None:
@@ -195,6 +97,7 @@ def run_engine(spec: EngineSpec) -> int:
     output_socket.connect(spec.output_address)
     try:
         try:
+            group = _join_group(spec)
             core, info = _build(spec)
         except Exception as exc:  # typed errors carry their fix; anything else is reported as a bug
             if not isinstance(exc, FdplugError):
@@ -202,7 +105,8 @@ def run_engine(spec: EngineSpec) -> int:
             output_socket.send(P.pack([P.STARTUP_ERROR, P.encode_error(exc)]))
             return 1
         output_socket.send(P.pack([P.READY, info.to_dict()]))
-        loop = EngineLoop(core, input_socket, output_socket, spec.parent_pid)
+        loop = EngineLoop(core, input_socket, output_socket, spec.parent_pid, group,
+                          env("FD_EP_BATCHED_TOKEN_TIMEOUT") if group is not None else 0.0)
         freeze_startup_heap()
         # after paddle's import (which installs its own SIGTERM handler): SIGTERM, also what the parent's
         # death sends, ends the loop after its current step, so the cleanup below runs
@@ -213,6 +117,9 @@ def run_engine(spec: EngineSpec) -> int:
             logger.exception("the engine loop crashed")
             output_socket.send(P.pack([P.FATAL, P.encode_error(exc)]))
             return 1
+        finally:
+            if group is not None:
+                logger.info("%s", group.summary())
         return 0
     finally:
         input_socket.close()
@@ -220,6 +127,16 @@ def run_engine(spec: EngineSpec) -> int:
         context.term()
         if os.getppid() != spec.parent_pid:  # the API process died without removing its socket directory
             _remove_socket_dir(spec.input_address)
+
+
+def _join_group(spec: EngineSpec) -> Any:
+    """Expert parallel: join the group (paddle.distributed) before the model loads; None alone."""
+    if not spec.expert_parallel:
+        return None
+    from fdplug.core.parallel.lockstep import init_group
+
+    ep = spec.expert_parallel
+    return init_group(ep["rank"], ep["size"], ep["endpoints"], spec.selection.get("device", "cpu"))
 
 
 def _remove_socket_dir(address: str) -> None:

@@ -42,6 +42,7 @@ class ServerSettings:
     data_parallel_size: int = 1
     data_parallel_backend: str = "mp"
     ray_address: str | None = None
+    expert_parallel_size: int = 1
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -64,27 +65,44 @@ def serve(settings: ServerSettings, engine_kwargs: dict[str, Any]) -> int:
     """Run the server until a signal (exit status 0) or the engine's death (1)."""
     from fdplug.core.engine.startup import resolve_engine
     from fdplug.core.model.tokenizer import Tokenizer
-    from fdplug.server.dp_client import data_parallel_ranks
+    from fdplug.server.dp_client import data_parallel_ranks, expert_parallel_ranks
 
     kwargs = dict(engine_kwargs)
+    ep_size = settings.expert_parallel_size
+    if ep_size > 1:
+        check_expert_parallel(settings)
+        settings.data_parallel_size = ep_size
+        kwargs["expert_parallel_size"] = ep_size
     model = kwargs.pop("model", None)
     config, model_config, selection = resolve_engine(
         model, kwargs.pop("device", "auto"), kwargs.pop("runner", None), kwargs.pop("attention_backend", None),
         kwargs.pop("moe_backend", None), ops=kwargs.pop("op_kernels", None), **kwargs)
     logger.info("selection:\n%s", selection.explain())
+    expert_parallel = expert_parallel_ranks(model_config, ep_size)
     tokenizer = Tokenizer.from_dir(config.model_dir)
     sock = bind_socket(settings.host, settings.port)
     pin = selection.device.name == "cpu" and settings.data_parallel_backend == "mp"   # Ray places its own
     spec_args = [{"model_dir": config.model_dir, "selection": selection.to_names(), "engine_args": engine_args,
-                  "cpus": cpus if pin else None}
-                 for engine_args, cpus in data_parallel_ranks(kwargs, settings.data_parallel_size,
-                                                              selection.device.name == "cpu")]
+                  "cpus": cpus if pin else None, "expert_parallel": expert_parallel[rank] if expert_parallel else None}
+                 for rank, (engine_args, cpus) in enumerate(data_parallel_ranks(kwargs, settings.data_parallel_size,
+                                                                                selection.device.name == "cpu"))]
     name = settings.served_model_name or (model if model else "demo")
     try:
         with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
             return runner.run(_serve(settings, spec_args, tokenizer, sock, name))
     finally:
         sock.close()
+
+
+def check_expert_parallel(settings: ServerSettings) -> None:
+    """Expert parallel's ranks are the data-parallel engines: the sizes agree (or DP is left out)."""
+    if settings.data_parallel_size not in (1, settings.expert_parallel_size):
+        raise ConfigError(f"--expert-parallel-size {settings.expert_parallel_size} with --data-parallel-size "
+                          f"{settings.data_parallel_size}: the expert-parallel ranks are the data-parallel engines.",
+                          fix="leave --data-parallel-size out, or give both the same size.")
+    if settings.data_parallel_backend != "mp":
+        raise ConfigError("--expert-parallel-size runs its engines on this machine (--data-parallel-backend mp) "
+                          "in this version.", fix="drop --data-parallel-backend ray with --expert-parallel-size.")
 
 
 def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -149,7 +167,8 @@ async def _serve(settings: ServerSettings, spec_args: list[dict], tokenizer: Any
 
         clients = [engine_client(engine, info, rank) for rank, (engine, info) in enumerate(zip(engines, infos))]
         client = clients[0] if len(clients) == 1 else DataParallelClient(
-            clients, restart if settings.data_parallel_backend == "ray" else None)
+            clients, restart if settings.data_parallel_backend == "ray" else None,
+            lockstep=settings.expert_parallel_size > 1)
         info = infos[0]
         api_key = settings.api_key if settings.api_key is not None else env("FDPLUG_API_KEY")
         app = build_app(client, name, api_key, settings.max_body_bytes, settings.stream_interval,

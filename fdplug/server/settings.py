@@ -22,6 +22,13 @@ def parse_slice_us(raw: str) -> int:
     return value
 
 
+def parse_window_seconds(raw: str) -> float:
+    value = float(raw)
+    if not 0 <= value <= 10:
+        raise ValueError(f"must be 0 (no wait) to 10 seconds, got {value}")
+    return value
+
+
 for _setting in (
     Setting("FDPLUG_API_KEY", None, str,
             "API key `fdplug serve` requires as `Authorization: Bearer KEY` (--api-key overrides; unset: no key).",
@@ -42,5 +49,8 @@ for _setting in (
     Setting("FDPLUG_DP_PREFIX_AFFINITY", True, parse_bool,
             "1 (default): with --data-parallel-size > 1 a request prefers, among the engines within 2 requests of "
             "the least loaded, the one holding its prompt's prefix; 0: the least loaded engine only."),
+    Setting("FD_EP_BATCHED_TOKEN_TIMEOUT", 0.1, parse_window_seconds,
+            "Expert parallel: seconds an idle rank waits for more requests (up to a step's tokens and its free KV "
+            "blocks) before it starts a step that every rank must join (FastDeploy's name; 0: start at once)."),
 ):
     declare(_setting)

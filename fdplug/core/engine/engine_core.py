@@ -33,7 +33,7 @@ from fdplug.core.multimodal.loader import FeatureLoader
 from fdplug.core.scheduler.config import SchedulerConfig
 from fdplug.core.scheduler.output import EngineCoreOutput, SchedulerOutput
 from fdplug.core.scheduler.scheduler import Scheduler
-from fdplug.errors import EngineRequestError, FdplugError, error_to_dict
+from fdplug.errors import EngineRequestError, FdplugError, ParallelGroupError, error_to_dict
 from fdplug.plugin_api.selection import Selection
 
 logger = logging.getLogger("fdplug.engine")
@@ -64,13 +64,18 @@ class EngineCore:
     def add_request(self, request: Request) -> None:
         """Check a request against the model and queue it, or raise a typed error with nothing
         changed. One with multimodal items waits (in its own state) for its features."""
-        check_request(request, self.limits)
+        self.validate(request)
         if request.mm_inputs:
-            self.feature_loader.check_cached(request)
             request.status = RequestStatus.WAITING_FOR_FEATURES
         self.scheduler.add_request(request)
         if request.mm_inputs and self.feature_loader.submit(request):
             request.status = RequestStatus.WAITING
+
+    def validate(self, request: Request) -> None:
+        """The admission check alone: the typed error ``add_request`` would refuse it with, if any."""
+        check_request(request, self.limits)
+        if request.mm_inputs:
+            self.feature_loader.check_cached(request)
 
     def abort_requests(self, request_ids: Iterable[str],
                        status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
@@ -105,6 +110,8 @@ class EngineCore:
         try:
             executed = self.executor.execute(scheduler_output)
             return outputs + self._update(scheduler_output, executed), True
+        except ParallelGroupError:   # a peer rank of the expert-parallel group is gone: the engine stops
+            raise
         except Exception:   # a bug past the runner, in the engine's own bookkeeping: contain it too
             logger.exception("the engine failed to finish a step; failing its %d requests",
                              len(scheduler_output.num_scheduled_tokens))

@@ -5,7 +5,8 @@ returns its `ModelRunnerOutput` with tokens checked against the vocabulary, plus
 to have broken it. When the runner raises, ``step_recovery`` re-runs subsets to find the culprits;
 requests it cannot decide go back to the queue; a failure of every suspect even alone is taken as
 the runner's own (it is rebuilt once, nobody fails). After a failed step the runner's requests are
-compared with the scheduler's, and rebuilt from the scheduler if they disagree.
+compared with the scheduler's, and rebuilt from the scheduler if they disagree. A
+`ParallelGroupError` (a peer of the expert-parallel group is gone) is not contained: the engine stops.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from fdplug.core.engine.step_recovery import Recovered, recover_step
 from fdplug.core.multimodal.encoder_cache import EncoderCache
 from fdplug.core.scheduler.output import SchedulerOutput
 from fdplug.core.scheduler.scheduler import Scheduler
-from fdplug.errors import FdplugError, RequestStepError
+from fdplug.errors import FdplugError, ParallelGroupError, RequestStepError
 from fdplug.plugin_api.model_runner import ModelRunner, ModelRunnerOutput
 
 logger = logging.getLogger("fdplug.engine")
@@ -54,6 +55,8 @@ class StepExecutor:
         try:
             self._attach_features(so)
             step = ExecutedStep(self.runner.execute_model(so))
+        except ParallelGroupError:   # a peer rank is gone: nothing here can be retried
+            raise
         except Exception as exc:
             logger.exception("a model step of %d requests failed; finding the requests that caused it",
                              len(so.num_scheduled_tokens))

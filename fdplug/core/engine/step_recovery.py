@@ -26,7 +26,7 @@ from typing import Any, Iterable
 
 from fdplug.core.scheduler.output import NewRequestData, SchedulerOutput
 from fdplug.core.scheduler.scheduler import Scheduler
-from fdplug.errors import EngineRequestError, FdplugError, RequestStepError
+from fdplug.errors import EngineRequestError, FdplugError, ParallelGroupError, RequestStepError
 
 logger = logging.getLogger("fdplug.engine")
 
@@ -110,6 +110,8 @@ class _Recovery:
         self.out.reruns += 1
         try:
             result = self.runner.execute_model(_rerun(self.scheduler, self.so, group))
+        except ParallelGroupError:   # the expert-parallel group is broken, not this group of requests
+            raise
         except Exception as err:   # noqa: BLE001 -- any failure of the re-run is this group's
             self.last_error = err
             drop(self.runner, group)

@@ -68,7 +68,7 @@ class DecoderLayer(nn.Layer):
     """Pre-norm transformer block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
 
     def __init__(self, cfg: ModelConfig, attn_backend: Any, dtype: str, kernels: Kernels,
-                 moe_backend: Any | None = None, index: int = 0) -> None:
+                 moe_backend: Any | None = None, index: int = 0, expert_parallel: Any = None) -> None:
         super().__init__()
         prefix = f"model.layers.{index}."
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
@@ -76,7 +76,7 @@ class DecoderLayer(nn.Layer):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
         if moe_backend is not None:
             self.mlp = SparseMoEBlock(cfg.hidden_size, cfg.moe, moe_backend, dtype, kernels, cfg.quant, prefix,
-                                      cfg.bf16_weights)
+                                      cfg.bf16_weights, expert_parallel)
         else:
             self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype, kernels,
                               mlp_quant(cfg.quant, prefix + "mlp."), cfg.bf16_weights)
@@ -106,8 +106,11 @@ class DecoderForCausalLM(nn.Layer):
     """
 
     def __init__(self, cfg: ModelConfig, attn_backend: Any, dtype: str = "float32",
-                 max_positions: int | None = None, kernels: Kernels = PORTABLE, moe_backend: Any | None = None) -> None:
-        """``moe_backend`` runs the routed experts of MoE layers (default: the portable reference)."""
+                 max_positions: int | None = None, kernels: Kernels = PORTABLE, moe_backend: Any | None = None,
+                 expert_parallel: Any = None) -> None:
+        """``moe_backend`` runs the routed experts of MoE layers (default: the portable reference);
+        ``expert_parallel`` (a `lockstep.LockstepGroup`): this rank holds its share of them, and
+        every forward pass is one of the group's lockstep passes."""
         super().__init__()
         self.config = cfg
         self.dtype_name = dtype
@@ -119,8 +122,11 @@ class DecoderForCausalLM(nn.Layer):
             from fdplug.core.portable.moe import ReferenceMoE
 
             moe_backend = ReferenceMoE()
+        self.expert_parallel = expert_parallel if moe_layers else None
+        if self.expert_parallel is not None:
+            self.expert_parallel.attach(moe_backend, cfg.moe.num_experts)
         self.layers = nn.LayerList([DecoderLayer(cfg, attn_backend, dtype, kernels,
-                                                 moe_backend if i in moe_layers else None, i)
+                                                 moe_backend if i in moe_layers else None, i, self.expert_parallel)
                                     for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
         # [vocab, hidden] like the embedding, so tying is sharing one tensor; untied, a Linear (its
@@ -143,6 +149,13 @@ class DecoderForCausalLM(nn.Layer):
         ``kv_caches[i]`` is layer ``i``'s ``(key_cache, value_cache)`` in the backend's layout;
         ``attn_prepared`` is ``backend.prepare(meta)`` for this step.
         """
+        if self.expert_parallel is None:
+            return self._forward(input_ids, positions, kv_caches, attn_prepared, inputs_embeds)
+        with self.expert_parallel.forward_pass():
+            return self._forward(input_ids, positions, kv_caches, attn_prepared, inputs_embeds)
+
+    def _forward(self, input_ids: Any, positions: Any, kv_caches: list[tuple[Any, Any]], attn_prepared: Any,
+                 inputs_embeds: Any | None) -> Any:
         h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         residual = None
         cos, sin = self.rotary.lookup(positions)

@@ -55,8 +55,9 @@ def parameter_counts(cfg: ModelConfig) -> tuple[int, int]:
     return total, experts
 
 
-def weight_footprint(cfg: ModelConfig, dtype: str) -> WeightFootprint:
-    """Bytes of the weights as loaded; FP8 experts count 1 byte a weight plus their per-row scales
+def weight_footprint(cfg: ModelConfig, dtype: str, expert_shards: int = 1) -> WeightFootprint:
+    """Bytes of the weights as loaded (``expert_shards``: one rank's share of the routed experts
+    under expert parallel); FP8 experts count 1 byte a weight plus their per-row scales
     (`fp8_layers`). FP8 dense linears are counted as ``dtype``: an upper bound, fine for a fit check;
     with `ModelConfig.bf16_weights` everything but the routed experts counts 2 bytes (the norms and
     biases, kept in ``dtype``, are a rounding error)."""
@@ -68,6 +69,8 @@ def weight_footprint(cfg: ModelConfig, dtype: str) -> WeightFootprint:
         h, i, bk = cfg.hidden_size, cfg.moe.intermediate_size, cfg.quant.block[1]
         scales = 4 * (2 * i * -(-h // bk) + h * -(-i // bk))
         expert_bytes = experts + len(cfg.moe.layers) * cfg.moe.num_experts * scales
+    if expert_shards > 1:
+        total, experts, expert_bytes = total - experts, 0, expert_bytes // expert_shards
     return WeightFootprint((total - experts) * dense_size + expert_bytes, expert_bytes)
 
 

@@ -44,7 +44,7 @@ def load_model(model_dir: str | Path, attn_backend: Any, dtype: str = "float32",
                max_positions: int | None = None, show_progress: bool = True,
                kernels: Kernels = PORTABLE, moe_backend: Any | None = None,
                quantization: str | None = None,
-               weight_dtype: str | None = None) -> tuple[DecoderForCausalLM, ModelConfig]:
+               weight_dtype: str | None = None, expert_parallel: Any = None) -> tuple[DecoderForCausalLM, ModelConfig]:
     """Build the decoder for ``model_dir``'s config and fill it from its safetensors files.
 
     ``dtype`` is the compute dtype (float32 on CPU); checkpoint tensors are cast to it.
@@ -53,12 +53,13 @@ def load_model(model_dir: str | Path, attn_backend: Any, dtype: str = "float32",
     ``quantization="fp8"`` quantizes a float checkpoint's linears to FP8 blocks as they are read.
     ``weight_dtype="bfloat16"`` with a float32 ``dtype`` keeps the float linears, the embedding and
     the lm_head in bf16 (`layers.Linear`, the ``linear`` op): half the bytes, float32 math.
+    ``expert_parallel`` (a `lockstep.LockstepGroup`): keep this rank's share of the routed experts.
     """
     started = time.perf_counter()
     cfg = ModelConfig.from_dir(model_dir, quantization).keep_weights(dtype, weight_dtype)
     files = weight_files(model_dir)
     model = DecoderForCausalLM(cfg, attn_backend, dtype=dtype, max_positions=max_positions, kernels=kernels,
-                               moe_backend=moe_backend)
+                               moe_backend=moe_backend, expert_parallel=expert_parallel)
     load_weights(model, cfg, files, show_progress=show_progress)
     for kind, prepare in ((Linear, kernels.prepare_linear), (Fp8Linear, kernels.prepare_fp8_linear)):
         layers = [layer for layer in model.sublayers() if isinstance(layer, kind)]

@@ -10,6 +10,12 @@ The routed experts arrive from the checkpoint as two stacked parameters in Huggi
 [E, H, I]``. When the loader has filled both, `load_experts` hands them to the backend, which
 converts them to its own layout once, and the parameters are dropped: the backend's copy is the
 only one that stays.
+
+Expert parallel (``expert_parallel``, a `lockstep.LockstepGroup`): the backend gets only this
+rank's slice of the experts, and the routed step is ``expert_round``: the group's exchange
+dispatches every assignment to its expert's rank, the backend runs the ones routed here, the
+exchange combines them back. An idle rank calls ``expert_round(None)`` (zero tokens) so the
+others' collectives complete; when the backend raises, the combine still runs (with zeros) first.
 """
 
 from __future__ import annotations
@@ -23,7 +29,12 @@ from paddle import nn
 from fdplug.core.model.fp8_layers import FP8_DTYPE
 from fdplug.core.model.layers import SwiGLU, empty_parameter
 from fdplug.core.model.moe_config import MoEConfig
-from fdplug.core.model.quant_config import QuantConfig, fused_quant, mlp_quant, shared_expert_prefix
+from fdplug.core.model.quant_config import (
+    QuantConfig,
+    fused_quant,
+    mlp_quant,
+    shared_expert_prefix,
+)
 from fdplug.plugin_api.moe import ExpertWeights, select_experts
 from fdplug.plugin_api.ops import Kernels
 
@@ -32,13 +43,18 @@ EXPERT_PARAMS = ("experts_gate_up", "experts_down", "experts_gate_up_scale", "ex
 
 class SparseMoEBlock(nn.Layer):
     def __init__(self, hidden: int, moe: MoEConfig, backend: Any, dtype: str, kernels: Kernels,
-                 quant: QuantConfig | None = None, prefix: str = "", bf16: bool = False) -> None:
+                 quant: QuantConfig | None = None, prefix: str = "", bf16: bool = False,
+                 expert_parallel: Any = None) -> None:
         """``quant``/``prefix``: the checkpoint's FP8 config and this layer's HF name (``model.layers.3.``);
         FP8 experts stay e4m3 with per-row scales (`fp8_layers`) until the backend takes them.
         ``bf16``: the shared expert's float weights kept bf16 (`layers.make_linear`); the routed
         experts are the backend's, in the compute dtype."""
         super().__init__()
         self.routing, self.backend = moe.routing, backend
+        self.hidden, self.dtype = hidden, dtype
+        self.expert_parallel = expert_parallel
+        if expert_parallel is not None:
+            expert_parallel.blocks.append(self)
         self.router_dtype = "float32" if moe.routing.router_dtype == "float32" else dtype
         e, inter = moe.num_experts, moe.intermediate_size
         self.router = empty_parameter([hidden, e], self.router_dtype)          # HF mlp.gate.weight, transposed
@@ -61,12 +77,17 @@ class SparseMoEBlock(nn.Layer):
     def load_experts(self) -> None:
         """Hand the filled expert parameters to the backend and drop them (called by the loader)."""
         inter = self.experts_gate_up.shape[1] // 2
-        gate_up = self.experts_gate_up          # slicing is a view, fp8 included
-        weights = ExpertWeights(gate_up[:, :inter], gate_up[:, inter:], self.experts_down)
+        mine = slice(None)
+        if self.expert_parallel is not None:     # this rank's experts only (the others' are dropped now)
+            shard = self.expert_parallel.shard
+            mine = slice(shard.first, shard.first + shard.count)
+        gate_up = self.experts_gate_up[mine]     # slicing is a view, fp8 included
+        weights = ExpertWeights(gate_up[:, :inter], gate_up[:, inter:], self.experts_down[mine])
         if self.quant:
-            scales = self.experts_gate_up_scale
+            scales = self.experts_gate_up_scale[mine]
             weights.format, weights.block = self.quant.format, self.quant.block
-            weights.scales = {"gate": scales[:, :inter], "up": scales[:, inter:], "down": self.experts_down_scale}
+            weights.scales = {"gate": scales[:, :inter], "up": scales[:, inter:],
+                              "down": self.experts_down_scale[mine]}
             self.experts_gate_up_scale = self.experts_down_scale = None
         self.experts = self.backend.load_weights(weights)
         self.experts_gate_up = None
@@ -78,10 +99,35 @@ class SparseMoEBlock(nn.Layer):
         router_in = x if x.dtype == self.router.dtype else x.astype(self.router_dtype)
         logits = paddle.matmul(router_in, self.router)
         weights, ids = select_experts(logits, self.routing, self.e_score_correction_bias)
-        out = self.backend.forward(x, weights, ids, self.experts)
+        if self.expert_parallel is None:
+            out = self.backend.forward(x, weights, ids, self.experts)
+        else:
+            out = self.expert_round(x, weights, ids)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:
                 shared = F.sigmoid(paddle.matmul(x, self.shared_expert_gate)) * shared
             out = out + shared
         return out
+
+    def expert_round(self, x: Any | None, weights: Any = None, ids: Any = None) -> Any:
+        """The routed experts across the expert-parallel group; ``x`` None: this rank has no tokens
+        in this pass (a dummy round: its experts serve the other ranks' tokens)."""
+        group = self.expert_parallel
+        exchange = group.exchange
+        if x is None:
+            k = self.routing.top_k
+            x = paddle.zeros([0, self.hidden], dtype=self.dtype)
+            weights, ids = paddle.zeros([0, k], dtype="float32"), paddle.zeros([0, k], dtype="int64")
+        batch = group.collective(lambda: exchange.dispatch(x, weights, ids))
+        rows = int(batch.hidden.shape[0])
+        try:
+            out = (self.backend.forward(batch.hidden, batch.topk_weights, batch.topk_ids, self.experts) if rows
+                   else paddle.zeros([0, self.hidden], dtype=x.dtype))
+        except Exception:   # the others wait in this layer's combine: give them zeros, then fail this pass
+            group.collective(lambda: exchange.combine(paddle.zeros([rows, self.hidden], dtype=x.dtype), batch))
+            group.moe_layer()
+            raise
+        combined = group.collective(lambda: exchange.combine(out, batch))
+        group.moe_layer()
+        return combined

@@ -1,1 +1,2 @@
-"""Parallelism across ranks (paddle.distributed): expert parallel MoE exchanges (`expert_parallel`)."""
+"""Parallelism across ranks (paddle.distributed): expert parallel MoE exchanges (`exchange`) and the
+lockstep of the ranks' forward passes (`lockstep`)."""

@@ -35,18 +35,36 @@ from fdplug.plugin_api.selection import Selection
 logger = logging.getLogger("fdplug")
 
 
-def check_weights_fit(cfg: Any, dtype: str, selection: Selection) -> Any:
-    """The weights' footprint from config.json; a ConfigError with the numbers, before anything is
-    read, if the device has less free memory than they need."""
+def check_weights_fit(cfg: Any, dtype: str, selection: Selection, expert_shards: int = 1) -> Any:
+    """The weights' footprint from config.json (``expert_shards``: the routed experts split over
+    that many ranks); a ConfigError with the numbers, before anything is read, if the device has
+    less free memory than they need."""
     from fdplug.core.model.footprint import weight_footprint
 
-    footprint = weight_footprint(cfg, dtype)
+    footprint = weight_footprint(cfg, dtype, expert_shards)
     free = selection.device.free_memory(0) if selection.device.free_memory else None
     if free is not None and footprint.total_bytes > free:
         raise ConfigError(f"the model's weights need {footprint.describe(cfg)} as {dtype}, but only "
                           f"{format_bytes(free)} are free on device {selection.device.name!r}.",
                           fix="use a device with more memory, a smaller model, or free memory on this one.")
     return footprint
+
+
+def expert_parallel_group(config: EngineConfig, cfg: Any) -> Any:
+    """This engine's expert-parallel group (`lockstep.current_group`), None when it runs alone; a
+    ConfigError when ``expert_parallel_size`` asks for one this process is not part of."""
+    from fdplug.core.parallel.lockstep import current_group
+
+    if config.expert_parallel_size == 1:
+        return None
+    group = current_group()
+    if group is None or group.size != config.expert_parallel_size:
+        raise ConfigError(f"expert_parallel_size={config.expert_parallel_size}, but this process is not a rank "
+                          "of such a group.", fix="run expert parallel through `fdplug serve --expert-parallel-size N`.")
+    if cfg.moe is None:
+        raise ConfigError(f"--expert-parallel-size {group.size} shards a MoE model's experts, and "
+                          f"{cfg.architecture} has none.", fix="use --data-parallel-size for a dense model.")
+    return group
 
 
 @dataclass(slots=True)
@@ -82,7 +100,8 @@ class ModelRunner:
         self.paddle.set_device(self.place)
         cfg = ModelConfig.from_dir(self.config.model_dir, self.config.quantization)
         cfg.keep_weights(self.config.dtype, self.config.weight_dtype)
-        footprint = check_weights_fit(cfg, self.config.dtype, self.selection)
+        group = expert_parallel_group(self.config, cfg)
+        footprint = check_weights_fit(cfg, self.config.dtype, self.selection, group.size if group else 1)
         self.attn_backend = self.selection.attention.factory(self.config)
         self.moe_backend = self.selection.moe.factory(self.config) if cfg.moe is not None else None
         ops = self.selection.ops
@@ -92,7 +111,7 @@ class ModelRunner:
         self.model, self.model_config = load_model(self.config.model_dir, self.attn_backend, dtype=self.config.dtype,
                                                    max_positions=self.config.max_model_len, kernels=kernels,
                                                    moe_backend=self.moe_backend, quantization=self.config.quantization,
-                                                   weight_dtype=self.config.weight_dtype)
+                                                   weight_dtype=self.config.weight_dtype, expert_parallel=group)
         self.model.eval()
         # The routed experts live in the MoE backend's layout, not as parameters: count them as loaded.
         params = sum(int(np.prod(p.shape)) * p.element_size() for p in self.model.parameters())

@@ -1,0 +1,177 @@
+"""The ranks of an expert-parallel group run every forward pass together, idle or not.
+
+Each MoE layer of a forward pass is a collective (`exchange`), so a rank may only enter a pass when
+every rank does. The rule that keeps them matched, whatever each rank's scheduler decides:
+
+- every forward pass starts with a *header*: one all_reduce of ``[running, leaving]`` flags. A rank
+  about to run a real pass (a step, or a re-run while containing a fault) sends ``running = 1``;
+- a rank whose loop iteration ran no pass calls ``idle_round``: a header with ``running = 0``, and
+  if anybody is running, a *dummy pass*: its share of every MoE layer's exchange with zero tokens
+  of its own (its experts still serve the others' tokens);
+- a pass that raises part way still finishes its MoE layers as dummies (``forward_pass``), so the
+  others' collectives complete; the error then goes on to the engine's fault containment, and
+  its re-runs are passes like any other.
+
+Between two headers every rank therefore makes the same collectives. A header with ``leaving``
+set (the API process asked a rank to stop) ends every rank's loop after that round. A collective
+that fails (a peer died) raises `ParallelGroupError`: the group cannot step without that rank.
+
+``init_group`` starts paddle.distributed in an engine process from the rank, size and rendezvous
+endpoint the API process chose (gloo on the cpu device, the device's own backend elsewhere).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from fdplug.errors import ConfigError, ParallelGroupError
+
+logger = logging.getLogger("fdplug.engine")
+
+_GROUP: LockstepGroup | None = None
+
+
+class LockstepGroup:
+    """One engine process's view of its expert-parallel group (``rank`` of ``size``)."""
+
+    def __init__(self, rank: int, size: int, group: Any = None) -> None:
+        import paddle.distributed as dist
+
+        self.rank, self.size, self.group, self.dist = rank, size, group, dist
+        self.shard: Any = None           # this rank's experts (`attach`)
+        self.exchange: Any = None        # the MoE layers' `ExpertExchange` (`attach`)
+        self.blocks: list[Any] = []      # the model's MoE blocks in forward order (`SparseMoEBlock.expert_round`)
+        self.layer: int | None = None    # MoE layers done in the pass under way (None: no pass)
+        self.leaving = False             # a rank asked the group to stop
+        self.busy = False                # the last header had a pass: don't sleep before the next
+        self.headers = 0
+        self.passes = self.dummy_passes = 0
+        self.pass_seconds = 0.0          # in passes, real and dummy, headers included
+        self.exchange_seconds = 0.0      # of which in the MoE layers' dispatch + combine
+        self.header_seconds = 0.0        # of which in headers (waiting for the slowest rank mostly)
+
+    def attach(self, backend: Any, num_experts: int) -> None:
+        """The model's MoE layers have ``num_experts`` experts run by ``backend``: this rank's share,
+        and the exchange (the backend's own, else by capability; a collective probe, every rank)."""
+        from fdplug.core.parallel.exchange import ExpertShard, choose_exchange
+
+        try:
+            self.shard = ExpertShard(self.rank, self.size, num_experts)
+        except ValueError as exc:
+            raise ConfigError(f"{exc}.", fix="choose an --expert-parallel-size that divides the number of experts.") \
+                from None
+        self.exchange = self.collective(lambda: choose_exchange(backend, self.group, self.shard))
+        logger.info("%s: experts %d..%d of %d, %s exchange", self.describe(), self.shard.first,
+                    self.shard.first + self.shard.count - 1, num_experts, self.exchange.name)
+
+    # -- rounds -----------------------------------------------------------------------------------
+
+    @contextmanager
+    def forward_pass(self) -> Iterator[None]:
+        """A real pass of this rank; its MoE layers are finished as dummies if it raises part way."""
+        if self.leaving:
+            raise ParallelGroupError("the expert-parallel group is stopping.", fix="the server is shutting down.")
+        started = time.perf_counter()
+        self._header(running=True, leaving=False)
+        self.passes += 1
+        self.layer = 0
+        try:
+            yield
+        except ParallelGroupError:   # the group is broken: no more collectives
+            self.layer = None
+            raise
+        finally:
+            self._finish_layers()
+            self.pass_seconds += time.perf_counter() - started
+
+    def idle_round(self, leaving: bool = False) -> None:
+        """This rank has no pass to run: take part in the round (a dummy pass if anybody runs one)."""
+        started = time.perf_counter()
+        if self._header(running=False, leaving=leaving):
+            self.dummy_passes += 1
+            self.layer = 0
+            self._finish_layers()
+            self.pass_seconds += time.perf_counter() - started
+
+    def moe_layer(self) -> None:
+        """Called by each MoE block as it exchanges: one more layer of this pass done."""
+        if self.layer is None:
+            raise RuntimeError("a MoE layer ran outside a lockstep pass (an engine bug: the model was called "
+                               "without LockstepGroup.forward_pass)")
+        self.layer += 1
+
+    def _header(self, running: bool, leaving: bool) -> bool:
+        import paddle
+
+        flags = paddle.to_tensor([int(running), int(leaving)], dtype="int64")
+        started = time.perf_counter()
+        self.collective(lambda: self.dist.all_reduce(flags, group=self.group), timed=False)
+        self.header_seconds += time.perf_counter() - started
+        runners, leavers = (int(v) for v in flags.numpy())
+        self.headers += 1
+        self.busy = runners > 0
+        self.leaving = self.leaving or leavers > 0
+        return runners > 0
+
+    def _finish_layers(self) -> None:
+        try:
+            while self.layer is not None and self.layer < len(self.blocks):
+                self.blocks[self.layer].expert_round(None)
+        finally:
+            self.layer = None
+
+    def collective(self, call: Any, timed: bool = True) -> Any:
+        """Run one collective call (``timed``: an exchange's, counted in ``exchange_seconds``); a
+        failure (a peer gone) is the group's: `ParallelGroupError`."""
+        started = time.perf_counter()
+        try:
+            return call()
+        except Exception as exc:
+            raise ParallelGroupError(f"a collective of the expert-parallel group failed on rank {self.rank} "
+                                     f"({type(exc).__name__}: {str(exc)[:200]}).",
+                                     fix="a peer engine stopped; restart the server (the group runs as one).") from exc
+        finally:
+            if timed:
+                self.exchange_seconds += time.perf_counter() - started
+
+    def describe(self) -> str:
+        return f"expert parallel rank {self.rank} of {self.size}"
+
+    def summary(self) -> str:
+        """What the group cost this rank (logged at exit; bench/scale.py --ep reads it)."""
+        share = self.exchange_seconds / self.pass_seconds if self.pass_seconds else 0.0
+        return (f"{self.describe()}: {self.passes} passes of its own, {self.dummy_passes} dummy; "
+                f"{self.pass_seconds:.3f} s in passes, exchange {self.exchange_seconds:.3f} s ({share:.1%}), "
+                f"headers {self.header_seconds:.3f} s")
+
+
+def init_group(rank: int, size: int, endpoints: list[str], device: str) -> LockstepGroup:
+    """Start paddle.distributed for rank ``rank`` of ``size`` (``endpoints``: each rank's host:port,
+    the first one rank 0's store, the rendezvous) and make it this process's group."""
+    global _GROUP
+    if size < 2 or not 0 <= rank < size or len(endpoints) != size:
+        raise ConfigError(f"expert-parallel rank {rank} of {size} with {len(endpoints)} endpoints is not a group.",
+                          fix="--expert-parallel-size must be at least 2.")
+    host, _, port = endpoints[0].rpartition(":")
+    os.environ.update(PADDLE_TRAINER_ID=str(rank), PADDLE_TRAINERS_NUM=str(size), MASTER_ADDR=host,
+                      MASTER_PORT=port, PADDLE_TRAINER_ENDPOINTS=",".join(endpoints),
+                      PADDLE_CURRENT_ENDPOINT=endpoints[rank],
+                      PADDLE_DISTRI_BACKEND="gloo" if device == "cpu" else "auto")
+    import paddle.distributed as dist
+
+    started = time.perf_counter()
+    dist.init_parallel_env()
+    _GROUP = LockstepGroup(rank, size)
+    logger.info("%s joined the group at %s in %.1f s (%s)", _GROUP.describe(), endpoints[0], time.perf_counter() - started,
+                os.environ["PADDLE_DISTRI_BACKEND"])
+    return _GROUP
+
+
+def current_group() -> LockstepGroup | None:
+    """This process's expert-parallel group (None: it runs alone)."""
+    return _GROUP
