@@ -3,13 +3,17 @@
 On the MoE golden fixtures (tiny random checkpoints with transformers' greedy continuations) every
 run gets transformers' tokens on either rank, with both ranks busy at once and with one of them
 idle (its experts still serve the other's tokens: every step of one rank is a round the other
-joins). A rank idle for hundreds of the other's steps never holds it up; a rank that dies stops the
-group, and every request in flight ends with an error instead of hanging. Sizes that cannot work
-are refused before anything loads.
+joins). A rank idle for hundreds of the other's steps never holds it up; a request whose steps fail
+on one rank fails alone (the engine's fault containment re-runs parts of the step: rounds the other
+rank joins) while both ranks' other requests finish as if it had not been there; a rank that dies
+stops the group, and every request in flight ends with an error instead of hanging. Sizes that
+cannot work are refused before anything loads.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import signal
 import time
@@ -21,11 +25,12 @@ import pytest
 from fdplug.core.model.tokenizer import Tokenizer
 from fdplug.errors import ConfigError
 from fdplug.server.launcher import ServerSettings, serve
-from tests.conftest import write_test_model
+from tests.conftest import REPO, write_test_model
 from tests.serverkit import Server, alive, wait_until
 from tests.test_moe_golden import greedy, servable
 from tests.test_moe_models import QWEN2_MOE
 from tests.test_server_dp import per_engine
+from tests.test_step_recovery import AFTER, MARKER, install
 
 FIXTURES = ("qwen3_moe", "ernie4_5_moe")    # top-3 softmax routing; selection bias and shared experts
 
@@ -82,6 +87,39 @@ def test_a_rank_idle_for_hundreds_of_steps_never_holds_the_other_up(tmp_path):
         reply = client.completions.create(model="golden", prompt=[9, 9], max_tokens=4, temperature=0,
                                           extra_headers={"X-Data-Parallel-Rank": "1"})
         assert reply.usage.completion_tokens >= 1                # and the idle one serves when asked
+    finally:
+        assert server.stop() == 0, server.log()
+
+
+def test_a_failing_request_on_one_rank_fails_alone_and_both_ranks_keep_their_tokens(tmp_path):
+    import openai
+
+    site = tmp_path / "site"
+    install(site)
+    fault = json.dumps({"mode": "raise", "marker": MARKER, "after": AFTER})
+    model = write_test_model(tmp_path / "moe", **QWEN2_MOE)
+    server = start(model, tmp_path / "ep.log", "--max-model-len", "128", "--runner", "faulty",
+                   FAULTY_RUNNER=fault, PYTHONPATH=f"{site}:{REPO}")
+    prompts = [[10 + i, 20 + 3 * i, 30, 40 - i] for i in range(4)]
+
+    async def run(with_culprit: bool):
+        client = server.async_openai()
+        ask = [client.completions.create(model="golden", prompt=p, max_tokens=24, temperature=0,
+                                         extra_body={"ignore_eos": True},
+                                         extra_headers={"X-Data-Parallel-Rank": str(i % 2)})
+               for i, p in enumerate(prompts)]
+        if with_culprit:
+            ask.append(client.completions.create(model="golden", prompt=[MARKER, 3, 8, 1], max_tokens=24,
+                                                 temperature=0, extra_body={"ignore_eos": True},
+                                                 extra_headers={"X-Data-Parallel-Rank": "0"}))
+        return await asyncio.gather(*ask, return_exceptions=True)
+
+    try:
+        alone = [r.choices[0].text for r in asyncio.run(run(False))]
+        *together, culprit = asyncio.run(run(True))
+        assert isinstance(culprit, openai.InternalServerError), culprit
+        assert [r.choices[0].text for r in together] == alone
+        assert [e["alive"] for e in httpx.get(server.url + "/health").json()["engines"]] == [True, True]
     finally:
         assert server.stop() == 0, server.log()
 
