@@ -33,7 +33,12 @@ from fdplug.core.multimodal.loader import FeatureLoader
 from fdplug.core.scheduler.config import SchedulerConfig
 from fdplug.core.scheduler.output import EngineCoreOutput, SchedulerOutput
 from fdplug.core.scheduler.scheduler import Scheduler
-from fdplug.errors import EngineRequestError, FdplugError, ParallelGroupError, error_to_dict
+from fdplug.errors import (
+    EngineRequestError,
+    FdplugError,
+    ParallelGroupError,
+    error_to_dict,
+)
 from fdplug.plugin_api.selection import Selection
 
 logger = logging.getLogger("fdplug.engine")

@@ -26,7 +26,12 @@ from typing import Any, Iterable
 
 from fdplug.core.scheduler.output import NewRequestData, SchedulerOutput
 from fdplug.core.scheduler.scheduler import Scheduler
-from fdplug.errors import EngineRequestError, FdplugError, ParallelGroupError, RequestStepError
+from fdplug.errors import (
+    EngineRequestError,
+    FdplugError,
+    ParallelGroupError,
+    RequestStepError,
+)
 
 logger = logging.getLogger("fdplug.engine")
 
