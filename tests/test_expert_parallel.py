@@ -93,10 +93,14 @@ def exchange_main(out_dir: str, kind: str) -> None:
     dist.init_parallel_env()
     rank = dist.get_rank()
     shard = ExpertShard(rank, dist.get_world_size(), EXPERTS)
-    exchange = (AllGatherExchange if kind == "all_gather" else GatheredAllToAll)(shard)
+    step_counts = {"now": [0, 0]}
+    exchange = {"all_gather": AllGatherExchange(shard),      # counts gathered in the layer, or from the header:
+                "all_gather_counted": AllGatherExchange(shard, counts=lambda: step_counts["now"]),
+                "all_to_all": GatheredAllToAll(shard)}[kind]
     backend, layer = reference(shard.first, shard.count)
     results = {"has_all_to_all": has_all_to_all(), "steps": []}
     for step, counts in enumerate(STEPS):
+        step_counts["now"] = list(counts)
         x, ids, w = tokens(step, rank, counts[rank])
         batch = exchange.dispatch(paddle.to_tensor(x), paddle.to_tensor(w), paddle.to_tensor(ids))
         ids_seen = batch.topk_ids.numpy().reshape(-1).tolist()
@@ -108,7 +112,7 @@ def exchange_main(out_dir: str, kind: str) -> None:
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
 
 
-@pytest.mark.parametrize("kind", ["all_gather", "all_to_all"])
+@pytest.mark.parametrize("kind", ["all_gather", "all_gather_counted", "all_to_all"])
 def test_two_ranks_give_one_ranks_outputs_with_idle_ranks(tmp_path, kind):
     import paddle.distributed as dist
 
@@ -179,7 +183,7 @@ def lockstep_main(out_dir: str) -> None:
     if rank == 0:     # 40 real passes, the 5th failing in its first layer; rank 1 has nothing to do
         for n in range(40):
             try:
-                with group.forward_pass():
+                with group.forward_pass(tokens=5):
                     for layer in group.blocks:
                         layer.expert_round("fail" if n == 4 else "x")
                         if n == 4:

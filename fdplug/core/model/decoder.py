@@ -151,7 +151,7 @@ class DecoderForCausalLM(nn.Layer):
         """
         if self.expert_parallel is None:
             return self._forward(input_ids, positions, kv_caches, attn_prepared, inputs_embeds)
-        with self.expert_parallel.forward_pass():
+        with self.expert_parallel.forward_pass(int((input_ids if inputs_embeds is None else inputs_embeds).shape[0])):
             return self._forward(input_ids, positions, kv_caches, attn_prepared, inputs_embeds)
 
     def _forward(self, input_ids: Any, positions: Any, kv_caches: list[tuple[Any, Any]], attn_prepared: Any,

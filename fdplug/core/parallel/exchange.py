@@ -10,7 +10,10 @@ runs is decided by what the collective backend can do (`choose_exchange`), never
   travels once, to its expert's rank and back.
 - `AllGatherExchange`: all_gather + all_reduce, which every backend has (paddle 3.3's gloo has no
   all_to_all or reduce_scatter: NotImplementedError): every rank sees every token, runs the
-  assignments of its experts, and the partial sums are all_reduced (vLLM's naive exchange).
+  assignments of its experts, and the partial sums are all_reduced (vLLM's naive exchange). Two
+  collectives a layer: the tokens, ids and weights travel as one byte buffer, and every rank's
+  token count comes from the pass's header (``counts``) rather than a gather of its own (on
+  loopback gloo a collective costs ~0.3-2 ms whatever its size, up to ~4 MB).
 
 A rank without tokens calls both with zero rows: no collective ever waits on an idle rank (the
 lockstep of whole forward passes is `lockstep.LockstepGroup`'s). A MoE backend with a faster
@@ -22,6 +25,7 @@ rank, then across ranks, so the order of the float additions differs from one ra
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,15 +70,16 @@ class ExpertShard:
                 paddle.gather(topk_weights.reshape([-1]), index).unsqueeze(-1))
 
 
-def choose_exchange(backend: Any, group: Any, shard: ExpertShard) -> Any:
+def choose_exchange(backend: Any, group: Any, shard: ExpertShard, counts: Any = None) -> Any:
     """The MoE backend's own exchange, else all_to_all where the collective backend has it, else
-    all_gather + all_reduce. Every rank must call this (the probe is a collective)."""
+    all_gather + all_reduce (``counts``: every rank's tokens in the pass, if the caller knows them).
+    Every rank must call this (the probe is a collective)."""
     make = getattr(backend, "make_exchange", None)
     if make is not None:
         exchange = make(group, shard.rank, shard.size, shard.num_experts)
         if exchange is not None:
             return exchange
-    return AllToAllExchange(shard, group) if has_all_to_all(group) else AllGatherExchange(shard, group)
+    return AllToAllExchange(shard, group) if has_all_to_all(group) else AllGatherExchange(shard, group, counts)
 
 
 def has_all_to_all(group: Any = None) -> bool:
@@ -96,17 +101,28 @@ class AllGatherExchange:
 
     name = "all_gather"
 
-    def __init__(self, shard: ExpertShard, group: Any = None) -> None:
+    def __init__(self, shard: ExpertShard, group: Any = None, counts: Any = None) -> None:
+        """``counts()``: every rank's token count in the pass under way (None: gathered each layer)."""
         import paddle.distributed as dist
 
-        self.shard, self.dist, self.group = shard, dist, group
+        self.shard, self.dist, self.group, self.counts = shard, dist, group, counts
 
     def dispatch(self, hidden: Any, topk_weights: Any, topk_ids: Any) -> ExpertBatch:
-        sizes = [int(c.numpy()[0]) for c in self._gather(paddle.to_tensor([int(hidden.shape[0])], dtype="int64"))]
+        rows = int(hidden.shape[0])
+        if self.counts is None:
+            sizes = [int(c.numpy()[0]) for c in self._gather(paddle.to_tensor([rows], dtype="int64"))]
+        else:   # a rank finishing a failed pass sends no rows, where its header said some: zeros stand in
+            sizes = list(self.counts())
         most = max(1, *sizes)   # a row of padding when no rank has tokens: no zero-size collective
-        gathered = [self._gather(_pad(t, most)) for t in (hidden, topk_ids, topk_weights)]
-        every_hidden, every_ids, every_weights = (paddle.concat([p[:n] for p, n in zip(parts, sizes)])
-                                                  for parts in gathered)
+        parts = (hidden, topk_ids, topk_weights)     # one byte buffer, one collective
+        packed = paddle.concat([_pad(t, most).view(paddle.uint8) for t in parts], axis=1)
+        every = paddle.concat([p[:n] for p, n in zip(self._gather(packed), sizes)])
+        if not sum(sizes):       # nobody has tokens (a round of dummies): nothing to run here
+            empty = paddle.zeros([0], dtype="int64")
+            return ExpertBatch(hidden[:0], empty.reshape([0, 1]), topk_weights[:0, :1], state=(empty, 0, 0, 0))
+        widths = [math.prod(t.shape[1:]) * t.element_size() for t in parts]
+        every_hidden, every_ids, every_weights = (chunk.contiguous().view(t.dtype)
+                                                  for chunk, t in zip(paddle.split(every, widths, axis=1), parts))
         tokens, ids, weights = self.shard.assignments(every_ids, every_weights)
         offset = sum(sizes[:self.shard.rank])
         return ExpertBatch(paddle.gather(every_hidden, tokens), ids, weights,

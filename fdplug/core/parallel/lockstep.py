@@ -3,8 +3,10 @@
 Each MoE layer of a forward pass is a collective (`exchange`), so a rank may only enter a pass when
 every rank does. The rule that keeps them matched, whatever each rank's scheduler decides:
 
-- every forward pass starts with a *header*: one all_reduce of ``[running, leaving]`` flags. A rank
-  about to run a real pass (a step, or a re-run while containing a fault) sends ``running = 1``;
+- every forward pass starts with a *header*: one all_gather of each rank's ``[running, leaving,
+  tokens]``. A rank about to run a real pass (a step, or a re-run while containing a fault) sends
+  ``running = 1`` and its token count (the exchanges of the pass's MoE layers need every rank's
+  count: they read it here, ``token_counts``, instead of gathering it again in every layer);
 - a rank whose loop iteration ran no pass calls ``idle_round``: a header with ``running = 0``, and
   if anybody is running, a *dummy pass*: its share of every MoE layer's exchange with zero tokens
   of its own (its experts still serve the others' tokens);
@@ -47,6 +49,7 @@ class LockstepGroup:
         self.exchange: Any = None        # the MoE layers' `ExpertExchange` (`attach`)
         self.blocks: list[Any] = []      # the model's MoE blocks in forward order (`SparseMoEBlock.expert_round`)
         self.layer: int | None = None    # MoE layers done in the pass under way (None: no pass)
+        self.token_counts: list[int] = [0] * size   # each rank's tokens in the pass under way (the header's)
         self.leaving = False             # a rank asked the group to stop
         self.busy = False                # the last header had a pass: don't sleep before the next
         self.headers = 0
@@ -65,19 +68,21 @@ class LockstepGroup:
         except ValueError as exc:
             raise ConfigError(f"{exc}.", fix="choose an --expert-parallel-size that divides the number of experts.") \
                 from None
-        self.exchange = self.collective(lambda: choose_exchange(backend, self.group, self.shard))
+        self.exchange = self.collective(lambda: choose_exchange(backend, self.group, self.shard,
+                                                                lambda: self.token_counts))
         logger.info("%s: experts %d..%d of %d, %s exchange", self.describe(), self.shard.first,
                     self.shard.first + self.shard.count - 1, num_experts, self.exchange.name)
 
     # -- rounds -----------------------------------------------------------------------------------
 
     @contextmanager
-    def forward_pass(self) -> Iterator[None]:
-        """A real pass of this rank; its MoE layers are finished as dummies if it raises part way."""
+    def forward_pass(self, tokens: int) -> Iterator[None]:
+        """A real pass of this rank over ``tokens`` tokens; its MoE layers are finished as dummies
+        if it raises part way."""
         if self.leaving:
             raise ParallelGroupError("the expert-parallel group is stopping.", fix="the server is shutting down.")
         started = time.perf_counter()
-        self._header(running=True, leaving=False)
+        self._header(running=True, leaving=False, tokens=tokens)
         self.passes += 1
         self.layer = 0
         try:
@@ -105,14 +110,17 @@ class LockstepGroup:
                                "without LockstepGroup.forward_pass)")
         self.layer += 1
 
-    def _header(self, running: bool, leaving: bool) -> bool:
+    def _header(self, running: bool, leaving: bool, tokens: int = 0) -> bool:
         import paddle
 
-        flags = paddle.to_tensor([int(running), int(leaving)], dtype="int64")
+        flags = paddle.to_tensor([int(running), int(leaving), tokens], dtype="int64")
+        gathered: list[Any] = []
         started = time.perf_counter()
-        self.collective(lambda: self.dist.all_reduce(flags, group=self.group), timed=False)
+        self.collective(lambda: self.dist.all_gather(gathered, flags, group=self.group), timed=False)
         self.header_seconds += time.perf_counter() - started
-        runners, leavers = (int(v) for v in flags.numpy())
+        rows = [[int(v) for v in rank.numpy()] for rank in gathered]
+        runners, leavers = sum(r[0] for r in rows), sum(r[1] for r in rows)
+        self.token_counts = [r[2] for r in rows]
         self.headers += 1
         self.busy = runners > 0
         self.leaving = self.leaving or leavers > 0
