@@ -2,7 +2,8 @@
 
 The same answers as one engine (the golden fixture's greedy tokens), over CURVE-encrypted TCP
 sockets; an engine killed mid-request fails its own request only, and Ray brings it back: a new
-engine process on the same rank, serving again.
+engine process on the same rank, serving again. Expert parallel on Ray engines (the group meeting
+on rank 0's node) gives transformers' greedy tokens on a MoE fixture, from either rank.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ pytest.importorskip("ray", reason="the ray extra: pip install -e '.[test]' insta
 
 from tests.conftest import golden  # noqa: E402
 from tests.serverkit import Server, wait_until  # noqa: E402
+from tests.test_moe_golden import greedy, servable  # noqa: E402
 from tests.test_server_dp import golden_model, per_engine  # noqa: E402, F401  (a fixture)
 
 
@@ -63,3 +65,24 @@ def test_ray_engines_answer_like_one_engine_and_come_back_after_a_kill(golden_mo
         assert per_engine(server, "fdplug:engine_up") == {0: 1.0, 1: 1.0}
     finally:
         assert server.stop(timeout=60) == 0, server.log()
+
+
+def test_expert_parallel_on_ray_engines_gives_transformers_greedy_tokens(tmp_path):
+    from fdplug.core.model.tokenizer import Tokenizer
+
+    model = servable("qwen2_moe", tmp_path)
+    server = Server(["--model", model, "--served-model-name", "golden", "--max-model-len", "64",
+                     "--num-kv-blocks", "64", "--expert-parallel-size", "2", "--data-parallel-backend", "ray"],
+                    tmp_path / "ray-ep.log", RAY_AUTH_MODE="disabled").wait_ready(180)
+    try:
+        tokenizer, client = Tokenizer.from_dir(model), server.openai()
+        for run in greedy("qwen2_moe"):
+            for rank in (0, 1):
+                reply = client.completions.create(model="golden", prompt=run["prompt"], max_tokens=len(run["tokens"]),
+                                                  temperature=0, logprobs=1, extra_body={"ignore_eos": True},
+                                                  extra_headers={"X-Data-Parallel-Rank": str(rank)})
+                assert reply.choices[0].logprobs.tokens == [tokenizer.decode([t]) for t in run["tokens"]], rank
+        log = server.log()     # (Ray folds rank 1's lines into rank 0's: they differ only in numbers)
+        assert "rank 0 of 2: experts 0..3 of 8" in log and "Ray local: 2 engines" in log, log
+    finally:
+        assert server.stop() == 0, server.log()

@@ -229,6 +229,10 @@ class EngineSet:
             from fdplug.server.ray_engines import RayCluster
 
             self.cluster = RayCluster(len(spec_args), ray_address)
+            if spec_args[0].get("expert_parallel"):     # the group meets on rank 0's node, not this one
+                endpoints = self.cluster.rendezvous(len(spec_args))
+                self.spec_args = [{**args, "expert_parallel": {**args["expert_parallel"], "endpoints": endpoints}}
+                                  for args in spec_args]
         self.engines: list[EngineProcess] = []
         try:
             for rank in range(len(spec_args)):

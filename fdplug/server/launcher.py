@@ -100,9 +100,6 @@ def check_expert_parallel(settings: ServerSettings) -> None:
         raise ConfigError(f"--expert-parallel-size {settings.expert_parallel_size} with --data-parallel-size "
                           f"{settings.data_parallel_size}: the expert-parallel ranks are the data-parallel engines.",
                           fix="leave --data-parallel-size out, or give both the same size.")
-    if settings.data_parallel_backend != "mp":
-        raise ConfigError("--expert-parallel-size runs its engines on this machine (--data-parallel-backend mp) "
-                          "in this version.", fix="drop --data-parallel-backend ray with --expert-parallel-size.")
 
 
 def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -166,9 +163,9 @@ async def _serve(settings: ServerSettings, spec_args: list[dict], tokenizer: Any
             return engine_client(engines[rank], info, rank)
 
         clients = [engine_client(engine, info, rank) for rank, (engine, info) in enumerate(zip(engines, infos))]
+        restarts = settings.data_parallel_backend == "ray" and settings.expert_parallel_size == 1  # a group: as one
         client = clients[0] if len(clients) == 1 else DataParallelClient(
-            clients, restart if settings.data_parallel_backend == "ray" else None,
-            lockstep=settings.expert_parallel_size > 1)
+            clients, restart if restarts else None, lockstep=settings.expert_parallel_size > 1)
         info = infos[0]
         api_key = settings.api_key if settings.api_key is not None else env("FDPLUG_API_KEY")
         app = build_app(client, name, api_key, settings.max_body_bytes, settings.stream_interval,

@@ -12,6 +12,10 @@ cluster as a driver, and every node needs the same fdplug installed.
 Restarts: the API process restarts a dead engine (a new actor in the same bundle) up to
 ``dp_client.MAX_RESTARTS`` times per rank; its requests have failed by then. Ray reserves CPUs
 only: engines on accelerators are not placed per device by this backend yet.
+
+Expert parallel (``--expert-parallel-size``): the engines' paddle.distributed group meets at a free
+port on rank 0's node (`RayCluster.rendezvous`, asked of its bundle before the engines start); an
+engine of the group is not restarted alone (the group runs as one).
 """
 
 from __future__ import annotations
@@ -102,6 +106,18 @@ class RayEngineProcess(EngineProcess):
             pass
 
 
+def _node_endpoint() -> str:
+    """This node's address and a port free on it now (run as a Ray task in a bundle)."""
+    import socket
+
+    import ray
+
+    host = ray.util.get_node_ip_address()
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return f"{host}:{sock.getsockname()[1]}"
+
+
 class RayCluster:
     """The Ray connection and the placement group of ``size`` engines of ``threads`` CPUs each."""
 
@@ -126,6 +142,16 @@ class RayCluster:
                               fix="add nodes or lower --data-parallel-size.") from None
         logger.info("Ray %s: %d engines of %d CPUs each in placement group %s", "local" if address is None else address,
                     size, self.threads, self.group.id.hex()[:8])
+
+    def rendezvous(self, size: int) -> list[str]:
+        """Expert parallel: an endpoint on each engine's node (rank 0's hosts the group's store)."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        task = ray.remote(_node_endpoint)
+        refs = [task.options(num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self.group, placement_group_bundle_index=rank)).remote() for rank in range(size)]
+        return ray.get(refs, timeout=ACTOR_CALL_TIMEOUT_S * 6)
 
     def engine(self, spec_args: dict, log_level: int, rank: int) -> RayEngineProcess:
         return RayEngineProcess(spec_args, log_level, self.host, self.group, rank, self.threads)
