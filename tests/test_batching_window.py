@@ -110,3 +110,63 @@ def test_reserved_output_blocks_count_per_request_and_a_bad_timeout_is_refused()
     assert len(window(queue)[0].pull(queue, budget).requests) == 2
     with pytest.raises(ValueError, match=">= 0"):
         BatchingWindow(-1.0)
+
+
+# -- the window in an expert-parallel engine loop ----------------------------------------------------
+
+
+class LoopCore:
+    """What `EngineLoop` reads of an engine core, recording what it is handed."""
+
+    def __init__(self) -> None:
+        from types import SimpleNamespace
+
+        self.added: list[str] = []
+        self.aborted: list[str] = []
+        pool = SimpleNamespace(get_num_free_blocks=lambda: 100)
+        self.scheduler = SimpleNamespace(requests={}, kv_cache_manager=SimpleNamespace(block_pool=pool),
+                                         config=SimpleNamespace(max_num_batched_tokens=512, block_size=16,
+                                                                max_num_seqs=8))
+
+    def has_unfinished_requests(self) -> bool:
+        return False
+
+    def add_request(self, request) -> None:
+        self.added.append(request.request_id)
+
+    def abort_requests(self, ids, status) -> None:
+        self.aborted += list(ids)
+
+
+def test_a_request_aborted_while_the_window_waits_is_never_handed_to_the_engine():
+    """The window took ``a`` and ``b`` and waits for more; an abort of ``a`` arrives meanwhile:
+    only ``b`` reaches the core, and the queue (filtered in place, not replaced under the pull)
+    does not hand ``a`` over again later."""
+    from types import SimpleNamespace
+
+    import zmq
+
+    from fdplug.core.engine.request import RequestStatus
+    from fdplug.server import protocol as P
+    from fdplug.server.engine_loop import EngineLoop
+
+    ctx = zmq.Context()
+    to_engine, engine_in = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    engine_out, from_engine = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    engine_in.bind("inproc://in"), to_engine.connect("inproc://in")
+    from_engine.bind("inproc://out"), engine_out.connect("inproc://out")
+    try:
+        core = LoopCore()
+        loop = EngineLoop(core, engine_in, engine_out, parent_pid=0, group=SimpleNamespace(busy=False),
+                          window_seconds=0.05)
+        loop.arrivals.extend(SimpleNamespace(request_id=rid, num_prompt_tokens=8) for rid in ("a", "b"))
+        to_engine.send(P.pack([P.ABORT, ["a"], int(RequestStatus.FINISHED_ABORTED)]))
+        loop._admit_arrivals()
+        assert core.added == ["b"] and core.aborted == ["a"] and not loop.arrivals
+        assert P.unpack(from_engine.recv(zmq.NOBLOCK)) == [P.ADMITTED, ["b"], []]
+        loop._admit_arrivals()
+        assert core.added == ["b"]
+    finally:
+        for sock in (to_engine, engine_in, engine_out, from_engine):
+            sock.close(0)
+        ctx.term()

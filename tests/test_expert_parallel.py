@@ -15,6 +15,7 @@ finished with dummy layers (the other rank's pass completes), and a leaving rank
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -63,7 +64,7 @@ class GatheredAllToAll(AllToAllExchange):
         import paddle
 
         everyone = []
-        self.dist.all_gather(everyone, paddle.to_tensor(send, dtype="int64"))
+        self.comm.all_gather(everyone, paddle.to_tensor(send, dtype="int64"))
         return [int(sent.numpy()[self.shard.rank]) for sent in everyone]
 
     def _all_to_all(self, tensor, send, recv):
@@ -72,10 +73,10 @@ class GatheredAllToAll(AllToAllExchange):
         from fdplug.core.parallel.exchange import _pad
 
         sizes, splits = [], []
-        self.dist.all_gather(sizes, paddle.to_tensor([int(tensor.shape[0])], dtype="int64"))
-        self.dist.all_gather(splits, paddle.to_tensor(send, dtype="int64"))
+        self.comm.all_gather(sizes, paddle.to_tensor([int(tensor.shape[0])], dtype="int64"))
+        self.comm.all_gather(splits, paddle.to_tensor(send, dtype="int64"))
         parts = []
-        self.dist.all_gather(parts, _pad(tensor, max(1, *(int(s.numpy()[0]) for s in sizes))))
+        self.comm.all_gather(parts, _pad(tensor, max(1, *(int(s.numpy()[0]) for s in sizes))))
         me = self.shard.rank
         pieces = [part[int(split.numpy()[:me].sum()):int(split.numpy()[:me + 1].sum())]
                   for part, split in zip(parts, splits)]
@@ -211,3 +212,108 @@ def test_lockstep_an_idle_rank_a_failed_pass_and_leaving(tmp_path):
     assert len(busy["log"]) == len(idle["log"]) == 40 * LAYERS
     assert [i for i, _ in busy["log"]] == [i for i, _ in idle["log"]] == list(range(LAYERS)) * 40
     assert busy["log"][4 * LAYERS:5 * LAYERS] == [[0, 1], [1, 0], [2, 0]]   # layer 0 real, then dummies
+
+
+def test_a_moe_backend_brings_its_own_exchange_and_gets_what_it_needs():
+    from fdplug.core.parallel.exchange import choose_exchange
+    from fdplug.plugin_api.moe import ExpertExchange
+
+    class DeepEPLike:
+        name = "deepep_like"
+
+        def dispatch(self, hidden, topk_weights, topk_ids):
+            raise NotImplementedError
+
+        def combine(self, expert_out, batch):
+            raise NotImplementedError
+
+    class Backend:
+        def __init__(self):
+            self.asked = None
+
+        def make_exchange(self, group, rank, size, num_experts):
+            self.asked = (group, rank, size, num_experts)
+            return DeepEPLike()
+
+    backend = Backend()
+    exchange = choose_exchange(backend, "the-group", ExpertShard(1, 4, 16))
+    assert isinstance(exchange, ExpertExchange) and exchange.name == "deepep_like"
+    assert backend.asked == ("the-group", 1, 4, 16)
+
+
+# -- whole engines in lockstep, with faults -----------------------------------------------------------
+
+PROMPTS = [[3, 14, 15, 92, 65], [35, 89], [79, 32, 38, 46, 26, 43, 38, 32], [27, 18, 28], [1, 2, 3, 4, 5, 6, 7]]
+MAX_TOKENS = (12, 5)     # per rank: rank 1 is idle for the last passes of rank 0
+
+
+def engine_main(out_dir: str, model: str, fault: str) -> None:
+    """One rank: an offline engine of the group generating its share of PROMPTS, then idle rounds
+    until every rank is idle (a header with nobody running); ``fault`` injected on one rank once."""
+    import paddle.distributed as dist
+
+    from fdplug.core.engine.request import SamplingParams
+    from fdplug.core.frontend.llm import LLM
+    from fdplug.core.parallel.lockstep import init_group
+
+    rank = dist.ParallelEnv().rank
+    group = init_group(rank, 2, os.environ["PADDLE_TRAINER_ENDPOINTS"].split(","), "cpu")
+    llm = LLM(model, expert_parallel_size=2, moe_backend="reference", num_kv_blocks=64, max_model_len=128)
+    group.barrier(60)
+    runner, calls = llm.engine.runner, {"n": 0}
+    if fault == "experts" and rank == 1:           # the 4th expert call of rank 1 raises, once
+        forward = runner.moe_backend.forward
+
+        def failing(*args):
+            calls["n"] += 1
+            if calls["n"] == 4:
+                raise RuntimeError("injected: experts failed")
+            return forward(*args)
+
+        runner.moe_backend.forward = failing
+    if fault == "attention" and rank == 0:         # rank 0's last layer attention raises once, mid-pass
+        attention = runner.model.layers[-1].self_attn
+        forward = attention.forward
+
+        def failing_attention(*args):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("injected: attention failed")
+            return forward(*args)
+
+        attention.forward = failing_attention
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[rank::2]],
+                        SamplingParams(temperature=0, max_tokens=MAX_TOKENS[rank], ignore_eos=True), use_tqdm=False)
+    group.idle_round()
+    while group.busy:
+        group.idle_round()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({
+        "tokens": [o.outputs[0].token_ids for o in outs], "failed_steps": llm.engine.num_failed_steps,
+        "passes": group.passes, "dummy": group.dummy_passes}))
+
+
+@pytest.mark.parametrize("fault", ["none", "experts", "attention"])
+def test_engines_in_lockstep_give_one_engines_tokens_through_faults(tmp_path, fault):
+    """Two engines of an expert-parallel group give one engine's greedy tokens (each its own
+    prompts, different lengths: one rank idles while the other finishes); with the experts of one
+    rank failing once (the other rank, whose tokens they served, fails that pass too and both
+    re-run: nobody continues without the rows) or one rank failing mid-pass (the other's pass
+    completes), the tokens are the same."""
+    import paddle.distributed as dist
+
+    from fdplug.core.engine.request import SamplingParams
+    from fdplug.core.frontend.llm import LLM
+    from tests.conftest import write_test_model
+    from tests.test_moe_models import QWEN2_MOE
+
+    model = str(write_test_model(tmp_path / "moe", **QWEN2_MOE))
+    want = [o.outputs[0].token_ids for o in LLM(model, moe_backend="reference", num_kv_blocks=64, max_model_len=128)
+            .generate([{"prompt_token_ids": p} for p in PROMPTS],
+                      [SamplingParams(temperature=0, max_tokens=MAX_TOKENS[i % 2], ignore_eos=True)
+                       for i in range(len(PROMPTS))], use_tqdm=False)]
+    dist.spawn(engine_main, args=(str(tmp_path), model, fault), nprocs=2, backend="gloo", join=True)
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert got[0]["tokens"] == want[0::2] and got[1]["tokens"] == want[1::2]
+    assert got[1]["dummy"] >= MAX_TOKENS[0] - MAX_TOKENS[1]     # rank 1's experts served rank 0 meanwhile
+    failed = [g["failed_steps"] for g in got]
+    assert failed == {"none": [0, 0], "experts": [1, 1], "attention": [1, 0]}[fault], failed

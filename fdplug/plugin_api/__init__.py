@@ -52,6 +52,7 @@ _EXPORTS = {
     "ModelRunner": "fdplug.plugin_api.model_runner", "ModelRunnerOutput": "fdplug.plugin_api.model_runner",
     "ExpertWeights": "fdplug.plugin_api.moe", "MoEBackend": "fdplug.plugin_api.moe",
     "ExpertBatch": "fdplug.plugin_api.moe", "ExpertExchange": "fdplug.plugin_api.moe",
+    "ExpertsFailedError": "fdplug.plugin_api.moe",
     "select_experts": "fdplug.plugin_api.moe",
     "OPS": "fdplug.plugin_api.ops", "Kernels": "fdplug.plugin_api.ops", "PreparedWeight": "fdplug.plugin_api.ops",
     "PREPARED_OPS": "fdplug.plugin_api.ops",

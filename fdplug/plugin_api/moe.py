@@ -171,6 +171,12 @@ class ExpertBatch:
     state: Any = None
 
 
+class ExpertsFailedError(RuntimeError):
+    """Raised by ``ExpertExchange.combine`` on a rank whose tokens another rank's experts failed to
+    run in this layer: the rows are missing, so the pass fails (and is contained) rather than
+    continuing with them."""
+
+
 @runtime_checkable
 class ExpertExchange(Protocol):
     """Moves a MoE layer's work between the ranks of an expert-parallel group (a collective: every
@@ -184,9 +190,11 @@ class ExpertExchange(Protocol):
         [T, K]`` -> the assignments this rank's experts run."""
         ...
 
-    def combine(self, expert_out: Any, batch: ExpertBatch) -> Any:
+    def combine(self, expert_out: Any, batch: ExpertBatch, failed: bool = False) -> Any:
         """``expert_out [A, H]`` (the backend's output for ``batch``) -> ``[T, H]``: each of this
-        rank's tokens summed over its ``K`` assignments, wherever they ran."""
+        rank's tokens summed over its ``K`` assignments, wherever they ran. ``failed``: this rank's
+        experts raised (``expert_out`` is zeros); then every rank whose tokens they served (or simply
+        every rank) raises `ExpertsFailedError` once the collective is done."""
         ...
 
 

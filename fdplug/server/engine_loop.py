@@ -20,7 +20,7 @@ from typing import Any
 
 import zmq
 
-from fdplug.errors import FdplugError, InvalidRequestError
+from fdplug.errors import FdplugError, InvalidRequestError, ParallelGroupError
 from fdplug.server import protocol as P
 
 logger = logging.getLogger("fdplug.engine_process")
@@ -49,6 +49,7 @@ class EngineLoop:
         self._last_stats: dict | None = None
         self.group, self.window_seconds = group, window_seconds
         self.arrivals: deque = deque()    # expert parallel: requests received, not yet handed to the core
+        self.aborted: set[str] = set()    # aborted while a pull of the window was under way
         self.window = None
         if group is not None:
             from fdplug.core.scheduler.batching_window import BatchingWindow
@@ -73,7 +74,12 @@ class EngineLoop:
             if self.arrivals and self.running:
                 self._admit_arrivals()
             if self.running and self.core.has_unfinished_requests():
-                outputs, scheduled = self.core.step()
+                try:
+                    outputs, scheduled = self.core.step()
+                except ParallelGroupError:
+                    if self.group is None or not self.group.leaving:
+                        raise
+                    break              # another rank stopped the group during this step's re-runs
                 stalled = not outputs and not scheduled   # only feature downloads are in flight
                 stats = self._stats_if(due=time.monotonic() - self._last_stats_time >= STATS_INTERVAL_S)
                 if outputs or stats is not None:
@@ -119,7 +125,7 @@ class EngineLoop:
                 try:
                     request = P.decode_request(item)
                     if self.group is not None:     # checked now, handed to the core by the batching window
-                        self.core.validate(request)
+                        self.core.validate(request, also_waiting=len(self.arrivals))
                         self.arrivals.append(request)
                         continue
                     self.core.add_request(request)
@@ -127,9 +133,11 @@ class EngineLoop:
                 except Exception as exc:  # noqa: BLE001 -- refused (typed), or unreadable: keep serving
                     rejected.append([_request_id(item), _refusal(exc)])
         elif tag == P.ABORT:
-            if self.arrivals:
-                aborted = set(message[1])
-                self.arrivals = deque(r for r in self.arrivals if r.request_id not in aborted)
+            if self.group is not None:     # in the window's queue (filtered in place: a pull may be reading it)
+                self.aborted.update(message[1])
+                kept = [r for r in self.arrivals if r.request_id not in self.aborted]
+                self.arrivals.clear()
+                self.arrivals.extend(kept)
             self.core.abort_requests(message[1], RequestStatus(message[2]))
         elif tag == P.WAKE:
             pass       # a peer rank got work: the poll that read this ends, the round follows
@@ -151,7 +159,8 @@ class EngineLoop:
         config = core.scheduler.config
         budget = WindowBudget(config.max_num_batched_tokens, core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
                               config.block_size, max(1, config.max_num_seqs - len(core.scheduler.requests)))
-        taken = self.window.pull(self.arrivals, budget).requests
+        self.aborted.clear()
+        taken = [r for r in self.window.pull(self.arrivals, budget).requests if r.request_id not in self.aborted]
         if not taken and idle and self.arrivals:
             taken = [self.arrivals.popleft()]
         admitted: list[str] = []
@@ -173,6 +182,7 @@ class EngineLoop:
         if not (due or changed):
             return None
         stats = P.encode_stats(self.core.stats())
+        stats["num_waiting"] += len(self.arrivals)     # expert parallel: in the batching window's queue
         if due or (changed and stats != self._last_stats):
             self._last_stats, self._last_stats_time = stats, time.monotonic()
             return stats

@@ -99,6 +99,8 @@ def run_engine(spec: EngineSpec) -> int:
         try:
             group = _join_group(spec)
             core, info = _build(spec)
+            if group is not None:   # every rank loaded: from here on the ranks wait on each other in collectives
+                group.barrier(env("FDPLUG_ENGINE_STARTUP_TIMEOUT"))
         except Exception as exc:  # typed errors carry their fix; anything else is reported as a bug
             if not isinstance(exc, FdplugError):
                 logger.exception("the engine failed to start")
@@ -136,7 +138,8 @@ def _join_group(spec: EngineSpec) -> Any:
     from fdplug.core.parallel.lockstep import init_group
 
     ep = spec.expert_parallel
-    return init_group(ep["rank"], ep["size"], ep["endpoints"], spec.selection.get("device", "cpu"))
+    return init_group(ep["rank"], ep["size"], ep["endpoints"], spec.selection.get("device", "cpu"),
+                      spec.engine_args.get("device_index", 0))
 
 
 def _remove_socket_dir(address: str) -> None:

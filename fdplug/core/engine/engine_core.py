@@ -76,8 +76,10 @@ class EngineCore:
         if request.mm_inputs and self.feature_loader.submit(request):
             request.status = RequestStatus.WAITING
 
-    def validate(self, request: Request) -> None:
-        """The admission check alone: the typed error ``add_request`` would refuse it with, if any."""
+    def validate(self, request: Request, also_waiting: int = 0) -> None:
+        """The admission check alone: the typed error ``add_request`` would refuse it with, if any
+        (``also_waiting``: requests held before the scheduler that count against its queue)."""
+        self.scheduler.check_room(also_waiting)
         check_request(request, self.limits)
         if request.mm_inputs:
             self.feature_loader.check_cached(request)

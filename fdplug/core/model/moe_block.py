@@ -15,7 +15,8 @@ Expert parallel (``expert_parallel``, a `lockstep.LockstepGroup`): the backend g
 rank's slice of the experts, and the routed step is ``expert_round``: the group's exchange
 dispatches every assignment to its expert's rank, the backend runs the ones routed here, the
 exchange combines them back. An idle rank calls ``expert_round(None)`` (zero tokens) so the
-others' collectives complete; when the backend raises, the combine still runs (with zeros) first.
+others' collectives complete; when the backend raises, the combine still runs, flagged (the ranks
+whose tokens it served fail their pass rather than go on without those rows).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from fdplug.core.model.quant_config import (
     mlp_quant,
     shared_expert_prefix,
 )
-from fdplug.plugin_api.moe import ExpertWeights, select_experts
+from fdplug.plugin_api.moe import ExpertsFailedError, ExpertWeights, select_experts
 from fdplug.plugin_api.ops import Kernels
 
 EXPERT_PARAMS = ("experts_gate_up", "experts_down", "experts_gate_up_scale", "experts_down_scale")  # scales: FP8
@@ -77,17 +78,18 @@ class SparseMoEBlock(nn.Layer):
     def load_experts(self) -> None:
         """Hand the filled expert parameters to the backend and drop them (called by the loader)."""
         inter = self.experts_gate_up.shape[1] // 2
-        mine = slice(None)
-        if self.expert_parallel is not None:     # this rank's experts only (the others' are dropped now)
-            shard = self.expert_parallel.shard
-            mine = slice(shard.first, shard.first + shard.count)
-        gate_up = self.experts_gate_up[mine]     # slicing is a view, fp8 included
-        weights = ExpertWeights(gate_up[:, :inter], gate_up[:, inter:], self.experts_down[mine])
+        shard = self.expert_parallel.shard if self.expert_parallel is not None else None
+
+        def mine(t: Any) -> Any:   # this rank's experts, copied (the full tensors are freed); alone: a view
+            return t if shard is None else t[shard.first:shard.first + shard.count].clone()
+
+        gate_up = mine(self.experts_gate_up)
+        weights = ExpertWeights(gate_up[:, :inter], gate_up[:, inter:], mine(self.experts_down))
         if self.quant:
-            scales = self.experts_gate_up_scale[mine]
+            scales = mine(self.experts_gate_up_scale)
             weights.format, weights.block = self.quant.format, self.quant.block
             weights.scales = {"gate": scales[:, :inter], "up": scales[:, inter:],
-                              "down": self.experts_down_scale[mine]}
+                              "down": mine(self.experts_down_scale)}
             self.experts_gate_up_scale = self.experts_down_scale = None
         self.experts = self.backend.load_weights(weights)
         self.experts_gate_up = None
@@ -112,22 +114,28 @@ class SparseMoEBlock(nn.Layer):
 
     def expert_round(self, x: Any | None, weights: Any = None, ids: Any = None) -> Any:
         """The routed experts across the expert-parallel group; ``x`` None: this rank has no tokens
-        in this pass (a dummy round: its experts serve the other ranks' tokens)."""
+        in this pass (a dummy round: its experts serve the other ranks' tokens). When the backend
+        raises, the combine still runs (the others wait in it), flagged so the ranks it served fail
+        their pass too; then the backend's error goes on."""
         group = self.expert_parallel
-        exchange = group.exchange
         if x is None:
             k = self.routing.top_k
             x = paddle.zeros([0, self.hidden], dtype=self.dtype)
             weights, ids = paddle.zeros([0, k], dtype="float32"), paddle.zeros([0, k], dtype="int64")
-        batch = group.collective(lambda: exchange.dispatch(x, weights, ids))
-        rows = int(batch.hidden.shape[0])
+        batch = group.exchange.dispatch(x, weights, ids)
+        rows, error = int(batch.hidden.shape[0]), None
         try:
             out = (self.backend.forward(batch.hidden, batch.topk_weights, batch.topk_ids, self.experts) if rows
                    else paddle.zeros([0, self.hidden], dtype=x.dtype))
-        except Exception:   # the others wait in this layer's combine: give them zeros, then fail this pass
-            group.collective(lambda: exchange.combine(paddle.zeros([rows, self.hidden], dtype=x.dtype), batch))
+        except Exception as exc:
+            error, out = exc, paddle.zeros([rows, self.hidden], dtype=x.dtype)
+        try:
+            combined = group.exchange.combine(out, batch, failed=error is not None)
+        except ExpertsFailedError:
+            if error is None:
+                raise
+        finally:
             group.moe_layer()
-            raise
-        combined = group.collective(lambda: exchange.combine(out, batch))
-        group.moe_layer()
+        if error is not None:
+            raise error
         return combined

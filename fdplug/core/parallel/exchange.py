@@ -16,8 +16,13 @@ runs is decided by what the collective backend can do (`choose_exchange`), never
   loopback gloo a collective costs ~0.3-2 ms whatever its size, up to ~4 MB).
 
 A rank without tokens calls both with zero rows: no collective ever waits on an idle rank (the
-lockstep of whole forward passes is `lockstep.LockstepGroup`'s). A MoE backend with a faster
-exchange of its own (DeepEP-style) brings it with ``make_exchange``.
+lockstep of whole forward passes is `lockstep.LockstepGroup`'s). A rank whose experts failed
+calls ``combine`` with ``failed``: every rank whose tokens they served raises `ExpertsFailedError`
+after the collective instead of using the missing rows (its fault containment takes it from there).
+The exchanges call paddle.distributed through a `Collectives` (the lockstep group's turns a failed
+collective into a `ParallelGroupError`, and times them); local checks run before any collective,
+so a bad input fails on its rank alone. A MoE backend with a faster exchange of its own
+(DeepEP-style) brings it with ``make_exchange``.
 
 Numbers: a token's output is the sum of its ``K`` weighted expert rows; here they are added per
 rank, then across ranks, so the order of the float additions differs from one rank's backend.
@@ -31,7 +36,7 @@ from typing import Any
 
 import paddle
 
-from fdplug.plugin_api.moe import ExpertBatch
+from fdplug.plugin_api.moe import ExpertBatch, ExpertsFailedError
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,16 +75,19 @@ class ExpertShard:
                 paddle.gather(topk_weights.reshape([-1]), index).unsqueeze(-1))
 
 
-def choose_exchange(backend: Any, group: Any, shard: ExpertShard, counts: Any = None) -> Any:
+def choose_exchange(backend: Any, group: Any, shard: ExpertShard, counts: Any = None,
+                    comm: Collectives | None = None) -> Any:
     """The MoE backend's own exchange, else all_to_all where the collective backend has it, else
-    all_gather + all_reduce (``counts``: every rank's tokens in the pass, if the caller knows them).
-    Every rank must call this (the probe is a collective)."""
+    all_gather + all_reduce (``counts``: every rank's tokens in the pass, if the caller knows them;
+    ``comm``: how the core's exchanges call paddle.distributed). Every rank must call this (the
+    probe is a collective)."""
     make = getattr(backend, "make_exchange", None)
     if make is not None:
         exchange = make(group, shard.rank, shard.size, shard.num_experts)
         if exchange is not None:
             return exchange
-    return AllToAllExchange(shard, group) if has_all_to_all(group) else AllGatherExchange(shard, group, counts)
+    comm = comm or Collectives(group)
+    return AllToAllExchange(shard, comm) if has_all_to_all(group) else AllGatherExchange(shard, comm, counts)
 
 
 def has_all_to_all(group: Any = None) -> bool:
@@ -96,26 +104,60 @@ def has_all_to_all(group: Any = None) -> bool:
     return True
 
 
+class Collectives:
+    """The paddle.distributed calls the core's exchanges make, on ``group`` (None: the world);
+    ``run`` is the hook a caller wraps them with (`lockstep.LockstepGroup`: errors, timing)."""
+
+    def __init__(self, group: Any = None) -> None:
+        import paddle.distributed as dist
+
+        self.dist, self.group = dist, group
+
+    def run(self, call: Any) -> Any:
+        return call()
+
+    def all_gather(self, out: list, tensor: Any) -> None:
+        self.run(lambda: self.dist.all_gather(out, tensor, group=self.group))
+
+    def all_reduce(self, tensor: Any) -> None:
+        self.run(lambda: self.dist.all_reduce(tensor, group=self.group))
+
+    def alltoall_single(self, out: Any, tensor: Any, in_splits: list[int] | None = None,
+                        out_splits: list[int] | None = None) -> None:
+        self.run(lambda: self.dist.alltoall_single(out, tensor, in_splits, out_splits, group=self.group))
+
+
+def _check_inputs(hidden: Any, topk_weights: Any, topk_ids: Any, most: int | None = None) -> None:
+    """Shapes every rank agrees on, checked before any collective (a mismatch there is fatal)."""
+    rows = int(hidden.shape[0])
+    if len(hidden.shape) != 2 or list(topk_ids.shape) != [rows, topk_ids.shape[-1]] \
+            or list(topk_weights.shape) != list(topk_ids.shape):
+        raise ValueError(f"expert exchange: hidden {list(hidden.shape)}, topk_ids {list(topk_ids.shape)} and "
+                         f"topk_weights {list(topk_weights.shape)} do not describe the same tokens")
+    if most is not None and rows > most:
+        raise ValueError(f"expert exchange: {rows} tokens, but this rank announced {most} for the pass")
+
+
 class AllGatherExchange:
     """all_gather to dispatch, all_reduce to combine: runs on every backend (gloo included)."""
 
     name = "all_gather"
 
-    def __init__(self, shard: ExpertShard, group: Any = None, counts: Any = None) -> None:
+    def __init__(self, shard: ExpertShard, comm: Collectives | None = None, counts: Any = None) -> None:
         """``counts()``: every rank's token count in the pass under way (None: gathered each layer)."""
-        import paddle.distributed as dist
-
-        self.shard, self.dist, self.group, self.counts = shard, dist, group, counts
+        self.shard, self.comm, self.counts = shard, comm or Collectives(), counts
 
     def dispatch(self, hidden: Any, topk_weights: Any, topk_ids: Any) -> ExpertBatch:
         rows = int(hidden.shape[0])
         if self.counts is None:
+            _check_inputs(hidden, topk_weights, topk_ids)
             sizes = [int(c.numpy()[0]) for c in self._gather(paddle.to_tensor([rows], dtype="int64"))]
-        else:   # a rank finishing a failed pass sends no rows, where its header said some: zeros stand in
+        else:   # a rank finishing a failed pass sends no rows where its header said some: padding stands in
             sizes = list(self.counts())
+            _check_inputs(hidden, topk_weights, topk_ids, sizes[self.shard.rank])
         most = max(1, *sizes)   # a row of padding when no rank has tokens: no zero-size collective
-        parts = (hidden, topk_ids, topk_weights)     # one byte buffer, one collective
-        packed = paddle.concat([_pad(t, most).view(paddle.uint8) for t in parts], axis=1)
+        parts = (hidden, topk_ids, topk_weights)     # one byte buffer, one collective; padded ids -1: nobody's
+        packed = paddle.concat([_pad(t, most, -1 if t is topk_ids else 0).view(paddle.uint8) for t in parts], axis=1)
         every = paddle.concat([p[:n] for p, n in zip(self._gather(packed), sizes)])
         if not sum(sizes):       # nobody has tokens (a round of dummies): nothing to run here
             empty = paddle.zeros([0], dtype="int64")
@@ -128,17 +170,22 @@ class AllGatherExchange:
         return ExpertBatch(paddle.gather(every_hidden, tokens), ids, weights,
                            state=(tokens, sum(sizes), offset, sizes[self.shard.rank]))
 
-    def combine(self, expert_out: Any, batch: ExpertBatch) -> Any:
+    def combine(self, expert_out: Any, batch: ExpertBatch, failed: bool = False) -> Any:
+        """The partial sums all_reduced in float32, with one more row: whether any rank's experts failed."""
         tokens, total, offset, count = batch.state
-        partial = paddle.zeros([max(1, total), int(expert_out.shape[1])], dtype=expert_out.dtype)  # gloo: no empty
-        if int(tokens.shape[0]):
-            partial = paddle.index_add(partial, tokens, 0, expert_out)
-        self.dist.all_reduce(partial, group=self.group)
-        return partial[offset:offset + count]
+        partial = paddle.zeros([total + 1, int(expert_out.shape[1])], dtype="float32")
+        if int(tokens.shape[0]) and not failed:
+            partial = paddle.index_add(partial, tokens, 0, expert_out.astype("float32"))
+        if failed:
+            partial[total, 0] = 1.0
+        self.comm.all_reduce(partial)
+        if float(partial[total, 0]) > 0:
+            raise ExpertsFailedError("the experts of another rank of the expert-parallel group failed in this layer")
+        return partial[offset:offset + count].astype(expert_out.dtype)
 
     def _gather(self, tensor: Any) -> list[Any]:
         out: list[Any] = []
-        self.dist.all_gather(out, tensor, group=self.group)
+        self.comm.all_gather(out, tensor)
         return out
 
 
@@ -148,12 +195,11 @@ class AllToAllExchange:
 
     name = "all_to_all"
 
-    def __init__(self, shard: ExpertShard, group: Any = None) -> None:
-        import paddle.distributed as dist
-
-        self.shard, self.dist, self.group = shard, dist, group
+    def __init__(self, shard: ExpertShard, comm: Collectives | None = None) -> None:
+        self.shard, self.comm = shard, comm or Collectives()
 
     def dispatch(self, hidden: Any, topk_weights: Any, topk_ids: Any) -> ExpertBatch:
+        _check_inputs(hidden, topk_weights, topk_ids)
         size, k = self.shard.size, int(topk_ids.shape[1])
         flat_ids = topk_ids.reshape([-1])
         owner = self.shard.owner(flat_ids)
@@ -168,26 +214,33 @@ class AllToAllExchange:
         return ExpertBatch(rows, local_ids.unsqueeze(-1), weights.unsqueeze(-1),
                            state=(tokens, send, recv, int(hidden.shape[0])))
 
-    def combine(self, expert_out: Any, batch: ExpertBatch) -> Any:
+    def combine(self, expert_out: Any, batch: ExpertBatch, failed: bool = False) -> Any:
+        """Each row home with one more column: whether the rank that ran it failed (only ranks whose
+        tokens it served hear of it)."""
         tokens, send, recv, count = batch.state
-        back = self._all_to_all(expert_out, recv, send)     # each row home, in the order it left
-        out = paddle.zeros([count, int(expert_out.shape[1])], dtype=expert_out.dtype)
-        return paddle.index_add(out, tokens, 0, back) if int(tokens.shape[0]) else out
+        flag = paddle.full([int(expert_out.shape[0]), 1], 1.0 if failed else 0.0, dtype="float32")
+        back = self._all_to_all(paddle.concat([expert_out.astype("float32"), flag], axis=1), recv, send)
+        if int(back.shape[0]) and float(back[:, -1].max()) > 0:
+            raise ExpertsFailedError("the experts of another rank of the expert-parallel group failed in this layer")
+        out = paddle.zeros([count, int(expert_out.shape[1])], dtype="float32")
+        if int(tokens.shape[0]):
+            out = paddle.index_add(out, tokens, 0, back[:, :-1])
+        return out.astype(expert_out.dtype)
 
     def _counts(self, send: list[int]) -> list[int]:
         recv = paddle.zeros([self.shard.size], dtype="int64")
-        self.dist.alltoall_single(recv, paddle.to_tensor(send, dtype="int64"), group=self.group)
+        self.comm.alltoall_single(recv, paddle.to_tensor(send, dtype="int64"))
         return [int(n) for n in recv.numpy()]
 
     def _all_to_all(self, tensor: Any, send: list[int], recv: list[int]) -> Any:
         out = paddle.empty([sum(recv), *tensor.shape[1:]], dtype=tensor.dtype)
-        self.dist.alltoall_single(out, tensor, send, recv, group=self.group)
+        self.comm.alltoall_single(out, tensor, send, recv)
         return out
 
 
-def _pad(tensor: Any, rows: int) -> Any:
-    """``tensor`` with zero rows appended up to ``rows`` (all_gather takes equal shapes)."""
+def _pad(tensor: Any, rows: int, fill: int = 0) -> Any:
+    """``tensor`` with ``fill`` rows appended up to ``rows`` (all_gather takes equal shapes)."""
     missing = rows - int(tensor.shape[0])
     if missing == 0:
         return tensor
-    return paddle.concat([tensor, paddle.zeros([missing, *tensor.shape[1:]], dtype=tensor.dtype)])
+    return paddle.concat([tensor, paddle.full([missing, *tensor.shape[1:]], fill, dtype=tensor.dtype)])

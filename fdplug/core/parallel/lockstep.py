@@ -12,11 +12,16 @@ every rank does. The rule that keeps them matched, whatever each rank's schedule
   of its own (its experts still serve the others' tokens);
 - a pass that raises part way still finishes its MoE layers as dummies (``forward_pass``), so the
   others' collectives complete; the error then goes on to the engine's fault containment, and
-  its re-runs are passes like any other.
+  its re-runs are passes like any other. A rank whose experts fail tells the ranks they served
+  (`ExpertsFailedError` there: their pass fails and is contained too, never computed without
+  those rows); an error in a dummy layer is logged and the remaining layers still run.
 
 Between two headers every rank therefore makes the same collectives. A header with ``leaving``
 set (the API process asked a rank to stop) ends every rank's loop after that round. A collective
-that fails (a peer died) raises `ParallelGroupError`: the group cannot step without that rank.
+that fails (a peer died, or gloo's fixed 30 s wait ran out: no rank may spend longer than that
+between two collectives while another waits) raises `ParallelGroupError`: the group cannot step
+without that rank. ``barrier`` holds the ranks at startup until all have loaded their model, with
+the startup timeout, through the group's store.
 
 ``init_group`` starts paddle.distributed in an engine process from the rank, size and rendezvous
 endpoint the API process chose (gloo on the cpu device, the device's own backend elsewhere).
@@ -31,6 +36,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from fdplug.core.parallel.exchange import Collectives
 from fdplug.errors import ConfigError, ParallelGroupError
 
 logger = logging.getLogger("fdplug.engine")
@@ -38,13 +44,13 @@ logger = logging.getLogger("fdplug.engine")
 _GROUP: LockstepGroup | None = None
 
 
-class LockstepGroup:
-    """One engine process's view of its expert-parallel group (``rank`` of ``size``)."""
+class LockstepGroup(Collectives):
+    """One engine process's view of its expert-parallel group (``rank`` of ``size``); as the
+    exchanges' `Collectives`, a failed call is a `ParallelGroupError` and its time is counted."""
 
     def __init__(self, rank: int, size: int, group: Any = None) -> None:
-        import paddle.distributed as dist
-
-        self.rank, self.size, self.group, self.dist = rank, size, group, dist
+        super().__init__(group)
+        self.rank, self.size = rank, size
         self.shard: Any = None           # this rank's experts (`attach`)
         self.exchange: Any = None        # the MoE layers' `ExpertExchange` (`attach`)
         self.blocks: list[Any] = []      # the model's MoE blocks in forward order (`SparseMoEBlock.expert_round`)
@@ -69,7 +75,7 @@ class LockstepGroup:
             raise ConfigError(f"{exc}.", fix="choose an --expert-parallel-size that divides the number of experts.") \
                 from None
         self.exchange = self.collective(lambda: choose_exchange(backend, self.group, self.shard,
-                                                                lambda: self.token_counts))
+                                                                lambda: self.token_counts, comm=self))
         logger.info("%s: experts %d..%d of %d, %s exchange", self.describe(), self.shard.first,
                     self.shard.first + self.shard.count - 1, num_experts, self.exchange.name)
 
@@ -90,8 +96,13 @@ class LockstepGroup:
         except ParallelGroupError:   # the group is broken: no more collectives
             self.layer = None
             raise
+        except BaseException:
+            self._finish_layers()     # the pass's own error wins over any of the dummies'
+            raise
+        else:
+            self._finish_layers()     # a model with MoE layers finishes them all: a no-op
         finally:
-            self._finish_layers()
+            self.layer = None
             self.pass_seconds += time.perf_counter() - started
 
     def idle_round(self, leaving: bool = False) -> None:
@@ -127,11 +138,28 @@ class LockstepGroup:
         return runners > 0
 
     def _finish_layers(self) -> None:
-        try:
-            while self.layer is not None and self.layer < len(self.blocks):
-                self.blocks[self.layer].expert_round(None)
-        finally:
-            self.layer = None
+        """The pass's remaining MoE layers as dummies, every one of them: an error in one (this
+        rank's experts failed for the others' tokens, who are told) is logged, not raised."""
+        while self.layer is not None and self.layer < len(self.blocks):
+            layer = self.layer
+            try:
+                self.blocks[layer].expert_round(None)
+            except ParallelGroupError:
+                self.layer = None
+                raise
+            except Exception as exc:
+                if self.layer == layer:   # failed before its exchange: the others would wait for it
+                    self.layer = None
+                    raise ParallelGroupError(f"{self.describe()}: MoE layer {layer} failed before its exchange in "
+                                             f"a dummy round ({type(exc).__name__}: {str(exc)[:200]}).",
+                                             fix="report it with the server log (an engine bug).") from exc
+                logger.exception("%s: MoE layer %d failed in a dummy round (the ranks it served fail their pass)",
+                                 self.describe(), layer)
+        self.layer = None
+
+    def run(self, call: Any) -> Any:
+        """`Collectives`' hook: every exchange collective goes through ``collective``."""
+        return self.collective(call)
 
     def collective(self, call: Any, timed: bool = True) -> Any:
         """Run one collective call (``timed``: an exchange's, counted in ``exchange_seconds``); a
@@ -147,6 +175,21 @@ class LockstepGroup:
             if timed:
                 self.exchange_seconds += time.perf_counter() - started
 
+    def barrier(self, timeout: float, name: str = "loaded") -> None:
+        """Wait, at most ``timeout`` seconds, until every rank got here (through the group's store,
+        not a collective: gloo's waits end after 30 s, and ranks load big models at their own pace)."""
+        from paddle.base import core
+
+        store, key = core.create_or_get_global_tcp_store(), f"fdplug/{name}"
+        store.add(key, 1)
+        deadline = time.monotonic() + timeout
+        while (arrived := store.add(key, 0)) < self.size:
+            if time.monotonic() > deadline:
+                raise ParallelGroupError(f"{self.describe()}: only {arrived} of {self.size} ranks were ready within "
+                                         f"{timeout:.0f} s.", fix="see the other engines' messages for why; set "
+                                         "FDPLUG_ENGINE_STARTUP_TIMEOUT higher for a large model.")
+            time.sleep(0.05)
+
     def describe(self) -> str:
         return f"expert parallel rank {self.rank} of {self.size}"
 
@@ -158,9 +201,10 @@ class LockstepGroup:
                 f"headers {self.header_seconds:.3f} s")
 
 
-def init_group(rank: int, size: int, endpoints: list[str], device: str) -> LockstepGroup:
+def init_group(rank: int, size: int, endpoints: list[str], device: str, device_index: int = 0) -> LockstepGroup:
     """Start paddle.distributed for rank ``rank`` of ``size`` (``endpoints``: each rank's host:port,
-    the first one rank 0's store, the rendezvous) and make it this process's group."""
+    the first one rank 0's store, the rendezvous) and make it this process's group: gloo on the
+    cpu device, else paddle's choice for its build (NCCL, BKCL) on device ``device_index``."""
     global _GROUP
     if size < 2 or not 0 <= rank < size or len(endpoints) != size:
         raise ConfigError(f"expert-parallel rank {rank} of {size} with {len(endpoints)} endpoints is not a group.",
@@ -170,6 +214,10 @@ def init_group(rank: int, size: int, endpoints: list[str], device: str) -> Locks
                       MASTER_PORT=port, PADDLE_TRAINER_ENDPOINTS=",".join(endpoints),
                       PADDLE_CURRENT_ENDPOINT=endpoints[rank],
                       PADDLE_DISTRI_BACKEND="gloo" if device == "cpu" else "auto")
+    if device in ("cuda", "gpu"):
+        os.environ["FLAGS_selected_gpus"] = str(device_index)
+    elif device == "xpu":
+        os.environ["FLAGS_selected_xpus"] = str(device_index)
     import paddle.distributed as dist
 
     started = time.perf_counter()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from fdplug.errors import ConfigError
+from fdplug.errors import ConfigError, QueueFullError
 from fdplug.plugin_api.attention import cdiv
 
 if TYPE_CHECKING:
@@ -66,3 +66,9 @@ class SchedulerConfig:
                 f"must be >= max_model_len ({self.max_model_len}), or long prompts could never run.",
                 fix=f"set max_num_batched_tokens >= {self.max_model_len}, lower max_model_len, "
                     f"or enable chunked prefill.")
+
+    def check_queue_room(self, waiting: int) -> None:
+        """A QueueFullError when ``waiting`` requests already fill the waiting queue."""
+        if waiting >= self.max_waiting_requests:
+            raise QueueFullError(f"the engine has {waiting} requests waiting, its limit (max_waiting_requests).",
+                                 fix="retry later, or raise max_waiting_requests if the server has memory to spare.")

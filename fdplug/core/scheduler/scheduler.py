@@ -31,12 +31,7 @@ from fdplug.core.scheduler.output import (
     SchedulerStats,
 )
 from fdplug.core.scheduler.request_rules import check_stop, chunk_size, oversize_span
-from fdplug.errors import (
-    EngineRequestError,
-    InvalidRequestError,
-    QueueFullError,
-    error_to_dict,
-)
+from fdplug.errors import EngineRequestError, InvalidRequestError, error_to_dict
 from fdplug.plugin_api.model_runner import ModelRunnerOutput
 
 
@@ -55,12 +50,13 @@ class Scheduler:
 
     # -- admission --------------------------------------------------------------------------------
 
+    def check_room(self, also_waiting: int = 0) -> None:
+        """A QueueFullError if the waiting queue (plus ``also_waiting`` held elsewhere) is full."""
+        self.config.check_queue_room(len(self.waiting) + also_waiting)
+
     def add_request(self, request: Request) -> None:
         """Queue a request, or refuse it with a typed error before touching any state or counter."""
-        if len(self.waiting) >= self.config.max_waiting_requests:
-            raise QueueFullError(
-                f"the engine has {len(self.waiting)} requests waiting, its limit (max_waiting_requests).",
-                fix="retry later, or raise max_waiting_requests if the server has memory to spare.")
+        self.check_room()
         if request.request_id in self.requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use.",
                                       fix="give every request a unique id.")
