@@ -1,6 +1,6 @@
 """fdplug's plugin API: everything a plugin author imports, and nothing else.
 
-A plugin is a module with ``FDPLUG_API_VERSION = "3.6"`` and functions decorated with ``hookimpl``,
+A plugin is a module with ``FDPLUG_API_VERSION = "3.7"`` and functions decorated with ``hookimpl``,
 found through the ``fdplug`` entry-point group (``[project.entry-points.fdplug] mychip =
 "fdplug_mychip"``). Its hooks (`hookspecs`) each receive a ``register`` callback taking one spec
 (`specs`). The smallest useful plugin registers one `DeviceSpec`; the core's portable runner,
@@ -57,6 +57,8 @@ _EXPORTS = {
     "OPS": "fdplug.plugin_api.ops", "Kernels": "fdplug.plugin_api.ops", "PreparedWeight": "fdplug.plugin_api.ops",
     "PREPARED_OPS": "fdplug.plugin_api.ops",
     "import_paddle": "fdplug.plugin_api.paddle",
+    "gather_blocks": "fdplug.plugin_api.kv_layout", "scatter_blocks": "fdplug.plugin_api.kv_layout",
+    "layout_of": "fdplug.plugin_api.kv_layout",
     "Decision": "fdplug.plugin_api.selection", "Selection": "fdplug.plugin_api.selection",
     "Setting": "fdplug.plugin_api.settings", "cache_dir": "fdplug.plugin_api.settings",
     **dict.fromkeys(("ANY_DEVICE", "AttentionBackendSpec", "DeviceSpec", "FeatureStorageSpec", "ModelRunnerSpec",

@@ -88,7 +88,9 @@ class AttentionBackend(Protocol):
     name: str
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-        """Shape of one layer's key cache (and, identically, value cache)."""
+        """Shape of one layer's key cache (and, identically, value cache). A backend may also say
+        where a block lives in it, ``kv_cache_layout`` (optional, API 3.7): a permutation of
+        ``"BTHD"``, or None for an opaque cache (`fdplug.plugin_api.kv_layout`)."""
         ...
 
     def prepare(self, meta: AttentionMetadata) -> Any:

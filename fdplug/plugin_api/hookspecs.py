@@ -1,7 +1,7 @@
 """The hooks: what a plugin implements. Read with `fdplug.plugin_api.specs` (what it registers).
 
 A plugin is a module (or object) with functions decorated by ``fdplug.hookimpl`` whose names are
-the hooks below, and a module-level ``FDPLUG_API_VERSION = "3.6"`` naming the API it was written
+the hooks below, and a module-level ``FDPLUG_API_VERSION = "3.7"`` naming the API it was written
 for. Registration hooks are called once, when plugins load, with a ``register`` callback that
 accepts one spec object; the core validates what is registered, so a bad registration fails loudly
 and only that plugin is skipped.
@@ -22,6 +22,8 @@ op (every float linear layer, weights ``[N, K]``, bf16 weights allowed) and ``En
 ``OpSpec.prepare``: a ``linear`` kernel lays out each layer's weight its own way once at load
 (`fdplug.plugin_api.ops.PreparedWeight`). 3.6: expert parallel: `fdplug.plugin_api.moe.ExpertExchange`
 and `ExpertBatch`, and an optional ``MoEBackend.make_exchange`` (a backend's own dispatch/combine).
+3.7: ``AttentionBackend.kv_cache_layout`` (optional): where a KV block lives in the cache
+(`fdplug.plugin_api.kv_layout`), for moving KV between instances.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ if TYPE_CHECKING:
     from fdplug.plugin_api.selection import Selection
 
 PROJECT_NAME = "fdplug"
-API_VERSION = "3.6"
+API_VERSION = "3.7"
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)

@@ -54,6 +54,7 @@ class ReferenceAttention:
     """
 
     name = "reference"
+    kv_cache_layout = "HBTD"     # (kv heads, blocks, tokens in a block, head dim): `plugin_api.kv_layout`
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return (num_kv_heads, num_blocks, block_size, head_dim)

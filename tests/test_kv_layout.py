@@ -1,0 +1,53 @@
+"""`fdplug.plugin_api.kv_layout`: KV blocks between caches of different layouts.
+
+Blocks gathered from an ``HBTD`` cache (the portable and cpu backends') and scattered into a
+``BTHD`` cache (flash-attention style) hold the same keys per (block, token, head); a backend that
+does not declare its layout is read from its shape when the sizes tell the axes apart, and one
+whose shape does not is opaque; nonsense layouts are refused by name.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+import pytest
+
+from fdplug.core.portable.attention import ReferenceAttention
+from fdplug.plugin_api.kv_layout import (
+    check_layout,
+    gather_blocks,
+    layout_of,
+    scatter_blocks,
+)
+
+
+def test_blocks_move_between_two_layouts_bit_for_bit():
+    rng = np.random.default_rng(0)
+    blocks, tokens, heads, dim = 6, 4, 2, 3
+    canonical = rng.standard_normal((blocks, tokens, heads, dim)).astype(np.float32)
+    hbtd = paddle.to_tensor(canonical.transpose(2, 0, 1, 3).copy())       # (H, B, T, D)
+    bthd = paddle.zeros([blocks, tokens, heads, dim])
+    scatter_blocks(bthd, "BTHD", [5, 0, 2], gather_blocks(hbtd, "HBTD", [1, 3, 4]))
+    moved = bthd.numpy()
+    np.testing.assert_array_equal(moved[[5, 0, 2]], canonical[[1, 3, 4]])
+    assert not moved[[1, 3, 4]].any()          # nothing else written
+
+
+def test_a_layout_is_declared_read_from_the_shape_or_opaque():
+    assert layout_of(ReferenceAttention()) == "HBTD"
+
+    class FlashLike:
+        def kv_cache_shape(self, num_blocks, block_size, num_kv_heads, head_dim):
+            return (num_blocks, block_size, num_kv_heads, head_dim)
+
+    class Tiled:
+        def kv_cache_shape(self, num_blocks, block_size, num_kv_heads, head_dim):
+            return (num_blocks, num_kv_heads, head_dim // 8 if head_dim >= 8 else 1, block_size, 8)
+
+    class Opaque(FlashLike):
+        kv_cache_layout = None
+
+    assert layout_of(FlashLike()) == "BTHD" and layout_of(Tiled()) is None and layout_of(Opaque()) is None
+    for bad in ("BTH", "BTHX", 7):
+        with pytest.raises(ValueError, match="must be a permutation of 'BTHD'"):
+            check_layout(bad)
