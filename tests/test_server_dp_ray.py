@@ -88,3 +88,15 @@ def test_expert_parallel_on_ray_engines_gives_transformers_greedy_tokens(tmp_pat
         assert "Ray local: 2 engines" in server.log()
     finally:
         assert server.stop() == 0, server.log()
+
+
+def test_engines_reserve_their_device_and_know_its_index_on_their_node():
+    from fdplug.server.ray_engines import device_indices, engine_bundles
+
+    assert engine_bundles(2, 8, "cpu") == ([{"CPU": 4}, {"CPU": 4}], 4)
+    assert engine_bundles(3, 2, "cpu") == ([{"CPU": 1}] * 3, 1)
+    assert engine_bundles(2, 64, "cuda") == ([{"CPU": 1, "GPU": 1}] * 2, 1)
+    assert engine_bundles(2, 64, "xpu") == ([{"CPU": 1, "XPU": 1}] * 2, 1)
+    nodes = ["a", "b", "a", "a", "b"]
+    assert device_indices(nodes, "xpu") == [0, 0, 1, 2, 1]       # the ordinal among its node's bundles
+    assert device_indices(nodes, "cuda") == [0] * 5              # Ray makes the engine's one GPU visible

@@ -228,11 +228,16 @@ class EngineSet:
         if backend == "ray":
             from fdplug.server.ray_engines import RayCluster
 
-            self.cluster = RayCluster(len(spec_args), ray_address)
+            device = spec_args[0]["selection"]["device"]
+            self.cluster = RayCluster(len(spec_args), ray_address, device)
+            if device != "cpu":    # each engine's device on its node, as Ray placed them
+                self.spec_args = spec_args = [{**args, "engine_args": {**args["engine_args"], "device_index": index}}
+                                              for args, index in zip(spec_args, self.cluster.device_index)]
             if spec_args[0].get("expert_parallel"):     # the group meets on rank 0's node, not this one
                 endpoints = self.cluster.rendezvous(len(spec_args))
-                self.spec_args = [{**args, "expert_parallel": {**args["expert_parallel"], "endpoints": endpoints}}
-                                  for args in spec_args]
+                self.spec_args = spec_args = [{**args, "expert_parallel": {**args["expert_parallel"],
+                                                                           "endpoints": endpoints}}
+                                              for args in spec_args]
         self.engines: list[EngineProcess] = []
         try:
             for rank in range(len(spec_args)):

@@ -10,8 +10,13 @@ which is the engine process's parent, so Ray killing the actor ends the engine w
 cluster as a driver, and every node needs the same fdplug installed.
 
 Restarts: the API process restarts a dead engine (a new actor in the same bundle) up to
-``dp_client.MAX_RESTARTS`` times per rank; its requests have failed by then. Ray reserves CPUs
-only: engines on accelerators are not placed per device by this backend yet.
+``dp_client.MAX_RESTARTS`` times per rank; its requests have failed by then.
+
+Accelerators (`engine_bundles`): on the cpu device a bundle is the engine's share of the cluster's
+CPUs; otherwise one device and one CPU: Ray's ``GPU`` for cuda (Ray then makes that one GPU the
+actor's, ``CUDA_VISIBLE_DEVICES``, so the engine runs on its device 0), a custom resource named
+after the device for the others (``XPU``: start each node with ``ray start --resources
+'{"XPU": 8}'``), whose engines take their ordinal among the bundles on their node as device index.
 
 Expert parallel (``--expert-parallel-size``): the engines' paddle.distributed group meets at a free
 port on rank 0's node (`RayCluster.rendezvous`, asked of its bundle before the engines start); an
@@ -33,6 +38,29 @@ from fdplug.server.engine_handle import EngineProcess
 logger = logging.getLogger("fdplug.server")
 
 ACTOR_CALL_TIMEOUT_S = 10.0
+RAY_RESOURCE = {"cuda": "GPU"}     # Ray's own resource names; other accelerators: the device's name, upper case
+
+
+def engine_bundles(size: int, cluster_cpus: int, device: str) -> tuple[list[dict], int]:
+    """Each engine's placement-group bundle, and its threads: on cpu the cluster's CPUs split over
+    the engines; on an accelerator one device of it and one CPU."""
+    if device == "cpu":
+        threads = max(1, cluster_cpus // size)
+        return [{"CPU": threads} for _ in range(size)], threads
+    return [{"CPU": 1, RAY_RESOURCE.get(device, device.upper()): 1} for _ in range(size)], 1
+
+
+def device_indices(bundle_nodes: list[str], device: str) -> list[int]:
+    """Each engine's device index on its node: 0 for cuda (Ray isolates its one GPU) and cpu; for a
+    custom resource, its ordinal among the bundles placed on the same node."""
+    if device in ("cpu", "cuda"):
+        return [0] * len(bundle_nodes)
+    seen: dict[str, int] = {}
+    out = []
+    for node in bundle_nodes:
+        out.append(seen.get(node, 0))
+        seen[node] = out[-1] + 1
+    return out
 
 
 class EngineActor:
@@ -57,8 +85,10 @@ class EngineActor:
 class RayEngineProcess(EngineProcess):
     """`EngineProcess` whose engine runs in bundle ``bundle`` of ``group`` (a Ray placement group)."""
 
-    def __init__(self, spec_args: dict, log_level: int, host: str, group: Any, bundle: int, threads: int) -> None:
-        self.group, self.bundle, self.threads = group, bundle, threads
+    def __init__(self, spec_args: dict, log_level: int, host: str, group: Any, bundle: int, threads: int,
+                 accelerator: dict | None = None) -> None:
+        """``accelerator``: the bundle's device resource (``{"GPU": 1}``), which the actor holds."""
+        self.group, self.bundle, self.threads, self.accelerator = group, bundle, threads, accelerator or {}
         super().__init__(spec_args, log_level, tcp_host=host)
 
     def _spawn(self, spec: Any) -> int:
@@ -67,7 +97,10 @@ class RayEngineProcess(EngineProcess):
 
         strategy = PlacementGroupSchedulingStrategy(placement_group=self.group,
                                                     placement_group_bundle_index=self.bundle)
-        self.actor = ray.remote(EngineActor).options(num_cpus=self.threads, scheduling_strategy=strategy).remote()
+        gpus = self.accelerator.get("GPU", 0)
+        others = {name: n for name, n in self.accelerator.items() if name != "GPU"}
+        self.actor = ray.remote(EngineActor).options(num_cpus=self.threads, num_gpus=gpus, resources=others or None,
+                                                     scheduling_strategy=strategy).remote()
         return ray.get(self.actor.start.remote(spec.to_json(), self.threads), timeout=ACTOR_CALL_TIMEOUT_S * 6)
 
     def poll(self) -> int | None:
@@ -121,25 +154,35 @@ def _node_endpoint() -> str:
 class RayCluster:
     """The Ray connection and the placement group of ``size`` engines of ``threads`` CPUs each."""
 
-    def __init__(self, size: int, address: str | None) -> None:
+    def __init__(self, size: int, address: str | None, device: str = "cpu") -> None:
         try:
             import ray
-            from ray.util.placement_group import placement_group
+            from ray.util.placement_group import (
+                placement_group,
+                placement_group_table,
+                remove_placement_group,
+            )
         except ImportError:
             raise ConfigError("--data-parallel-backend ray needs Ray, which is not installed.",
                               fix="pip install 'ray>=2.40' (on every node), or use --data-parallel-backend mp.") from None
         ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING,
                  configure_logging=False, namespace="fdplug")
-        cpus = int(ray.cluster_resources().get("CPU", 1))
-        self.threads = max(1, cpus // size)     # each engine's share of the cluster's CPUs
+        resources = ray.cluster_resources()
+        cpus = int(resources.get("CPU", 1))
+        bundles, self.threads = engine_bundles(size, cpus, device)
+        self.accelerator = {name: n for name, n in bundles[0].items() if name != "CPU"}
         self.host = "127.0.0.1" if address is None else ray.util.get_node_ip_address()
-        self.group = placement_group([{"CPU": self.threads}] * size, strategy="SPREAD")
+        self.group = placement_group(bundles, strategy="SPREAD")
         try:
             ray.get(self.group.ready(), timeout=60)
         except ray.exceptions.GetTimeoutError:
-            raise ConfigError(f"Ray could not place {size} engines of {self.threads} CPUs each within 60 s "
-                              f"(the cluster has {cpus} CPUs).",
-                              fix="add nodes or lower --data-parallel-size.") from None
+            remove_placement_group(self.group)
+            have = ", ".join(f"{int(resources.get(name, 0))} {name}" for name in ("CPU", *self.accelerator))
+            raise ConfigError(f"Ray could not place {size} engines of {bundles[0]} each within 60 s (the cluster has "
+                              f"{have}).", fix="add nodes (with `ray start --num-gpus N` or --resources '{\"XPU\": N}' "
+                                               "for accelerators), or lower --data-parallel-size.") from None
+        nodes = placement_group_table(self.group)["bundles_to_node_id"]
+        self.device_index = device_indices([nodes[i] for i in range(size)], device)
         logger.info("Ray %s: %d engines of %d CPUs each in placement group %s", "local" if address is None else address,
                     size, self.threads, self.group.id.hex()[:8])
 
@@ -154,7 +197,7 @@ class RayCluster:
         return ray.get(refs, timeout=ACTOR_CALL_TIMEOUT_S * 6)
 
     def engine(self, spec_args: dict, log_level: int, rank: int) -> RayEngineProcess:
-        return RayEngineProcess(spec_args, log_level, self.host, self.group, rank, self.threads)
+        return RayEngineProcess(spec_args, log_level, self.host, self.group, rank, self.threads, self.accelerator)
 
     def shutdown(self) -> None:
         import ray
