@@ -1,0 +1,1 @@
+"""Moving KV blocks between instances (prefill/decode disaggregation): the pull data path (`pull`)."""
