@@ -224,6 +224,19 @@ class ParallelGroupError(FdplugError):
     error_type = "server_error"
 
 
+class KVTransferError(FdplugError):
+    """PD decode: this request's prompt KV could not be pulled from its prefill instance."""
+
+    http_status = 502
+    error_type = "server_error"
+
+
+class KVTransferTimeoutError(KVTransferError):
+    """PD decode: this request's prompt KV did not land within FDPLUG_KV_TRANSFER_TIMEOUT."""
+
+    http_status = 504
+
+
 class ServerShuttingDownError(FdplugError):
     """The server is stopping (SIGINT/SIGTERM): requests in flight are aborted."""
 

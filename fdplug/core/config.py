@@ -67,6 +67,7 @@ class EngineConfig:
     seed: int = 0
     device_index: int = 0             # which device of its kind (data parallel: rank i runs on device i)
     expert_parallel_size: int = 1     # > 1: this engine is one rank of an expert-parallel group (`fdplug serve`)
+    kv_role: str | None = None        # prefill | decode: one side of PD disaggregation (`core.kv_transfer`)
     encoder_cache_rows: int = 16384
     feature_fetch_workers: int = field(default_factory=lambda: env("FD_PREFILL_PREPARE_REQ_THREAD_NUM"))
     allowed_feature_paths: tuple[str, ...] = field(default_factory=lambda: env("FDPLUG_ALLOWED_FEATURE_PATHS"))
@@ -86,6 +87,9 @@ class EngineConfig:
         if not isinstance(self.block_size, int) or self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}.",
                               fix="use 16 (the default) or another power of two such as 32 or 64.")
+        if self.kv_role not in (None, "prefill", "decode"):
+            raise ConfigError(f"kv_role must be prefill or decode, got {self.kv_role!r}.",
+                              fix="leave it unset for an instance that does both.")
         if not isinstance(self.device_index, int) or isinstance(self.device_index, bool) or self.device_index < 0:
             raise ConfigError(f"device_index must be an integer >= 0, got {self.device_index!r}.",
                               fix="give the index of the device among those of its kind (0: the first).")

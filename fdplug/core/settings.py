@@ -36,6 +36,12 @@ for _setting in (
             "Threads that fetch multimodal features for requests, off the step loop (FastDeploy's name)."),
     Setting("FDPLUG_FETCH_TIMEOUT", 30.0, parse_positive_float,
             "Seconds one feature fetch may take before it fails."),
+    Setting("FDPLUG_KV_PICKUP_TIMEOUT", 60.0, parse_positive_float,
+            "PD prefill: seconds a finished request's KV blocks stay held for a decode instance to pull them."),
+    Setting("FDPLUG_KV_TRANSFER_TIMEOUT", 60.0, parse_positive_float,
+            "PD decode: seconds from a request's arrival until its prompt's KV must have landed, or it fails (504)."),
+    Setting("FDPLUG_KV_STALL_TIMEOUT", 5.0, parse_positive_float,
+            "PD decode: seconds a pull may go without a message from the prefill instance before it fails (502)."),
     Setting("FD_MOE_BACKEND", None, _parse_name,
             "MoE backend for the routed experts, by name (`fdplug explain` lists them; FastDeploy's name, "
             "but its values cutlass/marlin/triton are GPU kernels fdplug does not have). --moe-backend wins."),

@@ -27,6 +27,7 @@ from fdplug.core.engine.profiler import StepProfiler
 from fdplug.core.engine.request import Request, RequestStatus
 from fdplug.core.engine.runner_check import disagreements
 from fdplug.core.engine.step_recovery import drop
+from fdplug.core.kv_transfer.engine_side import make_side
 from fdplug.core.multimodal.encoder_cache import EncoderCache
 from fdplug.core.multimodal.fetch import FeatureFetcher
 from fdplug.core.multimodal.loader import FeatureLoader
@@ -56,6 +57,7 @@ class EngineCore:
         model = self.runner.load_model()
         self.kv_plan = self.runner.initialize_kv_cache()
         self.scheduler = Scheduler(SchedulerConfig.from_engine_config(config, self.kv_plan.num_blocks))
+        self.kv_transfer = make_side(config, self.runner, self.scheduler)   # PD disaggregation: None when both
         self.limits = ModelLimits(model.vocab_size, config.max_model_len)
         self.profiler = StepProfiler()
         self.encoder_cache = EncoderCache(config.encoder_cache_rows)
@@ -70,11 +72,19 @@ class EngineCore:
         """Check a request against the model and queue it, or raise a typed error with nothing
         changed. One with multimodal items waits (in its own state) for its features."""
         self.validate(request)
+        if self.kv_transfer is not None and not self.kv_transfer_admit(request):
+            return
         if request.mm_inputs:
             request.status = RequestStatus.WAITING_FOR_FEATURES
         self.scheduler.add_request(request)
         if request.mm_inputs and self.feature_loader.submit(request):
             request.status = RequestStatus.WAITING
+
+    def kv_transfer_admit(self, request: Request) -> bool:
+        """PD decode: the request arrives with its first token and pulls its KV (False: that token
+        ended it). Elsewhere: True."""
+        admit = getattr(self.kv_transfer, "admit", None)
+        return True if admit is None else admit(request)
 
     def validate(self, request: Request, also_waiting: int = 0) -> None:
         """The admission check alone: the typed error ``add_request`` would refuse it with, if any
@@ -89,6 +99,8 @@ class EngineCore:
         ids = [rid for rid in request_ids if rid in self.scheduler.requests]
         for rid in ids:
             self._release(self.scheduler.requests[rid])
+            if self.kv_transfer is not None:
+                self.kv_transfer.cancel(rid)
         self.scheduler.finish_requests(ids, status)
 
     def _release(self, request: Request) -> None:
@@ -98,7 +110,7 @@ class EngineCore:
             self.encoder_cache.release(request.request_id, self.feature_loader.hashes(request))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or (self.kv_transfer is not None and self.kv_transfer.busy)
 
     def has_pending_features(self) -> bool:
         return self.feature_loader.has_pending()
@@ -109,6 +121,8 @@ class EngineCore:
         """One step: the outputs it produced and whether it ran anything (False: nothing could be
         scheduled, e.g. only feature downloads are in flight)."""
         outputs = self._poll_features()
+        if self.kv_transfer is not None:
+            outputs += self.kv_transfer.poll()
         with self.profiler.phase("schedule"):
             scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
@@ -116,7 +130,10 @@ class EngineCore:
             return outputs, False
         try:
             executed = self.executor.execute(scheduler_output)
-            return outputs + self._update(scheduler_output, executed), True
+            outputs += self._update(scheduler_output, executed)
+            if self.kv_transfer is not None:
+                self.kv_transfer.finished(outputs)
+            return outputs, True
         except ParallelGroupError:   # a peer rank of the expert-parallel group is gone: the engine stops
             raise
         except Exception:   # a bug past the runner, in the engine's own bookkeeping: contain it too

@@ -25,6 +25,7 @@ class RequestStatus(enum.IntEnum):
 
     WAITING = enum.auto()
     WAITING_FOR_FEATURES = enum.auto()  # multimodal features still being fetched: not schedulable
+    WAITING_FOR_REMOTE_KV = enum.auto()  # its prompt's KV being pulled from a prefill instance: not schedulable
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED_STOPPED = enum.auto()
@@ -35,6 +36,11 @@ class RequestStatus(enum.IntEnum):
     @property
     def is_finished(self) -> bool:
         return self > RequestStatus.PREEMPTED
+
+    @property
+    def is_schedulable_wait(self) -> bool:
+        """Waiting, and the scheduler may take it (not waiting on features or remote KV)."""
+        return self in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
     @property
     def finish_reason(self) -> str | None:
@@ -89,6 +95,7 @@ class Request:
     cache_salt: str | None = None
     mm_positions: list[MMPlaceholder] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
+    kv_transfer_params: dict | None = None   # PD disaggregation (`core.kv_transfer`): what to offer, or pull
     mm_inputs: list = field(default_factory=list)  # what to fetch, aligned with mm_positions (MMFeatureInput)
     mm_spans: list[tuple[int, int]] = field(default_factory=list, init=False)  # bidirectional [start, end)
 

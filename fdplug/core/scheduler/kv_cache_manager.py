@@ -192,6 +192,11 @@ class KVCacheManager:
         self.block_pool.cache_full_blocks(self.req_to_blocks[rid], hashes, start, num_full)
         self.num_cached_blocks[rid] = num_full
 
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Enter the request's first ``num_tokens`` (full blocks) into the prefix cache: their KV
+        was written from elsewhere (a pull from a prefill instance)."""
+        self._cache_computed_blocks(request, num_tokens)
+
     def free(self, request: Request) -> None:
         """Release a request's blocks (finished, aborted or preempted), tail blocks first.
 

@@ -86,6 +86,7 @@ class EngineCoreOutput:
     # the sampled token first, then the top-N alternatives, from the runner's ModelRunnerOutput.
     new_logprobs: list[tuple[list[int], list[float], list[int]]] | None = None
     error: dict | None = None   # with finish_reason "error": the typed error as data (errors.error_to_dict)
+    kv_transfer_params: dict | None = None   # PD prefill, finished: what a decode instance pulls
 
 
 @dataclass(slots=True)

@@ -17,7 +17,7 @@ The engine's step is five lines::
 from __future__ import annotations
 
 from collections import deque
-from typing import Iterable
+from typing import Callable, Iterable
 
 from fdplug.core.engine.request import Request, RequestStatus
 from fdplug.core.multimodal.chunking import check_admission
@@ -47,6 +47,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()  # since the last schedule()
         self.num_preemptions = 0
+        self.on_free: Callable[[Request, list], None] | None = None   # before a request's blocks are freed
 
     # -- admission --------------------------------------------------------------------------------
 
@@ -67,7 +68,8 @@ class Scheduler:
                 f"room for at most {limit - 1} prompt tokens.", fix="shorten the prompt.")
         if request.mm_spans:
             check_admission(request.num_prompt_tokens, request.mm_spans, self.config.max_num_batched_tokens, limit)
-        if request.status not in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_FEATURES):
+        if request.status not in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_FEATURES,
+                                  RequestStatus.WAITING_FOR_REMOTE_KV):
             raise InvalidRequestError(f"request {request.request_id!r} is {request.status.name}.",
                                       fix="submit a fresh Request.")
         self.requests[request.request_id] = request
@@ -123,7 +125,7 @@ class Scheduler:
         kv = self.kv_cache_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            if request.status == RequestStatus.WAITING_FOR_FEATURES:
+            if not request.status.is_schedulable_wait:     # features or remote KV still on their way
                 skipped.append(self.waiting.popleft())
                 continue
             hit_blocks, num_hit = kv.get_computed_blocks(request)
@@ -144,7 +146,7 @@ class Scheduler:
         for request in self.running:
             if request.mm_spans and oversize_span(request, request.num_computed_tokens, self.config.max_num_batched_tokens):
                 return request
-        head = next((r for r in self.waiting if r.status != RequestStatus.WAITING_FOR_FEATURES), None)
+        head = next((r for r in self.waiting if r.status.is_schedulable_wait), None)
         if (head is not None and head is self.waiting[0] and head.mm_spans
                 and len(self.running) < self.config.max_num_seqs
                 and oversize_span(head, self.kv_cache_manager.get_computed_blocks(head)[1],
@@ -276,6 +278,8 @@ class Scheduler:
         self.waiting = deque(r for r in self.waiting if not r.is_finished())
 
     def _free_request(self, request: Request) -> None:
+        if self.on_free is not None:     # PD prefill: may keep the blocks for a pull (`core.kv_transfer`)
+            self.on_free(request, self.kv_cache_manager.get_blocks(request.request_id))
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)

@@ -1,0 +1,100 @@
+"""Prefill/decode disaggregation between two engines (`fdplug.core.kv_transfer`), driven by hand.
+
+A prefill engine runs each prompt with ``max_tokens=1`` and offers its full prompt blocks; a decode
+engine takes the request with the prefill's ``kv_transfer_params``, pulls the blocks over a real
+ZMQ socket, and continues: every request gets one engine's greedy tokens (prompts shorter than a
+block, exactly two blocks, and longer; one seen before, whose blocks the decode side already
+holds). Both engines end with no request and no block in use. A pull of a transfer the prefill
+does not know fails its request alone with a typed error, and a request whose first token already
+ends it finishes at once.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from fdplug.core.engine.request import Request, SamplingParams
+from fdplug.core.frontend.llm import LLM
+from tests.conftest import write_test_model
+
+PROMPTS = [[5, 9, 2], [11, 3, 8, 21, 34, 55, 89, 14, 23, 37, 60, 97, 57, 54, 11, 65, 76, 41, 17, 58, 75, 33, 8, 41,
+                       49, 90, 39, 29, 68, 97, 65, 62],
+           [7] * 37, [5, 9, 2, 6, 1, 4, 8, 3, 2, 7, 7, 7, 1, 2, 3, 4, 5, 6, 7]]
+TOKENS = 10
+ARGS = {"num_kv_blocks": 64, "max_model_len": 128, "block_size": 16}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return str(write_test_model(tmp_path_factory.mktemp("pd") / "m"))
+
+
+def request(rid: str, prompt: list[int], max_tokens: int, eos, params: dict) -> Request:
+    r = Request(rid, prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), tuple(eos))
+    r.kv_transfer_params = params
+    return r
+
+
+def drive(engines, until, timeout: float = 60.0) -> dict[str, list]:
+    """Step every engine that has work until ``until(outputs)``; outputs by request id."""
+    got: dict[str, list] = {}
+    deadline = time.monotonic() + timeout
+    while not until(got):
+        assert time.monotonic() < deadline, f"not done in {timeout} s: {got}"
+        for engine in engines:
+            if engine.has_unfinished_requests():
+                for out in engine.step()[0]:
+                    got.setdefault(out.request_id, []).append(out)
+    return got
+
+
+def finished(ids):
+    return lambda got: all(any(o.finished for o in got.get(i, [])) for i in ids)
+
+
+def test_decode_continues_what_prefill_started_with_one_engines_tokens(model):
+    want = [o.outputs[0].token_ids for o in LLM(model, **ARGS).generate(
+        [{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True),
+        use_tqdm=False)]
+    prefill, decode = LLM(model, kv_role="prefill", **ARGS), LLM(model, kv_role="decode", **ARGS)
+    eos = prefill.model_config.eos_token_ids
+    for round_ in range(2):      # the second time, the decode side holds the prompts' blocks already
+        ids = [f"r{round_}-{i}" for i in range(len(PROMPTS))]
+        for rid, prompt in zip(ids, PROMPTS):
+            prefill.engine.add_request(request(rid, prompt, 1, eos, {"do_remote_decode": True}))
+        first = drive([prefill.engine], finished(ids))
+        params = {rid: next(o for o in outs if o.finished).kv_transfer_params for rid, outs in first.items()}
+        assert all(p["first_token"] == first[rid][-1].new_token_ids[-1] for rid, p in params.items())
+        assert ("conn" in params[ids[0]]) is False and "conn" in params[ids[2]]   # 3 tokens: no full block
+        for rid, prompt in zip(ids, PROMPTS):
+            decode.engine.add_request(request(rid, prompt, TOKENS, eos, params[rid]))
+        got = drive([prefill.engine, decode.engine], finished(ids))
+        for rid, expected in zip(ids, want):
+            tokens = [t for o in got[rid] for t in o.new_token_ids]
+            assert tokens == expected and got[rid][-1].finish_reason == "length", rid
+        if round_ == 0:        # every offer pulled: the prefill side holds no block any more
+            assert not prefill.engine.kv_transfer.held and prefill.engine.scheduler.kv_cache_manager.usage == 0.0
+    if decode.engine.scheduler.kv_cache_manager.block_pool.prefix_cache_stats.hits == 0:
+        pytest.fail("the decode side never hit the pulled blocks in its prefix cache")
+    for llm in (decode, prefill):
+        assert not llm.engine.scheduler.requests
+    assert decode.engine.scheduler.kv_cache_manager.usage == 0.0
+
+
+def test_a_pull_that_cannot_be_served_fails_its_request_alone(model):
+    prefill, decode = LLM(model, kv_role="prefill", **ARGS), LLM(model, kv_role="decode", **ARGS)
+    eos = prefill.model_config.eos_token_ids
+    prefill.engine.add_request(request("p", PROMPTS[2], 1, eos, {"do_remote_decode": True}))
+    params = next(o for o in drive([prefill.engine], finished(["p"]))["p"] if o.finished).kv_transfer_params
+    forged = {**params, "conn": {**params["conn"], "transfer_id": "0" * 32}}
+    decode.engine.add_request(request("bad", PROMPTS[2], TOKENS, eos, forged))
+    decode.engine.add_request(request("good", PROMPTS[2], TOKENS, eos, params))
+    decode.engine.add_request(request("short", PROMPTS[1], 1, eos, {**params, "num_prompt_tokens": len(PROMPTS[1])}))
+    got = drive([prefill.engine, decode.engine], finished(["bad", "good", "short"]))
+    assert got["bad"][-1].finish_reason == "error" and got["bad"][-1].error["type"] == "KVTransferError"
+    assert "unknown_transfer" in got["bad"][-1].error["message"]
+    assert got["good"][-1].finish_reason == "length" and len([t for o in got["good"] for t in o.new_token_ids]) == TOKENS
+    assert [t for o in got["short"] for t in o.new_token_ids] == [params["first_token"]]   # max_tokens 1: done
+    assert not decode.engine.scheduler.requests and decode.engine.scheduler.kv_cache_manager.usage == 0.0
