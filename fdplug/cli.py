@@ -246,6 +246,9 @@ def generate_command(prompts: tuple[str, ...], chat: bool, max_tokens: int, temp
 @click.option("--ray-address", default=None,
               help="With --data-parallel-backend ray: the cluster to join (ray start --head's address); "
                    "default: a local Ray.")
+@click.option("--role", type=click.Choice(["prefill", "decode"]), default=None,
+              help="Prefill/decode disaggregation: this instance prefills requests (max_tokens=1) and holds their KV "
+                   "for a decode instance to pull, or decodes requests whose KV it pulls (kv_transfer_params).")
 @click.option("--expert-parallel-size", type=click.IntRange(min=1), default=1, show_default=True,
               help="MoE models: shard the routed experts over this many engines (the data-parallel engines; "
                    "each keeps its own KV cache and requests) that run every forward pass together, tokens "
@@ -254,13 +257,15 @@ def generate_command(prompts: tuple[str, ...], chat: bool, max_tokens: int, temp
 def serve_command(host: str, port: int, api_key: str | None, served_model_name: str | None, max_body_bytes: int,
                   stream_interval: int, max_waiting_requests: int, trust_request_chat_template: bool,
                   data_parallel_size: int, data_parallel_backend: str, ray_address: str | None,
-                  expert_parallel_size: int, **kw: Any) -> None:
+                  expert_parallel_size: int, role: str | None, **kw: Any) -> None:
     """Serve the OpenAI API (chat, completions, streaming) with the engine in its own process."""
     from fdplug.server.launcher import ServerSettings, serve
 
     logging.getLogger("fdplug").setLevel(min(logging.INFO, logging.getLogger().getEffectiveLevel()))
     args = engine_kwargs(kw)
     args["max_waiting_requests"] = max_waiting_requests
+    if role is not None:
+        args["kv_role"] = role
     settings = ServerSettings(host=host, port=port, api_key=api_key, served_model_name=served_model_name,
                               max_body_bytes=max_body_bytes, stream_interval=stream_interval,
                               trust_request_chat_template=trust_request_chat_template,

@@ -4,7 +4,8 @@ A prefill engine runs each prompt with ``max_tokens=1`` and offers its full prom
 engine takes the request with the prefill's ``kv_transfer_params``, pulls the blocks over a real
 ZMQ socket, and continues: every request gets one engine's greedy tokens (prompts shorter than a
 block, exactly two blocks, and longer; one seen before, whose blocks the decode side already
-holds). Both engines end with no request and no block in use. A pull of a transfer the prefill
+holds, and which it tells the prefill engine to let go of). Both engines end with no request and no
+block in use. A pull of a transfer the prefill
 does not know fails its request alone with a typed error, and a request whose first token already
 ends it finishes at once.
 """
@@ -76,6 +77,7 @@ def test_decode_continues_what_prefill_started_with_one_engines_tokens(model):
             assert tokens == expected and got[rid][-1].finish_reason == "length", rid
         if round_ == 0:        # every offer pulled: the prefill side holds no block any more
             assert not prefill.engine.kv_transfer.held and prefill.engine.scheduler.kv_cache_manager.usage == 0.0
+    drive([prefill.engine], lambda _: not prefill.engine.kv_transfer.held, timeout=10)   # released by decode
     if decode.engine.scheduler.kv_cache_manager.block_pool.prefix_cache_stats.hits == 0:
         pytest.fail("the decode side never hit the pulled blocks in its prefix cache")
     for llm in (decode, prefill):

@@ -22,11 +22,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 import fdplug
-from fdplug.errors import AuthenticationError, FdplugError, InvalidRequestError, RequestTooLargeError
+from fdplug.errors import (
+    AuthenticationError,
+    FdplugError,
+    InvalidRequestError,
+    RequestTooLargeError,
+)
 from fdplug.server import openai_types as T
 from fdplug.server.engine_client import EngineClient
 from fdplug.server.jobs import JobBuilder
 from fdplug.server.metrics import CONTENT_TYPE_LATEST
+from fdplug.server.pd_params import check_kv_transfer_params
 from fdplug.server.serving import Serving
 
 logger = logging.getLogger("fdplug.server")
@@ -44,7 +50,7 @@ def error_response(exc: FdplugError, metrics: Any = None) -> JSONResponse:
 
 
 def build_app(client: EngineClient, model_name: str, api_key: str | None, max_body_bytes: int,
-              stream_interval: int = 1, trust_request_chat_template: bool = False) -> Any:
+              stream_interval: int = 1, trust_request_chat_template: bool = False, kv_role: str | None = None) -> Any:
     """The ASGI app uvicorn runs: the guard around the FastAPI routes."""
     app = FastAPI(title="fdplug", version=fdplug.__version__, docs_url=None, redoc_url=None, openapi_url=None)
     jobs = JobBuilder(client, model_name, trust_request_chat_template)
@@ -133,6 +139,9 @@ def build_app(client: EngineClient, model_name: str, api_key: str | None, max_bo
 
     async def _run(job: Any, prepared: list, params: Any, req: Any, request: Request) -> Response:
         rank = data_parallel_rank(request)
+        kv_params = check_kv_transfer_params(req.kv_transfer_params, kv_role, params.n, client.info.vocab_size)
+        for prompt in prepared:
+            prompt.kv_transfer_params = kv_params
         if not req.stream:
             serving.submit(job, prepared, params, None, req.cache_salt, rank)
             return await serving.respond(job, request)

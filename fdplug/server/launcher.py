@@ -169,7 +169,7 @@ async def _serve(settings: ServerSettings, spec_args: list[dict], tokenizer: Any
         info = infos[0]
         api_key = settings.api_key if settings.api_key is not None else env("FDPLUG_API_KEY")
         app = build_app(client, name, api_key, settings.max_body_bytes, settings.stream_interval,
-                        settings.trust_request_chat_template)
+                        settings.trust_request_chat_template, spec_args[0]["engine_args"].get("kv_role"))
         shutdown_timeout = env("FDPLUG_SHUTDOWN_TIMEOUT")
         server = _Server(uvicorn.Config(app, log_config=None, log_level="warning", access_log=False, lifespan="off",
                                         timeout_graceful_shutdown=int(max(1, shutdown_timeout)),

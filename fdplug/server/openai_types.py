@@ -62,6 +62,7 @@ class _SamplingRequest(_Strict):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     cache_salt: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None   # vLLM's: PD instances only (fdplug serve --role)
 
 
 class CompletionRequest(_SamplingRequest):

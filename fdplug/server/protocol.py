@@ -69,14 +69,16 @@ def encode_request(request: Request) -> list:
     return [request.request_id, request.prompt_token_ids, {name: getattr(params, name) for name in _PARAM_FIELDS},
             list(request.eos_token_ids), request.cache_salt, request.arrival_time,
             [[m.offset, m.length, m.mm_hash, m.span_length] for m in request.mm_positions],
-            [[i.modality, list(i.urls), list(i.grid_thw), i.num_tokens, i.mm_hash] for i in request.mm_inputs]]
+            [[i.modality, list(i.urls), list(i.grid_thw), i.num_tokens, i.mm_hash] for i in request.mm_inputs],
+            request.kv_transfer_params]
 
 
 def decode_request(item: list) -> Request:
-    request_id, prompt_ids, params, eos, cache_salt, arrival_time, mm, inputs = item
+    request_id, prompt_ids, params, eos, cache_salt, arrival_time, mm, inputs, kv_transfer_params = item
     return Request(request_id, prompt_ids, SamplingParams(**params), tuple(eos), arrival_time=arrival_time,
                    cache_salt=cache_salt, mm_positions=[MMPlaceholder(*m) for m in mm],
-                   mm_inputs=[MMFeatureInput(m, tuple(u), tuple(g), n, h) for m, u, g, n, h in inputs])
+                   mm_inputs=[MMFeatureInput(m, tuple(u), tuple(g), n, h) for m, u, g, n, h in inputs],
+                   kv_transfer_params=kv_transfer_params)
 
 
 # -- outputs ------------------------------------------------------------------------------------------
@@ -84,7 +86,7 @@ def decode_request(item: list) -> Request:
 
 def encode_output(out: EngineCoreOutput) -> list:
     return [out.request_id, out.new_token_ids, out.finished, out.finish_reason, out.stop_reason,
-            out.num_cached_tokens, out.new_logprobs, out.error]
+            out.num_cached_tokens, out.new_logprobs, out.error, out.kv_transfer_params]
 
 
 def decode_output(item: list) -> EngineCoreOutput:

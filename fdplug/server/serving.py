@@ -82,8 +82,11 @@ class Serving:
                 choices.append(self._choice(job, job.choice_index(i, c.index), c.text, c.finish_reason,
                                             c.token_ids, c.logprobs))
         obj = "text_completion" if job.kind == "completion" else "chat.completion"
-        return JSONResponse(T.envelope(obj, job.id, job.created, job.model, choices,
-                                       T.usage(job.prompt_tokens, completion_tokens, cached)))
+        body = T.envelope(obj, job.id, job.created, job.model, choices, T.usage(job.prompt_tokens, completion_tokens,
+                                                                               cached))
+        if outputs and outputs[0].kv_transfer_params is not None:   # PD prefill: where decode pulls (vLLM's field)
+            body["kv_transfer_params"] = outputs[0].kv_transfer_params
+        return JSONResponse(body)
 
     def _choice(self, job: Job, index: int, text: str, finish_reason: str | None, token_ids: list[int],
                 logprobs: list | None) -> dict:

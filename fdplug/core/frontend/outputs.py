@@ -42,4 +42,5 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     error: Any = None            # the typed FdplugError that failed this request (finish_reason "error")
+    kv_transfer_params: dict | None = None   # PD prefill: where a decode instance pulls this prompt's KV
     metrics: dict[str, float] = field(default_factory=dict)

@@ -43,6 +43,7 @@ class ProcessedPrompt:
     token_ids: list[int]
     mm_inputs: list[MMFeatureInput] = field(default_factory=list)
     mm_positions: list[MMPlaceholder] = field(default_factory=list)
+    kv_transfer_params: dict | None = None   # PD disaggregation: checked by the server (`server.pd_params`)
 
 
 class InputProcessor:
@@ -113,7 +114,7 @@ class InputProcessor:
             child = params if params.n == 1 else dataclasses.replace(params, n=1, seed=child_seed(params.seed, i))
             requests.append(Request(child_id(request_id, i, params.n), prompt.token_ids, child, self.eos_token_ids,
                                     cache_salt=cache_salt, mm_positions=list(prompt.mm_positions),
-                                    mm_inputs=list(prompt.mm_inputs)))
+                                    mm_inputs=list(prompt.mm_inputs), kv_transfer_params=prompt.kv_transfer_params))
         return requests
 
     def _check_ids(self, ids: Any) -> list[int]:
@@ -240,6 +241,8 @@ class OutputProcessor:
             result.cumulative_logprob += sum(entry[t].logprob for entry, t in zip(new_logprobs, new_ids))
         parent = self._parents[key[0]].output
         parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
+        if out.kv_transfer_params is not None:
+            parent.kv_transfer_params = out.kv_transfer_params
         return Delta(key[0], result.index, text, new_ids, new_logprobs, result.finish_reason, result.stop_reason,
                      error)
 

@@ -180,7 +180,8 @@ class DecodeSide:
         kv = self.scheduler.kv_cache_manager
         hit_blocks, num_hit = kv.get_computed_blocks(item.request)
         first = min(num_hit // self.block_size, item.num_full)
-        if first == item.num_full:          # all of it is cached here already
+        if first == item.num_full:          # all of it is cached here already: the prefill side may let go
+            self.receiver.release(item.request.kv_transfer_params["conn"])
             self._landed(item)
             return True
         if kv.allocate_slots(item.request, (item.num_full - first) * self.block_size, hit_blocks[:first]) is None:

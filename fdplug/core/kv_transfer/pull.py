@@ -111,12 +111,15 @@ class KVSender:
     def _serve(self, identity: bytes, frame: bytes) -> str | None:
         try:
             request = _read_header(frame)
-            transfer_id, first, count = request["transfer_id"], request.get("first_block", 0), request["count"]
-            if request["op"] != "pull" or not isinstance(transfer_id, str):
+            transfer_id = request["transfer_id"]
+            if request["op"] not in ("pull", "release") or not isinstance(transfer_id, str):
                 raise ValueError("not a pull")
         except (ValueError, KeyError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
             return None                           # garbage: no answer, nothing held
         offer = self.offers.pop(transfer_id, None)
+        if request["op"] == "release":            # the puller holds these blocks already: done with them
+            return transfer_id if offer is not None else None
+        first, count = request.get("first_block", 0), request.get("count")
         if offer is None:
             return self._error(identity, transfer_id, "unknown_transfer")
         if not (isinstance(first, int) and isinstance(count, int) and 0 <= first and 0 < count
@@ -164,19 +167,27 @@ class KVReceiver:
         transfer_id = conn["transfer_id"]
         if transfer_id in self.pulls:
             raise ValueError(f"transfer {transfer_id[:8]}... is already being pulled")
-        socket = self.sockets.get(conn["addr"])
-        if socket is None:
-            socket = self.sockets[conn["addr"]] = self.context.socket(zmq.DEALER)
-            socket.setsockopt(zmq.LINGER, 0)
-            socket.connect(conn["addr"])
+        socket = self._socket(conn["addr"])
         self.pulls[transfer_id] = _Pull(list(block_ids), time.monotonic())
         socket.send(_header({"op": "pull", "transfer_id": transfer_id, "first_block": first_block,
                              "count": len(block_ids)}))
         return transfer_id
 
+    def release(self, conn: dict) -> None:
+        """Tell the sender its offer is not needed (this side has the blocks): it frees them now."""
+        self._socket(conn["addr"]).send(_header({"op": "release", "transfer_id": conn["transfer_id"]}))
+
     def cancel(self, transfer_id: str) -> None:
         """Stop waiting for a pull (its request ended); its blocks may be partly written."""
         self.pulls.pop(transfer_id, None)
+
+    def _socket(self, address: str) -> zmq.Socket:
+        socket = self.sockets.get(address)
+        if socket is None:
+            socket = self.sockets[address] = self.context.socket(zmq.DEALER)
+            socket.setsockopt(zmq.LINGER, 1000)      # a release sent just before close still goes
+            socket.connect(address)
+        return socket
 
     def poll(self) -> tuple[set[str], dict[str, str]]:
         """Land what arrived; ``(done, failed: {transfer id: why})``."""

@@ -1,0 +1,87 @@
+"""`fdplug serve --role prefill` and `--role decode`: a request prefilled by one server, decoded by another.
+
+Driven over HTTP as `fdplug router` will: the prefill instance runs the request with
+``max_tokens=1`` and ``kv_transfer_params={"do_remote_decode": true}`` and answers with where to pull
+its KV; the decode instance takes the original request with those params, pulls the KV from the
+prefill engine process (ZMQ over TCP) and streams the rest: the same greedy text as one instance,
+streamed or not (the second time the decode instance holds the prompts already and tells the
+prefill instance to let go of them). Afterwards neither instance runs anything and neither holds KV
+blocks. Bad params
+are a 400 naming the field, and an instance without ``--role`` refuses them.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from fdplug.core.engine.request import SamplingParams
+from fdplug.core.frontend.llm import LLM
+from tests.conftest import write_test_model
+from tests.serverkit import Server, wait_until
+
+PROMPTS = [[5, 9, 2], [11, 3, 8, 21, 34, 55, 89, 14, 23, 37, 60, 97, 57, 54, 11, 65, 76, 41, 17, 58], [7] * 37]
+TOKENS = 12
+ARGS = ["--max-model-len", "128", "--num-kv-blocks", "64", "--served-model-name", "m"]
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory):
+    model = str(write_test_model(tmp_path_factory.mktemp("pd") / "m"))
+    logs = tmp_path_factory.mktemp("logs")
+    prefill = Server(["--model", model, "--role", "prefill", *ARGS], logs / "prefill.log").wait_ready()
+    decode = Server(["--model", model, "--role", "decode", *ARGS], logs / "decode.log").wait_ready()
+    yield model, prefill, decode
+    assert decode.stop() == 0, decode.log()
+    assert prefill.stop() == 0, prefill.log()
+
+
+def relay(prefill: Server, decode: Server, prompt: list[int], stream: bool) -> str:
+    first = httpx.post(prefill.url + "/v1/completions", timeout=60, json={
+        "model": "m", "prompt": prompt, "max_tokens": 1, "temperature": 0, "ignore_eos": True,
+        "kv_transfer_params": {"do_remote_decode": True}})
+    assert first.status_code == 200, first.text
+    body = {"model": "m", "prompt": prompt, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True,
+            "kv_transfer_params": first.json()["kv_transfer_params"], "stream": stream}
+    if not stream:
+        reply = httpx.post(decode.url + "/v1/completions", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["choices"][0]["text"]
+    client = decode.openai()
+    return "".join(c.choices[0].text for c in client.completions.create(
+        **{k: v for k, v in body.items() if k in ("model", "prompt", "max_tokens", "temperature", "stream")},
+        extra_body={"ignore_eos": True, "kv_transfer_params": body["kv_transfer_params"]}))
+
+
+def test_prefill_then_decode_gives_one_instances_text(pd):
+    model, prefill, decode = pd
+    want = [o.outputs[0].text for o in LLM(model, max_model_len=128, num_kv_blocks=64).generate(
+        [{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True),
+        use_tqdm=False)]
+    for stream in (False, True):
+        assert [relay(prefill, decode, p, stream) for p in PROMPTS] == want
+    for server in (prefill, decode):          # nothing left running, no block held for a pull
+        wait_until(lambda s=server: s.metrics()["fdplug:kv_cache_usage_perc"] == 0.0, 10, what="KV blocks released")
+        assert server.metrics()["fdplug:num_requests_running"] == 0
+
+
+def test_bad_params_are_a_400_naming_the_field(pd, tmp_path):
+    _, prefill, decode = pd
+    cases = [(prefill, {"do_remote_decode": "yes"}, "must be {\"do_remote_decode\": true}"),
+             (decode, {"first_token": 3, "num_prompt_tokens": 3, "block_size": 16,
+                       "conn": {"addr": "http://example.com", "transfer_id": "0" * 32, "num_blocks": 1}},
+              "not a prefill instance's address"),
+             (decode, {"first_token": 10 ** 9, "num_prompt_tokens": 3, "block_size": 16}, "out of range"),
+             (decode, {"first_token": 3, "num_prompt_tokens": 4, "block_size": 16}, "do not describe this prompt")]
+    for server, params, why in cases:
+        reply = httpx.post(server.url + "/v1/completions", timeout=30, json={
+            "model": "m", "prompt": [5, 9, 2], "max_tokens": 2, "kv_transfer_params": params})
+        assert reply.status_code == 400 and why in reply.json()["error"]["message"], reply.text
+        assert reply.json()["error"]["param"] == "kv_transfer_params"
+    plain = Server(["--model", pd[0], *ARGS], tmp_path / "plain.log").wait_ready()
+    try:
+        reply = httpx.post(plain.url + "/v1/completions", timeout=30, json={
+            "model": "m", "prompt": [5, 9, 2], "max_tokens": 2, "kv_transfer_params": {"do_remote_decode": True}})
+        assert reply.status_code == 400 and "only taken by a prefill or decode instance" in reply.text
+    finally:
+        assert plain.stop() == 0
