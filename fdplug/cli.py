@@ -276,8 +276,10 @@ def serve_command(host: str, port: int, api_key: str | None, served_model_name: 
 
 def _register_fetch_features() -> None:
     from fdplug.cli_fetch import fetch_features
+    from fdplug.cli_router import router_command
 
     main.add_command(fetch_features, "fetch-features")
+    main.add_command(router_command, "router")
 
 
 _register_fetch_features()

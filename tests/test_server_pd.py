@@ -85,3 +85,58 @@ def test_bad_params_are_a_400_naming_the_field(pd, tmp_path):
         assert reply.status_code == 400 and "only taken by a prefill or decode instance" in reply.text
     finally:
         assert plain.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def router(pd, tmp_path_factory):
+    import subprocess
+
+    from tests.serverkit import FDPLUG, free_port, subprocess_env
+
+    _, prefill, decode = pd
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("router") / "router.log", "wb")
+    proc = subprocess.Popen([FDPLUG, "router", "--prefill", prefill.url, "--decode", decode.url, "--port", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=subprocess_env())
+    url = f"http://127.0.0.1:{port}"
+    wait_until(lambda: _up(url), 60, 0.1, what="the router answering /health")
+    yield url
+    proc.terminate()
+    assert proc.wait(15) == 0
+    log.close()
+
+
+def _up(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_the_router_serves_like_one_instance(pd, router):
+    import openai
+
+    model, _, _ = pd
+    single = LLM(model, max_model_len=128, num_kv_blocks=64)
+    want = [o.outputs[0].text for o in single.generate(
+        [{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True),
+        use_tqdm=False)]
+    client = openai.OpenAI(base_url=router + "/v1", api_key="unused", max_retries=0, timeout=60)
+    for prompt, expected in zip(PROMPTS, want):
+        reply = client.completions.create(model="m", prompt=prompt, max_tokens=TOKENS, temperature=0,
+                                          extra_body={"ignore_eos": True})
+        assert reply.choices[0].text == expected and reply.usage.completion_tokens == TOKENS
+        streamed = "".join(c.choices[0].text for c in client.completions.create(
+            model="m", prompt=prompt, max_tokens=TOKENS, temperature=0, stream=True, extra_body={"ignore_eos": True}))
+        assert streamed == expected
+    chat = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hello"}], max_tokens=6,
+                                          temperature=0, extra_body={"ignore_eos": True})
+    alone = single.chat([{"role": "user", "content": "hello"}],
+                        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert chat.choices[0].message.content == alone[0].outputs[0].text
+    for bad, param in (({"n": 2}, "n"), ({"kv_transfer_params": {}}, "kv_transfer_params")):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.completions.create(model="m", prompt=[1, 2], max_tokens=2, extra_body=bad)
+        assert caught.value.body["param"] == param
+    health = httpx.get(router + "/health").json()
+    assert health["status"] == "ok" and health["prefill"][0]["alive"] and health["decode"][0]["alive"]

@@ -49,6 +49,8 @@ for _setting in (
     Setting("FDPLUG_DP_PREFIX_AFFINITY", True, parse_bool,
             "1 (default): with --data-parallel-size > 1 a request prefers, among the engines within 2 requests of "
             "the least loaded, the one holding its prompt's prefix; 0: the least loaded engine only."),
+    Setting("FDPLUG_ROUTER_PREFILL_TIMEOUT", 600.0, parse_positive_float,
+            "fdplug router: seconds a prefill instance may take to answer a request (its prefill) before a 503."),
     Setting("FD_EP_BATCHED_TOKEN_TIMEOUT", 0.1, parse_window_seconds,
             "Expert parallel: seconds an idle rank waits for more requests (up to a step's tokens and its free KV "
             "blocks) before it starts a step that every rank must join (FastDeploy's name; 0: start at once)."),
