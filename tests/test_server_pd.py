@@ -12,6 +12,8 @@ are a 400 naming the field, and an instance without ``--role`` refuses them.
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 
@@ -140,3 +142,47 @@ def test_the_router_serves_like_one_instance(pd, router):
         assert caught.value.body["param"] == param
     health = httpx.get(router + "/health").json()
     assert health["status"] == "ok" and health["prefill"][0]["alive"] and health["decode"][0]["alive"]
+
+
+def prefill_answer(prefill: Server, prompt: list[int]) -> dict:
+    reply = httpx.post(prefill.url + "/v1/completions", timeout=60, json={
+        "model": "m", "prompt": prompt, "max_tokens": 1, "temperature": 0, "kv_transfer_params": {"do_remote_decode": True}})
+    assert reply.status_code == 200, reply.text
+    return reply.json()["kv_transfer_params"]
+
+
+def test_faults_end_each_request_within_its_timeout_and_free_every_block(pd, tmp_path):
+    """Decode never picks up: the prefill instance lets go after FDPLUG_KV_PICKUP_TIMEOUT. A transfer
+    that never arrives, and a prefill instance killed before the pull: the decode request is a 502
+    within FDPLUG_KV_STALL_TIMEOUT (plus the test's slack), and the decode instance ends with no
+    request and no block held."""
+    import zmq
+
+    env = {"FDPLUG_KV_PICKUP_TIMEOUT": "2", "FDPLUG_KV_STALL_TIMEOUT": "1"}
+    prefill = Server(["--model", pd[0], "--role", "prefill", *ARGS], tmp_path / "prefill.log", **env).wait_ready()
+    decode = Server(["--model", pd[0], "--role", "decode", *ARGS], tmp_path / "decode.log", **env).wait_ready()
+    silent = zmq.Context.instance().socket(zmq.ROUTER)
+    try:
+        params = prefill_answer(prefill, PROMPTS[2])
+        wait_until(lambda: prefill.metrics()["fdplug:kv_cache_usage_perc"] > 0, 5, what="the blocks held")
+        wait_until(lambda: prefill.metrics()["fdplug:kv_cache_usage_perc"] == 0.0, 10, what="the pickup timeout")
+
+        def decode_fails(params: dict) -> None:
+            began = time.monotonic()
+            reply = httpx.post(decode.url + "/v1/completions", timeout=60, json={
+                "model": "m", "prompt": PROMPTS[2], "max_tokens": 4, "kv_transfer_params": params})
+            assert reply.status_code == 502 and "could not be pulled" in reply.json()["error"]["message"], reply.text
+            assert time.monotonic() - began < 10
+            wait_until(lambda: decode.metrics()["fdplug:kv_cache_usage_perc"] == 0.0, 10, what="decode's blocks freed")
+            assert decode.metrics()["fdplug:num_requests_running"] == 0
+
+        port = silent.bind_to_random_port("tcp://127.0.0.1")      # a "prefill instance" that never sends
+        decode_fails({**params, "conn": {**params["conn"], "addr": f"tcp://127.0.0.1:{port}"}})
+        params = prefill_answer(prefill, PROMPTS[2])
+        prefill.proc.kill()                                        # its engine process follows it
+        prefill.proc.wait(10)
+        decode_fails(params)
+    finally:
+        silent.close(0)
+        assert decode.stop() == 0, decode.log()
+        prefill.stop()
