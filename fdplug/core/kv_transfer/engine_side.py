@@ -217,7 +217,8 @@ def make_side(config: Any, runner: Any, scheduler: Any) -> PrefillSide | DecodeS
     from fdplug.core.settings import env
 
     if config.kv_role == "prefill":
-        return PrefillSide(runner, scheduler, env("FDPLUG_KV_PICKUP_TIMEOUT"))
+        host = env("FDPLUG_KV_HOST") or "127.0.0.1"
+        return PrefillSide(runner, scheduler, env("FDPLUG_KV_PICKUP_TIMEOUT"), f"tcp://{host}:0")
     if config.kv_role == "decode":
         return DecodeSide(runner, scheduler, env("FDPLUG_KV_TRANSFER_TIMEOUT"), env("FDPLUG_KV_STALL_TIMEOUT"))
     return None
