@@ -33,6 +33,19 @@ def test_blocks_move_between_two_layouts_bit_for_bit():
     assert not moved[[1, 3, 4]].any()          # nothing else written
 
 
+@pytest.mark.parametrize("dtype, dim", [("bfloat16", 4), ("bfloat16", 3), ("bfloat16", 8)])
+def test_16_bit_caches_move_as_words_or_by_index(dtype, dim):
+    """bf16 rows move as 32-bit words (paddle's CPU scatter has no 16-bit kernel); a row of an
+    odd number of 16-bit values falls back to indexing. Either way: the same bits."""
+    rng = np.random.default_rng(1)
+    canonical = paddle.to_tensor(rng.standard_normal((5, 4, 2, dim)).astype(np.float32)).astype(dtype)
+    hbtd = paddle.zeros([2, 7, 4, dim], dtype)
+    scatter_blocks(hbtd, "HBTD", [6, 1, 3, 0, 2], canonical)
+    back = gather_blocks(hbtd, "HBTD", [6, 1, 3, 0, 2])
+    assert np.array_equal(back.astype("float32").numpy(), canonical.astype("float32").numpy())
+    assert not gather_blocks(hbtd, "HBTD", [4, 5]).astype("float32").numpy().any()
+
+
 def test_a_layout_is_declared_read_from_the_shape_or_opaque():
     assert layout_of(ReferenceAttention()) == "HBTD"
 

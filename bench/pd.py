@@ -1,0 +1,171 @@
+"""Prefill/decode disaggregation on this machine: what pulling KV costs, and a PD pair against one instance.
+
+    python bench/pd.py                 # bench/throughput.py's 54M Qwen2 (12 layers, 4 KV heads of 64)
+    python bench/pd.py --quick         # fewer repeats and requests
+
+1. Transfer (in one process, `fdplug.core.kv_transfer.pull`): the KV of 1,000 tokens of the model
+   (every layer's keys and values, float32) pulled from one cache into another, over ZMQ TCP on
+   loopback and over ZMQ IPC, against a numpy copy of the same bytes (memcpy) and against the same
+   bytes through a bare ZMQ PUSH/PULL pair on loopback (the link's bandwidth). Interleaved, medians.
+2. End to end: `fdplug router` + a prefill and a decode `fdplug serve` against one `fdplug serve`,
+   the same requests at the same Poisson rate (bench/serve.py's client), alternating; TTFT and ITL
+   medians. On this 2-core machine the pair's three processes share the cores with the client: the
+   figures say what the relay costs here, not what separate machines would give.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import paddle
+import zmq
+from serve import launch, run_client, run_rate, summarize
+from throughput import MODEL, make_model
+
+from fdplug.core.kv_transfer.pull import KVReceiver, KVSender
+
+BLOCK = 16
+
+
+def caches(blocks: int, fill: bool) -> list[tuple[paddle.Tensor, paddle.Tensor]]:
+    shape = [MODEL["num_key_value_heads"], blocks, BLOCK, MODEL["hidden_size"] // MODEL["num_attention_heads"]]
+    make = (lambda: paddle.randn(shape)) if fill else (lambda: paddle.zeros(shape))
+    return [(make(), make()) for _ in range(MODEL["num_hidden_layers"])]
+
+
+def pull_once(source, target, address: str, blocks: int) -> float:
+    sender, receiver = KVSender(source, "HBTD", address), KVReceiver(target, "HBTD")
+    try:
+        conn = sender.offer(list(range(blocks)))
+        start = time.perf_counter()
+        receiver.pull(conn, list(range(blocks)))
+        while True:
+            sender.poll()
+            done, failed = receiver.poll()
+            if done or failed:
+                assert not failed, failed
+                return time.perf_counter() - start
+    finally:
+        sender.close(), receiver.close()
+
+
+def link_once(payload: np.ndarray, frames: int) -> float:
+    ctx = zmq.Context.instance()
+    push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    push.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        chunk = np.array_split(payload, frames)
+        start = time.perf_counter()
+        for part in chunk:
+            push.send(part, copy=False)
+        for _ in chunk:
+            pull.recv(copy=False)
+        return time.perf_counter() - start
+    finally:
+        push.close(0), pull.close(0)
+
+
+def transfer(repeats: int) -> None:
+    blocks = -(-1000 // BLOCK)
+    source, target = caches(blocks, True), caches(blocks, False)
+    nbytes = sum(int(k.numel()) * 4 * 2 for k, _ in source)
+    payload = np.concatenate([np.asarray(t.numpy()).ravel() for pair in source for t in pair])
+    ipc = f"ipc://{tempfile.mkdtemp(prefix='fdplug-kv-')}/kv"
+    runs: dict[str, list[float]] = {"pull over TCP": [], "pull over IPC": [], "memcpy": [], "TCP link": []}
+    for i in range(repeats):
+        order = list(runs) if i % 2 == 0 else list(runs)[::-1]
+        for name in order:
+            if name == "pull over TCP":
+                runs[name].append(pull_once(source, target, "tcp://127.0.0.1:0", blocks))
+            elif name == "pull over IPC":
+                runs[name].append(pull_once(source, target, ipc, blocks))
+            elif name == "memcpy":
+                start = time.perf_counter()
+                np.copyto(np.empty_like(payload), payload)
+                runs[name].append(time.perf_counter() - start)
+            else:
+                runs[name].append(link_once(payload, 2 * MODEL["num_hidden_layers"]))
+    print(f"KV of 1,000 tokens ({blocks} blocks x {MODEL['num_hidden_layers']} layers, keys and values, float32): "
+          f"{nbytes / 2**20:.1f} MiB; medians of {repeats}:")
+    memcpy = statistics.median(runs["memcpy"])
+    for name, seconds in runs.items():
+        s = statistics.median(seconds)
+        print(f"  {name:14s} {s * 1e3:7.2f} ms  {nbytes / s / 2**30:6.2f} GiB/s  ({s / memcpy:5.1f}x memcpy)")
+
+
+def launch_router(prefill: str, decode: str, log: Path) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([str(Path(sys.executable).parent / "fdplug"), "router", "--prefill", prefill,
+                                 "--decode", decode, "--port", str(port)], stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(300):
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise SystemExit(f"the router did not start; see {log}")
+
+
+def end_to_end(args, tmp: Path) -> None:
+    model = str(make_model(tmp))
+    common = ["--model", model, "--served-model-name", "bench", "--max-model-len", "1024"]
+    procs = {}
+    procs["single"] = launch(common, tmp / "single.log")
+    procs["prefill"] = launch([*common, "--role", "prefill"], tmp / "prefill.log")
+    procs["decode"] = launch([*common, "--role", "decode"], tmp / "decode.log")
+    procs["router"] = launch_router(procs["prefill"][1], procs["decode"][1], tmp / "router.log")
+    targets = {"one instance": procs["single"][1], "PD pair": procs["router"][1]}
+    rng = np.random.default_rng(0)
+    try:
+        got: dict[str, list[dict]] = {name: [] for name in targets}
+        for i in range(args.pairs):
+            prompts = [rng.integers(0, MODEL["vocab_size"], int(n)).tolist() for n in rng.integers(64, 512, args.n)]
+            outputs = [int(o) for o in rng.integers(16, 64, args.n)]
+            for name in (list(targets) if i % 2 == 0 else list(targets)[::-1]):
+                results, duration = run_client(run_rate(targets[name], "bench", prompts, outputs, args.rate, i))
+                got[name].append(summarize(str(args.rate), results, duration))
+        print(f"{args.n} requests at {args.rate}/s (~64-512 in, 16-64 out), {args.pairs} runs each, medians:")
+        for name, rows in got.items():
+            print(f"  {name:13s} TTFT p50 {statistics.median(r['ttft_p50'] for r in rows):7.1f} ms, ITL p50 "
+                  f"{statistics.median(r['itl_p50'] for r in rows):6.1f} ms, "
+                  f"{statistics.median(r['out_tok_per_s'] for r in rows):6.1f} output tok/s")
+    finally:
+        for proc, _ in procs.values():
+            proc.terminate()
+            proc.wait(30)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="5 transfer repeats, 2 runs of 12 requests")
+    ap.add_argument("--repeats", type=int, default=11)
+    ap.add_argument("--n", type=int, default=24, help="requests a run")
+    ap.add_argument("--rate", type=float, default=2.0, help="requests a second (Poisson)")
+    ap.add_argument("--pairs", type=int, default=4)
+    args = ap.parse_args()
+    if args.quick:
+        args.repeats, args.n, args.pairs = 5, 12, 2
+    transfer(args.repeats)
+    with tempfile.TemporaryDirectory() as tmp:
+        end_to_end(args, Path(tmp))
+
+
+if __name__ == "__main__":
+    asyncio.set_event_loop_policy(None)
+    sys.exit(main())
