@@ -186,3 +186,20 @@ def test_faults_end_each_request_within_its_timeout_and_free_every_block(pd, tmp
         silent.close(0)
         assert decode.stop() == 0, decode.log()
         prefill.stop()
+
+
+def test_multimodal_requests_are_refused_by_pd_until_it_serves_them():
+    """Decode would compute the prompt's last partial block (image tokens, features and all): refused
+    at the HTTP boundary and again when a decode engine admits one."""
+    from types import SimpleNamespace
+
+    from fdplug.core.kv_transfer.engine_side import DecodeSide
+    from fdplug.errors import InvalidRequestError
+    from fdplug.server.pd_params import check_kv_transfer_params
+
+    with pytest.raises(InvalidRequestError, match="multimodal items"):
+        check_kv_transfer_params({"do_remote_decode": True}, "prefill", 1, 256, multimodal=True)
+    side = DecodeSide.__new__(DecodeSide)
+    request = SimpleNamespace(kv_transfer_params={"first_token": 3}, mm_inputs=[object()])
+    with pytest.raises(InvalidRequestError, match="multimodal items"):
+        side.admit(request)

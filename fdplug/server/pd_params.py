@@ -26,13 +26,17 @@ def _count(value: Any, low: int, high: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and low <= value < high
 
 
-def check_kv_transfer_params(params: dict | None, role: str | None, n: int, vocab_size: int) -> dict | None:
+def check_kv_transfer_params(params: dict | None, role: str | None, n: int, vocab_size: int,
+                             multimodal: bool = False) -> dict | None:
     """``params`` if this instance (``role``) may take them, else a 400 naming what is wrong."""
     if params is None:
         return None
     if role is None:
         _bad("is only taken by a prefill or decode instance", fix="remove it, or send the request to an instance "
              "started with `fdplug serve --role prefill|decode` (or through `fdplug router`).")
+    if multimodal:
+        _bad("came with multimodal items: PD does not serve those yet",
+             fix="send multimodal requests to an instance without --role.")
     if n != 1:
         _bad(f"asks for one sequence, and n is {n}", fix="send n=1 with kv_transfer_params.")
     if role == "prefill":

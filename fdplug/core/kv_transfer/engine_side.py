@@ -121,6 +121,10 @@ class DecodeSide:
         params = request.kv_transfer_params
         if not params or "first_token" not in params:
             return True
+        if request.mm_inputs:   # the decode side would compute (and fetch features for) the prompt's tail
+            raise InvalidRequestError("kv_transfer_params came with multimodal items: PD does not serve those yet.",
+                                      fix="send multimodal requests to an instance without --role.",
+                                      param="kv_transfer_params")
         first, conn = params.get("first_token"), params.get("conn")
         if not isinstance(first, int) or isinstance(first, bool) or params.get("block_size") != self.block_size \
                 or params.get("num_prompt_tokens") != request.num_prompt_tokens \
