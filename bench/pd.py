@@ -16,20 +16,16 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 import paddle
 import zmq
-from serve import launch, run_client, run_rate, summarize
+from serve import launch, run_client, run_rate, stop, summarize
 from throughput import MODEL, make_model
 
 from fdplug.core.kv_transfer.pull import KVReceiver, KVSender
@@ -104,24 +100,6 @@ def transfer(repeats: int) -> None:
         print(f"  {name:14s} {s * 1e3:7.2f} ms  {nbytes / s / 2**30:6.2f} GiB/s  ({s / memcpy:5.1f}x memcpy)")
 
 
-def launch_router(prefill: str, decode: str, log: Path) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([str(Path(sys.executable).parent / "fdplug"), "router", "--prefill", prefill,
-                                 "--decode", decode, "--port", str(port)], stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise SystemExit(f"the router did not start; see {log}")
-
-
 def end_to_end(args, tmp: Path) -> None:
     model = str(make_model(tmp))
     common = ["--model", model, "--served-model-name", "bench", "--max-model-len", "1024"]
@@ -129,7 +107,8 @@ def end_to_end(args, tmp: Path) -> None:
     procs["single"] = launch(common, tmp / "single.log")
     procs["prefill"] = launch([*common, "--role", "prefill"], tmp / "prefill.log")
     procs["decode"] = launch([*common, "--role", "decode"], tmp / "decode.log")
-    procs["router"] = launch_router(procs["prefill"][1], procs["decode"][1], tmp / "router.log")
+    procs["router"] = launch(["--prefill", procs["prefill"][1], "--decode", procs["decode"][1]], tmp / "router.log",
+                             command="router")
     targets = {"one instance": procs["single"][1], "PD pair": procs["router"][1]}
     rng = np.random.default_rng(0)
     try:
@@ -146,9 +125,7 @@ def end_to_end(args, tmp: Path) -> None:
                   f"{statistics.median(r['itl_p50'] for r in rows):6.1f} ms, "
                   f"{statistics.median(r['out_tok_per_s'] for r in rows):6.1f} output tok/s")
     finally:
-        for proc, _ in procs.values():
-            proc.terminate()
-            proc.wait(30)
+        stop(procs)
 
 
 def main() -> None:
@@ -167,5 +144,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.set_event_loop_policy(None)
     sys.exit(main())

@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 
 import httpx
-from serve import launch, run_client, run_rate, summarize, workload
+from serve import launch, run_client, run_rate, stop, summarize, workload
 
 
 def start(model: str, dp: int, max_num_seqs: int, log: Path, backend: str = "mp",
@@ -113,9 +113,7 @@ def affinity(args, model: str, tmp: Path, vocab: int) -> None:
                   f"{statistics.median(r[1] for r in rows):.1f} output tok/s, TTFT p50 "
                   f"{statistics.median(r[2] for r in rows):.1f} ms")
     finally:
-        for proc, _ in servers.values():
-            proc.terminate()
-            proc.wait(30)
+        stop(servers)
 
 
 def make_moe_model(tmp: Path) -> str:
@@ -155,9 +153,7 @@ def expert_parallel(args, tmp: Path, pairs: int) -> None:
         print(f"greedy tokens: {same} of {len(prompts)} prompts identical (32 tokens each)", flush=True)
         throughput_pairs(args, servers, vocab, pairs)
     finally:
-        for proc, _ in servers.values():
-            proc.terminate()
-            proc.wait(60)
+        stop(servers)
     for line in (tmp / "ep2.log").read_text(errors="replace").splitlines():
         if "passes of its own" in line:
             print("  " + line.split(": ", 1)[1])
@@ -230,14 +226,10 @@ def main() -> None:
                 print(f"  {name}: startup {STARTUP[url]:.1f} s, one-token request {overhead_ms(url):.1f} ms (median "
                       "of 20, one at a time)", flush=True)
             if "dp2-ray" in servers:               # only startup and overhead: stopped before the throughput runs
-                proc, _ = servers.pop("dp2-ray")
-                proc.terminate()
-                proc.wait(60)
+                stop([servers.pop("dp2-ray")])
             throughput_pairs(args, servers, vocab, pairs)
         finally:
-            for proc, _ in servers.values():
-                proc.terminate()
-                proc.wait(30)
+            stop(servers)
 
 
 if __name__ == "__main__":

@@ -257,13 +257,14 @@ def summarize(label: str, results: list[Result], duration: float) -> dict:
 
 
 def launch(serve_args: list[str], log_path, env: dict | None = None,
-           timeout: float = 300.0) -> tuple[subprocess.Popen, str]:
-    """``fdplug serve --port P *serve_args`` on a free loopback port, its output in ``log_path``;
-    returns once /health answers 200 (exits the bench if it dies or is not ready in ``timeout``)."""
+           timeout: float = 300.0, command: str = "serve") -> tuple[subprocess.Popen, str]:
+    """``fdplug COMMAND --port P *serve_args`` (``serve``, or ``router``) on a free loopback port, its
+    output in ``log_path``; returns once /health answers 200 (exits the bench if it dies or is not
+    ready in ``timeout``)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [str(Path(sys.executable).parent / "fdplug"), "serve", "--port", str(port), *serve_args]
+    cmd = [str(Path(sys.executable).parent / "fdplug"), command, "--port", str(port), *serve_args]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env={**os.environ, **(env or {})})
@@ -280,6 +281,13 @@ def launch(serve_args: list[str], log_path, env: dict | None = None,
         time.sleep(0.2)
     proc.kill()
     raise SystemExit(f"server not ready in {timeout:.0f} s; see {log_path}")
+
+
+def stop(servers, timeout: float = 60.0) -> None:
+    """SIGTERM each ``(process, url)`` (an iterable, or a dict's values) and wait for it."""
+    for proc, _ in (servers.values() if isinstance(servers, dict) else servers):
+        proc.terminate()
+        proc.wait(timeout)
 
 
 def start_server(args) -> tuple[subprocess.Popen, str]:
