@@ -72,19 +72,13 @@ class EngineCore:
         """Check a request against the model and queue it, or raise a typed error with nothing
         changed. One with multimodal items waits (in its own state) for its features."""
         self.validate(request)
-        if self.kv_transfer is not None and not self.kv_transfer_admit(request):
-            return
+        if self.kv_transfer is not None and not self.kv_transfer.admit(request):
+            return   # PD decode: its first token (from the prefill instance) already ended it
         if request.mm_inputs:
             request.status = RequestStatus.WAITING_FOR_FEATURES
         self.scheduler.add_request(request)
         if request.mm_inputs and self.feature_loader.submit(request):
             request.status = RequestStatus.WAITING
-
-    def kv_transfer_admit(self, request: Request) -> bool:
-        """PD decode: the request arrives with its first token and pulls its KV (False: that token
-        ended it). Elsewhere: True."""
-        admit = getattr(self.kv_transfer, "admit", None)
-        return True if admit is None else admit(request)
 
     def validate(self, request: Request, also_waiting: int = 0) -> None:
         """The admission check alone: the typed error ``add_request`` would refuse it with, if any

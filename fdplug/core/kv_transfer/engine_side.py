@@ -77,6 +77,10 @@ class PrefillSide:
     def busy(self) -> bool:
         return bool(self.held)
 
+    def admit(self, request: Request) -> bool:
+        """Every request is queued as it comes (only a decode side starts one with remote KV)."""
+        return True
+
     def poll(self) -> list[EngineCoreOutput]:
         """Serve the pulls that arrived; release the blocks of what was pulled or expired."""
         sent, expired = self.sender.poll()
