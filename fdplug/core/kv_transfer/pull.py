@@ -85,10 +85,6 @@ class KVSender:
         self.offers[transfer_id] = _Offer(list(block_ids), time.monotonic() + self.pickup_timeout)
         return {"addr": self.address, "transfer_id": transfer_id, "num_blocks": len(block_ids)}
 
-    def withdraw(self, transfer_id: str) -> None:
-        """Forget an offer (its request was released); a later pull gets ``unknown_transfer``."""
-        self.offers.pop(transfer_id, None)
-
     def poll(self) -> tuple[set[str], set[str]]:
         """Serve the pulls that arrived; ``(sent, expired)`` transfer ids: their blocks are free to reuse."""
         sent: set[str] = set()
