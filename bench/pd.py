@@ -3,10 +3,11 @@
     python bench/pd.py                 # bench/throughput.py's 54M Qwen2 (12 layers, 4 KV heads of 64)
     python bench/pd.py --quick         # fewer repeats and requests
 
-1. Transfer (in one process, `fdplug.core.kv_transfer.pull`): the KV of 1,000 tokens of the model
-   (every layer's keys and values, float32) pulled from one cache into another, over ZMQ TCP on
-   loopback and over ZMQ IPC, against a numpy copy of the same bytes (memcpy) and against the same
-   bytes through a bare ZMQ PUSH/PULL pair on loopback (the link's bandwidth). Interleaved, medians.
+1. Transfer (in one process): the KV of 1,000 tokens of the model (every layer's keys and values,
+   float32) pulled from one cache into another by the built-in connectors (`fdplug.core.kv_transfer`):
+   ``tcp`` on loopback and ``ipc`` (a Unix socket), against a numpy copy of the same bytes (memcpy)
+   and the same bytes through a bare ZMQ PUSH/PULL pair on loopback (the link's bandwidth).
+   Interleaved, medians; the first pull of each (page faults of fresh buffers) is left out.
 2. End to end: `fdplug router` + a prefill and a decode `fdplug serve` against one `fdplug serve`,
    the same requests at the same Poisson rate (bench/serve.py's client), alternating; TTFT and ITL
    medians. On this 2-core machine the pair's three processes share the cores with the client: the
@@ -28,7 +29,8 @@ import zmq
 from serve import launch, run_client, run_rate, stop, summarize
 from throughput import MODEL, make_model
 
-from fdplug.core.kv_transfer.pull import KVReceiver, KVSender
+from fdplug.core.kv_transfer.connectors import ipc_connector, tcp_connector
+from fdplug.plugin_api.kv_connector import KVCaches
 
 BLOCK = 16
 
@@ -39,20 +41,26 @@ def caches(blocks: int, fill: bool) -> list[tuple[paddle.Tensor, paddle.Tensor]]
     return [(make(), make()) for _ in range(MODEL["num_hidden_layers"])]
 
 
-def pull_once(source, target, address: str, blocks: int) -> float:
-    sender, receiver = KVSender(source, "HBTD", address), KVReceiver(target, "HBTD")
-    try:
-        conn = sender.offer(list(range(blocks)))
+class Pair:
+    """A connector's two ends over two caches, kept across repeats (as in a server)."""
+
+    def __init__(self, factory, source, target) -> None:
+        self.sender = factory(None, "prefill", KVCaches(source, "HBTD", BLOCK))
+        self.receiver = factory(None, "decode", KVCaches(target, "HBTD", BLOCK))
+
+    def pull(self, blocks: int) -> float:
+        conn = self.sender.offer(list(range(blocks)))
         start = time.perf_counter()
-        receiver.pull(conn, list(range(blocks)))
+        self.receiver.pull(conn, list(range(blocks)))
         while True:
-            sender.poll()
-            done, failed = receiver.poll()
+            self.sender.poll()
+            done, failed = self.receiver.poll()
             if done or failed:
                 assert not failed, failed
                 return time.perf_counter() - start
-    finally:
-        sender.close(), receiver.close()
+
+    def close(self) -> None:
+        self.sender.close(), self.receiver.close()
 
 
 def link_once(payload: np.ndarray, frames: int) -> float:
@@ -77,21 +85,24 @@ def transfer(repeats: int) -> None:
     source, target = caches(blocks, True), caches(blocks, False)
     nbytes = sum(int(k.numel()) * 4 * 2 for k, _ in source)
     payload = np.concatenate([np.asarray(t.numpy()).ravel() for pair in source for t in pair])
-    ipc = f"ipc://{tempfile.mkdtemp(prefix='fdplug-kv-')}/kv"
-    runs: dict[str, list[float]] = {"pull over TCP": [], "pull over IPC": [], "memcpy": [], "TCP link": []}
-    for i in range(repeats):
-        order = list(runs) if i % 2 == 0 else list(runs)[::-1]
-        for name in order:
-            if name == "pull over TCP":
-                runs[name].append(pull_once(source, target, "tcp://127.0.0.1:0", blocks))
-            elif name == "pull over IPC":
-                runs[name].append(pull_once(source, target, ipc, blocks))
-            elif name == "memcpy":
-                start = time.perf_counter()
-                np.copyto(np.empty_like(payload), payload)
-                runs[name].append(time.perf_counter() - start)
-            else:
-                runs[name].append(link_once(payload, 2 * MODEL["num_hidden_layers"]))
+    pairs = {"tcp connector": Pair(tcp_connector, source, target), "ipc connector": Pair(ipc_connector, source, target)}
+    runs: dict[str, list[float]] = {"tcp connector": [], "ipc connector": [], "memcpy": [], "TCP link": []}
+    try:
+        for pair in pairs.values():
+            pair.pull(blocks)                                   # warm: fresh buffers fault their pages in
+        for i in range(repeats):
+            for name in (list(runs) if i % 2 == 0 else list(runs)[::-1]):
+                if name in pairs:
+                    runs[name].append(pairs[name].pull(blocks))
+                elif name == "memcpy":
+                    start = time.perf_counter()
+                    np.copyto(np.empty_like(payload), payload)
+                    runs[name].append(time.perf_counter() - start)
+                else:
+                    runs[name].append(link_once(payload, 2 * MODEL["num_hidden_layers"]))
+    finally:
+        for pair in pairs.values():
+            pair.close()
     print(f"KV of 1,000 tokens ({blocks} blocks x {MODEL['num_hidden_layers']} layers, keys and values, float32): "
           f"{nbytes / 2**20:.1f} MiB; medians of {repeats}:")
     memcpy = statistics.median(runs["memcpy"])

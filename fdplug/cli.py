@@ -11,7 +11,8 @@ import json
 import logging
 import platform
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import click
 
@@ -141,10 +142,14 @@ def doctor_command() -> None:
               help="With --model: as if served with this --dtype (bfloat16 on cpu: bf16 weights).")
 @click.option("--op-kernel", "op_kernels", multiple=True, metavar="OP=NAME",
               help="Kernel for one op, e.g. linear=cpu_native_linear (repeatable; default: by priority).")
+@click.option("--role", type=click.Choice(["prefill", "decode"]), default=None,
+              help="As for an instance of this PD role (adds its KV connector).")
+@click.option("--kv-connector", default=None, help="With --role: the KV connector to use (default: by priority).")
 @click.option("--json", "as_json", is_flag=True, help="Print the selection as names (what another process rebuilds).")
 @user_errors
 def explain_command(device: str, runner: str | None, attention: str | None, moe: str | None, model: str | None,
-                    quantization: str | None, dtype: str, op_kernels: tuple[str, ...], as_json: bool) -> None:
+                    quantization: str | None, dtype: str, op_kernels: tuple[str, ...], role: str | None,
+                    kv_connector: str | None, as_json: bool) -> None:
     """Show what would be selected for each role, and why every other candidate was not.
 
     Exits non-zero, with the reason and the fix, when no selection is possible.
@@ -156,13 +161,15 @@ def explain_command(device: str, runner: str | None, attention: str | None, moe:
     ops = parse_op_kernels(op_kernels)
     if model is not None:
         config, model_config, selection = resolve_engine(model, device, runner, attention, moe, ops=ops,
-                                                         quantization=quantization, dtype=dtype)
+                                                         kv_connector=kv_connector, quantization=quantization,
+                                                         dtype=dtype, kv_role=role)
     elif quantization is not None or dtype != "auto":
         raise click.UsageError("--quantization and --dtype need --model (they are about a model's weights).")
     else:
-        config, model_config = EngineConfig(), None
+        config, model_config = EngineConfig(kv_role=role), None
         plugin_set = load_plugins()
-        selection = select_components(device, runner, attention, moe, ops=ops, config=config, plugins=plugin_set)
+        selection = select_components(device, runner, attention, moe, ops=ops, kv_connector=kv_connector,
+                                      config=config, plugins=plugin_set)
         plugin_set.configure(config, selection)
     if as_json:
         click.echo(json.dumps(selection.to_names(), indent=2))
@@ -173,9 +180,7 @@ def explain_command(device: str, runner: str | None, attention: str | None, moe:
 
         model_config.keep_weights(config.dtype, config.weight_dtype)
         click.echo(model_summary(model_config, config.dtype, selection.moe.name, selection.ops))
-    click.echo(f"selected: device={selection.device.name} runner={selection.runner.name} "
-               f"attention={selection.attention.name} moe={selection.moe.name} "
-               f"storages={','.join(f'{s}:{spec.name}' for s, spec in selection.storages.items()) or 'none'}")
+    click.echo(f"selected: {selection.summary()}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -249,6 +254,9 @@ def generate_command(prompts: tuple[str, ...], chat: bool, max_tokens: int, temp
 @click.option("--role", type=click.Choice(["prefill", "decode"]), default=None,
               help="Prefill/decode disaggregation: this instance prefills requests (max_tokens=1) and holds their KV "
                    "for a decode instance to pull, or decodes requests whose KV it pulls (kv_transfer_params).")
+@click.option("--kv-connector", default=None,
+              help="With --role: how KV moves between prefill and decode instances (default: by priority; "
+                   "`fdplug explain --role decode` lists them).")
 @click.option("--expert-parallel-size", type=click.IntRange(min=1), default=1, show_default=True,
               help="MoE models: shard the routed experts over this many engines (the data-parallel engines; "
                    "each keeps its own KV cache and requests) that run every forward pass together, tokens "
@@ -257,7 +265,7 @@ def generate_command(prompts: tuple[str, ...], chat: bool, max_tokens: int, temp
 def serve_command(host: str, port: int, api_key: str | None, served_model_name: str | None, max_body_bytes: int,
                   stream_interval: int, max_waiting_requests: int, trust_request_chat_template: bool,
                   data_parallel_size: int, data_parallel_backend: str, ray_address: str | None,
-                  expert_parallel_size: int, role: str | None, **kw: Any) -> None:
+                  expert_parallel_size: int, role: str | None, kv_connector: str | None, **kw: Any) -> None:
     """Serve the OpenAI API (chat, completions, streaming) with the engine in its own process."""
     from fdplug.server.launcher import ServerSettings, serve
 
@@ -266,6 +274,8 @@ def serve_command(host: str, port: int, api_key: str | None, served_model_name: 
     args["max_waiting_requests"] = max_waiting_requests
     if role is not None:
         args["kv_role"] = role
+    if kv_connector is not None:
+        args["kv_connector"] = kv_connector
     settings = ServerSettings(host=host, port=port, api_key=api_key, served_model_name=served_model_name,
                               max_body_bytes=max_body_bytes, stream_interval=stream_interval,
                               trust_request_chat_template=trust_request_chat_template,

@@ -13,7 +13,7 @@ from fdplug.plugin_api.specs import SPEC_TYPES, AttentionBackendSpec
 EXPECTED_HOOKS = {
     "fdplug_register_devices", "fdplug_register_model_runners", "fdplug_register_attention_backends",
     "fdplug_register_moe_backends", "fdplug_register_ops", "fdplug_register_feature_storages",
-    "fdplug_register_settings", "fdplug_configure",
+    "fdplug_register_kv_connectors", "fdplug_register_settings", "fdplug_configure",
 }
 
 

@@ -18,6 +18,7 @@ import pytest
 
 from fdplug.core.engine.request import Request, SamplingParams
 from fdplug.core.frontend.llm import LLM
+from fdplug.errors import InvalidRequestError
 from tests.conftest import write_test_model
 
 PROMPTS = [[5, 9, 2], [11, 3, 8, 21, 34, 55, 89, 14, 23, 37, 60, 97, 57, 54, 11, 65, 76, 41, 17, 58, 75, 33, 8, 41,
@@ -55,7 +56,8 @@ def finished(ids):
     return lambda got: all(any(o.finished for o in got.get(i, [])) for i in ids)
 
 
-def test_decode_continues_what_prefill_started_with_one_engines_tokens(model):
+def test_decode_continues_what_prefill_started_with_one_engines_tokens(model, monkeypatch):
+    monkeypatch.setenv("FDPLUG_PD_SECRET", "shared by both sides")
     want = [o.outputs[0].token_ids for o in LLM(model, **ARGS).generate(
         [{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True),
         use_tqdm=False)]
@@ -68,7 +70,7 @@ def test_decode_continues_what_prefill_started_with_one_engines_tokens(model):
         first = drive([prefill.engine], finished(ids))
         params = {rid: next(o for o in outs if o.finished).kv_transfer_params for rid, outs in first.items()}
         assert all(p["first_token"] == first[rid][-1].new_token_ids[-1] for rid, p in params.items())
-        assert ("conn" in params[ids[0]]) is False and "conn" in params[ids[2]]   # 3 tokens: no full block
+        assert all(p["connector"] == "ipc" and p["mm_hashes"] == [] and len(p["sig"]) == 64 for p in params.values())
         for rid, prompt in zip(ids, PROMPTS):
             decode.engine.add_request(request(rid, prompt, TOKENS, eos, params[rid]))
         got = drive([prefill.engine, decode.engine], finished(ids))
@@ -93,10 +95,34 @@ def test_a_pull_that_cannot_be_served_fails_its_request_alone(model):
     forged = {**params, "conn": {**params["conn"], "transfer_id": "0" * 32}}
     decode.engine.add_request(request("bad", PROMPTS[2], TOKENS, eos, forged))
     decode.engine.add_request(request("good", PROMPTS[2], TOKENS, eos, params))
-    decode.engine.add_request(request("short", PROMPTS[1], 1, eos, {**params, "num_prompt_tokens": len(PROMPTS[1])}))
+    decode.engine.add_request(request("short", PROMPTS[2], 1, eos, params))
+    for wrong in ({**params, "prompt_digest": "0" * 64}, {**params, "connector": "tcp"}, {**params, "block_size": 8}):
+        with pytest.raises(InvalidRequestError, match="kv_transfer_params"):
+            decode.engine.add_request(request("wrong", PROMPTS[1], TOKENS, eos, wrong))
     got = drive([prefill.engine, decode.engine], finished(["bad", "good", "short"]))
     assert got["bad"][-1].finish_reason == "error" and got["bad"][-1].error["type"] == "KVTransferError"
     assert "unknown_transfer" in got["bad"][-1].error["message"]
     assert got["good"][-1].finish_reason == "length" and len([t for o in got["good"] for t in o.new_token_ids]) == TOKENS
     assert [t for o in got["short"] for t in o.new_token_ids] == [params["first_token"]]   # max_tokens 1: done
     assert not decode.engine.scheduler.requests and decode.engine.scheduler.kv_cache_manager.usage == 0.0
+
+
+def test_params_a_decode_instance_cannot_verify_never_reach_another_request(model, monkeypatch):
+    """Signed with another secret: refused. Unsigned, on a decode instance without the secret:
+    served (the same tokens), but its blocks are its own: the same prompt later hits none of them."""
+    monkeypatch.setenv("FDPLUG_PD_SECRET", "the prefill side's")
+    prefill = LLM(model, kv_role="prefill", **ARGS)
+    monkeypatch.setenv("FDPLUG_PD_SECRET", "another")
+    strict = LLM(model, kv_role="decode", **ARGS)
+    monkeypatch.delenv("FDPLUG_PD_SECRET")
+    open_ = LLM(model, kv_role="decode", **ARGS)
+    eos = prefill.model_config.eos_token_ids
+    prefill.engine.add_request(request("p", PROMPTS[1], 1, eos, {"do_remote_decode": True}))
+    params = next(o for o in drive([prefill.engine], finished(["p"]))["p"] if o.finished).kv_transfer_params
+    with pytest.raises(InvalidRequestError, match="FDPLUG_PD_SECRET"):
+        strict.engine.add_request(request("d", PROMPTS[1], TOKENS, eos, params))
+    open_.engine.add_request(request("d", PROMPTS[1], TOKENS, eos, params))
+    got = drive([prefill.engine, open_.engine], finished(["d"]))
+    assert got["d"][-1].finish_reason == "length"
+    kv = open_.engine.scheduler.kv_cache_manager
+    assert kv.get_computed_blocks(Request("again", PROMPTS[1], SamplingParams(max_tokens=1), tuple(eos))) == ([], 0)

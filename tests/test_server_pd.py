@@ -1,18 +1,20 @@
 """`fdplug serve --role prefill` and `--role decode`: a request prefilled by one server, decoded by another.
 
-Driven over HTTP as `fdplug router` will: the prefill instance runs the request with
-``max_tokens=1`` and ``kv_transfer_params={"do_remote_decode": true}`` and answers with where to pull
-its KV; the decode instance takes the original request with those params, pulls the KV from the
-prefill engine process (ZMQ over TCP) and streams the rest: the same greedy text as one instance,
-streamed or not (the second time the decode instance holds the prompts already and tells the
-prefill instance to let go of them). Afterwards neither instance runs anything and neither holds KV
-blocks. Bad params
-are a 400 naming the field, and an instance without ``--role`` refuses them.
+Driven over HTTP as `fdplug router` does, then through the router: the prefill instance runs the
+request with ``max_tokens=1`` and ``kv_transfer_params={"do_remote_decode": true}`` and answers with
+where to pull its KV (signed: both share ``FDPLUG_PD_SECRET``); the decode instance takes the
+original request with those params, pulls the KV from the prefill engine process (the default
+``ipc`` connector: a Unix socket on one machine) and streams the rest: the same greedy text as one
+instance, streamed or not, text and multimodal (only the prefill instance may read the feature
+files: the decode instance never needs them), with prefix hits on both sides. Afterwards neither
+instance runs anything and neither holds KV blocks. Bad params are a 400 naming the field, and an
+instance without ``--role`` refuses them.
 """
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -27,12 +29,17 @@ TOKENS = 12
 ARGS = ["--max-model-len", "128", "--num-kv-blocks", "64", "--served-model-name", "m"]
 
 
+SECRET = {"FDPLUG_PD_SECRET": "shared by the PD pair"}
+
+
 @pytest.fixture(scope="module")
 def pd(tmp_path_factory):
     model = str(write_test_model(tmp_path_factory.mktemp("pd") / "m"))
-    logs = tmp_path_factory.mktemp("logs")
-    prefill = Server(["--model", model, "--role", "prefill", *ARGS], logs / "prefill.log").wait_ready()
-    decode = Server(["--model", model, "--role", "decode", *ARGS], logs / "decode.log").wait_ready()
+    logs, features = tmp_path_factory.mktemp("logs"), tmp_path_factory.mktemp("features")
+    prefill = Server(["--model", model, "--role", "prefill", "--allowed-feature-path", str(features), *ARGS],
+                     logs / "prefill.log", **SECRET).wait_ready()
+    decode = Server(["--model", model, "--role", "decode", *ARGS], logs / "decode.log", **SECRET).wait_ready()
+    prefill.features = features
     yield model, prefill, decode
     assert decode.stop() == 0, decode.log()
     assert prefill.stop() == 0, prefill.log()
@@ -62,22 +69,24 @@ def test_prefill_then_decode_gives_one_instances_text(pd):
         use_tqdm=False)]
     for stream in (False, True):
         assert [relay(prefill, decode, p, stream) for p in PROMPTS] == want
-    for server in (prefill, decode):          # nothing left running, no block held for a pull
+    for server in (prefill, decode):          # nothing left running, no block held for a pull; prefix hits
         wait_until(lambda s=server: s.metrics()["fdplug:kv_cache_usage_perc"] == 0.0, 10, what="KV blocks released")
         assert server.metrics()["fdplug:num_requests_running"] == 0
+        assert server.metrics()["fdplug:prefix_cache_hits_total"] > 0, server.url
 
 
 def test_bad_params_are_a_400_naming_the_field(pd, tmp_path):
     _, prefill, decode = pd
-    cases = [(prefill, {"do_remote_decode": "yes"}, "must be {\"do_remote_decode\": true}"),
-             (decode, {"first_token": 3, "num_prompt_tokens": 3, "block_size": 16,
-                       "conn": {"addr": "http://example.com", "transfer_id": "0" * 32, "num_blocks": 1}},
-              "not a prefill instance's address"),
-             (decode, {"first_token": 10 ** 9, "num_prompt_tokens": 3, "block_size": 16}, "out of range"),
-             (decode, {"first_token": 3, "num_prompt_tokens": 4, "block_size": 16}, "do not describe this prompt")]
-    for server, params, why in cases:
+    good = prefill_answer(prefill, [5, 9, 2])
+    evil = {**good, "conn": {**good["conn"], "addr": "tcp://10.0.0.1:22"}}
+    cases = [(prefill, [5, 9, 2], {"do_remote_decode": "yes"}, "must be {\"do_remote_decode\": true}"),
+             (decode, [5, 9, 2], {**good, "first_token": 10 ** 9}, "out of range"),
+             (decode, [5, 9, 2], {k: v for k, v in good.items() if k != "prompt_digest"}, "must hold connector"),
+             (decode, [5, 9, 2], evil, "not signed with this decode instance's FDPLUG_PD_SECRET"),
+             (decode, [5, 9, 3], good, "describe another prompt")]
+    for server, prompt, params, why in cases:
         reply = httpx.post(server.url + "/v1/completions", timeout=30, json={
-            "model": "m", "prompt": [5, 9, 2], "max_tokens": 2, "kv_transfer_params": params})
+            "model": "m", "prompt": prompt, "max_tokens": 2, "kv_transfer_params": params})
         assert reply.status_code == 400 and why in reply.json()["error"]["message"], reply.text
         assert reply.json()["error"]["param"] == "kv_transfer_params"
     plain = Server(["--model", pd[0], *ARGS], tmp_path / "plain.log").wait_ready()
@@ -91,16 +100,8 @@ def test_bad_params_are_a_400_naming_the_field(pd, tmp_path):
 
 @pytest.fixture(scope="module")
 def router(pd, tmp_path_factory):
-    import subprocess
-
-    from tests.serverkit import FDPLUG, free_port, subprocess_env
-
     _, prefill, decode = pd
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("router") / "router.log", "wb")
-    proc = subprocess.Popen([FDPLUG, "router", "--prefill", prefill.url, "--decode", decode.url, "--port", str(port)],
-                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=subprocess_env())
-    url = f"http://127.0.0.1:{port}"
+    proc, log, url = start_router(prefill.url, decode.url, tmp_path_factory.mktemp("router") / "router.log")
     wait_until(lambda: _up(url), 60, 0.1, what="the router answering /health")
     yield url
     proc.terminate()
@@ -151,55 +152,112 @@ def prefill_answer(prefill: Server, prompt: list[int]) -> dict:
     return reply.json()["kv_transfer_params"]
 
 
+def test_multimodal_through_the_router_reads_features_on_the_prefill_side_only(pd, router):
+    """Only the prefill instance may read the feature files (--allowed-feature-path): the decode
+    instance gets every prompt token's KV, never the features, and gives one instance's text; the
+    same images again (by content, and by uuid) hit both sides' prefix caches."""
+    import io
+
+    import numpy as np
+    import openai
+
+    model, prefill, decode = pd
+    for name, seed, rows in (("dog.npy", 3, 6), ("cat.npy", 4, 4)):
+        buf = io.BytesIO()
+        np.save(buf, np.random.default_rng(seed).standard_normal((rows, 64)).astype(np.float32))
+        (prefill.features / name).write_bytes(buf.getvalue())
+    parts = [{"type": "image_feature", "image_feature": {"url": (prefill.features / "dog.npy").as_uri(),
+                                                         "grid_thw": [1, 4, 6]}},
+             {"type": "image_feature", "image_feature": {"url": (prefill.features / "cat.npy").as_uri(),
+                                                         "grid_thw": [1, 4, 4], "uuid": "cat-1"}}]
+    messages = [{"role": "user", "content": [*parts, {"type": "text", "text": "describe"}]}]
+    llm = LLM(model, max_model_len=128, num_kv_blocks=64, allowed_feature_paths=(str(prefill.features),))
+    want = llm.generate(llm.chat_prompt(messages), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].text
+    client = openai.OpenAI(base_url=router + "/v1", api_key="unused", max_retries=0, timeout=60)
+    hits = {server.url: server.metrics()["fdplug:prefix_cache_hits_total"] for server in (prefill, decode)}
+    for _ in range(2):
+        reply = client.chat.completions.create(model="m", messages=messages, max_tokens=8, temperature=0,
+                                               extra_body={"ignore_eos": True})
+        assert reply.choices[0].message.content == want
+    for server in (prefill, decode):
+        wait_until(lambda s=server: s.metrics()["fdplug:prefix_cache_hits_total"] > hits[s.url], 5,
+                   what=f"prefix hits on {server.url}")
+    with pytest.raises(openai.BadRequestError, match="allowed"):     # the decode instance may read none of them
+        decode.openai().chat.completions.create(model="m", messages=messages, max_tokens=2)
+
+
 def test_faults_end_each_request_within_its_timeout_and_free_every_block(pd, tmp_path):
-    """Decode never picks up: the prefill instance lets go after FDPLUG_KV_PICKUP_TIMEOUT. A transfer
-    that never arrives, and a prefill instance killed before the pull: the decode request is a 502
-    within FDPLUG_KV_STALL_TIMEOUT (plus the test's slack), and the decode instance ends with no
-    request and no block held."""
+    """With a third party's connector that sends a layer per second (``tests/slow_kv_plugin.py``):
+    a decode instance killed before it picks up (the client gets a 503 from the router; the prefill
+    instance lets go after FDPLUG_KV_PICKUP_TIMEOUT); a transfer that never arrives; a prefill
+    instance killed mid-transfer. Each decode request is a 502 within FDPLUG_KV_STALL_TIMEOUT (plus
+    the test's slack); every instance left ends with no request running and no block held."""
     import zmq
 
-    env = {"FDPLUG_KV_PICKUP_TIMEOUT": "2", "FDPLUG_KV_STALL_TIMEOUT": "1"}
-    prefill = Server(["--model", pd[0], "--role", "prefill", *ARGS], tmp_path / "prefill.log", **env).wait_ready()
-    decode = Server(["--model", pd[0], "--role", "decode", *ARGS], tmp_path / "decode.log", **env).wait_ready()
+    from tests.conftest import REPO, write_dist
+
+    site = write_dist(tmp_path / "site", "fdplug-slowkv", "0.1", {"slowkv": "tests.slow_kv_plugin"})
+    env = {"FDPLUG_KV_PICKUP_TIMEOUT": "2", "FDPLUG_KV_STALL_TIMEOUT": "2", "SLOW_KV_LAYER_S": "1",
+           "PYTHONPATH": f"{site}:{REPO}"}
+    args = ["--model", pd[0], "--kv-connector", "slow_tcp", *ARGS]
+    servers = {role: Server([*args, "--role", role.rstrip("2")], tmp_path / f"{role}.log", **env)
+               for role in ("prefill", "decode", "decode2")}
     silent = zmq.Context.instance().socket(zmq.ROUTER)
+    router_proc, router_log, router = start_router(servers["prefill"].url, servers["decode2"].url,
+                                                   tmp_path / "router.log")
+    prefill, decode, _ = (servers[role].wait_ready() for role in ("prefill", "decode", "decode2"))
     try:
-        params = prefill_answer(prefill, PROMPTS[2])
-        wait_until(lambda: prefill.metrics()["fdplug:kv_cache_usage_perc"] > 0, 5, what="the blocks held")
+        assert "chosen   slow_tcp" in decode.log()
+        wait_until(lambda: _up(router), 60, 0.1, what="the router answering /health")
+        servers["decode2"].proc.kill()                             # decode killed before any pick-up
+        servers["decode2"].proc.wait(10)
+        began = time.monotonic()
+        reply = httpx.post(router + "/v1/completions", timeout=60, json={"model": "m", "prompt": PROMPTS[2],
+                                                                         "max_tokens": 4})
+        assert reply.status_code == 503 and "decode instance" in reply.json()["error"]["message"], reply.text
+        assert time.monotonic() - began < 10
         wait_until(lambda: prefill.metrics()["fdplug:kv_cache_usage_perc"] == 0.0, 10, what="the pickup timeout")
 
-        def decode_fails(params: dict) -> None:
+        def decode_fails(params: dict, after=None) -> None:
             began = time.monotonic()
-            reply = httpx.post(decode.url + "/v1/completions", timeout=60, json={
-                "model": "m", "prompt": PROMPTS[2], "max_tokens": 4, "kv_transfer_params": params})
+            with ThreadPoolExecutor(1) as pool:
+                future = pool.submit(httpx.post, decode.url + "/v1/completions", timeout=60, json={
+                    "model": "m", "prompt": PROMPTS[2], "max_tokens": 4, "kv_transfer_params": params})
+                if after is not None:
+                    after()
+                reply = future.result()
             assert reply.status_code == 502 and "could not be pulled" in reply.json()["error"]["message"], reply.text
             assert time.monotonic() - began < 10
             wait_until(lambda: decode.metrics()["fdplug:kv_cache_usage_perc"] == 0.0, 10, what="decode's blocks freed")
             assert decode.metrics()["fdplug:num_requests_running"] == 0
 
         port = silent.bind_to_random_port("tcp://127.0.0.1")      # a "prefill instance" that never sends
-        decode_fails({**params, "conn": {**params["conn"], "addr": f"tcp://127.0.0.1:{port}"}})
         params = prefill_answer(prefill, PROMPTS[2])
-        prefill.proc.kill()                                        # its engine process follows it
-        prefill.proc.wait(10)
-        decode_fails(params)
+        decode_fails({**params, "conn": {**params["conn"], "addr": f"tcp://127.0.0.1:{port}"}})
+        wait_until(lambda: prefill.metrics()["fdplug:kv_cache_usage_perc"] == 0.0, 10, what="the pickup timeout")
+        assert prefill.metrics()["fdplug:num_requests_running"] == 0
+
+        def kill_prefill_mid_transfer() -> None:
+            wait_until(lambda: decode.metrics()["fdplug:kv_cache_usage_perc"] > 0, 10, what="the pull under way")
+            time.sleep(0.3)                                        # layer 0 landed, layer 1 a second away
+            prefill.proc.kill()                                    # its engine process follows it
+            prefill.proc.wait(10)
+
+        decode_fails(prefill_answer(prefill, PROMPTS[2]), after=kill_prefill_mid_transfer)
     finally:
         silent.close(0)
+        router_proc.terminate(), router_proc.wait(15), router_log.close()
         assert decode.stop() == 0, decode.log()
-        prefill.stop()
+        prefill.stop(), servers["decode2"].stop()
 
 
-def test_multimodal_requests_are_refused_by_pd_until_it_serves_them():
-    """Decode would compute the prompt's last partial block (image tokens, features and all): refused
-    at the HTTP boundary and again when a decode engine admits one."""
-    from types import SimpleNamespace
+def start_router(prefill: str, decode: str, log_path):
+    import subprocess
 
-    from fdplug.core.kv_transfer.engine_side import DecodeSide
-    from fdplug.errors import InvalidRequestError
-    from fdplug.server.pd_params import check_kv_transfer_params
+    from tests.serverkit import FDPLUG, free_port, subprocess_env
 
-    with pytest.raises(InvalidRequestError, match="multimodal items"):
-        check_kv_transfer_params({"do_remote_decode": True}, "prefill", 1, 256, multimodal=True)
-    side = DecodeSide.__new__(DecodeSide)
-    request = SimpleNamespace(kv_transfer_params={"first_token": 3}, mm_inputs=[object()])
-    with pytest.raises(InvalidRequestError, match="multimodal items"):
-        side.admit(request)
+    port, log = free_port(), open(log_path, "wb")  # noqa: SIM115 -- the caller closes it
+    proc = subprocess.Popen([FDPLUG, "router", "--prefill", prefill, "--decode", decode, "--port", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=subprocess_env())
+    return proc, log, f"http://127.0.0.1:{port}"

@@ -45,6 +45,10 @@ for _setting in (
             "PD decode: seconds from a request's arrival until its prompt's KV must have landed, or it fails (504)."),
     Setting("FDPLUG_KV_STALL_TIMEOUT", 5.0, parse_positive_float,
             "PD decode: seconds a pull may go without a message from the prefill instance before it fails (502)."),
+    Setting("FDPLUG_PD_SECRET", None, _parse_name,
+            "PD: a secret shared by the prefill and decode instances. Prefill signs the kv_transfer_params it returns; "
+            "decode then refuses unsigned ones and lets pulled KV into its prefix cache. Unset on decode: any "
+            "client's params are taken, but their KV is kept apart from every other request's.", secret=True),
     Setting("FD_MOE_BACKEND", None, _parse_name,
             "MoE backend for the routed experts, by name (`fdplug explain` lists them; FastDeploy's name, "
             "but its values cutlass/marlin/triton are GPU kernels fdplug does not have). --moe-backend wins."),

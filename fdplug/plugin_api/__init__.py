@@ -1,6 +1,6 @@
 """fdplug's plugin API: everything a plugin author imports, and nothing else.
 
-A plugin is a module with ``FDPLUG_API_VERSION = "3.7"`` and functions decorated with ``hookimpl``,
+A plugin is a module with ``FDPLUG_API_VERSION = "3.8"`` and functions decorated with ``hookimpl``,
 found through the ``fdplug`` entry-point group (``[project.entry-points.fdplug] mychip =
 "fdplug_mychip"``). Its hooks (`hookspecs`) each receive a ``register`` callback taking one spec
 (`specs`). The smallest useful plugin registers one `DeviceSpec`; the core's portable runner,
@@ -18,6 +18,8 @@ register_moe        `MoEBackendSpec`        `MoEBackend` (`moe`: routing rule, e
 register_runners    `ModelRunnerSpec`       `ModelRunner` (`model_runner`): only for a different
                                             execution model (graphs, a vendor runtime)
 register_storages   `FeatureStorageSpec`    `FeatureStorage` (`storage`: bytes by URL, in order)
+register_kv_conn..  `KVConnectorSpec`       `KVSender` / `KVReceiver` (`kv_connector`: moving KV
+                                            blocks between prefill and decode instances)
 register_settings   `Setting`               (your environment variables; `settings`)
 configure           --                      adjust or refuse the `EngineConfig` for the `Selection`
 ==================  ======================  ===================================================
@@ -59,10 +61,11 @@ _EXPORTS = {
     "import_paddle": "fdplug.plugin_api.paddle",
     "gather_blocks": "fdplug.plugin_api.kv_layout", "scatter_blocks": "fdplug.plugin_api.kv_layout",
     "layout_of": "fdplug.plugin_api.kv_layout",
+    **dict.fromkeys(("KVCaches", "KVReceiver", "KVSender"), "fdplug.plugin_api.kv_connector"),
     "Decision": "fdplug.plugin_api.selection", "Selection": "fdplug.plugin_api.selection",
     "Setting": "fdplug.plugin_api.settings", "cache_dir": "fdplug.plugin_api.settings",
-    **dict.fromkeys(("ANY_DEVICE", "AttentionBackendSpec", "DeviceSpec", "FeatureStorageSpec", "ModelRunnerSpec",
-                     "MoEBackendSpec", "OpSpec", "Probe"), "fdplug.plugin_api.specs"),
+    **dict.fromkeys(("ANY_DEVICE", "AttentionBackendSpec", "DeviceSpec", "FeatureStorageSpec", "KVConnectorSpec",
+                     "ModelRunnerSpec", "MoEBackendSpec", "OpSpec", "Probe"), "fdplug.plugin_api.specs"),
     "FeatureStorage": "fdplug.plugin_api.storage", "display_url": "fdplug.plugin_api.storage",
     "ordered_map": "fdplug.plugin_api.storage",
 }

@@ -1,7 +1,7 @@
 """The hooks: what a plugin implements. Read with `fdplug.plugin_api.specs` (what it registers).
 
 A plugin is a module (or object) with functions decorated by ``fdplug.hookimpl`` whose names are
-the hooks below, and a module-level ``FDPLUG_API_VERSION = "3.7"`` naming the API it was written
+the hooks below, and a module-level ``FDPLUG_API_VERSION = "3.8"`` naming the API it was written
 for. Registration hooks are called once, when plugins load, with a ``register`` callback that
 accepts one spec object; the core validates what is registered, so a bad registration fails loudly
 and only that plugin is skipped.
@@ -23,7 +23,8 @@ op (every float linear layer, weights ``[N, K]``, bf16 weights allowed) and ``En
 (`fdplug.plugin_api.ops.PreparedWeight`). 3.6: expert parallel: `fdplug.plugin_api.moe.ExpertExchange`
 and `ExpertBatch`, and an optional ``MoEBackend.make_exchange`` (a backend's own dispatch/combine).
 3.7: ``AttentionBackend.kv_cache_layout`` (optional): where a KV block lives in the cache
-(`fdplug.plugin_api.kv_layout`), for moving KV between instances.
+(`fdplug.plugin_api.kv_layout`), for moving KV between instances. 3.8: ``fdplug_register_kv_connectors``
+(`fdplug.plugin_api.kv_connector`): how KV moves between prefill and decode instances.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from fdplug.plugin_api.specs import (
     AttentionBackendSpec,
     DeviceSpec,
     FeatureStorageSpec,
+    KVConnectorSpec,
     ModelRunnerSpec,
     MoEBackendSpec,
     OpSpec,
@@ -47,7 +49,7 @@ if TYPE_CHECKING:
     from fdplug.plugin_api.selection import Selection
 
 PROJECT_NAME = "fdplug"
-API_VERSION = "3.7"
+API_VERSION = "3.8"
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
@@ -108,6 +110,19 @@ def fdplug_register_ops(register: Callable[[OpSpec], None]) -> None:
 def fdplug_register_feature_storages(register: Callable[[FeatureStorageSpec], None]) -> None:
     """Register storages that fetch pre-encoded multimodal features by URL
     (`fdplug.plugin_api.storage.FeatureStorage`); the highest-priority storage of each scheme wins."""
+
+
+@hookspec
+def fdplug_register_kv_connectors(register: Callable[[KVConnectorSpec], None]) -> None:
+    """Register KV connectors (`fdplug.plugin_api.kv_connector`): how a request's KV blocks move
+    from a prefill instance to a decode instance (``fdplug serve --role``).
+
+    ``factory(config, role, caches)`` returns a ``KVSender`` (role ``prefill``) or a ``KVReceiver``
+    (``decode``) over the engine's ``KVCaches``. The core registers ``tcp`` (any two machines) and
+    ``shm`` (the same machine through shared memory, else TCP); register yours with a higher
+    priority for a faster transport (RDMA, NVLink, a chip's DMA). The core keeps the scheduling and
+    every deadline; the conformance kit runs the same transfer tests on every connector.
+    """
 
 
 @hookspec

@@ -78,3 +78,64 @@ def scatter_blocks(cache: Any, layout: str, block_ids: Any, blocks: Any) -> None
         for i in index:
             view, rows = view[i], rows[i]
         paddle.scatter_(view, ids, rows.contiguous())
+
+
+# -- raw blocks: what a connector puts on the wire ----------------------------------------------------
+
+_WORDS = {1: "uint8", 2: "uint16", 4: "int32", 8: "int64"}   # an unsigned/int type of each element size
+
+
+def word_dtype(cache: Any) -> Any:
+    """The numpy integer type of the cache's element size: how its elements travel (bf16 and fp8
+    included: numpy has neither)."""
+    import numpy as np
+
+    return np.dtype(_WORDS[cache.element_size()])
+
+
+def host_array(cache: Any) -> Any:
+    """A zero-copy numpy view of a cache in host memory, its elements as integers of their size
+    (bf16 and fp8 included: numpy has neither); None for a cache in device memory."""
+    import numpy as np
+    import paddle
+
+    if not cache.place.is_cpu_place():
+        return None
+    return np.from_dlpack(cache.view(getattr(paddle, _WORDS[cache.element_size()])))
+
+
+def take_blocks(cache: Any, layout: str, block_ids: Any, out: Any = None) -> Any:
+    """Blocks ``block_ids`` of ``cache`` as a numpy array in the cache's own axis order (the block
+    axis holding just them), elements as integers of their size; into ``out`` when given (a reused
+    buffer: a fresh one costs a page fault per 4 KiB, more than the copy)."""
+    import numpy as np
+    import paddle
+
+    view = host_array(cache)
+    if view is not None:
+        return np.take(view, np.asarray(block_ids, dtype=np.int64), axis=layout.index("B"), out=out)
+    ids = paddle.to_tensor(block_ids, dtype="int64")
+    picked = paddle.index_select(cache, ids, axis=layout.index("B"))
+    data = picked.view(getattr(paddle, _WORDS[cache.element_size()])).numpy()
+    if out is None:
+        return data
+    np.copyto(out, data)
+    return out
+
+
+def put_blocks(cache: Any, layout: str, block_ids: Any, data: Any, data_layout: str) -> None:
+    """Write ``data`` (from `take_blocks` of a cache in ``data_layout``: same dtype, block shape)
+    into ``cache``'s blocks ``block_ids``, in place."""
+    import numpy as np
+    import paddle
+
+    data = data.transpose([data_layout.index(axis) for axis in layout])     # to this cache's axis order
+    view = host_array(cache)
+    ids = np.asarray(block_ids, dtype=np.int64)
+    if view is not None:
+        index: list[Any] = [slice(None)] * 4
+        index[layout.index("B")] = ids
+        view[tuple(index)] = data
+        return
+    canonical = np.ascontiguousarray(data.transpose([layout.index(axis) for axis in AXES]))
+    scatter_blocks(cache, layout, ids.tolist(), paddle.to_tensor(canonical).view(cache.dtype))

@@ -6,13 +6,15 @@ result in ``fdplug_configure`` and in a runner's factory.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from fdplug.plugin_api.specs import (
     AttentionBackendSpec,
     DeviceSpec,
     FeatureStorageSpec,
+    KVConnectorSpec,
     ModelRunnerSpec,
     MoEBackendSpec,
     OpSpec,
@@ -49,17 +51,27 @@ class Selection:
     ops: Mapping[str, OpSpec]
     storages: Mapping[str, FeatureStorageSpec]
     decisions: tuple[Decision, ...]
+    kv_connector: KVConnectorSpec | None = None     # only for a prefill or decode instance (--role)
 
     def to_names(self) -> dict[str, Any]:
         """The choice as plain names: ``select_components(**names)`` rebuilds it in another process."""
         return {"device": self.device.name, "runner": self.runner.name, "attention": self.attention.name,
                 "moe": self.moe.name, "ops": {op: spec.name for op, spec in self.ops.items()},
-                "storages": {scheme: spec.name for scheme, spec in self.storages.items()}}
+                "storages": {scheme: spec.name for scheme, spec in self.storages.items()},
+                "kv_connector": self.kv_connector.name if self.kv_connector is not None else None}
+
+    def summary(self) -> str:
+        """One line: the chosen name of each role."""
+        kv = f"kv_connector={self.kv_connector.name} " if self.kv_connector is not None else ""
+        storages = ",".join(f"{scheme}:{spec.name}" for scheme, spec in self.storages.items()) or "none"
+        return (f"device={self.device.name} runner={self.runner.name} attention={self.attention.name} "
+                f"moe={self.moe.name} {kv}storages={storages}")
 
     def explain(self) -> str:
         """Every role's decisions, the chosen candidate first."""
         lines = []
-        for role in ("device", *COMPONENT_ROLES, *(f"op:{op}" for op in self.ops), "storage"):
+        kv = ("kv_connector",) if self.kv_connector is not None else ()
+        for role in ("device", *COMPONENT_ROLES, *(f"op:{op}" for op in self.ops), "storage", *kv):
             decisions = sorted((d for d in self.decisions if d.role == role), key=lambda d: not d.chosen)
             lines.append(f"{role}:")
             lines.extend(d.line() for d in decisions)

@@ -151,6 +151,17 @@ class OpSpec(ComponentSpec):
 
 
 @dataclass(frozen=True, slots=True)
+class KVConnectorSpec(ComponentSpec):
+    """A KV connector (`fdplug.plugin_api.kv_connector`): moves KV blocks between a prefill and a
+    decode instance. ``factory(config, role, caches)`` returns a ``KVSender`` for role ``"prefill"``
+    and a ``KVReceiver`` for ``"decode"`` (``caches``: a ``KVCaches``). Selected only for an instance
+    with a ``--role``; ``supports(config)`` may refuse (an opaque cache layout, a missing transport).
+    """
+
+    role = "kv_connector"
+
+
+@dataclass(frozen=True, slots=True)
 class FeatureStorageSpec:
     """A feature storage for the URL ``schemes`` it handles.
 
@@ -174,6 +185,7 @@ SPEC_TYPES: dict[str, type] = {
     "moe": MoEBackendSpec,
     "op": OpSpec,
     "storage": FeatureStorageSpec,
+    "kv_connector": KVConnectorSpec,
     "setting": Setting,
 }
 

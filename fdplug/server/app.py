@@ -140,7 +140,7 @@ def build_app(client: EngineClient, model_name: str, api_key: str | None, max_bo
     async def _run(job: Any, prepared: list, params: Any, req: Any, request: Request) -> Response:
         rank = data_parallel_rank(request)
         kv_params = check_kv_transfer_params(req.kv_transfer_params, kv_role, params.n, client.info.vocab_size,
-                                             multimodal=any(p.mm_inputs for p in prepared))
+                                             num_prompts=len(prepared))
         for prompt in prepared:
             prompt.kv_transfer_params = kv_params
         if not req.stream:

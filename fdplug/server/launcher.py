@@ -76,7 +76,8 @@ def serve(settings: ServerSettings, engine_kwargs: dict[str, Any]) -> int:
     model = kwargs.pop("model", None)
     config, model_config, selection = resolve_engine(
         model, kwargs.pop("device", "auto"), kwargs.pop("runner", None), kwargs.pop("attention_backend", None),
-        kwargs.pop("moe_backend", None), ops=kwargs.pop("op_kernels", None), **kwargs)
+        kwargs.pop("moe_backend", None), ops=kwargs.pop("op_kernels", None),
+        kv_connector=kwargs.pop("kv_connector", None), **kwargs)
     logger.info("selection:\n%s", selection.explain())
     expert_parallel = expert_parallel_ranks(model_config, ep_size)
     tokenizer = Tokenizer.from_dir(config.model_dir)

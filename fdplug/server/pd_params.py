@@ -1,10 +1,10 @@
 """``kv_transfer_params`` at the HTTP boundary (vLLM's field): checked before anything reaches an engine.
 
 Only an instance started with ``--role`` takes it. A prefill instance takes exactly
-``{"do_remote_decode": true}``; a decode instance what a prefill instance returned: the first token,
-the prompt's length, the block size and, when the prompt has a full block, ``conn`` (where to pull
-it: a ``tcp://`` or ``ipc://`` address and a 128-bit transfer id). The engine checks them again
-against the prompt (`fdplug.core.kv_transfer.engine_side`).
+``{"do_remote_decode": true}``; a decode instance what a prefill instance returned
+(`fdplug.core.kv_transfer.params`): here their shape, types and sizes; the engine checks them
+again against the prompt (its digest, the connector, the block size, the signature) and the
+connector checks its own ``conn`` before it uses it.
 """
 
 from __future__ import annotations
@@ -12,10 +12,14 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import msgpack
+
+from fdplug.core.kv_transfer.params import KEYS
 from fdplug.errors import InvalidRequestError
 
-_TRANSFER_ID = re.compile(r"^[0-9a-f]{32}$")
-_ADDRESS = re.compile(r"^(tcp://[A-Za-z0-9.\-\[\]:]{1,200}|ipc:///[^\x00]{1,200})$")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+MAX_CONN_BYTES = 4096
+MAX_ITEMS = 4096
 
 
 def _bad(why: str, fix: str = "pass the kv_transfer_params the prefill instance returned, unchanged.") -> None:
@@ -26,32 +30,42 @@ def _count(value: Any, low: int, high: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and low <= value < high
 
 
+def _small_str(value: Any, limit: int = 128) -> bool:
+    return isinstance(value, str) and 0 < len(value) <= limit
+
+
 def check_kv_transfer_params(params: dict | None, role: str | None, n: int, vocab_size: int,
-                             multimodal: bool = False) -> dict | None:
+                             num_prompts: int = 1) -> dict | None:
     """``params`` if this instance (``role``) may take them, else a 400 naming what is wrong."""
     if params is None:
         return None
     if role is None:
         _bad("is only taken by a prefill or decode instance", fix="remove it, or send the request to an instance "
              "started with `fdplug serve --role prefill|decode` (or through `fdplug router`).")
-    if multimodal:
-        _bad("came with multimodal items: PD does not serve those yet",
-             fix="send multimodal requests to an instance without --role.")
-    if n != 1:
-        _bad(f"asks for one sequence, and n is {n}", fix="send n=1 with kv_transfer_params.")
+    if n != 1 or num_prompts != 1:
+        _bad(f"are for one sequence of one prompt (n is {n}, prompts {num_prompts})",
+             fix="send one prompt with n=1 with kv_transfer_params.")
     if role == "prefill":
         if params != {"do_remote_decode": True}:
             _bad('for a prefill instance must be {"do_remote_decode": true}', fix='send {"do_remote_decode": true}.')
         return params
-    if set(params) - {"first_token", "num_prompt_tokens", "block_size", "conn"} or "first_token" not in params:
-        _bad("for a decode instance must hold first_token, num_prompt_tokens, block_size and (optionally) conn")
-    if not _count(params["first_token"], 0, vocab_size) or not _count(params.get("num_prompt_tokens"), 1, 1 << 31) \
-            or not _count(params.get("block_size"), 1, 1 << 16):
-        _bad("has a first_token, num_prompt_tokens or block_size out of range")
-    conn = params.get("conn")
-    if conn is not None and not (isinstance(conn, dict) and set(conn) == {"addr", "transfer_id", "num_blocks"}
-                                 and isinstance(conn["addr"], str) and _ADDRESS.match(conn["addr"])
-                                 and isinstance(conn["transfer_id"], str) and _TRANSFER_ID.match(conn["transfer_id"])
-                                 and _count(conn["num_blocks"], 1, 1 << 31)):
-        _bad("has a conn that is not a prefill instance's address and transfer id")
+    if not set(KEYS) <= set(params) <= {*KEYS, "sig"}:
+        _bad(f"for a decode instance must hold {', '.join(KEYS)} (and sig when signed), nothing else")
+    if not _count(params["first_token"], 0, vocab_size) or not _count(params["num_prompt_tokens"], 1, 1 << 31) \
+            or not _count(params["block_size"], 1, 1 << 16):
+        _bad("have a first_token, num_prompt_tokens or block_size out of range")
+    if not _small_str(params["connector"], 64) or not isinstance(params["prompt_digest"], str) \
+            or not _HEX64.match(params["prompt_digest"]) or ("sig" in params and not (
+                isinstance(params["sig"], str) and _HEX64.match(params["sig"]))):
+        _bad("have a connector, prompt_digest or sig that is not what a prefill instance returns")
+    hashes = params["mm_hashes"]
+    if not isinstance(hashes, list) or len(hashes) > MAX_ITEMS or not all(_small_str(h) for h in hashes):
+        _bad("have mm_hashes that are not a list of item identities")
+    conn = params["conn"]
+    try:
+        packed = msgpack.packb(conn)
+    except (TypeError, ValueError, OverflowError):
+        packed = b""
+    if not isinstance(conn, dict) or not _small_str(conn.get("transfer_id")) or not 0 < len(packed) <= MAX_CONN_BYTES:
+        _bad(f"have a conn that is not a connector's (a JSON object of at most {MAX_CONN_BYTES} bytes with a transfer_id)")
     return params

@@ -26,8 +26,9 @@ def _components_for(config: pytest.Config, role: str) -> list[str]:
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    """Parametrize kit tests over every attention/MoE backend that runs on the device under test."""
-    for fixture, role in (("attention_backend_name", "attention"), ("moe_backend_name", "moe")):
+    """Parametrize kit tests over every attention/MoE backend and KV connector that runs on the device under test."""
+    for fixture, role in (("attention_backend_name", "attention"), ("moe_backend_name", "moe"),
+                          ("kv_connector_name", "kv_connector")):
         if fixture in metafunc.fixturenames:
             names = _components_for(metafunc.config, role)
             metafunc.parametrize(fixture, names or [None], ids=[f"{role}={n}" for n in names] or [f"no-{role}"])

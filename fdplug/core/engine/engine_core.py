@@ -57,7 +57,7 @@ class EngineCore:
         model = self.runner.load_model()
         self.kv_plan = self.runner.initialize_kv_cache()
         self.scheduler = Scheduler(SchedulerConfig.from_engine_config(config, self.kv_plan.num_blocks))
-        self.kv_transfer = make_side(config, self.runner, self.scheduler)   # PD disaggregation: None when both
+        self.kv_transfer = make_side(config, selection, self.runner, self.scheduler)   # PD: None when both
         self.limits = ModelLimits(model.vocab_size, config.max_model_len)
         self.profiler = StepProfiler()
         self.encoder_cache = EncoderCache(config.encoder_cache_rows)
@@ -74,10 +74,11 @@ class EngineCore:
         self.validate(request)
         if self.kv_transfer is not None and not self.kv_transfer.admit(request):
             return   # PD decode: its first token (from the prefill instance) already ended it
-        if request.mm_inputs:
+        fetch = bool(request.mm_inputs) and request.status != RequestStatus.WAITING_FOR_REMOTE_KV   # PD decode: KV
+        if fetch:
             request.status = RequestStatus.WAITING_FOR_FEATURES
         self.scheduler.add_request(request)
-        if request.mm_inputs and self.feature_loader.submit(request):
+        if fetch and self.feature_loader.submit(request):
             request.status = RequestStatus.WAITING
 
     def validate(self, request: Request, also_waiting: int = 0) -> None:

@@ -1,61 +1,67 @@
 """An engine's side of prefill/decode disaggregation: what its scheduler does with remote KV.
 
-``EngineConfig.kv_role`` = ``prefill``: a request with ``kv_transfer_params={"do_remote_decode":
-True}`` that finishes normally (it ran with ``max_tokens=1``) keeps its full prompt blocks (a
-reference held in the block pool) and offers them (`pull.KVSender`); its last output carries
-``kv_transfer_params``: where to pull, the transfer id, its first token. The blocks are released
-when the pull is served or after ``FDPLUG_KV_PICKUP_TIMEOUT``.
+The core decides which blocks hold a request's KV on each side and owns every deadline; the
+selected KV connector (`fdplug.plugin_api.kv_connector`) only moves the bytes.
 
-``decode``: a request arriving with those params (``conn``, ``first_token``) starts with the first
-token already generated and waits (``WAITING_FOR_REMOTE_KV``, skipped by the scheduler) while this
-side allocates blocks for the prompt's full blocks (a local prefix hit is not pulled again) and
-pulls them (`pull.KVReceiver`). Landed blocks enter the prefix cache and are released; the request
-then waits like any other and its first step is a prefix hit: only the prompt's last partial block
-and the first token are computed here. A pull that fails, or does not land within
-``FDPLUG_KV_TRANSFER_TIMEOUT`` of the request's arrival, fails the request (typed, 502/504).
+``EngineConfig.kv_role`` = ``prefill``: a request with ``kv_transfer_params={"do_remote_decode":
+True}`` that finishes normally (it ran with ``max_tokens=1``) keeps the blocks of its whole prompt
+(a reference held in the block pool) and the connector offers them; its last output carries
+``kv_transfer_params`` (`params`): where to pull, its first token, what it is a prompt of. The
+blocks are let go when the pull is served or after ``FDPLUG_KV_PICKUP_TIMEOUT``.
+
+``decode``: a request arriving with those params starts with the first token already generated
+and waits (``WAITING_FOR_REMOTE_KV``, skipped by the scheduler) until blocks for its whole prompt
+are free here (a local prefix hit is not pulled again), then until the connector lands the rest
+in them. It then holds those blocks with its whole prompt computed: its first step computes only
+the first token, so a decode instance never needs a multimodal item's features. A pull that
+fails, or does not land within ``FDPLUG_KV_TRANSFER_TIMEOUT`` of the request's arrival, fails the
+request alone (typed, 502/504) and frees its blocks at once.
 """
 
 from __future__ import annotations
 
+import logging
+import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fdplug.core.engine.request import Request, RequestStatus
-from fdplug.core.kv_transfer.pull import KVReceiver, KVSender
+from fdplug.core.kv_transfer.params import check_params, make_params
 from fdplug.core.scheduler.output import EngineCoreOutput
 from fdplug.core.scheduler.request_rules import check_stop
 from fdplug.errors import (
     ConfigError,
-    InvalidRequestError,
     KVTransferError,
     KVTransferTimeoutError,
     error_to_dict,
 )
+from fdplug.plugin_api.attention import cdiv
+from fdplug.plugin_api.kv_connector import KVCaches
 from fdplug.plugin_api.kv_layout import layout_of
 
-ROLES = ("prefill", "decode")
+logger = logging.getLogger("fdplug.kv_transfer")
 
 
-def runner_caches(runner: Any) -> tuple[list[tuple[Any, Any]], str]:
-    """The runner's KV caches and their layout, or a ConfigError saying why they cannot move."""
+def runner_caches(runner: Any, host: str, stall_timeout: float) -> KVCaches:
+    """The runner's KV caches for a connector, or a ConfigError saying why they cannot move."""
     caches, backend = getattr(runner, "kv_caches", None), getattr(runner, "attn_backend", None)
     layout = layout_of(backend) if backend is not None else None
     if not caches or layout is None:
         raise ConfigError("prefill/decode disaggregation needs the runner's KV caches in a known layout "
                           f"(runner {type(runner).__name__}, attention {getattr(backend, 'name', None)!r}).",
                           fix="use the core's runner and an attention backend that declares kv_cache_layout.")
-    return caches, layout
+    block_size = int(caches[0][0].shape[layout.index("T")])
+    return KVCaches(caches, layout, block_size, host, stall_timeout)
 
 
 class PrefillSide:
     """Holds and offers the prompt blocks of requests that a decode instance continues."""
 
-    def __init__(self, runner: Any, scheduler: Any, pickup_timeout: float, address: str = "tcp://127.0.0.1:0"):
-        caches, layout = runner_caches(runner)
-        self.sender = KVSender(caches, layout, address, pickup_timeout)
-        self.scheduler, self.block_size = scheduler, scheduler.config.block_size
-        self.held: dict[str, list[Any]] = {}        # transfer id -> the blocks it holds a reference to
+    def __init__(self, sender: Any, scheduler: Any, pickup_timeout: float, secret: str | None = None):
+        self.sender, self.scheduler, self.pickup_timeout, self.secret = sender, scheduler, pickup_timeout, secret
+        self.block_size = scheduler.config.block_size
+        self.held: dict[str, tuple[list[Any], float]] = {}   # transfer id -> (the blocks it holds, deadline)
         self.params: dict[str, dict] = {}           # request id -> its kv_transfer_params, for its last output
         scheduler.on_free = self.on_free
 
@@ -64,14 +70,15 @@ class PrefillSide:
         if not params or not params.get("do_remote_decode") or request.status not in (
                 RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH) or not request.output_token_ids:
             return
-        full = blocks[:request.num_prompt_tokens // self.block_size]
-        out = {"first_token": request.output_token_ids[0], "num_prompt_tokens": request.num_prompt_tokens,
-               "block_size": self.block_size}
-        if full:
-            self.scheduler.kv_cache_manager.block_pool.touch(full)
-            out["conn"] = self.sender.offer([b.block_id for b in full])
-            self.held[out["conn"]["transfer_id"]] = full
-        self.params[request.request_id] = out
+        prompt = blocks[:cdiv(request.num_prompt_tokens, self.block_size)]
+        try:
+            conn = self.sender.offer([b.block_id for b in prompt])
+        except Exception:       # a connector's bug: this request's answer says so (no params), nothing is held
+            logger.exception("the KV connector could not offer request %s's blocks", request.request_id)
+            return
+        self.scheduler.kv_cache_manager.block_pool.touch(prompt)
+        self.held[conn["transfer_id"]] = (prompt, time.monotonic() + self.pickup_timeout)
+        self.params[request.request_id] = make_params(request, self.sender.name, self.block_size, conn, self.secret)
 
     @property
     def busy(self) -> bool:
@@ -82,10 +89,17 @@ class PrefillSide:
         return True
 
     def poll(self) -> list[EngineCoreOutput]:
-        """Serve the pulls that arrived; release the blocks of what was pulled or expired."""
-        sent, expired = self.sender.poll()
-        for transfer_id in sent | expired:
-            self.scheduler.kv_cache_manager.block_pool.free_blocks(self.held.pop(transfer_id, []))
+        """Serve the pulls that arrived; free the blocks of what was pulled, released or not
+        picked up in time (the connector is told first: it never reads them again)."""
+        done = self.sender.poll()
+        now = time.monotonic()
+        for transfer_id, (_, deadline) in list(self.held.items()):
+            if deadline <= now and transfer_id not in done:
+                self.sender.withdraw(transfer_id)
+                done.add(transfer_id)
+        for transfer_id in done:
+            blocks, _ = self.held.pop(transfer_id, ([], 0.0))
+            self.scheduler.kv_cache_manager.block_pool.free_blocks(blocks)
         return []
 
     def finished(self, outputs: list[EngineCoreOutput]) -> None:
@@ -105,17 +119,15 @@ class PrefillSide:
 class _Incoming:
     request: Request
     deadline: float
-    num_full: int
-    transfer_id: str | None = None
+    pulling: bool = False
 
 
 class DecodeSide:
     """Pulls the prompt KV of requests a prefill instance started."""
 
-    def __init__(self, runner: Any, scheduler: Any, transfer_timeout: float, stall_timeout: float):
-        caches, layout = runner_caches(runner)
-        self.receiver = KVReceiver(caches, layout, stall_timeout)
-        self.scheduler, self.block_size, self.timeout = scheduler, scheduler.config.block_size, transfer_timeout
+    def __init__(self, receiver: Any, scheduler: Any, transfer_timeout: float, secret: str | None = None):
+        self.receiver, self.scheduler, self.timeout, self.secret = receiver, scheduler, transfer_timeout, secret
+        self.block_size = scheduler.config.block_size
         self.incoming: dict[str, _Incoming] = {}
         self.ready: list[EngineCoreOutput] = []
 
@@ -123,21 +135,13 @@ class DecodeSide:
         """Before the scheduler queues it: check the params, add the first token, wait for the KV.
         False: the first token already ended it (its output is ready; nothing to queue)."""
         params = request.kv_transfer_params
-        if not params or "first_token" not in params:
+        if not params:
             return True
-        if request.mm_inputs:   # the decode side would compute (and fetch features for) the prompt's tail
-            raise InvalidRequestError("kv_transfer_params came with multimodal items: PD does not serve those yet.",
-                                      fix="send multimodal requests to an instance without --role.",
-                                      param="kv_transfer_params")
-        first, conn = params.get("first_token"), params.get("conn")
-        if not isinstance(first, int) or isinstance(first, bool) or params.get("block_size") != self.block_size \
-                or params.get("num_prompt_tokens") != request.num_prompt_tokens \
-                or (conn is not None and not (isinstance(conn, dict) and isinstance(conn.get("transfer_id"), str)
-                                              and isinstance(conn.get("addr"), str))):
-            raise InvalidRequestError("kv_transfer_params do not describe this prompt on this instance (first token, "
-                                      "prompt length, block size or conn).",
-                                      fix="pass the kv_transfer_params the prefill instance returned, unchanged.",
-                                      param="kv_transfer_params")
+        check_params(params, request, self.receiver.name, self.block_size, self.secret)
+        if self.secret is None:     # unsigned: this request's blocks are its own, never another's prefix
+            request.cache_salt = f"{request.cache_salt or ''}|pd-unverified-{secrets.token_hex(16)}"
+        request.mm_positions = [replace(p, mm_hash=h) for p, h in zip(request.mm_positions, params["mm_hashes"])]
+        first = params["first_token"]
         request.append_output_token(first)
         if check_stop(request, self.scheduler.config.max_model_len):
             self.ready.append(EngineCoreOutput(request.request_id, [first], finished=True,
@@ -145,10 +149,8 @@ class DecodeSide:
                                                stop_reason=request.stop_reason))
             return False
         self.ready.append(EngineCoreOutput(request.request_id, [first]))
-        num_full = request.num_prompt_tokens // self.block_size if conn is not None else 0
-        if num_full:
-            request.status = RequestStatus.WAITING_FOR_REMOTE_KV
-            self.incoming[request.request_id] = _Incoming(request, time.monotonic() + self.timeout, num_full)
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.incoming[request.request_id] = _Incoming(request, time.monotonic() + self.timeout)
         return True
 
     @property
@@ -160,8 +162,8 @@ class DecodeSide:
 
     def cancel(self, request_id: str) -> None:
         item = self.incoming.pop(request_id, None)
-        if item is not None and item.transfer_id is not None:
-            self.receiver.cancel(item.transfer_id)
+        if item is not None and item.pulling:
+            self.receiver.cancel(item.request.kv_transfer_params["conn"]["transfer_id"])
 
     def poll(self) -> list[EngineCoreOutput]:
         """Start pulls that have blocks now, land what arrived; the outputs this makes (first tokens,
@@ -169,44 +171,52 @@ class DecodeSide:
         made, self.ready = self.ready, []
         now = time.monotonic()
         for rid, item in list(self.incoming.items()):
-            if item.transfer_id is None and not self._start(item) and now > item.deadline:
+            if not item.pulling and not self._start(item, made) and now > item.deadline:
                 made.append(self._fail(rid, "no KV blocks were free for the transfer in time", timeout=True))
-        done, failed = self.receiver.poll()
-        by_transfer = {item.transfer_id: rid for rid, item in self.incoming.items() if item.transfer_id}
-        for transfer_id in done:
+        landed, failed = self.receiver.poll()
+        by_transfer = {item.request.kv_transfer_params["conn"]["transfer_id"]: rid
+                       for rid, item in self.incoming.items() if item.pulling}
+        for transfer_id in landed & by_transfer.keys():
             self._landed(self.incoming[by_transfer[transfer_id]])
         for transfer_id, why in failed.items():
-            made.append(self._fail(by_transfer[transfer_id], why))
+            if transfer_id in by_transfer:
+                made.append(self._fail(by_transfer[transfer_id], why))
         for rid, item in list(self.incoming.items()):
-            if item.transfer_id is not None and now > item.deadline:
+            if item.pulling and now > item.deadline:
                 made.append(self._fail(rid, f"the KV did not arrive within {self.timeout:g} s", timeout=True))
         return made
 
-    def _start(self, item: _Incoming) -> bool:
-        """Allocate the blocks the prompt's full blocks need here (a local hit is not pulled) and
-        start the pull; False: no room yet."""
-        kv = self.scheduler.kv_cache_manager
-        hit_blocks, num_hit = kv.get_computed_blocks(item.request)
-        first = min(num_hit // self.block_size, item.num_full)
-        if first == item.num_full:          # all of it is cached here already: the prefill side may let go
-            self.receiver.release(item.request.kv_transfer_params["conn"])
-            self._landed(item)
-            return True
-        if kv.allocate_slots(item.request, (item.num_full - first) * self.block_size, hit_blocks[:first]) is None:
+    def _start(self, item: _Incoming, made: list[EngineCoreOutput]) -> bool:
+        """Allocate blocks for the whole prompt (a local hit is not pulled) and start pulling the
+        rest; False: no room yet."""
+        request, kv = item.request, self.scheduler.kv_cache_manager
+        conn = request.kv_transfer_params["conn"]
+        hit_blocks, num_hit = kv.get_computed_blocks(request)
+        first, total = num_hit // self.block_size, cdiv(request.num_prompt_tokens, self.block_size)
+        if first < total and kv.allocate_slots(request, request.num_prompt_tokens - num_hit, hit_blocks) is None:
             return False
-        block_ids = kv.get_block_ids(item.request.request_id)[first:item.num_full]
-        item.transfer_id = self.receiver.pull(item.request.kv_transfer_params["conn"], block_ids, first)
+        try:
+            if first == total:      # all of it is cached here: the prefill side may let go
+                self.receiver.release(conn)
+            else:
+                self.receiver.pull(conn, kv.get_block_ids(request.request_id)[first:total], first)
+        except Exception as exc:  # noqa: BLE001 -- a conn this connector cannot use (or its bug): this request fails
+            made.append(self._fail(request.request_id, f"the connector refused it ({type(exc).__name__}: {exc})"))
+            return True
+        if first == total:
+            del self.incoming[request.request_id]
+            request.status = RequestStatus.WAITING
+        item.pulling = first < total
         return True
 
     def _landed(self, item: _Incoming) -> None:
-        """The prompt's full blocks hold its KV: cache them, release them, let the scheduler take it
-        (its first step is a prefix hit on them)."""
-        kv = self.scheduler.kv_cache_manager
-        self.incoming.pop(item.request.request_id, None)
-        if item.transfer_id:
-            kv.cache_blocks(item.request, item.num_full * self.block_size)
-            kv.free(item.request)
-        item.request.status = RequestStatus.WAITING
+        """The prompt's blocks hold its KV: its full blocks enter the prefix cache, the request
+        keeps them all, its whole prompt computed; the scheduler takes it from there."""
+        request, kv = item.request, self.scheduler.kv_cache_manager
+        del self.incoming[request.request_id]
+        kv.cache_blocks(request, request.num_prompt_tokens // self.block_size * self.block_size)
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.status = RequestStatus.WAITING
 
     def _fail(self, request_id: str, why: str, timeout: bool = False) -> EngineCoreOutput:
         self.cancel(request_id)
@@ -220,13 +230,15 @@ class DecodeSide:
         self.receiver.close()
 
 
-def make_side(config: Any, runner: Any, scheduler: Any) -> PrefillSide | DecodeSide | None:
-    """This engine's side of PD disaggregation (``config.kv_role``), None when it does both."""
+def make_side(config: Any, selection: Any, runner: Any, scheduler: Any) -> PrefillSide | DecodeSide | None:
+    """This engine's side of PD disaggregation (``config.kv_role``) over the selected connector;
+    None when it does both."""
     from fdplug.core.settings import env
 
+    if config.kv_role is None:
+        return None
+    caches = runner_caches(runner, env("FDPLUG_KV_HOST") or "127.0.0.1", env("FDPLUG_KV_STALL_TIMEOUT"))
+    connector = selection.kv_connector.factory(config, config.kv_role, caches)
     if config.kv_role == "prefill":
-        host = env("FDPLUG_KV_HOST") or "127.0.0.1"
-        return PrefillSide(runner, scheduler, env("FDPLUG_KV_PICKUP_TIMEOUT"), f"tcp://{host}:0")
-    if config.kv_role == "decode":
-        return DecodeSide(runner, scheduler, env("FDPLUG_KV_TRANSFER_TIMEOUT"), env("FDPLUG_KV_STALL_TIMEOUT"))
-    return None
+        return PrefillSide(connector, scheduler, env("FDPLUG_KV_PICKUP_TIMEOUT"), env("FDPLUG_PD_SECRET"))
+    return DecodeSide(connector, scheduler, env("FDPLUG_KV_TRANSFER_TIMEOUT"), env("FDPLUG_PD_SECRET"))

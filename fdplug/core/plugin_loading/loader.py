@@ -47,6 +47,7 @@ REGISTRATION_HOOKS: dict[str, str] = {
     "fdplug_register_moe_backends": "moe",
     "fdplug_register_ops": "op",
     "fdplug_register_feature_storages": "storage",
+    "fdplug_register_kv_connectors": "kv_connector",
     "fdplug_register_settings": "setting",
 }
 

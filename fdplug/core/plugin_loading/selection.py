@@ -26,9 +26,10 @@ AUTO = "auto"
 
 def select_components(device: str = AUTO, runner: str | None = None, attention: str | None = None,
                       moe: str | None = None, storages: Mapping[str, str] | None = None,
-                      ops: Mapping[str, str] | None = None, *, config: EngineConfig | None = None,
-                      plugins: PluginSet | None = None) -> Selection:
-    """Resolve device, runner, attention, MoE, op kernels and storages into one immutable `Selection`.
+                      ops: Mapping[str, str] | None = None, kv_connector: str | None = None, *,
+                      config: EngineConfig | None = None, plugins: PluginSet | None = None) -> Selection:
+    """Resolve device, runner, attention, MoE, op kernels and storages (and, for an instance with a
+    ``config.kv_role``, its KV connector) into one immutable `Selection`.
 
     Raises `DeviceUnavailableError` (explicit device not usable here, with the probe's reason and
     fix), `UnknownComponentError` (no plugin registered that name) or `SelectionError` (no candidate
@@ -46,8 +47,14 @@ def select_components(device: str = AUTO, runner: str | None = None, attention: 
     op_specs = {op: _select_component(plugins, "op", (ops or {}).get(op), device_entry.spec.name, config,
                                       decisions, op=op) for op in OPS}
     storage_specs = select_storages(plugins, dict(storages or {}), decisions)
+    if config.kv_role is None and kv_connector is not None:
+        raise SelectionError(f"kv connector {kv_connector!r} was asked for, but this instance has no role.",
+                             fix="add --role prefill or --role decode (a connector moves KV between the two).",
+                             decisions=tuple(decisions))
+    connector = (_select_component(plugins, "kv_connector", kv_connector, device_entry.spec.name, config, decisions)
+                 if config.kv_role is not None else None)
     return Selection(device_entry.spec, probe, chosen["runner"], chosen["attention"], chosen["moe"],
-                     MappingProxyType(op_specs), MappingProxyType(storage_specs), tuple(decisions))
+                     MappingProxyType(op_specs), MappingProxyType(storage_specs), tuple(decisions), connector)
 
 
 # ---------------------------------------------------------------------------------------------------

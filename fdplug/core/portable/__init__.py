@@ -2,7 +2,8 @@
 
 A device plugin that registers nothing but a device gets a working engine from these: the model
 runner (`fdplug.core.worker.model_runner`), the reference attention (`attention`), the reference
-MoE (`moe`) and one kernel per op of `fdplug.plugin_api.ops` (`ops`). They are correct anywhere
+MoE (`moe`), one kernel per op of `fdplug.plugin_api.ops` (`ops`) and the KV connectors ``ipc``
+and ``tcp`` (`fdplug.core.kv_transfer.connectors`). They are correct anywhere
 and fast nowhere in particular: a device plugin registers faster ones with a higher priority.
 The plugin loader registers this module first, as the plugin ``core``, which cannot be disabled.
 """
@@ -13,6 +14,7 @@ from fdplug.plugin_api.hookspecs import API_VERSION, hookimpl
 from fdplug.plugin_api.specs import (
     ANY_DEVICE,
     AttentionBackendSpec,
+    KVConnectorSpec,
     ModelRunnerSpec,
     MoEBackendSpec,
     OpSpec,
@@ -90,3 +92,20 @@ def fdplug_register_ops(register):
     register(OpSpec(name=PORTABLE_LINEAR, op="linear", devices=(ANY_DEVICE,), factory=_op_factory("linear"),
                     description="one paddle matmul of the weights as stored (bf16 weights under float32 "
                                 "activations: cast first, a copy per call)"))
+
+
+def _connector_factory(name: str):
+    def factory(config, role, caches):
+        from fdplug.core.kv_transfer import connectors
+
+        return getattr(connectors, f"{name}_connector")(config, role, caches)
+    return factory
+
+
+@hookimpl
+def fdplug_register_kv_connectors(register):
+    register(KVConnectorSpec(name="ipc", devices=(ANY_DEVICE,), factory=_connector_factory("ipc"), priority=10,
+                             description="a Unix socket to a decode instance on this machine, TCP to one on another; "
+                                         "layer by layer, through host memory"))
+    register(KVConnectorSpec(name="tcp", devices=(ANY_DEVICE,), factory=_connector_factory("tcp"), priority=0,
+                             description="ZMQ over TCP (FDPLUG_KV_HOST), layer by layer, through host memory"))

@@ -117,8 +117,12 @@ class KVCacheManager:
 
         The hit is capped below ``request.num_tokens``: at least the last token is recomputed,
         because the model must run on something to produce the next token's logits.
-        Does not take references; pass the blocks to ``allocate_slots`` in the same step.
+        Does not take references; pass the blocks to ``allocate_slots`` in the same step. A request
+        that already holds the blocks of what it computed (its prompt's KV pulled from a prefill
+        instance) hits nothing more: ``([], its computed tokens)``.
         """
+        if self.req_to_blocks.get(request.request_id):
+            return [], request.num_computed_tokens
         if not self.enable_caching:
             return [], 0
         hashes = update_block_hashes(request, self.block_size)

@@ -1,0 +1,92 @@
+"""``kv_transfer_params``: what a prefill instance hands a decode instance, and the checks on it.
+
+A prefill instance returns, with a request's first token::
+
+    {"connector": "ipc", "first_token": 271, "num_prompt_tokens": 37, "block_size": 16,
+     "prompt_digest": "<sha256>", "mm_hashes": ["<item identity>", ...], "conn": {...}, "sig": "<hmac>"}
+
+``conn`` is the connector's (where and what to pull); ``prompt_digest`` binds the params to one
+prompt (its token ids, cache salt and multimodal placeholders), so a decode instance refuses them
+for any other; ``mm_hashes`` are the items' identities, which a decode instance cannot compute (it
+never fetches features) and which key its prefix cache. ``sig`` (with ``FDPLUG_PD_SECRET`` set on
+the prefill side) is an HMAC-SHA256 over the rest: a decode instance that has the secret refuses
+params without a valid one. One without the secret takes any well-formed params, but keeps the
+request's KV apart from every other request's (a random cache salt): params a client forged can
+then only feed that client's own request, never poison the prefix cache others hit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+from typing import Any
+
+import msgpack
+
+from fdplug.core.engine.request import Request
+from fdplug.errors import InvalidRequestError
+
+KEYS = ("connector", "first_token", "num_prompt_tokens", "block_size", "prompt_digest", "mm_hashes", "conn")
+
+
+def prompt_digest(request: Request) -> str:
+    """sha256 of what the prompt's KV depends on: its token ids, cache salt, placeholders' spans."""
+    ids = request.prompt_token_ids
+    h = hashlib.sha256(b"fdplug-pd-v1")
+    h.update(struct.pack(f"<I{len(ids)}q", len(ids), *ids))
+    h.update(msgpack.packb([request.cache_salt, [[p.offset, p.length] for p in request.mm_positions]]))
+    return h.hexdigest()
+
+
+def _canonical(value: Any) -> Any:
+    """Dicts as key-sorted pairs: the same bytes whatever order JSON hops left the keys in."""
+    if isinstance(value, dict):
+        return [[k, _canonical(value[k])] for k in sorted(value)]
+    if isinstance(value, (list, tuple)):
+        return [_canonical(v) for v in value]
+    return value
+
+
+def signature(params: dict, secret: str) -> str:
+    body = msgpack.packb(_canonical({k: params.get(k) for k in KEYS}))
+    return hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+
+
+def make_params(request: Request, connector: str, block_size: int, conn: dict, secret: str | None) -> dict:
+    """The params of a request a prefill instance finished (its first token is its only output)."""
+    params = {"connector": connector, "first_token": request.output_token_ids[0],
+              "num_prompt_tokens": request.num_prompt_tokens, "block_size": block_size,
+              "prompt_digest": prompt_digest(request), "mm_hashes": [p.mm_hash for p in request.mm_positions],
+              "conn": conn}
+    if secret:
+        params["sig"] = signature(params, secret)
+    return params
+
+
+def check_params(params: dict, request: Request, connector: str, block_size: int, secret: str | None) -> None:
+    """A 400 unless ``params`` came from a prefill instance for this very prompt, through this
+    instance's connector (and, with ``secret``, signed with it)."""
+    def bad(why: str, fix: str = "pass the kv_transfer_params the prefill instance returned, unchanged.") -> None:
+        raise InvalidRequestError(f"kv_transfer_params {why}.", fix=fix, param="kv_transfer_params")
+
+    if secret is not None:
+        sig = params.get("sig")
+        if not isinstance(sig, str) or not hmac.compare_digest(sig, signature(params, secret)):
+            bad("are not signed with this decode instance's FDPLUG_PD_SECRET",
+                fix="set the same FDPLUG_PD_SECRET on the prefill and decode instances.")
+    if params.get("connector") != connector:
+        bad(f"are for the {params.get('connector')!r} KV connector; this instance uses {connector!r}",
+            fix="start the prefill and decode instances with the same --kv-connector.")
+    if params.get("block_size") != block_size:
+        bad(f"have block size {params.get('block_size')!r}; this instance uses {block_size}",
+            fix="start the prefill and decode instances with the same --block-size.")
+    if params.get("num_prompt_tokens") != request.num_prompt_tokens or params.get("prompt_digest") != prompt_digest(request):
+        bad("describe another prompt than this request's (its tokens, cache salt or multimodal items differ)")
+    hashes = params.get("mm_hashes")
+    if not isinstance(hashes, list) or len(hashes) != len(request.mm_positions) \
+            or not all(isinstance(h, str) and 0 < len(h) <= 128 for h in hashes):
+        bad("do not name one identity per multimodal item of the prompt")
+    conn = params.get("conn")
+    if not isinstance(conn, dict) or not isinstance(conn.get("transfer_id"), str):
+        bad("have no conn (where the prompt's KV waits)")

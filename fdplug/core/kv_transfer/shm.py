@@ -1,0 +1,224 @@
+"""The ``shm`` KV connector: a decode instance on the same machine reads the blocks from shared memory.
+
+The prefill side keeps one arena, a file in ``/dev/shm`` (created ``O_EXCL``, mode 0600: only its
+user maps it) of ``FDPLUG_KV_STAGING_MIB``, its pages touched once at startup. A pull that asks
+for it (the decode side found the arena's path on its own machine) is served by copying the
+blocks into an extent of the arena and answering with where they are; the decode side, which maps
+the arena read-only, copies them into its cache and releases the extent. That is two copies and
+no socket for the bytes (`bench/pd.py` measures it against a memcpy and against ``tcp``). Control
+messages travel as the ``tcp`` connector's do, and a pull from another machine, or one that finds
+the arena full, gets the ``tcp`` connector's layers instead.
+
+An extent starts with a header (magic, transfer id, a generation) that the decode side checks
+before and after its copy, so an extent the prefill side reclaimed in the meantime (released
+late, or past ``4 x FDPLUG_KV_STALL_TIMEOUT``) fails the transfer instead of landing another's
+bytes. A prefill instance that was killed leaves its arena behind: the next one on the machine
+removes arenas whose process is gone.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import secrets
+import time
+from pathlib import Path
+
+import numpy as np
+
+from fdplug.core.kv_transfer.tcp import TCPReceiver, TCPSender, _Pull
+from fdplug.core.kv_transfer.wire import header as _header
+from fdplug.plugin_api.kv_connector import KVCaches
+from fdplug.plugin_api.kv_layout import put_blocks, take_blocks
+
+DIRECTORY = Path("/dev/shm")
+HEADER_BYTES = 64
+MAGIC = b"FDPLUGKV"
+_ARENA = re.compile(r"^/dev/shm/fdplug-kv-([0-9]+)-[0-9a-f]{32}$")
+
+
+def remove_stale_arenas(directory: Path = DIRECTORY) -> None:
+    """Remove the arenas of prefill processes that are gone (killed before they could)."""
+    for path in directory.glob("fdplug-kv-*-*"):
+        match = _ARENA.match(str(DIRECTORY / path.name))
+        if match is None:
+            continue
+        try:
+            os.kill(int(match.group(1)), 0)
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)
+        except PermissionError:        # another user's live process
+            pass
+
+
+def _extent_header(transfer_id: str, generation: int) -> bytes:
+    return (MAGIC + bytes.fromhex(transfer_id)[:16].ljust(16, b"\0") + generation.to_bytes(8, "little")).ljust(
+        HEADER_BYTES, b"\0")
+
+
+class Arena:
+    """The shared file and a first-fit allocator of its extents (engine thread only)."""
+
+    def __init__(self, nbytes: int) -> None:
+        remove_stale_arenas()
+        self.path = DIRECTORY / f"fdplug-kv-{os.getpid()}-{secrets.token_hex(16)}"
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+            self.map = mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
+        self.bytes = np.frombuffer(self.map, np.uint8)
+        self.bytes[::4096] = 0                     # fault every page in now, not during a transfer
+        self.free: list[tuple[int, int]] = [(0, nbytes)]   # (offset, size), by offset
+        self.size = nbytes
+
+    def allocate(self, nbytes: int) -> int | None:
+        nbytes = -(-nbytes // 64) * 64
+        for i, (offset, size) in enumerate(self.free):
+            if size >= nbytes:
+                self.free[i:i + 1] = [(offset + nbytes, size - nbytes)] if size > nbytes else []
+                return offset
+        return None
+
+    def release(self, offset: int, nbytes: int) -> None:
+        self.bytes[offset:offset + HEADER_BYTES] = 0       # a reader still copying sees it changed
+        nbytes = -(-nbytes // 64) * 64
+        spans = sorted([*self.free, (offset, nbytes)])
+        merged = [spans[0]]
+        for start, size in spans[1:]:
+            last_start, last_size = merged[-1]
+            if last_start + last_size == start:
+                merged[-1] = (last_start, last_size + size)
+            else:
+                merged.append((start, size))
+        self.free = merged
+
+    def close(self) -> None:
+        self.bytes = None
+        self.map.close()
+        self.path.unlink(missing_ok=True)
+
+
+class ShmSender(TCPSender):
+    name = "shm"
+
+    def __init__(self, caches: KVCaches, arena_bytes: int) -> None:
+        super().__init__(caches.layers, caches.layout, (f"tcp://{caches.host}:0",))
+        self.arena = Arena(arena_bytes)
+        self.hold = 4 * caches.stall_timeout
+        self.staged: dict[str, tuple[int, int, float]] = {}    # transfer id -> (offset, bytes, deadline)
+        self.generation = 0
+
+    def offer(self, block_ids: list[int]) -> dict:
+        return {**super().offer(block_ids), "shm": str(self.arena.path)}
+
+    def poll(self) -> set[str]:
+        sent = super().poll()
+        now = time.monotonic()
+        for transfer_id, (offset, nbytes, deadline) in list(self.staged.items()):
+            if deadline <= now:                     # never released: the reader is gone
+                self._released(transfer_id)
+        return sent
+
+    def _send(self, identity: bytes, transfer_id: str, blocks: list[int], request: dict) -> str | None:
+        if request.get("via") != "shm":
+            return super()._send(identity, transfer_id, blocks, request)
+        key = self.caches[0][0]
+        shape = [len(blocks) if axis == "B" else int(key.shape[i]) for i, axis in enumerate(self.layout)]
+        per = int(np.prod(shape)) * self.word.itemsize
+        nbytes = HEADER_BYTES + 2 * len(self.caches) * per
+        offset = self.arena.allocate(nbytes)
+        if offset is None:                          # the arena is full: these go over the socket
+            return super()._send(identity, transfer_id, blocks, request)
+        self.generation += 1
+        self.arena.bytes[offset:offset + HEADER_BYTES] = np.frombuffer(
+            _extent_header(transfer_id, self.generation), np.uint8)
+        data = offset + HEADER_BYTES
+        for layer_caches in self.caches:
+            for cache in layer_caches:
+                take_blocks(cache, self.layout, blocks, out=self.arena.bytes[data:data + per].view(self.word)
+                            .reshape(shape))
+                data += per
+        self.staged[transfer_id] = (offset, nbytes, time.monotonic() + self.hold)
+        try:
+            self.socket.send_multipart([identity, _header({
+                "op": "staged", "transfer_id": transfer_id, "offset": offset, "generation": self.generation,
+                "layers": len(self.caches), "dtype": str(key.dtype), "layout": self.layout, "shape": shape})])
+        except Exception:  # noqa: BLE001 -- the puller is gone: it fails by its stall timeout
+            self._released(transfer_id)
+            return None
+        return transfer_id
+
+    def _released(self, transfer_id: str) -> None:
+        staged = self.staged.pop(transfer_id, None)
+        if staged is not None:
+            self.arena.release(staged[0], staged[1])
+
+    def close(self) -> None:
+        super().close()
+        self.arena.close()
+
+
+class ShmReceiver(TCPReceiver):
+    name = "shm"
+
+    def __init__(self, caches: KVCaches) -> None:
+        super().__init__(caches.layers, caches.layout, caches.stall_timeout)
+        self.maps: dict[str, np.ndarray] = {}      # arena path -> its read-only bytes
+
+    def _pull_options(self, conn: dict) -> dict:
+        path = conn.get("shm")
+        if isinstance(path, str) and _ARENA.match(path) and os.access(path, os.R_OK):
+            return {"via": "shm"}
+        return {}
+
+    def _land(self, frames: list, done: set[str], failed: dict[str, str]) -> None:
+        header = self._parse(frames)
+        if header is None or header["op"] != "staged":
+            return super()._land(frames, done, failed)
+        pull = self.pulls.pop(header["transfer_id"], None)
+        if pull is None:
+            return
+        problem = self._copy_staged(header, pull)
+        if problem is None:
+            done.add(header["transfer_id"])
+        else:
+            failed[header["transfer_id"]] = problem
+        self._socket(pull.address).send(_header({"op": "release", "transfer_id": header["transfer_id"]}))
+
+    def _copy_staged(self, header: dict, pull: _Pull) -> str | None:
+        arena = self._arena(pull.conn.get("shm"))
+        shape = self._shape(header, pull)
+        offset, generation = header.get("offset"), header.get("generation")
+        if arena is None or isinstance(shape, str) or header.get("layers") != len(self.caches) \
+                or not isinstance(generation, int) or not isinstance(offset, int):
+            return shape if isinstance(shape, str) else "the staged extent is not one this transfer expects"
+        per = int(np.prod(shape)) * self.word.itemsize
+        end = offset + HEADER_BYTES + 2 * len(self.caches) * per
+        if not 0 <= offset or end > len(arena):
+            return "the staged extent lies outside the arena"
+        expected = np.frombuffer(_extent_header(header["transfer_id"], generation), np.uint8)
+        if not np.array_equal(arena[offset:offset + HEADER_BYTES], expected):
+            return "the staged extent was reclaimed before it was read"
+        data = offset + HEADER_BYTES
+        for layer_caches in self.caches:
+            for cache in layer_caches:
+                put_blocks(cache, self.layout, pull.block_ids, arena[data:data + per].view(self.word).reshape(shape),
+                           header["layout"])
+                data += per
+        if not np.array_equal(arena[offset:offset + HEADER_BYTES], expected):
+            return "the staged extent was reclaimed while it was read"
+        return None
+
+    def _arena(self, path: object) -> np.ndarray | None:
+        if not isinstance(path, str) or not _ARENA.match(path):
+            return None
+        if path not in self.maps:
+            try:
+                with open(path, "rb") as file:
+                    self.maps[path] = np.frombuffer(mmap.mmap(file.fileno(), 0, prot=mmap.PROT_READ), np.uint8)
+            except OSError:
+                return None
+        return self.maps[path]

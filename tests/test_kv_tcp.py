@@ -1,0 +1,109 @@
+"""The built-in ``tcp`` and ``ipc`` connectors' wire (`fdplug.core.kv_transfer.tcp`), beyond the
+conformance kit's transfer tests (``fdplug/testing/test_kv_connector.py``, run on both).
+
+Blocks offered from an ``HBTD`` cache land bit for bit in a ``BTHD`` cache (float32 and bf16): a
+layer travels in the sender's layout and the receiver transposes it. ``ipc`` pulls over the Unix
+socket when the sender's is reachable here and over TCP when it is not, and refuses a conn address
+that is neither. A peer that sends a layer of the wrong shape fails its transfer without writing.
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgpack
+import numpy as np
+import paddle
+import pytest
+import zmq
+
+from fdplug.core.kv_transfer.connectors import IPCSender, ipc_connector
+from fdplug.core.kv_transfer.tcp import TCPReceiver, TCPSender
+from fdplug.plugin_api.kv_connector import KVCaches
+from fdplug.plugin_api.kv_layout import gather_blocks
+
+LAYERS, BLOCKS, TOKENS, HEADS, DIM = 3, 10, 4, 2, 8
+
+
+def caches(layout: str, dtype: str, seed: int | None) -> list[tuple[paddle.Tensor, paddle.Tensor]]:
+    shape = [{"B": BLOCKS, "T": TOKENS, "H": HEADS, "D": DIM}[a] for a in layout]
+    rng = np.random.default_rng(seed)
+    make = (lambda: paddle.zeros(shape, dtype)) if seed is None else \
+        (lambda: paddle.to_tensor(rng.standard_normal(shape).astype(np.float32)).astype(dtype))
+    return [(make(), make()) for _ in range(LAYERS)]
+
+
+def run(sender, receiver, timeout: float = 10.0):
+    """Poll both sides until the receiver reports something (bounded)."""
+    deadline, sent = time.monotonic() + timeout, set()
+    while time.monotonic() < deadline:
+        if sender is not None:
+            sent |= sender.poll()
+        done, failed = receiver.poll()
+        if done or failed:
+            return done, failed, sent | (sender.poll() if sender else set())
+        time.sleep(0.001)
+    raise TimeoutError("the transfer neither finished nor failed")
+
+
+def same(source, target, source_ids, target_ids, source_layout="HBTD", target_layout="BTHD") -> None:
+    for (sk, sv), (tk, tv) in zip(source, target):
+        for s, t in ((sk, tk), (sv, tv)):
+            want = gather_blocks(s, source_layout, source_ids).astype("float32").numpy()
+            np.testing.assert_array_equal(gather_blocks(t, target_layout, target_ids).astype("float32").numpy(), want)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_blocks_land_bit_for_bit_across_layouts(dtype):
+    source, target = caches("HBTD", dtype, seed=0), caches("BTHD", dtype, seed=None)
+    sender, receiver = TCPSender(source, "HBTD"), TCPReceiver(target, "BTHD")
+    try:
+        conn = sender.offer([7, 2, 5, 9])
+        receiver.pull(conn, [0, 3, 1], first_block=1)           # the first block: a prefix hit here
+        done, failed, sent = run(sender, receiver)
+        assert done == {conn["transfer_id"]} and not failed and sent == {conn["transfer_id"]}
+        same(source, target, [2, 5, 9], [0, 3, 1])
+        assert not sender.offers                                # held until pulled, then released
+    finally:
+        sender.close(), receiver.close()
+
+
+def test_ipc_pulls_over_the_unix_socket_here_and_over_tcp_otherwise():
+    source, target = caches("HBTD", "float32", seed=1), caches("HBTD", "float32", seed=None)
+    sender = IPCSender(KVCaches(source, "HBTD", TOKENS))
+    receiver = ipc_connector(None, "decode", KVCaches(target, "HBTD", TOKENS))
+    try:
+        conn = sender.offer([1, 2])
+        assert conn["ipc"].startswith("ipc://") and conn["addr"].startswith("tcp://127.0.0.1:")
+        receiver.pull(conn, [3, 4])
+        assert list(receiver.sockets) == [conn["ipc"]]          # this machine: the Unix socket
+        assert run(sender, receiver)[0] == {conn["transfer_id"]}
+        far = sender.offer([5, 6])                              # as if from another machine: no such path here
+        receiver.pull({**far, "ipc": "ipc:///nonexistent/fdplug-kv-x/kv"}, [7, 8])
+        assert far["addr"] in receiver.sockets and run(sender, receiver)[0] == {far["transfer_id"]}
+        same(source, target, [1, 2, 5, 6], [3, 4, 7, 8], "HBTD", "HBTD")
+        for bad in ({"addr": "http://example.com/"}, {"ipc": "ipc:///etc/passwd"}, {}):
+            with pytest.raises(ValueError, match="not a tcp://host:port address"):
+                receiver.pull({"transfer_id": "e" * 32, **bad}, [0])
+    finally:
+        sender.close(), receiver.close()
+
+
+def test_a_layer_that_does_not_fit_fails_its_transfer_and_writes_nothing():
+    target = caches("HBTD", "float32", seed=None)
+    receiver = TCPReceiver(target, "HBTD")
+    rogue = zmq.Context.instance().socket(zmq.ROUTER)
+    port = rogue.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        tid = "b" * 32
+        receiver.pull({"addr": f"tcp://127.0.0.1:{port}", "transfer_id": tid, "num_blocks": 2}, [4, 5])
+        identity, _ = rogue.recv_multipart()
+        big = np.ones((HEADS, 3, TOKENS, DIM), np.float32)      # three blocks for a two-block pull
+        header = msgpack.packb({"v": 1, "op": "layer", "transfer_id": tid, "layer": 0, "dtype": "paddle.float32",
+                                "layout": "HBTD", "shape": [HEADS, 3, TOKENS, DIM]})
+        rogue.send_multipart([identity, header, big, big])
+        _, failed, _ = run(None, receiver)
+        assert "expected paddle.float32 [2, 2, 4, 8]" in failed[tid]
+        assert not any(cache.numpy().any() for pair in target for cache in pair)
+    finally:
+        rogue.close(0), receiver.close()
