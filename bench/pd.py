@@ -5,7 +5,7 @@
 
 1. Transfer (in one process): the KV of 1,000 tokens of the model (every layer's keys and values,
    float32) pulled from one cache into another by the built-in connectors (`fdplug.core.kv_transfer`):
-   ``tcp`` on loopback and ``ipc`` (a Unix socket), against a numpy copy of the same bytes (memcpy)
+   ``tcp`` on loopback and ``shm`` (the shared-memory arena), against a numpy copy of the same bytes (memcpy)
    and the same bytes through a bare ZMQ PUSH/PULL pair on loopback (the link's bandwidth).
    Interleaved, medians; the first pull of each (page faults of fresh buffers) is left out.
 2. End to end: `fdplug router` + a prefill and a decode `fdplug serve` against one `fdplug serve`,
@@ -29,7 +29,7 @@ import zmq
 from serve import launch, run_client, run_rate, stop, summarize
 from throughput import MODEL, make_model
 
-from fdplug.core.kv_transfer.connectors import ipc_connector, tcp_connector
+from fdplug.core.kv_transfer.connectors import shm_connector, tcp_connector
 from fdplug.plugin_api.kv_connector import KVCaches
 
 BLOCK = 16
@@ -85,8 +85,8 @@ def transfer(repeats: int) -> None:
     source, target = caches(blocks, True), caches(blocks, False)
     nbytes = sum(int(k.numel()) * 4 * 2 for k, _ in source)
     payload = np.concatenate([np.asarray(t.numpy()).ravel() for pair in source for t in pair])
-    pairs = {"tcp connector": Pair(tcp_connector, source, target), "ipc connector": Pair(ipc_connector, source, target)}
-    runs: dict[str, list[float]] = {"tcp connector": [], "ipc connector": [], "memcpy": [], "TCP link": []}
+    pairs = {"tcp connector": Pair(tcp_connector, source, target), "shm connector": Pair(shm_connector, source, target)}
+    runs: dict[str, list[float]] = {"tcp connector": [], "shm connector": [], "memcpy": [], "TCP link": []}
     try:
         for pair in pairs.values():
             pair.pull(blocks)                                   # warm: fresh buffers fault their pages in

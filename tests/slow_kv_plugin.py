@@ -26,7 +26,7 @@ class SlowSender(TCPSender):
         super().__init__(*args, **kwargs)
         self.queue: list[tuple[bytes, str, list[int], int, float]] = []   # (peer, transfer, blocks, next layer, when)
 
-    def _send(self, identity: bytes, transfer_id: str, blocks: list[int]) -> str | None:
+    def _send(self, identity: bytes, transfer_id: str, blocks: list[int], request: dict) -> str | None:
         self.queue.append((identity, transfer_id, blocks, 0, time.monotonic()))
         return None                       # not done yet: its blocks stay held
 
@@ -73,7 +73,7 @@ class SlowReceiver(TCPReceiver):
 
 def _factory(config, role, caches):
     if role == "prefill":
-        return SlowSender(caches.layers, caches.layout, (f"tcp://{caches.host}:0",))
+        return SlowSender(caches.layers, caches.layout, f"tcp://{caches.host}:0")
     return SlowReceiver(caches.layers, caches.layout, caches.stall_timeout)
 
 

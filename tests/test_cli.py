@@ -118,6 +118,13 @@ def test_bad_environment_value_is_a_clear_error():
     assert "FDPLUG_STRICT_PLUGINS='maybe' is invalid" in out.stderr and "Traceback" not in out.stderr
 
 
+def test_a_prefill_instance_with_no_preparation_threads_exits_at_startup():
+    """FastDeploy's FD_PREFILL_PREPARE_REQ_THREAD_NUM=0 stalls its engine; here it is refused first."""
+    out = run("serve", "--role", "prefill", "--port", "0", FD_PREFILL_PREPARE_REQ_THREAD_NUM="0")
+    assert out.returncode == 1
+    assert "FD_PREFILL_PREPARE_REQ_THREAD_NUM='0' is invalid" in out.stderr and "Traceback" not in out.stderr
+
+
 @pytest.mark.parametrize("device", ["cpu", "fakechip"])
 def test_conformance_kit_passes(device, tmp_path):
     """The kit as a third-party author runs it: pytest --pyargs fdplug.testing --fdplug-device NAME."""

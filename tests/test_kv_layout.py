@@ -17,7 +17,9 @@ from fdplug.plugin_api.kv_layout import (
     check_layout,
     gather_blocks,
     layout_of,
+    put_blocks,
     scatter_blocks,
+    take_blocks,
 )
 
 
@@ -64,3 +66,23 @@ def test_a_layout_is_declared_read_from_the_shape_or_opaque():
     for bad in ("BTH", "BTHX", 7):
         with pytest.raises(ValueError, match="must be a permutation of 'BTHD'"):
             check_layout(bad)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("ids", [[9, 2, 7, 3], list(range(3, 11)) + [0, 1, 2, 13, 14, 15, 16, 17]],
+                         ids=["scattered", "runs"])
+def test_raw_blocks_taken_and_put_match_the_gather_whatever_the_runs(dtype, ids):
+    """`take_blocks`/`put_blocks` (what connectors move: the cache's own axis order, elements as
+    integers) copy consecutive ids as slices and the rest as a gather: both give `gather_blocks`'
+    blocks, and a put into another layout lands where a gather reads them."""
+    rng = np.random.default_rng(1)
+    source = paddle.to_tensor(rng.standard_normal((2, 20, 4, 3)).astype(np.float32)).astype(dtype)   # HBTD
+    target = paddle.zeros([20, 4, 2, 3], dtype)                                                    # BTHD
+    raw = take_blocks(source, "HBTD", ids)
+    assert raw.shape == (2, len(ids), 4, 3) and raw.dtype == (np.int32 if dtype == "float32" else np.uint16)
+    reordered = [i + 2 for i in ids]           # runs stay runs: both paths of put_blocks too
+    put_blocks(target, "BTHD", reordered, raw, "HBTD")
+    want = gather_blocks(source, "HBTD", ids).astype("float32").numpy()
+    np.testing.assert_array_equal(gather_blocks(target, "BTHD", reordered).astype("float32").numpy(), want)
+    untouched = [b for b in range(20) if b not in reordered]
+    assert not gather_blocks(target, "BTHD", untouched).astype("float32").numpy().any()

@@ -1,15 +1,16 @@
-"""The built-in ``tcp`` and ``ipc`` connectors' wire (`fdplug.core.kv_transfer.tcp`), beyond the
+"""The built-in ``tcp`` and ``shm`` connectors' wire (`fdplug.core.kv_transfer.tcp`), beyond the
 conformance kit's transfer tests (``fdplug/testing/test_kv_connector.py``, run on both).
 
 Blocks offered from an ``HBTD`` cache land bit for bit in a ``BTHD`` cache (float32 and bf16): a
-layer travels in the sender's layout and the receiver transposes it. ``ipc`` pulls over the Unix
-socket when the sender's is reachable here and over TCP when it is not, and refuses a conn address
-that is neither. A peer that sends a layer of the wrong shape fails its transfer without writing.
+layer travels in the sender's layout and the receiver transposes it. ``shm`` reads the prefill
+side's shared-memory arena when it is on this machine and pulls over TCP when it is not (or the
+arena is full); stale arenas are removed. A peer that sends a layer of the wrong shape fails its transfer without writing.
 """
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import msgpack
 import numpy as np
@@ -17,7 +18,7 @@ import paddle
 import pytest
 import zmq
 
-from fdplug.core.kv_transfer.connectors import IPCSender, ipc_connector
+from fdplug.core.kv_transfer.shm import ShmReceiver, ShmSender, remove_stale_arenas
 from fdplug.core.kv_transfer.tcp import TCPReceiver, TCPSender
 from fdplug.plugin_api.kv_connector import KVCaches
 from fdplug.plugin_api.kv_layout import gather_blocks
@@ -68,25 +69,49 @@ def test_blocks_land_bit_for_bit_across_layouts(dtype):
         sender.close(), receiver.close()
 
 
-def test_ipc_pulls_over_the_unix_socket_here_and_over_tcp_otherwise():
-    source, target = caches("HBTD", "float32", seed=1), caches("HBTD", "float32", seed=None)
-    sender = IPCSender(KVCaches(source, "HBTD", TOKENS))
-    receiver = ipc_connector(None, "decode", KVCaches(target, "HBTD", TOKENS))
+def test_shm_reads_the_arena_here_and_pulls_over_tcp_otherwise(tmp_path, monkeypatch):
+    """On this machine the blocks come through the arena (one extent, released after the copy);
+    a conn naming an arena that is not here, or a full arena, gives the tcp path; a killed prefill
+    process's arena is removed by the next one; bad addresses are refused."""
+    source, target = caches("HBTD", "float32", seed=1), caches("BTHD", "float32", seed=None)
+    sender = ShmSender(KVCaches(source, "HBTD", TOKENS), 32 << 20)
+    receiver = ShmReceiver(KVCaches(target, "BTHD", TOKENS))
     try:
         conn = sender.offer([1, 2])
-        assert conn["ipc"].startswith("ipc://") and conn["addr"].startswith("tcp://127.0.0.1:")
+        assert conn["shm"].startswith("/dev/shm/fdplug-kv-") and receiver._pull_options(conn) == {"via": "shm"}
         receiver.pull(conn, [3, 4])
-        assert list(receiver.sockets) == [conn["ipc"]]          # this machine: the Unix socket
-        assert run(sender, receiver)[0] == {conn["transfer_id"]}
-        far = sender.offer([5, 6])                              # as if from another machine: no such path here
-        receiver.pull({**far, "ipc": "ipc:///nonexistent/fdplug-kv-x/kv"}, [7, 8])
-        assert far["addr"] in receiver.sockets and run(sender, receiver)[0] == {far["transfer_id"]}
-        same(source, target, [1, 2, 5, 6], [3, 4, 7, 8], "HBTD", "HBTD")
-        for bad in ({"addr": "http://example.com/"}, {"ipc": "ipc:///etc/passwd"}, {}):
+        assert run(sender, receiver)[0] == {conn["transfer_id"]} and list(receiver.maps) == [conn["shm"]]
+        wait = time.monotonic() + 5
+        while sender.staged and time.monotonic() < wait:      # the extent comes back once read
+            sender.poll()
+        assert not sender.staged and sender.arena.free == [(0, sender.arena.map.size())]
+        far = sender.offer([5, 6])                             # as if from another machine: no such arena here
+        receiver.pull({**far, "shm": "/dev/shm/fdplug-kv-1-" + "0" * 32}, [7, 8])
+        assert run(sender, receiver)[0] == {far["transfer_id"]} and not sender.staged
+        monkeypatch.setattr(sender.arena, "allocate", lambda nbytes: None)    # full: the socket instead
+        full = sender.offer([8, 9])
+        receiver.pull(full, [0, 1])
+        assert run(sender, receiver)[0] == {full["transfer_id"]} and not sender.staged
+        same(source, target, [1, 2, 5, 6, 8, 9], [3, 4, 7, 8, 0, 1])
+        for bad in ({"addr": "http://example.com/"}, {}):
             with pytest.raises(ValueError, match="not a tcp://host:port address"):
                 receiver.pull({"transfer_id": "e" * 32, **bad}, [0])
     finally:
         sender.close(), receiver.close()
+    assert not Path(conn["shm"]).exists()
+    stale = Path(f"/dev/shm/fdplug-kv-{dead_pid()}-{'a' * 32}")
+    stale.write_bytes(b"left by a killed prefill process")
+    remove_stale_arenas()
+    assert not stale.exists()
+
+
+def dead_pid() -> int:
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
 
 
 def test_a_layer_that_does_not_fit_fails_its_transfer_and_writes_nothing():

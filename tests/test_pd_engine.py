@@ -70,7 +70,7 @@ def test_decode_continues_what_prefill_started_with_one_engines_tokens(model, mo
         first = drive([prefill.engine], finished(ids))
         params = {rid: next(o for o in outs if o.finished).kv_transfer_params for rid, outs in first.items()}
         assert all(p["first_token"] == first[rid][-1].new_token_ids[-1] for rid, p in params.items())
-        assert all(p["connector"] == "ipc" and p["mm_hashes"] == [] and len(p["sig"]) == 64 for p in params.values())
+        assert all(p["connector"] == "shm" and p["mm_hashes"] == [] and len(p["sig"]) == 64 for p in params.values())
         for rid, prompt in zip(ids, PROMPTS):
             decode.engine.add_request(request(rid, prompt, TOKENS, eos, params[rid]))
         got = drive([prefill.engine, decode.engine], finished(ids))
@@ -126,3 +126,26 @@ def test_params_a_decode_instance_cannot_verify_never_reach_another_request(mode
     assert got["d"][-1].finish_reason == "length"
     kv = open_.engine.scheduler.kv_cache_manager
     assert kv.get_computed_blocks(Request("again", PROMPTS[1], SamplingParams(max_tokens=1), tuple(eos))) == ([], 0)
+
+
+def test_a_decode_side_with_no_free_blocks_fails_the_request_in_time_and_holds_nothing(model, monkeypatch):
+    """Every block of the decode side taken (as by other requests): the request waits for blocks
+    no longer than FDPLUG_KV_TRANSFER_TIMEOUT, then fails alone with a typed 504; the prefill side
+    lets go at its pickup timeout."""
+    monkeypatch.setenv("FDPLUG_KV_TRANSFER_TIMEOUT", "0.5")
+    monkeypatch.setenv("FDPLUG_KV_PICKUP_TIMEOUT", "1")
+    prefill, decode = LLM(model, kv_role="prefill", **ARGS), LLM(model, kv_role="decode", **ARGS)
+    eos = prefill.model_config.eos_token_ids
+    prefill.engine.add_request(request("p", PROMPTS[2], 1, eos, {"do_remote_decode": True}))
+    params = next(o for o in drive([prefill.engine], finished(["p"]))["p"] if o.finished).kv_transfer_params
+    pool = decode.engine.scheduler.kv_cache_manager.block_pool
+    taken = pool.get_new_blocks(pool.get_num_free_blocks())
+    began = time.monotonic()
+    decode.engine.add_request(request("d", PROMPTS[2], TOKENS, eos, params))
+    got = drive([decode.engine], finished(["d"]), timeout=10)
+    assert got["d"][-1].error["type"] == "KVTransferTimeoutError" and time.monotonic() - began < 5
+    assert [t for o in got["d"] for t in o.new_token_ids] == [params["first_token"]]
+    pool.free_blocks(taken)
+    assert not decode.engine.scheduler.requests and decode.engine.scheduler.kv_cache_manager.usage == 0.0
+    drive([prefill.engine], lambda _: not prefill.engine.kv_transfer.held, timeout=10)
+    assert prefill.engine.scheduler.kv_cache_manager.usage == 0.0

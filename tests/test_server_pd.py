@@ -4,7 +4,7 @@ Driven over HTTP as `fdplug router` does, then through the router: the prefill i
 request with ``max_tokens=1`` and ``kv_transfer_params={"do_remote_decode": true}`` and answers with
 where to pull its KV (signed: both share ``FDPLUG_PD_SECRET``); the decode instance takes the
 original request with those params, pulls the KV from the prefill engine process (the default
-``ipc`` connector: a Unix socket on one machine) and streams the rest: the same greedy text as one
+``shm`` connector: a shared-memory arena on one machine) and streams the rest: the same greedy text as one
 instance, streamed or not, text and multimodal (only the prefill instance may read the feature
 files: the decode instance never needs them), with prefix hits on both sides. Afterwards neither
 instance runs anything and neither holds KV blocks. Bad params are a 400 naming the field, and an

@@ -45,6 +45,9 @@ for _setting in (
             "PD decode: seconds from a request's arrival until its prompt's KV must have landed, or it fails (504)."),
     Setting("FDPLUG_KV_STALL_TIMEOUT", 5.0, parse_positive_float,
             "PD decode: seconds a pull may go without a message from the prefill instance before it fails (502)."),
+    Setting("FDPLUG_KV_STAGING_MIB", 256, parse_positive_int,
+            "PD prefill, shm connector: MiB of the shared-memory arena that decode instances on this machine read KV "
+            "from (reserved in /dev/shm at startup; less if /dev/shm has less free; a full arena: TCP)."),
     Setting("FDPLUG_PD_SECRET", None, _parse_name,
             "PD: a secret shared by the prefill and decode instances. Prefill signs the kv_transfer_params it returns; "
             "decode then refuses unsigned ones and lets pulled KV into its prefix cache. Unset on decode: any "

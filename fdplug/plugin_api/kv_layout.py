@@ -113,7 +113,15 @@ def take_blocks(cache: Any, layout: str, block_ids: Any, out: Any = None) -> Any
 
     view = host_array(cache)
     if view is not None:
-        return np.take(view, np.asarray(block_ids, dtype=np.int64), axis=layout.index("B"), out=out)
+        ids, axis = np.asarray(block_ids, dtype=np.int64), layout.index("B")
+        runs = _runs(ids)
+        if runs is None:
+            return np.take(view, ids, axis=axis, out=out)
+        if out is None:
+            out = np.empty([len(ids) if i == axis else n for i, n in enumerate(view.shape)], view.dtype)
+        for at, first, count in runs:
+            out[_along(axis, at, count)] = view[_along(axis, first, count)]
+        return out
     ids = paddle.to_tensor(block_ids, dtype="int64")
     picked = paddle.index_select(cache, ids, axis=layout.index("B"))
     data = picked.view(getattr(paddle, _WORDS[cache.element_size()])).numpy()
@@ -133,9 +141,36 @@ def put_blocks(cache: Any, layout: str, block_ids: Any, data: Any, data_layout: 
     view = host_array(cache)
     ids = np.asarray(block_ids, dtype=np.int64)
     if view is not None:
-        index: list[Any] = [slice(None)] * 4
-        index[layout.index("B")] = ids
-        view[tuple(index)] = data
+        axis, runs = layout.index("B"), _runs(ids)
+        if runs is None:
+            index: list[Any] = [slice(None)] * 4
+            index[axis] = ids
+            view[tuple(index)] = data
+            return
+        for at, first, count in runs:
+            view[_along(axis, first, count)] = data[_along(axis, at, count)]
         return
     canonical = np.ascontiguousarray(data.transpose([layout.index(axis) for axis in AXES]))
     scatter_blocks(cache, layout, ids.tolist(), paddle.to_tensor(canonical).view(cache.dtype))
+
+
+def _runs(ids: Any) -> list[tuple[int, int, int]] | None:
+    """``ids`` as runs of consecutive blocks ``(position in ids, first block, count)``, when there
+    are few enough (a quarter of the ids at most) that slice copies beat a gather (~2x here); else None."""
+    import itertools
+
+    import numpy as np
+
+    if len(ids) == 0:
+        return None
+    starts = np.flatnonzero(np.diff(ids) != 1) + 1
+    if (len(starts) + 1) * 4 > len(ids):
+        return None
+    bounds = [0, *starts.tolist(), len(ids)]
+    return [(a, int(ids[a]), b - a) for a, b in itertools.pairwise(bounds)]
+
+
+def _along(axis: int, start: int, count: int) -> tuple:
+    index: list[Any] = [slice(None)] * 4
+    index[axis] = slice(start, start + count)
+    return tuple(index)

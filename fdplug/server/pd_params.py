@@ -52,8 +52,9 @@ def check_kv_transfer_params(params: dict | None, role: str | None, n: int, voca
     if not set(KEYS) <= set(params) <= {*KEYS, "sig"}:
         _bad(f"for a decode instance must hold {', '.join(KEYS)} (and sig when signed), nothing else")
     if not _count(params["first_token"], 0, vocab_size) or not _count(params["num_prompt_tokens"], 1, 1 << 31) \
+            or not _count(params["num_cached_tokens"], 0, params["num_prompt_tokens"] + 1) \
             or not _count(params["block_size"], 1, 1 << 16):
-        _bad("have a first_token, num_prompt_tokens or block_size out of range")
+        _bad("have a first_token, num_prompt_tokens, num_cached_tokens or block_size out of range")
     if not _small_str(params["connector"], 64) or not isinstance(params["prompt_digest"], str) \
             or not _HEX64.match(params["prompt_digest"]) or ("sig" in params and not (
                 isinstance(params["sig"], str) and _HEX64.match(params["sig"]))):

@@ -18,7 +18,7 @@ nothing reads to decide anything.
 from __future__ import annotations
 
 import logging
-from typing import Iterable
+from collections.abc import Iterable
 
 from fdplug.core.config import EngineConfig
 from fdplug.core.engine.admission import ModelLimits, check_request
@@ -57,7 +57,7 @@ class EngineCore:
         model = self.runner.load_model()
         self.kv_plan = self.runner.initialize_kv_cache()
         self.scheduler = Scheduler(SchedulerConfig.from_engine_config(config, self.kv_plan.num_blocks))
-        self.kv_transfer = make_side(config, selection, self.runner, self.scheduler)   # PD: None when both
+        self.kv_transfer = make_side(config, selection, self.runner, self.scheduler, model.vocab_size)   # PD
         self.limits = ModelLimits(model.vocab_size, config.max_model_len)
         self.profiler = StepProfiler()
         self.encoder_cache = EncoderCache(config.encoder_cache_rows)

@@ -125,8 +125,10 @@ class _Incoming:
 class DecodeSide:
     """Pulls the prompt KV of requests a prefill instance started."""
 
-    def __init__(self, receiver: Any, scheduler: Any, transfer_timeout: float, secret: str | None = None):
+    def __init__(self, receiver: Any, scheduler: Any, transfer_timeout: float, vocab_size: int,
+                 secret: str | None = None):
         self.receiver, self.scheduler, self.timeout, self.secret = receiver, scheduler, transfer_timeout, secret
+        self.vocab_size = vocab_size
         self.block_size = scheduler.config.block_size
         self.incoming: dict[str, _Incoming] = {}
         self.ready: list[EngineCoreOutput] = []
@@ -137,10 +139,11 @@ class DecodeSide:
         params = request.kv_transfer_params
         if not params:
             return True
-        check_params(params, request, self.receiver.name, self.block_size, self.secret)
+        check_params(params, request, self.receiver.name, self.block_size, self.secret, self.vocab_size)
         if self.secret is None:     # unsigned: this request's blocks are its own, never another's prefix
             request.cache_salt = f"{request.cache_salt or ''}|pd-unverified-{secrets.token_hex(16)}"
         request.mm_positions = [replace(p, mm_hash=h) for p, h in zip(request.mm_positions, params["mm_hashes"])]
+        request.num_cached_tokens = params["num_cached_tokens"]     # the prefill side's hit: what usage reports
         first = params["first_token"]
         request.append_output_token(first)
         if check_stop(request, self.scheduler.config.max_model_len):
@@ -230,7 +233,8 @@ class DecodeSide:
         self.receiver.close()
 
 
-def make_side(config: Any, selection: Any, runner: Any, scheduler: Any) -> PrefillSide | DecodeSide | None:
+def make_side(config: Any, selection: Any, runner: Any, scheduler: Any,
+              vocab_size: int) -> PrefillSide | DecodeSide | None:
     """This engine's side of PD disaggregation (``config.kv_role``) over the selected connector;
     None when it does both."""
     from fdplug.core.settings import env
@@ -241,4 +245,4 @@ def make_side(config: Any, selection: Any, runner: Any, scheduler: Any) -> Prefi
     connector = selection.kv_connector.factory(config, config.kv_role, caches)
     if config.kv_role == "prefill":
         return PrefillSide(connector, scheduler, env("FDPLUG_KV_PICKUP_TIMEOUT"), env("FDPLUG_PD_SECRET"))
-    return DecodeSide(connector, scheduler, env("FDPLUG_KV_TRANSFER_TIMEOUT"), env("FDPLUG_PD_SECRET"))
+    return DecodeSide(connector, scheduler, env("FDPLUG_KV_TRANSFER_TIMEOUT"), vocab_size, env("FDPLUG_PD_SECRET"))

@@ -2,10 +2,11 @@
 
 A prefill instance returns, with a request's first token::
 
-    {"connector": "ipc", "first_token": 271, "num_prompt_tokens": 37, "block_size": 16,
+    {"connector": "shm", "first_token": 271, "num_prompt_tokens": 37, "num_cached_tokens": 16, "block_size": 16,
      "prompt_digest": "<sha256>", "mm_hashes": ["<item identity>", ...], "conn": {...}, "sig": "<hmac>"}
 
-``conn`` is the connector's (where and what to pull); ``prompt_digest`` binds the params to one
+``conn`` is the connector's (where and what to pull); ``num_cached_tokens`` the prefill side's
+prefix hit (what the decode side reports in usage); ``prompt_digest`` binds the params to one
 prompt (its token ids, cache salt and multimodal placeholders), so a decode instance refuses them
 for any other; ``mm_hashes`` are the items' identities, which a decode instance cannot compute (it
 never fetches features) and which key its prefix cache. ``sig`` (with ``FDPLUG_PD_SECRET`` set on
@@ -27,7 +28,8 @@ import msgpack
 from fdplug.core.engine.request import Request
 from fdplug.errors import InvalidRequestError
 
-KEYS = ("connector", "first_token", "num_prompt_tokens", "block_size", "prompt_digest", "mm_hashes", "conn")
+KEYS = ("connector", "first_token", "num_prompt_tokens", "num_cached_tokens", "block_size", "prompt_digest",
+        "mm_hashes", "conn")
 
 
 def prompt_digest(request: Request) -> str:
@@ -56,7 +58,8 @@ def signature(params: dict, secret: str) -> str:
 def make_params(request: Request, connector: str, block_size: int, conn: dict, secret: str | None) -> dict:
     """The params of a request a prefill instance finished (its first token is its only output)."""
     params = {"connector": connector, "first_token": request.output_token_ids[0],
-              "num_prompt_tokens": request.num_prompt_tokens, "block_size": block_size,
+              "num_prompt_tokens": request.num_prompt_tokens, "num_cached_tokens": request.num_cached_tokens,
+              "block_size": block_size,
               "prompt_digest": prompt_digest(request), "mm_hashes": [p.mm_hash for p in request.mm_positions],
               "conn": conn}
     if secret:
@@ -64,9 +67,14 @@ def make_params(request: Request, connector: str, block_size: int, conn: dict, s
     return params
 
 
-def check_params(params: dict, request: Request, connector: str, block_size: int, secret: str | None) -> None:
+def _count(value: Any, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value < high
+
+
+def check_params(params: dict, request: Request, connector: str, block_size: int, secret: str | None,
+                 vocab_size: int) -> None:
     """A 400 unless ``params`` came from a prefill instance for this very prompt, through this
-    instance's connector (and, with ``secret``, signed with it)."""
+    instance's connector (and, with ``secret``, signed with it), with values this model takes."""
     def bad(why: str, fix: str = "pass the kv_transfer_params the prefill instance returned, unchanged.") -> None:
         raise InvalidRequestError(f"kv_transfer_params {why}.", fix=fix, param="kv_transfer_params")
 
@@ -83,6 +91,10 @@ def check_params(params: dict, request: Request, connector: str, block_size: int
             fix="start the prefill and decode instances with the same --block-size.")
     if params.get("num_prompt_tokens") != request.num_prompt_tokens or params.get("prompt_digest") != prompt_digest(request):
         bad("describe another prompt than this request's (its tokens, cache salt or multimodal items differ)")
+    if not _count(params.get("first_token"), 0, vocab_size) \
+            or not _count(params.get("num_cached_tokens"), 0, request.num_prompt_tokens + 1):
+        bad(f"have a first_token outside this model's vocabulary ({vocab_size}) or a num_cached_tokens outside "
+            "the prompt")
     hashes = params.get("mm_hashes")
     if not isinstance(hashes, list) or len(hashes) != len(request.mm_positions) \
             or not all(isinstance(h, str) and 0 < len(h) <= 128 for h in hashes):

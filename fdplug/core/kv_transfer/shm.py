@@ -18,21 +18,28 @@ removes arenas whose process is gone.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import re
 import secrets
 import time
+import weakref
 from pathlib import Path
 
 import numpy as np
+import zmq
 
 from fdplug.core.kv_transfer.tcp import TCPReceiver, TCPSender, _Pull
 from fdplug.core.kv_transfer.wire import header as _header
 from fdplug.plugin_api.kv_connector import KVCaches
 from fdplug.plugin_api.kv_layout import put_blocks, take_blocks
 
+logger = logging.getLogger("fdplug.kv_transfer")
+
 DIRECTORY = Path("/dev/shm")
+MIN_ARENA_BYTES = 16 << 20
+MAX_MAPS = 8
 HEADER_BYTES = 64
 MAGIC = b"FDPLUGKV"
 _ARENA = re.compile(r"^/dev/shm/fdplug-kv-([0-9]+)-[0-9a-f]{32}$")
@@ -60,19 +67,35 @@ def _extent_header(transfer_id: str, generation: int) -> bytes:
 class Arena:
     """The shared file and a first-fit allocator of its extents (engine thread only)."""
 
-    def __init__(self, nbytes: int) -> None:
-        remove_stale_arenas()
-        self.path = DIRECTORY / f"fdplug-kv-{os.getpid()}-{secrets.token_hex(16)}"
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    def __init__(self, path: Path, nbytes: int) -> None:
+        self.path = path
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, nbytes)
+            os.posix_fallocate(fd, 0, nbytes)     # reserved now: a full /dev/shm is an error here, not a SIGBUS later
             self.map = mmap.mmap(fd, nbytes)
+        except OSError:
+            path.unlink(missing_ok=True)
+            raise
         finally:
             os.close(fd)
         self.bytes = np.frombuffer(self.map, np.uint8)
-        self.bytes[::4096] = 0                     # fault every page in now, not during a transfer
         self.free: list[tuple[int, int]] = [(0, nbytes)]   # (offset, size), by offset
-        self.size = nbytes
+        self._unlink = weakref.finalize(self, path.unlink, missing_ok=True)   # at close, collection or exit
+
+    @classmethod
+    def create(cls, nbytes: int) -> Arena | None:
+        """An arena of ``nbytes`` (at most a quarter of what /dev/shm has free), or None (no
+        /dev/shm, or too little of it: every pull then goes over TCP)."""
+        remove_stale_arenas()
+        try:
+            stat = os.statvfs(DIRECTORY)
+            nbytes = min(nbytes, stat.f_bavail * stat.f_frsize // 4) // 4096 * 4096
+            if nbytes < MIN_ARENA_BYTES:
+                raise OSError(f"{DIRECTORY} has too little free space")
+            return cls(DIRECTORY / f"fdplug-kv-{os.getpid()}-{secrets.token_hex(16)}", nbytes)
+        except OSError as exc:
+            logger.warning("no shared-memory arena for KV transfers (%s): decode instances pull over TCP", exc)
+            return None
 
     def allocate(self, nbytes: int) -> int | None:
         nbytes = -(-nbytes // 64) * 64
@@ -98,21 +121,22 @@ class Arena:
     def close(self) -> None:
         self.bytes = None
         self.map.close()
-        self.path.unlink(missing_ok=True)
+        self._unlink()
 
 
 class ShmSender(TCPSender):
     name = "shm"
 
     def __init__(self, caches: KVCaches, arena_bytes: int) -> None:
-        super().__init__(caches.layers, caches.layout, (f"tcp://{caches.host}:0",))
-        self.arena = Arena(arena_bytes)
+        super().__init__(caches.layers, caches.layout, f"tcp://{caches.host}:0")
+        self.arena = Arena.create(arena_bytes)
         self.hold = 4 * caches.stall_timeout
         self.staged: dict[str, tuple[int, int, float]] = {}    # transfer id -> (offset, bytes, deadline)
         self.generation = 0
 
     def offer(self, block_ids: list[int]) -> dict:
-        return {**super().offer(block_ids), "shm": str(self.arena.path)}
+        conn = super().offer(block_ids)
+        return conn if self.arena is None else {**conn, "shm": str(self.arena.path)}
 
     def poll(self) -> set[str]:
         sent = super().poll()
@@ -123,7 +147,7 @@ class ShmSender(TCPSender):
         return sent
 
     def _send(self, identity: bytes, transfer_id: str, blocks: list[int], request: dict) -> str | None:
-        if request.get("via") != "shm":
+        if request.get("via") != "shm" or self.arena is None:
             return super()._send(identity, transfer_id, blocks, request)
         key = self.caches[0][0]
         shape = [len(blocks) if axis == "B" else int(key.shape[i]) for i, axis in enumerate(self.layout)]
@@ -146,7 +170,7 @@ class ShmSender(TCPSender):
             self.socket.send_multipart([identity, _header({
                 "op": "staged", "transfer_id": transfer_id, "offset": offset, "generation": self.generation,
                 "layers": len(self.caches), "dtype": str(key.dtype), "layout": self.layout, "shape": shape})])
-        except Exception:  # noqa: BLE001 -- the puller is gone: it fails by its stall timeout
+        except zmq.ZMQError:                         # the puller is gone: it fails by its stall timeout
             self._released(transfer_id)
             return None
         return transfer_id
@@ -158,7 +182,8 @@ class ShmSender(TCPSender):
 
     def close(self) -> None:
         super().close()
-        self.arena.close()
+        if self.arena is not None:
+            self.arena.close()
 
 
 class ShmReceiver(TCPReceiver):
@@ -216,6 +241,8 @@ class ShmReceiver(TCPReceiver):
         if not isinstance(path, str) or not _ARENA.match(path):
             return None
         if path not in self.maps:
+            if len(self.maps) >= MAX_MAPS:          # the oldest prefill instance's: likely gone
+                del self.maps[next(iter(self.maps))]
             try:
                 with open(path, "rb") as file:
                     self.maps[path] = np.frombuffer(mmap.mmap(file.fileno(), 0, prot=mmap.PROT_READ), np.uint8)

@@ -18,7 +18,6 @@ fewer (no put into plasma), and no object owned by a Ray worker that may outlive
 
 from __future__ import annotations
 
-import os
 import re
 import secrets
 import time
@@ -40,50 +39,43 @@ from fdplug.plugin_api.kv_layout import (
     word_dtype,
 )
 
-
 _TCP = re.compile(r"^tcp://[A-Za-z0-9.\-\[\]:]{1,200}:[0-9]{1,5}$")
-_IPC = re.compile(r"^ipc:///[^\x00]{0,200}/fdplug-kv-[A-Za-z0-9_]{1,64}/kv$")
 
 
 @dataclass(slots=True)
 class _Pull:
     block_ids: list[int]
     last_heard: float
+    conn: dict
+    address: str
     layers_done: set[int] = field(default_factory=set)
 
 
 class TCPSender:
     """The prefill side: serves pulls of offered blocks of ``caches`` (a ``(key, value)`` pair a
-    layer, in ``layout``) on one ROUTER socket bound to each of ``endpoints`` (``tcp://host:0``: a
-    free port; ``ipc://path``: a Unix socket, for a puller on this machine)."""
+    layer, in ``layout``) on a ROUTER socket bound to ``address`` (``tcp://host:0``: a free port)."""
 
     name = "tcp"
 
-    def __init__(self, caches: Sequence[tuple[Any, Any]], layout: str, endpoints: Sequence[str] = ("tcp://127.0.0.1:0",),
+    def __init__(self, caches: Sequence[tuple[Any, Any]], layout: str, address: str = "tcp://127.0.0.1:0",
                  context: zmq.Context | None = None) -> None:
         self.caches, self.layout = caches, layout
         self.socket = (context or zmq.Context.instance()).socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.SNDHWM, 0)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)    # a vanished puller is an error, not a silent drop
-        self.addresses = []
-        for endpoint in endpoints:
-            self.socket.bind(endpoint)
-            self.addresses.append(self.socket.getsockopt_string(zmq.LAST_ENDPOINT))
+        self.socket.bind(address)
+        self.address = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self.offers: dict[str, list[int]] = {}       # transfer id -> the offered blocks
         self.staging = Staging()
         key = caches[0][0]
         self.word = word_dtype(key)
 
     def offer(self, block_ids: list[int]) -> dict:
-        """Serve ``block_ids`` to one pull; what the decode side needs to pull them (its ``conn``):
-        ``addr`` (TCP) and, when bound to one, ``ipc`` (a Unix socket on this machine)."""
+        """Serve ``block_ids`` to one pull; what the decode side needs to pull them (its ``conn``)."""
         transfer_id = secrets.token_hex(16)
         self.offers[transfer_id] = list(block_ids)
-        conn = {"addr": next(a for a in self.addresses if a.startswith("tcp://")), "transfer_id": transfer_id,
-                "num_blocks": len(block_ids)}
-        conn.update(("ipc", a) for a in self.addresses if a.startswith("ipc://"))
-        return conn
+        return {"addr": self.address, "transfer_id": transfer_id, "num_blocks": len(block_ids)}
 
     def withdraw(self, transfer_id: str) -> None:
         self.offers.pop(transfer_id, None)
@@ -113,6 +105,8 @@ class TCPSender:
             return None                           # garbage: no answer, nothing held
         offer = self.offers.pop(transfer_id, None)
         if request["op"] == "release":            # the puller holds these blocks already: done with them
+            if offer is None:
+                self._released(transfer_id)
             return transfer_id if offer is not None else None
         first, count = request.get("first_block", 0), request.get("count")
         if offer is None:
@@ -120,9 +114,12 @@ class TCPSender:
         if not (isinstance(first, int) and isinstance(count, int) and 0 <= first and 0 < count
                 and first + count <= len(offer)):
             return self._error(identity, transfer_id, "bad_range")
-        return self._send(identity, transfer_id, offer[first:first + count])
+        return self._send(identity, transfer_id, offer[first:first + count], request)
 
-    def _send(self, identity: bytes, transfer_id: str, blocks: list[int]) -> str | None:
+    def _released(self, transfer_id: str) -> None:
+        """A release of a transfer already served (a subclass frees what it staged for it)."""
+
+    def _send(self, identity: bytes, transfer_id: str, blocks: list[int], request: dict) -> str | None:
         """Send the blocks layer by layer (keys and values in this cache's axis order), then
         ``done``; the transfer id (None: the puller is gone, and fails by its stall timeout)."""
         key = self.caches[0][0]
@@ -160,14 +157,13 @@ class TCPSender:
 
 
 class TCPReceiver:
-    """The decode side: pulls offered blocks into blocks of its own ``caches`` (in ``layout``);
-    with ``local_ipc``, over the sender's Unix socket when it is on this machine."""
+    """The decode side: pulls offered blocks into blocks of its own ``caches`` (in ``layout``)."""
 
     name = "tcp"
 
     def __init__(self, caches: Sequence[tuple[Any, Any]], layout: str, stall_timeout: float = 5.0,
-                 context: zmq.Context | None = None, local_ipc: bool = False) -> None:
-        self.caches, self.layout, self.stall_timeout, self.local_ipc = caches, layout, stall_timeout, local_ipc
+                 context: zmq.Context | None = None) -> None:
+        self.caches, self.layout, self.stall_timeout = caches, layout, stall_timeout
         self.context = context or zmq.Context.instance()
         self.sockets: dict[str, zmq.Socket] = {}      # one DEALER per prefill instance
         self.pulls: dict[str, _Pull] = {}
@@ -180,17 +176,19 @@ class TCPReceiver:
         transfer_id = conn["transfer_id"]
         if transfer_id in self.pulls:
             raise ValueError(f"transfer {transfer_id[:8]}... is already being pulled")
-        socket = self._socket(self._address(conn))
-        self.pulls[transfer_id] = _Pull(list(block_ids), time.monotonic())
-        socket.send(_header({"op": "pull", "transfer_id": transfer_id, "first_block": first_block,
-                             "count": len(block_ids)}))
+        address = self._address(conn)
+        self.pulls[transfer_id] = _Pull(list(block_ids), time.monotonic(), conn, address)
+        self._socket(address).send(_header({"op": "pull", "transfer_id": transfer_id, "first_block": first_block,
+                                            "count": len(block_ids), **self._pull_options(conn)}))
 
-    def _address(self, conn: dict) -> str:
-        """The sender's Unix socket when it is on this machine (its path, in a directory of a
-        random name, exists here), else its TCP address; a ValueError for anything else."""
-        ipc, addr = conn.get("ipc"), conn.get("addr")
-        if self.local_ipc and isinstance(ipc, str) and _IPC.match(ipc) and os.path.exists(ipc[6:]):
-            return ipc
+    def _pull_options(self, conn: dict) -> dict:
+        """More fields of a pull (a subclass's way of asking for another data path)."""
+        return {}
+
+    @staticmethod
+    def _address(conn: dict) -> str:
+        """The sender's TCP address; a ValueError for anything else."""
+        addr = conn.get("addr")
         if not isinstance(addr, str) or not _TCP.match(addr):
             raise ValueError(f"conn's addr {str(addr)[:80]!r} is not a tcp://host:port address")
         return addr
@@ -229,10 +227,16 @@ class TCPReceiver:
                 del self.pulls[tid]
         return done, failed
 
-    def _land(self, frames: list, done: set[str], failed: dict[str, str]) -> None:
+    @staticmethod
+    def _parse(frames: list) -> dict | None:
         try:
-            header = _read_header(frames[0].bytes)
+            return _read_header(frames[0].bytes)
         except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
+            return None
+
+    def _land(self, frames: list, done: set[str], failed: dict[str, str]) -> None:
+        header = self._parse(frames)
+        if header is None:
             return
         tid = header.get("transfer_id")
         pull = self.pulls.get(tid) if isinstance(tid, str) else None
@@ -258,16 +262,23 @@ class TCPReceiver:
         layer = header.get("layer")
         if not isinstance(layer, int) or not 0 <= layer < len(self.caches) or layer in pull.layers_done:
             return f"layer {layer!r} is not one this transfer expects"
+        shape = self._shape(header, pull)
+        if isinstance(shape, str) or len(frames) != 3:
+            return f"layer {layer}: {shape if isinstance(shape, str) else 'not two arrays'}"
+        if any(len(frame.buffer) != self.word.itemsize * int(np.prod(shape)) for frame in frames[1:]):
+            return f"layer {layer}: the data does not match its header"
+        return None
+
+    def _shape(self, header: dict, pull: _Pull) -> list[int] | str:
+        """The shape the header's keys (and values) must have for this pull, or why they cannot."""
         try:
             layout = check_layout(header.get("layout"))
             shape = [len(pull.block_ids) if axis == "B" else self.sizes[axis] for axis in layout]
         except (ValueError, TypeError):
-            return f"layer {layer}: layout {header.get('layout')!r} is not one of B, T, H, D"
-        if header.get("shape") != shape or header.get("dtype") != str(self.dtype) or len(frames) != 3:
-            return f"layer {layer}: {header.get('dtype')} {header.get('shape')}, expected {self.dtype} {shape}"
-        if any(len(frame.buffer) != self.word.itemsize * int(np.prod(shape)) for frame in frames[1:]):
-            return f"layer {layer}: the data does not match its header"
-        return None
+            return f"layout {header.get('layout')!r} is not one of B, T, H, D"
+        if header.get("shape") != shape or header.get("dtype") != str(self.dtype):
+            return f"{header.get('dtype')} {header.get('shape')}, expected {self.dtype} {shape}"
+        return shape
 
     def _write(self, header: dict, frames: list, pull: _Pull) -> None:
         """Put one checked layer's keys and values into the pull's blocks."""

@@ -2,7 +2,7 @@
 
 A device plugin that registers nothing but a device gets a working engine from these: the model
 runner (`fdplug.core.worker.model_runner`), the reference attention (`attention`), the reference
-MoE (`moe`), one kernel per op of `fdplug.plugin_api.ops` (`ops`) and the KV connectors ``ipc``
+MoE (`moe`), one kernel per op of `fdplug.plugin_api.ops` (`ops`) and the KV connectors ``shm``
 and ``tcp`` (`fdplug.core.kv_transfer.connectors`). They are correct anywhere
 and fast nowhere in particular: a device plugin registers faster ones with a higher priority.
 The plugin loader registers this module first, as the plugin ``core``, which cannot be disabled.
@@ -104,8 +104,8 @@ def _connector_factory(name: str):
 
 @hookimpl
 def fdplug_register_kv_connectors(register):
-    register(KVConnectorSpec(name="ipc", devices=(ANY_DEVICE,), factory=_connector_factory("ipc"), priority=10,
-                             description="a Unix socket to a decode instance on this machine, TCP to one on another; "
-                                         "layer by layer, through host memory"))
+    register(KVConnectorSpec(name="shm", devices=(ANY_DEVICE,), factory=_connector_factory("shm"), priority=10,
+                             description="a shared-memory arena (FDPLUG_KV_STAGING_MIB) read by a decode instance on "
+                                         "this machine; TCP to one on another"))
     register(KVConnectorSpec(name="tcp", devices=(ANY_DEVICE,), factory=_connector_factory("tcp"), priority=0,
                              description="ZMQ over TCP (FDPLUG_KV_HOST), layer by layer, through host memory"))

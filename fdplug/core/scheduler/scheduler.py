@@ -174,7 +174,7 @@ class Scheduler:
         """Move the head of the waiting queue to running; its slots are already allocated."""
         self.waiting.popleft()
         resumed = request.status == RequestStatus.PREEMPTED
-        if not resumed:
+        if not resumed and num_hit != request.num_computed_tokens:     # (equal: KV pulled, counted by PD)
             request.num_cached_tokens = num_hit
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_hit
