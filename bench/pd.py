@@ -2,6 +2,7 @@
 
     python bench/pd.py                 # bench/throughput.py's 54M Qwen2 (12 layers, 4 KV heads of 64)
     python bench/pd.py --quick         # fewer repeats and requests
+    python bench/pd.py --transfer-only --ray   # the transfer, and the same bytes through Ray's object store
 
 1. Transfer (in one process): the KV of 1,000 tokens of the model (every layer's keys and values,
    float32) pulled from one cache into another by the built-in connectors (`fdplug.core.kv_transfer`):
@@ -61,6 +62,42 @@ class Pair:
 
     def close(self) -> None:
         self.sender.close(), self.receiver.close()
+
+
+def ray_store(payload: np.ndarray, repeats: int) -> None:
+    """The same bytes from another process through Ray's object store (what the tcp connector's
+    docstring compares it with): an actor returns them (a put into plasma), the driver gets them
+    (mapped, no copy), against the bare ZMQ link, interleaved."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        @ray.remote
+        class Holder:
+            def __init__(self, payload):
+                self.payload = np.array(payload)
+
+            def get(self):
+                return self.payload
+
+        holder = Holder.remote(payload)
+        ray.get(holder.get.remote())                            # warm: the actor up, plasma touched
+        runs: dict[str, list[float]] = {"Ray object store": [], "TCP link": []}
+        for i in range(repeats):
+            for name in (list(runs) if i % 2 == 0 else list(runs)[::-1]):
+                start = time.perf_counter()
+                if name == "TCP link":
+                    link_once(payload, 2 * MODEL["num_hidden_layers"])
+                else:
+                    got = ray.get(holder.get.remote())
+                    assert got.nbytes == payload.nbytes
+                    del got
+                runs[name].append(time.perf_counter() - start)
+        for name, seconds in runs.items():
+            s = statistics.median(seconds)
+            print(f"  {name:16s} {s * 1e3:7.2f} ms  {payload.nbytes / s / 2**30:6.2f} GiB/s (bytes only)")
+    finally:
+        ray.shutdown()
 
 
 def link_once(payload: np.ndarray, frames: int) -> float:
@@ -146,12 +183,18 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=24, help="requests a run")
     ap.add_argument("--rate", type=float, default=2.0, help="requests a second (Poisson)")
     ap.add_argument("--pairs", type=int, default=4)
+    ap.add_argument("--ray", action="store_true", help="also: the same bytes through Ray's object store")
+    ap.add_argument("--transfer-only", action="store_true", help="skip the end-to-end servers")
     args = ap.parse_args()
     if args.quick:
         args.repeats, args.n, args.pairs = 5, 12, 2
     transfer(args.repeats)
-    with tempfile.TemporaryDirectory() as tmp:
-        end_to_end(args, Path(tmp))
+    if args.ray:
+        blocks = -(-1000 // BLOCK)
+        ray_store(np.concatenate([t.numpy().ravel() for pair in caches(blocks, True) for t in pair]), args.repeats)
+    if not args.transfer_only:
+        with tempfile.TemporaryDirectory() as tmp:
+            end_to_end(args, Path(tmp))
 
 
 if __name__ == "__main__":

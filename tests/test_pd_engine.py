@@ -149,3 +149,23 @@ def test_a_decode_side_with_no_free_blocks_fails_the_request_in_time_and_holds_n
     assert not decode.engine.scheduler.requests and decode.engine.scheduler.kv_cache_manager.usage == 0.0
     drive([prefill.engine], lambda _: not prefill.engine.kv_transfer.held, timeout=10)
     assert prefill.engine.scheduler.kv_cache_manager.usage == 0.0
+
+
+def test_a_connector_that_breaks_fails_its_transfers_not_the_engine(model, monkeypatch):
+    """The receiver's poll raises (a vendor connector's bug): the request being pulled fails with a
+    typed error, and the engine goes on serving a request of its own."""
+    prefill, decode = LLM(model, kv_role="prefill", **ARGS), LLM(model, kv_role="decode", **ARGS)
+    eos = prefill.model_config.eos_token_ids
+    prefill.engine.add_request(request("p", PROMPTS[2], 1, eos, {"do_remote_decode": True}))
+    params = next(o for o in drive([prefill.engine], finished(["p"]))["p"] if o.finished).kv_transfer_params
+
+    def broken():
+        raise RuntimeError("the DMA engine fell over")
+
+    monkeypatch.setattr(decode.engine.kv_transfer.receiver, "poll", broken)
+    decode.engine.add_request(request("d", PROMPTS[2], TOKENS, eos, params))
+    decode.engine.add_request(request("own", PROMPTS[1], TOKENS, eos, None))
+    got = drive([decode.engine], finished(["d", "own"]))
+    assert got["d"][-1].error["type"] == "KVTransferError" and "RuntimeError" in got["d"][-1].error["message"]
+    assert got["own"][-1].finish_reason == "length"
+    assert not decode.engine.scheduler.requests and decode.engine.scheduler.kv_cache_manager.usage == 0.0

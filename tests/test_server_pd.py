@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+import fdplug
 from fdplug.core.engine.request import SamplingParams
 from fdplug.core.frontend.llm import LLM
 from tests.conftest import write_test_model
@@ -143,6 +144,11 @@ def test_the_router_serves_like_one_instance(pd, router):
         assert caught.value.body["param"] == param
     health = httpx.get(router + "/health").json()
     assert health["status"] == "ok" and health["prefill"][0]["alive"] and health["decode"][0]["alive"]
+    assert httpx.get(router + "/version").json()["api_version"] == fdplug.API_VERSION
+    metrics = httpx.get(router + "/metrics").text
+    assert 'fdplug_router:requests_total{stage="decode",status="200"} 7.0' in metrics, metrics
+    assert 'fdplug_router:requests_total{stage="router",status="400"} 2.0' in metrics
+    assert 'fdplug_router:in_flight{role="decode",url="' in metrics
 
 
 def prefill_answer(prefill: Server, prompt: list[int]) -> dict:

@@ -64,10 +64,13 @@ class PDRouter:
         self.prefill_timeout = httpx.Timeout(prefill_timeout, connect=CONNECT_TIMEOUT_S)
         self.decode_timeout = httpx.Timeout(stall_timeout, connect=CONNECT_TIMEOUT_S)
         self.http = httpx.AsyncClient()
+        self.metrics = RouterMetrics(self)
         self.app = Starlette(routes=[Route("/v1/completions", self.relay, methods=["POST"]),
                                      Route("/v1/chat/completions", self.relay, methods=["POST"]),
                                      Route("/v1/models", self.models, methods=["GET"]),
-                                     Route("/health", self.health, methods=["GET"])])
+                                     Route("/health", self.health, methods=["GET"]),
+                                     Route("/version", self.version, methods=["GET"]),
+                                     Route("/metrics", self.metrics.route, methods=["GET"])])
 
     # -- the flow ---------------------------------------------------------------------------------
 
@@ -75,14 +78,18 @@ class PDRouter:
         try:
             body = _request_body(await request.body())
         except FdplugError as exc:
+            self.metrics.requests.labels("router", str(exc.http_status)).inc()
             return _error(exc)
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED}
         path = request.url.path
         first = await self._prefill(path, body, headers)
         if isinstance(first, Response):
+            self.metrics.requests.labels("prefill", str(first.status_code)).inc()
             return first
         body["kv_transfer_params"] = first
-        return await self._decode(path, body, headers)
+        reply = await self._decode(path, body, headers)
+        self.metrics.requests.labels("decode", str(reply.status_code)).inc()
+        return reply
 
     async def _prefill(self, path: str, body: dict, headers: dict) -> dict | Response:
         """The prefill instance's ``kv_transfer_params``, or the response to give the client."""
@@ -153,6 +160,11 @@ class PDRouter:
             return _error(UpstreamError(f"decode instance {self.decode[0].url} did not answer.", fix="check it runs."))
         return Response(reply.content, reply.status_code, media_type="application/json")
 
+    async def version(self, request: Request) -> Response:
+        import fdplug
+
+        return JSONResponse({"version": fdplug.__version__, "api_version": fdplug.API_VERSION})
+
     async def health(self, request: Request) -> Response:
         """Each instance's /health (1 s each); 200 while a prefill and a decode instance answer."""
         status = {}
@@ -183,11 +195,31 @@ def _request_body(raw: bytes) -> dict:
     return body
 
 
-class _NoMetrics:
-    """The `app.Guard`'s metrics hook: the router keeps none of its own yet."""
+class RouterMetrics:
+    """The router's own ``/metrics`` (each instance keeps its own): requests by the stage that
+    answered and its status, requests in flight per instance, and the errors the guard answered."""
+
+    def __init__(self, router: PDRouter) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge
+
+        self.registry = CollectorRegistry()
+        self.requests = Counter("fdplug_router:requests", "Requests answered, by the stage that answered.",
+                                ["stage", "status"], registry=self.registry)
+        self.errors = Counter("fdplug_router:http_errors", "Requests the router refused itself.", ["status"],
+                              registry=self.registry)
+        in_flight = Gauge("fdplug_router:in_flight", "Requests in flight at each instance.", ["role", "url"],
+                          registry=self.registry)
+        for role, pool in (("prefill", router.prefill), ("decode", router.decode)):
+            for upstream in pool:
+                in_flight.labels(role, upstream.url).set_function(lambda u=upstream: u.in_flight)
 
     def http_error(self, status: int) -> None:
-        pass
+        self.errors.labels(str(status)).inc()
+
+    async def route(self, request: Request) -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
 
 def run_router(prefill: list[str], decode: list[str], host: str, port: int, api_key: str | None,
@@ -204,7 +236,7 @@ def run_router(prefill: list[str], decode: list[str], host: str, port: int, api_
                 ", ".join(decode))
     from fdplug.server.launcher import _Server
 
-    config = uvicorn.Config(Guard(router.app, key, max_body_bytes, _NoMetrics()), host=host, port=port,
+    config = uvicorn.Config(Guard(router.app, key, max_body_bytes, router.metrics), host=host, port=port,
                             log_config=None, log_level="warning", access_log=False, lifespan="off")
     _Server(config, on_signal=lambda: None).run()    # a signal is a normal stop: status 0
     return 0

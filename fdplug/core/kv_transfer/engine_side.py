@@ -91,7 +91,11 @@ class PrefillSide:
     def poll(self) -> list[EngineCoreOutput]:
         """Serve the pulls that arrived; free the blocks of what was pulled, released or not
         picked up in time (the connector is told first: it never reads them again)."""
-        done = self.sender.poll()
+        try:
+            done = self.sender.poll()
+        except Exception:           # a broken connector: its offers expire, the engine goes on
+            logger.exception("the KV connector's poll failed")
+            done = set()
         now = time.monotonic()
         for transfer_id, (_, deadline) in list(self.held.items()):
             if deadline <= now and transfer_id not in done:
@@ -176,9 +180,13 @@ class DecodeSide:
         for rid, item in list(self.incoming.items()):
             if not item.pulling and not self._start(item, made) and now > item.deadline:
                 made.append(self._fail(rid, "no KV blocks were free for the transfer in time", timeout=True))
-        landed, failed = self.receiver.poll()
         by_transfer = {item.request.kv_transfer_params["conn"]["transfer_id"]: rid
                        for rid, item in self.incoming.items() if item.pulling}
+        try:
+            landed, failed = self.receiver.poll()
+        except Exception as exc:    # a broken connector fails its transfers, not the engine
+            logger.exception("the KV connector's poll failed")
+            landed, failed = set(), dict.fromkeys(by_transfer, f"the connector failed ({type(exc).__name__})")
         for transfer_id in landed & by_transfer.keys():
             self._landed(self.incoming[by_transfer[transfer_id]])
         for transfer_id, why in failed.items():

@@ -12,8 +12,10 @@ side asked for, the layer in range, dtype and byte counts exactly what its block
 
 Nothing blocks: both sides are polled from the engine thread (``poll``). The core owns the offer's
 deadline (``withdraw``: a later pull gets ``unknown_transfer``); a pull with no message for
-``stall_timeout`` fails. Why TCP and not Ray's object store: no Ray needed on either side, one copy
-fewer (no put into plasma), and no object owned by a Ray worker that may outlive the request.
+``stall_timeout`` fails. Why TCP and not Ray's object store: the KV of 1,000 tokens of the bench
+model (23.6 MiB) took 16.2 ms from an actor through the object store against 7.1 ms over a bare ZMQ
+TCP link (`bench/pd.py --ray`); and no Ray is needed on either side, and no object owned by a Ray
+worker outlives the request.
 """
 
 from __future__ import annotations
