@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 
 from fdplug.core.engine.request import Request, SamplingParams
@@ -96,9 +97,14 @@ def test_a_pull_that_cannot_be_served_fails_its_request_alone(model):
     decode.engine.add_request(request("bad", PROMPTS[2], TOKENS, eos, forged))
     decode.engine.add_request(request("good", PROMPTS[2], TOKENS, eos, params))
     decode.engine.add_request(request("short", PROMPTS[2], 1, eos, params))
-    for wrong in ({**params, "prompt_digest": "0" * 64}, {**params, "connector": "tcp"}, {**params, "block_size": 8}):
+    for wrong in ({**params, "prompt_digest": "0" * 64}, {**params, "connector": "tcp"}, {**params, "block_size": 8},
+                  {**params, "first_token": 10 ** 6}, {**params, "num_cached_tokens": 99}):
         with pytest.raises(InvalidRequestError, match="kv_transfer_params"):
-            decode.engine.add_request(request("wrong", PROMPTS[1], TOKENS, eos, wrong))
+            decode.engine.add_request(request("wrong", PROMPTS[2], TOKENS, eos, wrong))
+    asks = request("wrong", PROMPTS[2], TOKENS, eos, params)
+    asks.sampling_params.logprobs = 1
+    with pytest.raises(InvalidRequestError, match="no first_logprobs"):     # prefill ran without logprobs
+        decode.engine.add_request(asks)
     got = drive([prefill.engine, decode.engine], finished(["bad", "good", "short"]))
     assert got["bad"][-1].finish_reason == "error" and got["bad"][-1].error["type"] == "KVTransferError"
     assert "unknown_transfer" in got["bad"][-1].error["message"]
@@ -169,3 +175,49 @@ def test_a_connector_that_breaks_fails_its_transfers_not_the_engine(model, monke
     assert got["d"][-1].error["type"] == "KVTransferError" and "RuntimeError" in got["d"][-1].error["message"]
     assert got["own"][-1].finish_reason == "length"
     assert not decode.engine.scheduler.requests and decode.engine.scheduler.kv_cache_manager.usage == 0.0
+
+
+def test_multimodal_prompts_continue_on_a_decode_side_that_never_fetches_unless_it_preempts(test_model_dir, tmp_path):
+    """Images, a video and plain text prefilled on one engine (which fetches the features) and
+    decoded on another: one engine's tokens (the naive reference's). The decode side fetches
+    nothing while it holds the pulled KV; with few blocks it preempts, and a preempted request
+    fetches its features to recompute its prompt, as any preempted request would have them."""
+    from tests.test_multimodal import (
+        GREEDY,
+        chat,
+        feature,
+        image,
+        make_llm,
+        naive_mm_greedy,
+        video,
+    )
+
+    root = tmp_path / "features"
+    root.mkdir()
+    for name, seed, rows in [("cat", 1, 4), ("dog", 2, 6), ("video", 3, 8)]:
+        np.save(root / f"{name}.npy", feature(seed, rows))
+    prefill = make_llm(test_model_dir, root, kv_role="prefill")
+    prompts = [(chat(prefill, [], "plain text only"), []),       # the newest runs are multimodal: preempted first
+               (chat(prefill, [image(root, "cat")]), [feature(1, 4)]),
+               (chat(prefill, [image(root, "dog", (1, 4, 6)), image(root, "cat", uuid="cat-1")], "compare"),
+                [feature(2, 6), feature(1, 4)]),
+               (chat(prefill, [video(root, "video")], "what happens"), [feature(3, 8)])]
+    want = [naive_mm_greedy(prefill, p, f, GREEDY.max_tokens) for p, f in prompts]
+    for decode_args, preempts in (({}, False), ({"num_kv_blocks": 9, "max_num_seqs": 4}, True)):
+        decode = make_llm(test_model_dir, root, kv_role="decode", **decode_args)
+        ids = [f"{preempts}-{i}" for i in range(len(prompts))]
+        processed = [prefill.input_processor.process(p) for p, _ in prompts]
+        for rid, prompt in zip(ids, processed):
+            (req,) = prefill.input_processor.make_requests(rid, prompt, SamplingParams(temperature=0, max_tokens=1))
+            req.kv_transfer_params = {"do_remote_decode": True}
+            prefill.engine.add_request(req)
+        first = drive([prefill.engine], finished(ids))
+        for rid, prompt in zip(ids, processed):
+            (req,) = decode.input_processor.make_requests(rid, prompt, GREEDY)
+            req.kv_transfer_params = next(o for o in first[rid] if o.finished).kv_transfer_params
+            decode.engine.add_request(req)
+        got = drive([prefill.engine, decode.engine], finished(ids))
+        assert [[t for o in got[rid] for t in o.new_token_ids] for rid in ids] == want
+        assert (decode.engine.stats().num_preemptions > 0) is preempts
+        assert (len(decode.engine.encoder_cache) > 0) is preempts      # no feature fetched unless preempted
+        assert not decode.engine.scheduler.requests and decode.engine.scheduler.kv_cache_manager.usage == 0.0

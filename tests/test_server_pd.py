@@ -142,11 +142,17 @@ def test_the_router_serves_like_one_instance(pd, router):
         with pytest.raises(openai.BadRequestError) as caught:
             client.completions.create(model="m", prompt=[1, 2], max_tokens=2, extra_body=bad)
         assert caught.value.body["param"] == param
+    plain = pd[2].openai().completions.create(model="m", prompt=PROMPTS[2], max_tokens=4, temperature=0, logprobs=2)
+    relayed = client.completions.create(model="m", prompt=PROMPTS[2], max_tokens=4, temperature=0, logprobs=2)
+    assert relayed.choices[0].logprobs.tokens == plain.choices[0].logprobs.tokens          # the first one too
+    assert relayed.choices[0].logprobs.token_logprobs == pytest.approx(plain.choices[0].logprobs.token_logprobs,
+                                                                       abs=1e-4)
+    assert relayed.choices[0].logprobs.top_logprobs[0].keys() == plain.choices[0].logprobs.top_logprobs[0].keys()
     health = httpx.get(router + "/health").json()
     assert health["status"] == "ok" and health["prefill"][0]["alive"] and health["decode"][0]["alive"]
     assert httpx.get(router + "/version").json()["api_version"] == fdplug.API_VERSION
     metrics = httpx.get(router + "/metrics").text
-    assert 'fdplug_router:requests_total{stage="decode",status="200"} 7.0' in metrics, metrics
+    assert 'fdplug_router:requests_total{stage="decode",status="200"} 8.0' in metrics, metrics
     assert 'fdplug_router:requests_total{stage="router",status="400"} 2.0' in metrics
     assert 'fdplug_router:in_flight{role="decode",url="' in metrics
 

@@ -49,8 +49,13 @@ def check_kv_transfer_params(params: dict | None, role: str | None, n: int, voca
         if params != {"do_remote_decode": True}:
             _bad('for a prefill instance must be {"do_remote_decode": true}', fix='send {"do_remote_decode": true}.')
         return params
-    if not set(KEYS) <= set(params) <= {*KEYS, "sig"}:
-        _bad(f"for a decode instance must hold {', '.join(KEYS)} (and sig when signed), nothing else")
+    if not set(KEYS) <= set(params) <= {*KEYS, "sig", "first_logprobs"}:
+        _bad(f"for a decode instance must hold {', '.join(KEYS)} (and sig when signed, first_logprobs with "
+             "logprobs), nothing else")
+    first_logprobs = params.get("first_logprobs")
+    if first_logprobs is not None and not (isinstance(first_logprobs, list) and len(first_logprobs) == 3
+                                           and all(isinstance(p, list) and len(p) <= 64 for p in first_logprobs)):
+        _bad("have first_logprobs that are not [ids, logprobs, ranks]")
     if not _count(params["first_token"], 0, vocab_size) or not _count(params["num_prompt_tokens"], 1, 1 << 31) \
             or not _count(params["num_cached_tokens"], 0, params["num_prompt_tokens"] + 1) \
             or not _count(params["block_size"], 1, 1 << 16):

@@ -120,6 +120,7 @@ class EngineCore:
             outputs += self.kv_transfer.poll()
         with self.profiler.phase("schedule"):
             scheduler_output = self.scheduler.schedule()
+        self._refetch(scheduler_output.preempted_req_ids)
         if scheduler_output.is_empty:
             drop(self.runner, [*scheduler_output.finished_req_ids, *scheduler_output.preempted_req_ids])
             return outputs, False
@@ -153,6 +154,17 @@ class EngineCore:
                 self.executor.after_failure()
         return outputs
 
+    def _refetch(self, preempted: list[str]) -> None:
+        """A multimodal request whose prompt KV was pulled (PD decode) has no features here: once
+        preempted, it recomputes its prompt, so it waits for them like a new request."""
+        for rid in preempted:
+            request = self.scheduler.requests.get(rid)
+            if request is not None and request.mm_inputs and request.kv_transfer_params is not None \
+                    and not self.feature_loader.holds(request):
+                request.status = RequestStatus.WAITING_FOR_FEATURES
+                if self.feature_loader.submit(request):
+                    request.status = RequestStatus.PREEMPTED
+
     def _poll_features(self) -> list[EngineCoreOutput]:
         """Requests whose features arrived become schedulable; a failed fetch fails its request alone."""
         failures = []
@@ -160,8 +172,8 @@ class EngineCore:
             if request.request_id not in self.scheduler.requests:
                 self.encoder_cache.release(request.request_id, self.feature_loader.hashes(request))
                 continue  # aborted while fetching
-            if error is None:
-                request.status = RequestStatus.WAITING
+            if error is None:       # (a preempted PD request resumes; any other starts)
+                request.status = RequestStatus.PREEMPTED if request.output_token_ids else RequestStatus.WAITING
                 continue
             self.abort_requests([request.request_id], RequestStatus.FINISHED_ERROR)
             failures.append(EngineCoreOutput(request.request_id, [], finished=True, finish_reason="error",

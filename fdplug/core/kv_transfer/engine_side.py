@@ -107,10 +107,13 @@ class PrefillSide:
         return []
 
     def finished(self, outputs: list[EngineCoreOutput]) -> None:
-        """A step's outputs: the last one of an offered request carries its params."""
+        """A step's outputs: the last one of an offered request carries its params (and the first
+        token's logprobs, when it asked for them: the decode side reports them)."""
         for out in outputs:
             if out.finished and out.request_id in self.params:
                 out.kv_transfer_params = self.params.pop(out.request_id)
+                if out.new_logprobs:
+                    out.kv_transfer_params["first_logprobs"] = [list(part) for part in out.new_logprobs[-1]]
 
     def cancel(self, request_id: str) -> None:
         self.params.pop(request_id, None)
@@ -135,6 +138,7 @@ class DecodeSide:
         self.vocab_size = vocab_size
         self.block_size = scheduler.config.block_size
         self.incoming: dict[str, _Incoming] = {}
+        self.landed: list[Request] = []            # holding their blocks, waiting for the scheduler
         self.ready: list[EngineCoreOutput] = []
 
     def admit(self, request: Request) -> bool:
@@ -149,13 +153,13 @@ class DecodeSide:
         request.mm_positions = [replace(p, mm_hash=h) for p, h in zip(request.mm_positions, params["mm_hashes"])]
         request.num_cached_tokens = params["num_cached_tokens"]     # the prefill side's hit: what usage reports
         first = params["first_token"]
+        logprobs = [tuple(params["first_logprobs"])] if request.sampling_params.logprobs is not None else None
         request.append_output_token(first)
         if check_stop(request, self.scheduler.config.max_model_len):
-            self.ready.append(EngineCoreOutput(request.request_id, [first], finished=True,
-                                               finish_reason=request.status.finish_reason,
-                                               stop_reason=request.stop_reason))
+            self.ready.append(EngineCoreOutput(request.request_id, [first], True, request.status.finish_reason,
+                                               request.stop_reason, request.num_cached_tokens, logprobs))
             return False
-        self.ready.append(EngineCoreOutput(request.request_id, [first]))
+        self.ready.append(EngineCoreOutput(request.request_id, [first], new_logprobs=logprobs))
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.incoming[request.request_id] = _Incoming(request, time.monotonic() + self.timeout)
         return True
@@ -195,7 +199,21 @@ class DecodeSide:
         for rid, item in list(self.incoming.items()):
             if item.pulling and now > item.deadline:
                 made.append(self._fail(rid, f"the KV did not arrive within {self.timeout:g} s", timeout=True))
+        self._landed_first()
         return made
+
+    def _landed_first(self) -> None:
+        """Requests that hold their pulled blocks go to the front of the waiting queue: each needs a
+        slot, not a prompt's worth of blocks, and behind a request that cannot get its blocks (a
+        preempted one) they would keep theirs from it for good."""
+        self.landed = [r for r in self.landed if r.status == RequestStatus.WAITING
+                       and r.request_id in self.scheduler.requests]
+        waiting = self.scheduler.waiting
+        if self.landed and list(waiting)[:len(self.landed)] != self.landed:
+            ids = {r.request_id for r in self.landed}
+            rest = [r for r in waiting if r.request_id not in ids]
+            waiting.clear()
+            waiting.extend(self.landed + rest)
 
     def _start(self, item: _Incoming, made: list[EngineCoreOutput]) -> bool:
         """Allocate blocks for the whole prompt (a local hit is not pulled) and start pulling the
@@ -228,6 +246,7 @@ class DecodeSide:
         kv.cache_blocks(request, request.num_prompt_tokens // self.block_size * self.block_size)
         request.num_computed_tokens = request.num_prompt_tokens
         request.status = RequestStatus.WAITING
+        self.landed.append(request)
 
     def _fail(self, request_id: str, why: str, timeout: bool = False) -> EngineCoreOutput:
         self.cancel(request_id)

@@ -71,6 +71,17 @@ def _count(value: Any, low: int, high: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and low <= value < high
 
 
+def _first_logprobs_fit(value: Any, first_token: int, wanted: int, vocab_size: int) -> bool:
+    """``[ids, logprobs, ranks]`` of the first token and its top ``wanted``, as a prefill instance
+    returns them (`fdplug.core.worker.sampling.sampled_logprobs`)."""
+    if not (isinstance(value, list) and len(value) == 3 and all(isinstance(part, list) for part in value)):
+        return False
+    ids, logprobs, ranks = value
+    return (len(ids) == len(logprobs) == len(ranks) == wanted + 1 and ids[0] == first_token
+            and all(_count(i, 0, vocab_size) for i in ids) and all(_count(r, 1, 1 << 31) for r in ranks)
+            and all(isinstance(x, float) and x <= 0.0 for x in logprobs))
+
+
 def check_params(params: dict, request: Request, connector: str, block_size: int, secret: str | None,
                  vocab_size: int) -> None:
     """A 400 unless ``params`` came from a prefill instance for this very prompt, through this
@@ -95,6 +106,11 @@ def check_params(params: dict, request: Request, connector: str, block_size: int
             or not _count(params.get("num_cached_tokens"), 0, request.num_prompt_tokens + 1):
         bad(f"have a first_token outside this model's vocabulary ({vocab_size}) or a num_cached_tokens outside "
             "the prompt")
+    wanted = request.sampling_params.logprobs
+    if wanted is not None and not _first_logprobs_fit(params.get("first_logprobs"), params["first_token"], wanted,
+                                                      vocab_size):
+        bad(f"have no first_logprobs for the first token and its top {wanted} (the request asks for logprobs)",
+            fix="send the prefill instance the same logprobs parameters (fdplug router does).")
     hashes = params.get("mm_hashes")
     if not isinstance(hashes, list) or len(hashes) != len(request.mm_positions) \
             or not all(isinstance(h, str) and 0 < len(h) <= 128 for h in hashes):

@@ -55,6 +55,10 @@ class EncoderCache:
         self._unheld.pop(mm_hash, None)
         self._evict()
 
+    def held_by(self, mm_hash: str, holder: str) -> bool:
+        entry = self._entries.get(mm_hash)
+        return entry is not None and holder in entry.holders
+
     def get(self, mm_hash: str) -> np.ndarray:
         return self._entries[mm_hash].features
 

@@ -99,6 +99,10 @@ class FeatureLoader:
             results.append((request, None))
         return results
 
+    def holds(self, request: Request) -> bool:
+        """Whether the request holds (pins) every item's features in the encoder cache."""
+        return all(self.cache.held_by(p.mm_hash, request.request_id) for p in request.mm_positions)
+
     def hashes(self, request: Request) -> list[str]:
         return [p.mm_hash for p in request.mm_positions if p.mm_hash]
 

@@ -61,8 +61,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use.",
                                       fix="give every request a unique id.")
-        limit = self.config.max_model_len
-        if request.num_tokens >= limit:
+        if request.num_tokens >= (limit := self.config.max_model_len):
             raise InvalidRequestError(
                 f"the prompt has {request.num_tokens} tokens; max_model_len is {limit}, which leaves "
                 f"room for at most {limit - 1} prompt tokens.", fix="shorten the prompt.")
