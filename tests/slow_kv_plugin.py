@@ -52,8 +52,7 @@ class SlowSender(TCPSender):
         from fdplug.plugin_api.kv_layout import take_blocks
 
         caches = self.caches
-        key = caches[layer][0]
-        shape = [len(blocks) if axis == "B" else int(key.shape[i]) for i, axis in enumerate(self.layout)]
+        key, shape = caches[layer][0], self.wire_shape(len(blocks))
         frames = [header({"op": "layer", "transfer_id": transfer_id, "layer": layer, "dtype": str(key.dtype),
                           "layout": self.layout, "shape": shape})]
         frames += [take_blocks(cache, self.layout, blocks) for cache in caches[layer]]

@@ -14,20 +14,12 @@ from typing import Any
 
 import msgpack
 
-from fdplug.core.kv_transfer.params import KEYS
-from fdplug.errors import InvalidRequestError
+from fdplug.core.kv_transfer.params import KEYS, is_count
+from fdplug.core.kv_transfer.params import bad as _bad
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 MAX_CONN_BYTES = 4096
 MAX_ITEMS = 4096
-
-
-def _bad(why: str, fix: str = "pass the kv_transfer_params the prefill instance returned, unchanged.") -> None:
-    raise InvalidRequestError(f"kv_transfer_params {why}.", fix=fix, param="kv_transfer_params")
-
-
-def _count(value: Any, low: int, high: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and low <= value < high
 
 
 def _small_str(value: Any, limit: int = 128) -> bool:
@@ -56,9 +48,9 @@ def check_kv_transfer_params(params: dict | None, role: str | None, n: int, voca
     if first_logprobs is not None and not (isinstance(first_logprobs, list) and len(first_logprobs) == 3
                                            and all(isinstance(p, list) and len(p) <= 64 for p in first_logprobs)):
         _bad("have first_logprobs that are not [ids, logprobs, ranks]")
-    if not _count(params["first_token"], 0, vocab_size) or not _count(params["num_prompt_tokens"], 1, 1 << 31) \
-            or not _count(params["num_cached_tokens"], 0, params["num_prompt_tokens"] + 1) \
-            or not _count(params["block_size"], 1, 1 << 16):
+    if not is_count(params["first_token"], 0, vocab_size) or not is_count(params["num_prompt_tokens"], 1, 1 << 31) \
+            or not is_count(params["num_cached_tokens"], 0, params["num_prompt_tokens"] + 1) \
+            or not is_count(params["block_size"], 1, 1 << 16):
         _bad("have a first_token, num_prompt_tokens, num_cached_tokens or block_size out of range")
     if not _small_str(params["connector"], 64) or not isinstance(params["prompt_digest"], str) \
             or not _HEX64.match(params["prompt_digest"]) or ("sig" in params and not (

@@ -28,6 +28,7 @@ from starlette.routing import Route
 
 from fdplug.errors import FdplugError, InvalidRequestError
 from fdplug.server import openai_types as T
+from fdplug.server.app import error_response
 
 logger = logging.getLogger("fdplug.router")
 
@@ -46,11 +47,6 @@ class UpstreamError(FdplugError):
 class Upstream:
     url: str
     in_flight: int = 0
-
-
-def _error(exc: FdplugError) -> JSONResponse:
-    message = exc.message + (f" Fix: {exc.fix}" if exc.fix else "")
-    return JSONResponse(T.error_body(message, exc.error_type, exc.param, exc.http_status), status_code=exc.http_status)
 
 
 class PDRouter:
@@ -79,7 +75,7 @@ class PDRouter:
             body = _request_body(await request.body())
         except FdplugError as exc:
             self.metrics.requests.labels("router", str(exc.http_status)).inc()
-            return _error(exc)
+            return error_response(exc)
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED}
         path = request.url.path
         first = await self._prefill(path, body, headers)
@@ -102,7 +98,7 @@ class PDRouter:
             reply = await self.http.post(upstream.url + path, json=prefill_body, headers=headers,
                                          timeout=self.prefill_timeout)
         except httpx.HTTPError as exc:
-            return _error(UpstreamError(f"prefill instance {upstream.url} did not answer ({type(exc).__name__}).",
+            return error_response(UpstreamError(f"prefill instance {upstream.url} did not answer ({type(exc).__name__}).",
                                         fix="check that it runs (fdplug serve --role prefill) and is reachable."))
         finally:
             upstream.in_flight -= 1
@@ -110,7 +106,7 @@ class PDRouter:
             return Response(reply.content, reply.status_code, media_type="application/json")
         params = reply.json().get("kv_transfer_params")
         if not isinstance(params, dict):
-            return _error(UpstreamError(f"{upstream.url} answered without kv_transfer_params.",
+            return error_response(UpstreamError(f"{upstream.url} answered without kv_transfer_params.",
                                         fix="start it with `fdplug serve --role prefill`."))
         return params
 
@@ -123,7 +119,7 @@ class PDRouter:
                                          stream=True)
         except httpx.HTTPError as exc:
             upstream.in_flight -= 1
-            return _error(UpstreamError(f"decode instance {upstream.url} did not answer ({type(exc).__name__}).",
+            return error_response(UpstreamError(f"decode instance {upstream.url} did not answer ({type(exc).__name__}).",
                                         fix="check that it runs (fdplug serve --role decode) and is reachable."))
         if reply.status_code != 200 or not body.get("stream"):
             try:
@@ -157,7 +153,7 @@ class PDRouter:
             reply = await self.http.get(self.decode[0].url + "/v1/models", headers=headers,
                                         timeout=httpx.Timeout(10.0, connect=CONNECT_TIMEOUT_S))
         except httpx.HTTPError:
-            return _error(UpstreamError(f"decode instance {self.decode[0].url} did not answer.", fix="check it runs."))
+            return error_response(UpstreamError(f"decode instance {self.decode[0].url} did not answer.", fix="check it runs."))
         return Response(reply.content, reply.status_code, media_type="application/json")
 
     async def version(self, request: Request) -> Response:

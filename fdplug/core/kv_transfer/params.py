@@ -67,8 +67,14 @@ def make_params(request: Request, connector: str, block_size: int, conn: dict, s
     return params
 
 
-def _count(value: Any, low: int, high: int) -> bool:
+def is_count(value: Any, low: int, high: int) -> bool:
+    """An int (not a bool) in ``[low, high)``."""
     return isinstance(value, int) and not isinstance(value, bool) and low <= value < high
+
+
+def bad(why: str, fix: str = "pass the kv_transfer_params the prefill instance returned, unchanged.") -> None:
+    """A 400 naming the field: ``kv_transfer_params <why>.``"""
+    raise InvalidRequestError(f"kv_transfer_params {why}.", fix=fix, param="kv_transfer_params")
 
 
 def _first_logprobs_fit(value: Any, first_token: int, wanted: int, vocab_size: int) -> bool:
@@ -78,7 +84,7 @@ def _first_logprobs_fit(value: Any, first_token: int, wanted: int, vocab_size: i
         return False
     ids, logprobs, ranks = value
     return (len(ids) == len(logprobs) == len(ranks) == wanted + 1 and ids[0] == first_token
-            and all(_count(i, 0, vocab_size) for i in ids) and all(_count(r, 1, 1 << 31) for r in ranks)
+            and all(is_count(i, 0, vocab_size) for i in ids) and all(is_count(r, 1, 1 << 31) for r in ranks)
             and all(isinstance(x, float) and x <= 0.0 for x in logprobs))
 
 
@@ -86,9 +92,6 @@ def check_params(params: dict, request: Request, connector: str, block_size: int
                  vocab_size: int) -> None:
     """A 400 unless ``params`` came from a prefill instance for this very prompt, through this
     instance's connector (and, with ``secret``, signed with it), with values this model takes."""
-    def bad(why: str, fix: str = "pass the kv_transfer_params the prefill instance returned, unchanged.") -> None:
-        raise InvalidRequestError(f"kv_transfer_params {why}.", fix=fix, param="kv_transfer_params")
-
     if secret is not None:
         sig = params.get("sig")
         if not isinstance(sig, str) or not hmac.compare_digest(sig, signature(params, secret)):
@@ -102,8 +105,8 @@ def check_params(params: dict, request: Request, connector: str, block_size: int
             fix="start the prefill and decode instances with the same --block-size.")
     if params.get("num_prompt_tokens") != request.num_prompt_tokens or params.get("prompt_digest") != prompt_digest(request):
         bad("describe another prompt than this request's (its tokens, cache salt or multimodal items differ)")
-    if not _count(params.get("first_token"), 0, vocab_size) \
-            or not _count(params.get("num_cached_tokens"), 0, request.num_prompt_tokens + 1):
+    if not is_count(params.get("first_token"), 0, vocab_size) \
+            or not is_count(params.get("num_cached_tokens"), 0, request.num_prompt_tokens + 1):
         bad(f"have a first_token outside this model's vocabulary ({vocab_size}) or a num_cached_tokens outside "
             "the prompt")
     wanted = request.sampling_params.logprobs

@@ -149,8 +149,7 @@ class ShmSender(TCPSender):
     def _send(self, identity: bytes, transfer_id: str, blocks: list[int], request: dict) -> str | None:
         if request.get("via") != "shm" or self.arena is None:
             return super()._send(identity, transfer_id, blocks, request)
-        key = self.caches[0][0]
-        shape = [len(blocks) if axis == "B" else int(key.shape[i]) for i, axis in enumerate(self.layout)]
+        key, shape = self.caches[0][0], self.wire_shape(len(blocks))
         per = int(np.prod(shape)) * self.word.itemsize
         nbytes = HEADER_BYTES + 2 * len(self.caches) * per
         offset = self.arena.allocate(nbytes)

@@ -79,6 +79,11 @@ class TCPSender:
         self.offers[transfer_id] = list(block_ids)
         return {"addr": self.address, "transfer_id": transfer_id, "num_blocks": len(block_ids)}
 
+    def wire_shape(self, num_blocks: int) -> list[int]:
+        """A layer's keys (or values) of ``num_blocks`` blocks as they travel: this cache's axis order."""
+        key = self.caches[0][0]
+        return [num_blocks if axis == "B" else int(key.shape[i]) for i, axis in enumerate(self.layout)]
+
     def withdraw(self, transfer_id: str) -> None:
         self.offers.pop(transfer_id, None)
 
@@ -124,8 +129,7 @@ class TCPSender:
     def _send(self, identity: bytes, transfer_id: str, blocks: list[int], request: dict) -> str | None:
         """Send the blocks layer by layer (keys and values in this cache's axis order), then
         ``done``; the transfer id (None: the puller is gone, and fails by its stall timeout)."""
-        key = self.caches[0][0]
-        shape = [len(blocks) if axis == "B" else int(key.shape[i]) for i, axis in enumerate(self.layout)]
+        key, shape = self.caches[0][0], self.wire_shape(len(blocks))
         per = int(np.prod(shape))
         staging = self.staging.take(2 * len(self.caches) * per * self.word.itemsize)
         arrays = staging.view(self.word)
