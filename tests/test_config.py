@@ -1,8 +1,10 @@
 """Environment variables: declared by their owner (core, server, each plugin through the contract),
-collected in one registry, parsed with clear errors, all in the README; and paddle stays lazy."""
+collected in one registry, parsed with clear errors, all in the README; and paddle stays lazy.
+And config.json: a key left out means what transformers makes of it."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -10,9 +12,11 @@ import pytest
 
 import fdplug.server  # noqa: F401  (declares the server's settings)
 from fdplug.core.config import EngineConfig
+from fdplug.core.model.architectures import ARCHITECTURES
+from fdplug.core.model.config import ModelConfig
 from fdplug.core.plugin_loading.loader import load_plugins
 from fdplug.core.settings import env
-from fdplug.errors import ConfigError
+from fdplug.errors import ConfigError, ModelLoadError
 from fdplug.plugin_api import hookimpl
 from fdplug.plugin_api.settings import SETTINGS, Setting, parse_positive_int
 from tests.conftest import PYTHON, subprocess_env
@@ -95,3 +99,53 @@ def test_every_variable_is_in_the_readme(all_settings):
     missing = [name for name in all_settings if f"`{name}`" not in readme]
     assert not missing, f"document these in README.md: {missing}"
     assert all(setting.help.strip() for setting in all_settings.values())
+
+
+# --------------------------------------------------------------------------------------------------
+# config.json keys left out: what transformers makes of them (tests/fixtures/config_defaults.json,
+# written by tools/make_config_defaults.py from transformers' own config classes)
+# --------------------------------------------------------------------------------------------------
+
+DEFAULTS = json.loads((Path(__file__).parent / "fixtures" / "config_defaults.json").read_text())
+_LEFT_OUT = [(arch, key) for arch, entry in DEFAULTS["architectures"].items() for key in ["", *entry["left_out"]]]
+
+
+def _facts(cfg: ModelConfig) -> dict:
+    """The fixture's quantities, as fdplug parsed them."""
+    out = {"head_dim": cfg.head_dim, "num_kv_heads": cfg.num_kv_heads, "rope_theta": cfg.rope.theta,
+           "partial_rotary": cfg.rope.partial, "rms_norm_eps": cfg.rms_norm_eps,
+           "max_positions": cfg.max_position_embeddings, "tie_word_embeddings": cfg.tie_word_embeddings,
+           "qkv_bias": cfg.attention_bias, "o_bias": cfg.o_proj_bias,
+           "mlp_bias": cfg.mlp_bias, "qk_norm": cfg.qk_norm}
+    if cfg.moe is not None:
+        routing = cfg.moe.routing
+        out |= {"num_experts": cfg.moe.num_experts, "moe_intermediate_size": cfg.moe.intermediate_size,
+                "top_k": routing.top_k, "renormalize": routing.renormalize, "moe_layers": list(cfg.moe.layers),
+                "shared_intermediate_size": cfg.moe.shared_intermediate_size, "shared_gate": cfg.moe.shared_gate,
+                "routed_scaling": routing.scaling, "num_groups": routing.num_groups,
+                "topk_groups": routing.topk_groups, "norm_floor": routing.norm_floor}
+    return out
+
+
+def test_the_defaults_fixture_covers_every_architecture():
+    assert set(DEFAULTS["architectures"]) == set(ARCHITECTURES)
+
+
+@pytest.mark.parametrize("arch, key", _LEFT_OUT, ids=[f"{arch}-{key or 'full'}" for arch, key in _LEFT_OUT])
+def test_a_key_left_out_means_what_transformers_makes_of_it(arch, key, tmp_path):
+    """Each key fdplug reads with a default, left out of a config.json that sets all of them to
+    non-default values: fdplug's reading equals transformers' (ERNIE-4.5-MoE's head_dim is
+    hidden_size // heads, dense ERNIE-4.5's 128; Qwen2's num_key_value_heads 32, ...)."""
+    entry = DEFAULTS["architectures"][arch]
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in entry["config"].items() if k != key}))
+    expected = entry["facts"] | (entry["left_out"][key] if key else {})
+    got = _facts(ModelConfig.from_dir(tmp_path))
+    assert {name: got[name] for name in expected} == expected, f"transformers {DEFAULTS['transformers']}"
+
+
+def test_an_absent_num_key_value_heads_that_cannot_be_is_named():
+    raw = DEFAULTS["architectures"]["Qwen2ForCausalLM"]["config"] | {"num_attention_heads": 8, "hidden_size": 512}
+    del raw["num_key_value_heads"]
+    with pytest.raises(ModelLoadError, match="no 'num_key_value_heads'.*default.*is 32") as err:
+        ModelConfig.from_dict(raw)
+    assert "add num_key_value_heads" in err.value.fix

@@ -174,7 +174,7 @@ def test_unsupported_quantization_is_refused_by_name(models, quant, error, words
 
 def test_a_partly_quantized_fused_projection_is_refused():
     raw = {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 32, "hidden_size": 16, "intermediate_size": 32,
-           "num_hidden_layers": 1, "num_attention_heads": 2,
+           "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2,
            "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128],
                                    "modules_to_not_convert": ["model.layers.0.self_attn.k_proj"]}}
     cfg = ModelConfig.from_dict(raw)

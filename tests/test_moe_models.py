@@ -141,22 +141,22 @@ def test_fused_expert_layout_loads_to_the_same_model(moe_dirs, references, model
 
 def _qwen3(**changes) -> dict:
     base = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 32, "hidden_size": 16, "intermediate_size": 32,
-            "num_hidden_layers": 6, "num_attention_heads": 2, "head_dim": 8, "num_experts": 8,
+            "num_hidden_layers": 6, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 8, "num_experts": 8,
             "num_experts_per_tok": 2, "moe_intermediate_size": 8}
     return base | changes
 
 
 def _ernie(**changes) -> dict:
     base = {"architectures": ["Ernie4_5_MoeForCausalLM"], "vocab_size": 32, "hidden_size": 16,
-            "intermediate_size": 32, "num_hidden_layers": 6, "num_attention_heads": 2, "head_dim": 8,
-            "moe_num_experts": 8, "moe_k": 2, "moe_intermediate_size": 8}
+            "intermediate_size": 32, "num_hidden_layers": 6, "num_attention_heads": 2, "num_key_value_heads": 2,
+            "head_dim": 8, "moe_num_experts": 8, "moe_k": 2, "moe_intermediate_size": 8}
     return base | changes
 
 
 def _glm(**changes) -> dict:
     base = {"architectures": ["Glm4MoeForCausalLM"], "vocab_size": 32, "hidden_size": 16, "intermediate_size": 32,
-            "num_hidden_layers": 6, "num_attention_heads": 2, "head_dim": 8, "n_routed_experts": 8,
-            "num_experts_per_tok": 2, "moe_intermediate_size": 8, "n_group": 4, "topk_group": 2}
+            "num_hidden_layers": 6, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 8,
+            "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 8, "n_group": 4, "topk_group": 2}
     return base | changes
 
 

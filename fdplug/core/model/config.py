@@ -2,8 +2,11 @@
 
 Parsed from ``config.json`` (transformers 4.x or 5.x keys) and ``generation_config.json``. The
 defaults for keys a config.json leaves out are transformers' own per-architecture defaults, because
-a checkpoint means whatever transformers makes of it (ERNIE-4.5 and Qwen3 default ``head_dim`` to
-128, not ``hidden_size // num_heads``; ERNIE-4.5 ties its embeddings unless told otherwise).
+a checkpoint means whatever transformers makes of it, and they are not what one would guess: dense
+ERNIE-4.5 and Qwen3 default ``head_dim`` to 128 but their MoE siblings to ``hidden_size // num_heads``;
+``num_key_value_heads`` is the number of heads only for Llama (Qwen2: 32, ERNIE-4.5: 2, ...);
+ERNIE-4.5 ties its embeddings unless told otherwise. ``tests/fixtures/config_defaults.json``
+(written by ``tools/make_config_defaults.py`` from transformers itself) checks every one of them.
 No paddle here: the config can be read and checked before a device is chosen.
 """
 
@@ -15,50 +18,23 @@ from pathlib import Path
 from typing import Any
 
 from fdplug.core.config import ModelTraits
+from fdplug.core.model.architectures import (
+    CONFIG_FIX,
+    check_supported,
+    flag,
+    kv_heads,
+    pick_architecture,
+)
 from fdplug.core.model.moe_config import MoEConfig, parse_moe
-from fdplug.core.model.quant_config import QuantConfig, fused_quant, parse_quant, with_quantization
+from fdplug.core.model.quant_config import (
+    QuantConfig,
+    fused_quant,
+    parse_quant,
+    with_quantization,
+)
 from fdplug.core.model.rope import RopeConfig, parse_rope
 from fdplug.core.multimodal.config import MultimodalConfig
-from fdplug.errors import ModelLoadError, UnsupportedModelError
-
-
-@dataclass(frozen=True, slots=True)
-class _Arch:
-    """How one supported architecture reads its config.json."""
-
-    default_theta: float = 10000.0
-    default_head_dim: int | None = None      # None: hidden_size // num_heads
-    default_tie: bool = False
-    default_eps: float = 1e-6
-    default_max_positions: int = 2048
-    qkv_bias: str | bool = "attention_bias"  # a config key, or fixed
-    o_bias: str | bool = "attention_bias"
-    mlp_bias: str | bool = False
-    qk_norm: str | bool = False              # a config key, or fixed
-    interleaved_rope: bool = False
-    default_partial_rotary: float = 1.0
-
-
-ARCHITECTURES: dict[str, _Arch] = {
-    "LlamaForCausalLM": _Arch(mlp_bias="mlp_bias"),
-    "Qwen2ForCausalLM": _Arch(qkv_bias=True, o_bias=False, default_max_positions=32768),
-    "Qwen3ForCausalLM": _Arch(default_head_dim=128, qk_norm=True, default_max_positions=32768),
-    "Ernie4_5ForCausalLM": _Arch(default_theta=500000.0, default_head_dim=128, default_tie=True,
-                                 default_eps=1e-5, default_max_positions=131072, qkv_bias="use_bias",
-                                 o_bias="use_bias", mlp_bias="use_bias", interleaved_rope=True),
-}
-# The MoE architectures: attention as their dense siblings', the MLPs per `moe_config`.
-ARCHITECTURES |= {
-    "Qwen2MoeForCausalLM": ARCHITECTURES["Qwen2ForCausalLM"],
-    "Qwen3MoeForCausalLM": ARCHITECTURES["Qwen3ForCausalLM"],
-    "Ernie4_5_MoeForCausalLM": ARCHITECTURES["Ernie4_5ForCausalLM"],
-    # GLM-4.5/4.6 (transformers' Glm4MoeForCausalLM): NeoX RoPE on the first half of each head.
-    "Glm4MoeForCausalLM": _Arch(default_eps=1e-5, default_max_positions=131072, o_bias=False, qk_norm="use_qk_norm",
-                                default_partial_rotary=0.5),
-}
-
-# Names the same architecture goes by (Baidu's remote-code configs say Ernie4_5_ForCausalLM).
-ALIASES = {"Ernie4_5_ForCausalLM": "Ernie4_5ForCausalLM"}
+from fdplug.errors import ModelLoadError
 
 _DTYPES = {"float32": "float32", "float": "float32", "fp32": "float32", "bfloat16": "bfloat16",
            "bf16": "bfloat16", "float16": "float16", "half": "float16", "fp16": "float16"}
@@ -127,13 +103,14 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
         """Build from parsed config.json (and generation_config.json) dicts."""
-        arch_name, arch = _pick_architecture(raw)
-        _check_supported(raw, arch_name)
+        arch_name, arch = pick_architecture(raw)
+        check_supported(raw, arch_name)
         hidden, heads = _need_int(raw, "hidden_size"), _need_int(raw, "num_attention_heads")
         head_dim = raw["head_dim"] if "head_dim" in raw else arch.default_head_dim
         head_dim = int(head_dim) if head_dim is not None else hidden // heads
         max_pos = int(raw.get("max_position_embeddings") or arch.default_max_positions)
         num_layers = _need_int(raw, "num_hidden_layers")
+        num_kv_heads = kv_heads(raw, arch_name, arch, heads)
         cfg = cls(
             architecture=arch_name,
             vocab_size=_need_int(raw, "vocab_size"),
@@ -141,17 +118,17 @@ class ModelConfig:
             intermediate_size=_need_int(raw, "intermediate_size"),
             num_layers=num_layers,
             num_heads=heads,
-            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+            num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             rms_norm_eps=float(raw.get("rms_norm_eps", arch.default_eps)),
             rope=parse_rope(raw, default_theta=arch.default_theta, max_position_embeddings=max_pos,
                             interleaved=arch.interleaved_rope, default_partial=arch.default_partial_rotary),
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", arch.default_tie)),
-            attention_bias=_flag(raw, arch.qkv_bias),
-            o_proj_bias=_flag(raw, arch.o_bias),
-            mlp_bias=_flag(raw, arch.mlp_bias),
-            qk_norm=_flag(raw, arch.qk_norm),
+            attention_bias=flag(raw, arch.qkv_bias),
+            o_proj_bias=flag(raw, arch.o_bias),
+            mlp_bias=flag(raw, arch.mlp_bias),
+            qk_norm=flag(raw, arch.qk_norm),
             dtype=_dtype(raw),
             eos_token_ids=_eos_ids(raw, generation),
             bos_token_id=_first_int((generation or {}).get("bos_token_id"), raw.get("bos_token_id")),
@@ -168,13 +145,13 @@ class ModelConfig:
         """Shape facts the decoder relies on; a violation is a broken config.json."""
         if self.num_heads % self.num_kv_heads:
             raise ModelLoadError(f"num_attention_heads={self.num_heads} is not a multiple of "
-                                 f"num_key_value_heads={self.num_kv_heads}.", fix=_CONFIG_FIX)
+                                 f"num_key_value_heads={self.num_kv_heads}.", fix=CONFIG_FIX)
         if self.head_dim % 2:
-            raise ModelLoadError(f"head_dim={self.head_dim} is odd; RoPE needs an even head_dim.", fix=_CONFIG_FIX)
+            raise ModelLoadError(f"head_dim={self.head_dim} is odd; RoPE needs an even head_dim.", fix=CONFIG_FIX)
         rotary = self.rope.rotary_dim(self.head_dim)
         if rotary < 2 or rotary % 2:
             raise ModelLoadError(f"partial_rotary_factor={self.rope.partial:g} of head_dim={self.head_dim} rotates "
-                                 f"{rotary} dims; RoPE needs a positive even number.", fix=_CONFIG_FIX)
+                                 f"{rotary} dims; RoPE needs a positive even number.", fix=CONFIG_FIX)
 
     def moe_weight_format(self) -> str:
         """How the routed experts are stored: ``none`` (float), ``fp8_block``; a MoE backend must execute it."""
@@ -201,63 +178,22 @@ class ModelConfig:
 _DIR_FIX = ("pass a local Hugging Face model directory holding config.json and model.safetensors (or "
             "model.safetensors.index.json and its shards), e.g. from `huggingface-cli download ORG/NAME "
             "--local-dir DIR`.")
-_CONFIG_FIX = "fix the model's config.json (compare with the original checkpoint's)."
 
 
 def _read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"cannot read {str(path)!r}: {exc}.", fix=_CONFIG_FIX) from None
+        raise ModelLoadError(f"cannot read {str(path)!r}: {exc}.", fix=CONFIG_FIX) from None
     if not isinstance(data, dict):
-        raise ModelLoadError(f"{str(path)!r} is not a JSON object.", fix=_CONFIG_FIX)
+        raise ModelLoadError(f"{str(path)!r} is not a JSON object.", fix=CONFIG_FIX)
     return data
-
-
-def _pick_architecture(raw: dict[str, Any]) -> tuple[str, _Arch]:
-    names = raw.get("architectures") or []
-    for name in names:
-        name = ALIASES.get(name, name)
-        if name in ARCHITECTURES:
-            return name, ARCHITECTURES[name]
-    shown = ", ".join(map(str, names)) or f"none (model_type={raw.get('model_type')!r})"
-    raise UnsupportedModelError(f"model architecture {shown} is not supported; supported: "
-                                f"{', '.join(ARCHITECTURES)}.",
-                                fix="use a checkpoint of a supported architecture, or add one under "
-                                    "fdplug/core/model/.")
-
-
-def _check_supported(raw: dict[str, Any], arch: str) -> None:
-    """Refuse features the decoder does not implement rather than compute something else."""
-    act = raw.get("hidden_act", "silu")
-    if act != "silu":
-        raise UnsupportedModelError(f"{arch} with hidden_act={act!r} is not supported (only 'silu').",
-                                    fix="use a checkpoint with a SwiGLU ('silu') MLP.")
-    if float(raw.get("compression_ratio") or 1.0) != 1.0:
-        raise UnsupportedModelError(f"{arch} with compression_ratio={raw['compression_ratio']} (compressed RoPE "
-                                    "positions) is not supported.", fix="use a checkpoint with compression_ratio 1.")
-    if _sliding_layers(raw):
-        raise UnsupportedModelError(f"{arch} with sliding-window attention is not supported.",
-                                    fix="set use_sliding_window to false in config.json if the model allows it.")
-
-
-def _sliding_layers(raw: dict[str, Any]) -> bool:
-    layer_types = raw.get("layer_types")
-    if layer_types:
-        return any(t == "sliding_attention" for t in layer_types)
-    if not raw.get("use_sliding_window") or raw.get("sliding_window") is None:
-        return False
-    return int(raw.get("num_hidden_layers", 0)) > int(raw.get("max_window_layers", 28))
 
 
 def _need_int(raw: dict[str, Any], key: str) -> int:
     if not isinstance(raw.get(key), int) or isinstance(raw.get(key), bool):
-        raise ModelLoadError(f"config.json has no integer {key!r} (got {raw.get(key)!r}).", fix=_CONFIG_FIX)
+        raise ModelLoadError(f"config.json has no integer {key!r} (got {raw.get(key)!r}).", fix=CONFIG_FIX)
     return raw[key]
-
-
-def _flag(raw: dict[str, Any], rule: str | bool) -> bool:
-    return rule if isinstance(rule, bool) else bool(raw.get(rule) or False)
 
 
 def _dtype(raw: dict[str, Any]) -> str:

@@ -1,0 +1,161 @@
+"""Record what transformers makes of a config.json that leaves a key out: fdplug's config-default fixture.
+
+Needs transformers only (its config classes import without torch); dev only, never a runtime or CI
+dependency::
+
+    python3 -m venv /tmp/tfvenv && /tmp/tfvenv/bin/pip install transformers
+    /tmp/tfvenv/bin/python tools/make_config_defaults.py    # writes tests/fixtures/config_defaults.json
+
+Why: a checkpoint means whatever transformers makes of it, and transformers' defaults differ per
+architecture in ways no one guesses (ERNIE-4.5 dense defaults ``head_dim`` to 128, its MoE sibling
+to ``hidden_size // num_attention_heads``; Qwen2 defaults ``num_key_value_heads`` to 32, not to the
+number of heads). For each architecture fdplug supports, a full config.json sets every key fdplug
+reads with a default to a value that is *not* that default; then each key is left out in turn, the
+directory is loaded with ``AutoConfig.from_pretrained`` (the path a checkpoint takes) and the
+quantities the model is built from are recorded the way each ``modeling_*.py`` derives them (e.g.
+``head_dim = getattr(config, "head_dim", hidden_size // num_attention_heads)``). Not recorded:
+``num_nextn_predict_layers`` (transformers 5's GLM-4.5 config defaults it to 1, 4.x has no default,
+and no modeling file reads it: transformers drops GLM's MTP layers by name, fdplug skips them only
+when declared) and the five shape keys every config.json has (fdplug requires them).
+
+The fixture holds, per architecture, the full ``config`` and its ``facts``, and per left-out key
+only the facts that change (``tests/test_config.py`` loads each through fdplug and compares).
+Deterministic: rerun after a transformers upgrade and review the diff.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import transformers
+from transformers import AutoConfig
+
+OUT = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "config_defaults.json"
+
+# Keys every config.json has (fdplug requires them): not left out. 64 heads: every architecture's
+# default num_key_value_heads (2 to 32) divides them and none equals them; hidden // heads = 64.
+_REQUIRED = {"vocab_size": 256, "hidden_size": 4096, "intermediate_size": 128, "num_hidden_layers": 6,
+             "num_attention_heads": 64, "hidden_act": "silu"}
+
+# Keys fdplug reads with a default, set to values no architecture defaults to. Booleans are set to
+# the opposite of the architecture's default (found by loading the bare config first).
+_ATTENTION = {"head_dim": 32, "num_key_value_heads": 1, "rope_theta": 20000.0, "partial_rotary_factor": 0.75,
+              "rms_norm_eps": 3e-6, "max_position_embeddings": 4096, "tie_word_embeddings": None}
+_QWEN_MOE = {"num_experts": 16, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "norm_topk_prob": None,
+             "decoder_sparse_step": 2, "mlp_only_layers": [1]}
+
+
+def _bias(qkv: str | bool, o: str | bool, mlp: str | bool, qk_norm: str | bool) -> Callable[[Any], dict]:
+    """Which projections carry a bias and whether q/k are normed, as the modeling file builds them:
+    a config attribute name, or a constant where the modeling file hard-codes it."""
+    def read(c: Any) -> dict[str, bool]:
+        pick = (lambda rule: rule if isinstance(rule, bool) else bool(getattr(c, rule)))
+        return {"qkv_bias": pick(qkv), "o_bias": pick(o), "mlp_bias": pick(mlp), "qk_norm": pick(qk_norm)}
+    return read
+
+
+def _qwen_moe(c: Any, shared: bool) -> dict[str, Any]:
+    """modeling_qwen{2,3}_moe.py: layer i is MoE unless in mlp_only_layers, when (i+1) % step == 0."""
+    layers = [i for i in range(c.num_hidden_layers) if i not in c.mlp_only_layers
+              and c.num_experts > 0 and (i + 1) % c.decoder_sparse_step == 0]
+    width = c.shared_expert_intermediate_size if shared else 0
+    return {"num_experts": c.num_experts, "moe_intermediate_size": c.moe_intermediate_size,
+            "top_k": c.num_experts_per_tok, "renormalize": bool(c.norm_topk_prob), "moe_layers": layers,
+            "shared_intermediate_size": width, "shared_gate": width > 0}
+
+
+def _ernie_moe(c: Any) -> dict[str, Any]:
+    """modeling_ernie4_5_moe.py: every moe_layer_interval-th layer from start to end index."""
+    layers = [i for i in range(c.num_hidden_layers) if (i + 1) % c.moe_layer_interval == 0
+              and c.moe_layer_start_index <= i <= c.moe_layer_end_index]
+    return {"num_experts": c.moe_num_experts, "moe_intermediate_size": c.moe_intermediate_size, "top_k": c.moe_k,
+            "moe_layers": layers, "shared_intermediate_size": c.moe_intermediate_size * c.moe_num_shared_experts,
+            "norm_floor": c.moe_norm_min}
+
+
+def _glm_moe(c: Any) -> dict[str, Any]:
+    """modeling_glm4_moe.py: MoE from first_k_dense_replace on; grouped routing, scaled."""
+    return {"num_experts": c.n_routed_experts, "moe_intermediate_size": c.moe_intermediate_size,
+            "top_k": c.num_experts_per_tok, "renormalize": bool(c.norm_topk_prob),
+            "moe_layers": list(range(c.first_k_dense_replace, c.num_hidden_layers)),
+            "shared_intermediate_size": c.moe_intermediate_size * c.n_shared_experts,
+            "routed_scaling": float(c.routed_scaling_factor), "num_groups": c.n_group, "topk_groups": c.topk_group}
+
+
+# fdplug architecture -> (model_type, keys to leave out with their full-config values, biases, MoE facts)
+SPECS: dict[str, tuple[str, dict[str, Any], Callable[[Any], dict], Callable[[Any], dict] | None]] = {
+    "LlamaForCausalLM": ("llama", {**_ATTENTION, "attention_bias": None, "mlp_bias": None},
+                         _bias("attention_bias", "attention_bias", "mlp_bias", False), None),
+    "Qwen2ForCausalLM": ("qwen2", _ATTENTION, _bias(True, False, False, False), None),
+    "Qwen3ForCausalLM": ("qwen3", {**_ATTENTION, "attention_bias": None},
+                         _bias("attention_bias", "attention_bias", False, True), None),
+    "Ernie4_5ForCausalLM": ("ernie4_5", {**_ATTENTION, "use_bias": None},
+                            _bias("use_bias", "use_bias", "use_bias", False), None),
+    "Qwen2MoeForCausalLM": ("qwen2_moe", {**_ATTENTION, "qkv_bias": None, **_QWEN_MOE,
+                                          "shared_expert_intermediate_size": 80},
+                            _bias("qkv_bias", False, False, False), lambda c: _qwen_moe(c, shared=True)),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", {**_ATTENTION, "attention_bias": None, **_QWEN_MOE},
+                            _bias("attention_bias", "attention_bias", False, True),
+                            lambda c: _qwen_moe(c, shared=False)),
+    "Ernie4_5_MoeForCausalLM": ("ernie4_5_moe", {**_ATTENTION, "use_bias": None, "moe_num_experts": 6, "moe_k": 2,
+                                                 "moe_intermediate_size": 48, "moe_num_shared_experts": 1,
+                                                 "moe_layer_start_index": 2, "moe_layer_end_index": 4,
+                                                 "moe_layer_interval": 2, "moe_norm_min": 1e-6},
+                                _bias("use_bias", "use_bias", "use_bias", False), _ernie_moe),
+    # n_group / topk_group: 2 / 1, so leaving either out still routes (topk_group <= n_group); 16
+    # experts, so one group's 8 cover the default num_experts_per_tok (8).
+    "Glm4MoeForCausalLM": ("glm4_moe", {**_ATTENTION, "attention_bias": None, "use_qk_norm": None,
+                                        "n_routed_experts": 16, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                                        "n_shared_experts": 2, "routed_scaling_factor": 2.5, "n_group": 2,
+                                        "topk_group": 1, "first_k_dense_replace": 2, "norm_topk_prob": None},
+                           _bias("attention_bias", False, False, "use_qk_norm"), _glm_moe),
+}
+
+
+def _load(raw: dict[str, Any]) -> Any:
+    """What ``from_pretrained`` makes of this config.json."""
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(raw))
+        return AutoConfig.from_pretrained(tmp)
+
+
+def facts(c: Any, spec: tuple) -> dict[str, Any]:
+    """The quantities fdplug's ModelConfig holds, as transformers' modeling code reads them."""
+    _, _, biases, moe = spec
+    rope = dict(getattr(c, "rope_parameters", None) or {})   # 5.x; 4.x keeps them as attributes
+    out = {"head_dim": getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+           "num_kv_heads": c.num_key_value_heads,
+           "rope_theta": float(rope.get("rope_theta", getattr(c, "rope_theta", None))),
+           "partial_rotary": float(rope.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", None)) or 1.0),
+           "rms_norm_eps": c.rms_norm_eps, "max_positions": c.max_position_embeddings,
+           "tie_word_embeddings": bool(c.tie_word_embeddings), **biases(c)}
+    return out | (moe(c) if moe else {})
+
+
+def build(arch: str, spec: tuple) -> dict[str, Any]:
+    """One architecture's entry: the full config.json, its facts, and what leaving each key out changes."""
+    model_type, keys, _, _ = spec
+    bare = _load({**_REQUIRED, "architectures": [arch], "model_type": model_type})
+    full = {**_REQUIRED, "architectures": [arch], "model_type": model_type}
+    for key, value in keys.items():
+        full[key] = (not bool(getattr(bare, key))) if value is None else value
+    full_facts = facts(_load(full), spec)
+    left_out = {}
+    for key in keys:
+        got = facts(_load({k: v for k, v in full.items() if k != key}), spec)
+        left_out[key] = {name: value for name, value in got.items() if full_facts[name] != value}
+    return {"config": full, "facts": full_facts, "left_out": left_out}
+
+
+def main() -> None:
+    out = {"generated_by": "tools/make_config_defaults.py", "transformers": transformers.__version__,
+           "architectures": {arch: build(arch, spec) for arch, spec in SPECS.items()}}
+    OUT.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {OUT} (transformers {transformers.__version__})")
+
+
+if __name__ == "__main__":
+    main()
