@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import argparse
+import secrets
 import statistics
 import sys
 import tempfile
@@ -153,8 +154,9 @@ def end_to_end(args, tmp: Path) -> None:
     common = ["--model", model, "--served-model-name", "bench", "--max-model-len", "1024"]
     procs = {}
     procs["single"] = launch(common, tmp / "single.log")
-    procs["prefill"] = launch([*common, "--role", "prefill"], tmp / "prefill.log")
-    procs["decode"] = launch([*common, "--role", "decode"], tmp / "decode.log")
+    secret = {"FDPLUG_PD_SECRET": secrets.token_hex(16)}    # signed params: the decode side trusts the prefill's
+    procs["prefill"] = launch([*common, "--role", "prefill"], tmp / "prefill.log", env=secret)
+    procs["decode"] = launch([*common, "--role", "decode"], tmp / "decode.log", env=secret)
     procs["router"] = launch(["--prefill", procs["prefill"][1], "--decode", procs["decode"][1]], tmp / "router.log",
                              command="router")
     targets = {"one instance": procs["single"][1], "PD pair": procs["router"][1]}

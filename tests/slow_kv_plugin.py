@@ -12,7 +12,8 @@ import os
 import time
 
 from fdplug import hookimpl
-from fdplug.core.kv_transfer.tcp import TCPReceiver, TCPSender
+from fdplug.core.kv_transfer.tcp import TCPSender
+from fdplug.core.kv_transfer.tcp_receiver import TCPReceiver
 from fdplug.plugin_api.specs import ANY_DEVICE, KVConnectorSpec
 
 FDPLUG_API_VERSION = "3.8"
@@ -71,9 +72,12 @@ class SlowReceiver(TCPReceiver):
 
 
 def _factory(config, role, caches):
-    if role == "prefill":
-        return SlowSender(caches.layers, caches.layout, f"tcp://{caches.host}:0")
-    return SlowReceiver(caches.layers, caches.layout, caches.stall_timeout)
+    from fdplug.core.kv_transfer.peers import sender_address
+
+    if role == "prefill":           # at --kv-port when it is set, as the built-in connectors
+        address, span = sender_address(caches.host, caches.port)
+        return SlowSender(caches.layers, caches.layout, address, port_span=span)
+    return SlowReceiver(caches.layers, caches.layout, caches.stall_timeout, peers=caches.peers)   # --kv-peers
 
 
 @hookimpl

@@ -19,7 +19,8 @@ import pytest
 import zmq
 
 from fdplug.core.kv_transfer.shm import ShmReceiver, ShmSender, remove_stale_arenas
-from fdplug.core.kv_transfer.tcp import TCPReceiver, TCPSender
+from fdplug.core.kv_transfer.tcp import TCPSender
+from fdplug.core.kv_transfer.tcp_receiver import TCPReceiver
 from fdplug.plugin_api.kv_connector import KVCaches
 from fdplug.plugin_api.kv_layout import gather_blocks
 
@@ -78,7 +79,7 @@ def test_shm_reads_the_arena_here_and_pulls_over_tcp_otherwise(tmp_path, monkeyp
     receiver = ShmReceiver(KVCaches(target, "BTHD", TOKENS))
     try:
         conn = sender.offer([1, 2])
-        assert conn["shm"].startswith("/dev/shm/fdplug-kv-") and receiver._pull_options(conn) == {"via": "shm"}
+        assert conn["shm"].startswith("/dev/shm/fdplug-kv-") and receiver._pull_options(conn) == {"via": "shm", "arena": conn["shm"]}
         receiver.pull(conn, [3, 4])
         assert run(sender, receiver)[0] == {conn["transfer_id"]} and list(receiver.maps) == [conn["shm"]]
         wait = time.monotonic() + 5
@@ -129,6 +130,7 @@ def test_a_layer_that_does_not_fit_fails_its_transfer_and_writes_nothing():
         rogue.send_multipart([identity, header, big, big])
         _, failed, _ = run(None, receiver)
         assert "expected paddle.float32 [2, 2, 4, 8]" in failed[tid]
+        assert not receiver.pulls                                # its socket closed with it
         assert not any(cache.numpy().any() for pair in target for cache in pair)
     finally:
         rogue.close(0), receiver.close()

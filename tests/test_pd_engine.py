@@ -57,6 +57,12 @@ def finished(ids):
     return lambda got: all(any(o.finished for o in got.get(i, [])) for i in ids)
 
 
+def peer_of(prefill: LLM) -> dict:
+    """A decode side without FDPLUG_PD_SECRET pulls only from prefill instances it names
+    (``--kv-peers``): ``prefill``'s KV endpoint (a free port of this machine)."""
+    return {"kv_peers": (prefill.engine.kv_transfer.sender.address.removeprefix("tcp://"),)}
+
+
 def test_decode_continues_what_prefill_started_with_one_engines_tokens(model, monkeypatch):
     monkeypatch.setenv("FDPLUG_PD_SECRET", "shared by both sides")
     want = [o.outputs[0].token_ids for o in LLM(model, **ARGS).generate(
@@ -89,7 +95,8 @@ def test_decode_continues_what_prefill_started_with_one_engines_tokens(model, mo
 
 
 def test_a_pull_that_cannot_be_served_fails_its_request_alone(model):
-    prefill, decode = LLM(model, kv_role="prefill", **ARGS), LLM(model, kv_role="decode", **ARGS)
+    prefill = LLM(model, kv_role="prefill", **ARGS)
+    decode = LLM(model, kv_role="decode", **peer_of(prefill), **ARGS)
     eos = prefill.model_config.eos_token_ids
     prefill.engine.add_request(request("p", PROMPTS[2], 1, eos, {"do_remote_decode": True}))
     params = next(o for o in drive([prefill.engine], finished(["p"]))["p"] if o.finished).kv_transfer_params
@@ -114,14 +121,15 @@ def test_a_pull_that_cannot_be_served_fails_its_request_alone(model):
 
 
 def test_params_a_decode_instance_cannot_verify_never_reach_another_request(model, monkeypatch):
-    """Signed with another secret: refused. Unsigned, on a decode instance without the secret:
-    served (the same tokens), but its blocks are its own: the same prompt later hits none of them."""
+    """Signed with another secret: refused. Unsigned, on a decode instance without the secret that
+    names the prefill instance in its --kv-peers: served (the same tokens), but its blocks are its
+    own: the same prompt later hits none of them."""
     monkeypatch.setenv("FDPLUG_PD_SECRET", "the prefill side's")
     prefill = LLM(model, kv_role="prefill", **ARGS)
     monkeypatch.setenv("FDPLUG_PD_SECRET", "another")
     strict = LLM(model, kv_role="decode", **ARGS)
     monkeypatch.delenv("FDPLUG_PD_SECRET")
-    open_ = LLM(model, kv_role="decode", **ARGS)
+    open_ = LLM(model, kv_role="decode", **peer_of(prefill), **ARGS)      # unsigned: from its named peer only
     eos = prefill.model_config.eos_token_ids
     prefill.engine.add_request(request("p", PROMPTS[1], 1, eos, {"do_remote_decode": True}))
     params = next(o for o in drive([prefill.engine], finished(["p"]))["p"] if o.finished).kv_transfer_params
@@ -140,7 +148,8 @@ def test_a_decode_side_with_no_free_blocks_fails_the_request_in_time_and_holds_n
     lets go at its pickup timeout."""
     monkeypatch.setenv("FDPLUG_KV_TRANSFER_TIMEOUT", "0.5")
     monkeypatch.setenv("FDPLUG_KV_PICKUP_TIMEOUT", "1")
-    prefill, decode = LLM(model, kv_role="prefill", **ARGS), LLM(model, kv_role="decode", **ARGS)
+    prefill = LLM(model, kv_role="prefill", **ARGS)
+    decode = LLM(model, kv_role="decode", **peer_of(prefill), **ARGS)
     eos = prefill.model_config.eos_token_ids
     prefill.engine.add_request(request("p", PROMPTS[2], 1, eos, {"do_remote_decode": True}))
     params = next(o for o in drive([prefill.engine], finished(["p"]))["p"] if o.finished).kv_transfer_params
@@ -160,7 +169,8 @@ def test_a_decode_side_with_no_free_blocks_fails_the_request_in_time_and_holds_n
 def test_a_connector_that_breaks_fails_its_transfers_not_the_engine(model, monkeypatch):
     """The receiver's poll raises (a vendor connector's bug): the request being pulled fails with a
     typed error, and the engine goes on serving a request of its own."""
-    prefill, decode = LLM(model, kv_role="prefill", **ARGS), LLM(model, kv_role="decode", **ARGS)
+    prefill = LLM(model, kv_role="prefill", **ARGS)
+    decode = LLM(model, kv_role="decode", **peer_of(prefill), **ARGS)
     eos = prefill.model_config.eos_token_ids
     prefill.engine.add_request(request("p", PROMPTS[2], 1, eos, {"do_remote_decode": True}))
     params = next(o for o in drive([prefill.engine], finished(["p"]))["p"] if o.finished).kv_transfer_params
@@ -204,7 +214,7 @@ def test_multimodal_prompts_continue_on_a_decode_side_that_never_fetches_unless_
                (chat(prefill, [video(root, "video")], "what happens"), [feature(3, 8)])]
     want = [naive_mm_greedy(prefill, p, f, GREEDY.max_tokens) for p, f in prompts]
     for decode_args, preempts in (({}, False), ({"num_kv_blocks": 9, "max_num_seqs": 4}, True)):
-        decode = make_llm(test_model_dir, root, kv_role="decode", **decode_args)
+        decode = make_llm(test_model_dir, root, kv_role="decode", **peer_of(prefill), **decode_args)
         ids = [f"{preempts}-{i}" for i in range(len(prompts))]
         processed = [prefill.input_processor.process(p) for p, _ in prompts]
         for rid, prompt in zip(ids, processed):

@@ -200,22 +200,31 @@ def test_multimodal_through_the_router_reads_features_on_the_prefill_side_only(p
 
 
 def test_faults_end_each_request_within_its_timeout_and_free_every_block(pd, tmp_path):
-    """With a third party's connector that sends a layer per second (``tests/slow_kv_plugin.py``):
-    a decode instance killed before it picks up (the client gets a 503 from the router; the prefill
-    instance lets go after FDPLUG_KV_PICKUP_TIMEOUT); a transfer that never arrives; a prefill
-    instance killed mid-transfer. Each decode request is a 502 within FDPLUG_KV_STALL_TIMEOUT (plus
-    the test's slack); every instance left ends with no request running and no block held."""
+    """With a third party's connector that sends a layer per second (``tests/slow_kv_plugin.py``),
+    and no FDPLUG_PD_SECRET: the decode instances name the prefill instance's KV endpoint
+    (``--kv-port`` there, ``--kv-peers`` here), and a conn naming any other address is a 400.
+    A decode instance killed before it picks up (the client gets a 503 from the router; the prefill
+    instance lets go after FDPLUG_KV_PICKUP_TIMEOUT); a transfer that never arrives (from a named
+    peer that never answers); a prefill instance killed mid-transfer. Each decode request is a 502
+    within FDPLUG_KV_STALL_TIMEOUT (plus the test's slack); every instance left ends with no request
+    running and no block held."""
     import zmq
 
     from tests.conftest import REPO, write_dist
+    from tests.serverkit import free_port
 
     site = write_dist(tmp_path / "site", "fdplug-slowkv", "0.1", {"slowkv": "tests.slow_kv_plugin"})
     env = {"FDPLUG_KV_PICKUP_TIMEOUT": "2", "FDPLUG_KV_STALL_TIMEOUT": "2", "SLOW_KV_LAYER_S": "1",
            "PYTHONPATH": f"{site}:{REPO}"}
-    args = ["--model", pd[0], "--kv-connector", "slow_tcp", *ARGS]
-    servers = {role: Server([*args, "--role", role.rstrip("2")], tmp_path / f"{role}.log", **env)
-               for role in ("prefill", "decode", "decode2")}
     silent = zmq.Context.instance().socket(zmq.ROUTER)
+    port = silent.bind_to_random_port("tcp://127.0.0.1")      # a "prefill instance" that never sends
+    kv_port = free_port()
+    args = ["--model", pd[0], "--kv-connector", "slow_tcp", *ARGS]
+    role_args = {"prefill": ["--kv-port", str(kv_port)],
+                 "decode": ["--kv-peers", f"127.0.0.1:{kv_port}", "--kv-peers", f"127.0.0.1:{port}"]}
+    servers = {role: Server([*args, "--role", role.rstrip("2"), *role_args[role.rstrip("2")]],
+                            tmp_path / f"{role}.log", **env)
+               for role in ("prefill", "decode", "decode2")}
     router_proc, router_log, router = start_router(servers["prefill"].url, servers["decode2"].url,
                                                    tmp_path / "router.log")
     prefill, decode, _ = (servers[role].wait_ready() for role in ("prefill", "decode", "decode2"))
@@ -244,8 +253,14 @@ def test_faults_end_each_request_within_its_timeout_and_free_every_block(pd, tmp
             wait_until(lambda: decode.metrics()["fdplug:kv_cache_usage_perc"] == 0.0, 10, what="decode's blocks freed")
             assert decode.metrics()["fdplug:num_requests_running"] == 0
 
-        port = silent.bind_to_random_port("tcp://127.0.0.1")      # a "prefill instance" that never sends
+        assert f"127.0.0.1:{kv_port}" in prefill.log()              # the endpoint it logs, to name in --kv-peers
         params = prefill_answer(prefill, PROMPTS[2])
+        assert params["conn"]["addr"] == f"tcp://127.0.0.1:{kv_port}" and "sig" not in params
+        elsewhere = {**params, "conn": {**params["conn"], "addr": f"tcp://127.0.0.1:{free_port()}"}}
+        reply = httpx.post(decode.url + "/v1/completions", timeout=30, json={
+            "model": "m", "prompt": PROMPTS[2], "max_tokens": 4, "kv_transfer_params": elsewhere})
+        assert reply.status_code == 400 and "--kv-peers" in reply.json()["error"]["message"], reply.text
+        assert reply.json()["error"]["param"] == "kv_transfer_params"
         decode_fails({**params, "conn": {**params["conn"], "addr": f"tcp://127.0.0.1:{port}"}})
         wait_until(lambda: prefill.metrics()["fdplug:kv_cache_usage_perc"] == 0.0, 10, what="the pickup timeout")
         assert prefill.metrics()["fdplug:num_requests_running"] == 0

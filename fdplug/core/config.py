@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from fdplug.core.kv_transfer.peers import check_kv_fields
 from fdplug.core.settings import env
 from fdplug.errors import ConfigError
 
@@ -68,6 +69,8 @@ class EngineConfig:
     device_index: int = 0             # which device of its kind (data parallel: rank i runs on device i)
     expert_parallel_size: int = 1     # > 1: this engine is one rank of an expert-parallel group (`fdplug serve`)
     kv_role: str | None = None        # prefill | decode: one side of PD disaggregation (`core.kv_transfer`)
+    kv_port: int | None = field(default_factory=lambda: env("FDPLUG_KV_PORT"))      # prefill: where decode pulls
+    kv_peers: tuple[str, ...] = field(default_factory=lambda: env("FDPLUG_KV_PEERS"))  # decode: whom it pulls from
     encoder_cache_rows: int = 16384
     feature_fetch_workers: int = field(default_factory=lambda: env("FD_PREFILL_PREPARE_REQ_THREAD_NUM"))
     allowed_feature_paths: tuple[str, ...] = field(default_factory=lambda: env("FDPLUG_ALLOWED_FEATURE_PATHS"))
@@ -90,6 +93,7 @@ class EngineConfig:
         if self.kv_role not in (None, "prefill", "decode"):
             raise ConfigError(f"kv_role must be prefill or decode, got {self.kv_role!r}.",
                               fix="leave it unset for an instance that does both.")
+        self.kv_port, self.kv_peers = check_kv_fields(self.kv_port, self.kv_peers)   # `core.kv_transfer.peers`
         if not isinstance(self.device_index, int) or isinstance(self.device_index, bool) or self.device_index < 0:
             raise ConfigError(f"device_index must be an integer >= 0, got {self.device_index!r}.",
                               fix="give the index of the device among those of its kind (0: the first).")

@@ -16,6 +16,12 @@ worker half, as two small objects:
 - `KVReceiver` (decode side): ``pull`` an offer's blocks into blocks the core allocated; ``poll`` says
   which pulls landed and which failed (why); ``cancel`` stops one (its request ended); ``release``
   tells the sender its offer is not needed (the decode side had those blocks cached).
+- `KVConnChecker` (decode side, optional but expected): ``check(conn)`` refuses a ``conn`` this
+  receiver would not use, before any I/O. A ``conn`` arrives in the client's request: unless the
+  instance verifies ``FDPLUG_PD_SECRET`` signatures, every field of it that leads to I/O (an
+  address, a path, a size) is the client's choice, so ``check`` allows only what the connector's own
+  sender makes, and addresses among ``KVCaches.peers`` (``--kv-peers``). A decode instance without
+  the secret refuses to start with a receiver that has no ``check``.
 
 Rules, checked by the conformance kit (``fdplug/testing/test_kv_connector.py``): every call is made
 on the engine thread and returns at once (no call waits for the peer); a connector writes a
@@ -23,7 +29,9 @@ receiver's blocks only between ``pull`` and the ``poll`` that reports it, and ne
 a sender reads offered blocks only until ``poll`` reports the offer or ``withdraw`` returns; bytes
 from the peer are checked before they touch a cache (the transfer is one this side asked for, dtype
 and sizes exactly what its blocks hold); a receiver reports a pull that hears nothing for
-``stall_timeout`` seconds as failed. The core refuses an offer's ``conn`` from another connector.
+``stall_timeout`` seconds as failed, and lets go of what a pull opened (sockets, connections) once
+it lands, fails or is cancelled, without retrying on its own. The core refuses an offer's ``conn``
+from another connector.
 
 A connector is registered with ``fdplug_register_kv_connectors`` as a `KVConnectorSpec`;
 ``factory(config, role, caches)`` returns a `KVSender` for role ``"prefill"`` and a `KVReceiver` for
@@ -47,7 +55,13 @@ class KVCaches:
     ``layers``: a ``(key cache, value cache)`` pair per layer, in ``layout``
     (`fdplug.plugin_api.kv_layout`: ``gather_blocks`` / ``scatter_blocks`` move whole blocks as
     ``[n, T, H, D]``); ``host``: the interface a sender listens on (``FDPLUG_KV_HOST``);
-    ``stall_timeout``: the longest a receiver waits for the next sign of a pull's progress.
+    ``stall_timeout``: the longest a receiver waits for the next sign of a pull's progress;
+    ``port``: the port a sender listens on (``--kv-port``; 0: a free one), or, where several engines
+    share the host, the first it tries (``fdplug.core.kv_transfer.peers.PORT_SPAN`` of them);
+    ``peers``: the ``(host, port)`` endpoints a receiver may connect to (``--kv-peers``, host names
+    resolved; IP addresses in their canonical spelling), or None for any well-formed address: the
+    core passes None only to an instance that takes nothing but params signed with
+    ``FDPLUG_PD_SECRET`` (and tests that drive a connector by hand).
     """
 
     layers: Sequence[tuple[Any, Any]]
@@ -55,6 +69,8 @@ class KVCaches:
     block_size: int
     host: str = "127.0.0.1"
     stall_timeout: float = 5.0
+    port: int = 0
+    peers: frozenset[tuple[str, int]] | None = None
 
 
 @runtime_checkable
@@ -108,4 +124,18 @@ class KVReceiver(Protocol):
         ...
 
     def close(self) -> None:
+        ...
+
+
+@runtime_checkable
+class KVConnChecker(Protocol):
+    """What a receiver (`KVReceiver`) adds so that a decode instance without ``FDPLUG_PD_SECRET``
+    may use it: the check of a client-supplied ``conn``, called as the request is admitted."""
+
+    def check(self, conn: dict) -> None:
+        """A ValueError saying why (a TypeError for a conn that is not a dict), unless ``conn`` is one this receiver's connector makes and may be
+        pulled here: its keys exactly the sender's, each value of the sender's form (an id, a count),
+        an address among ``KVCaches.peers`` (unless they are None), a path only where the connector
+        keeps its own files. No I/O (no socket, no DNS, no file): the answer comes from ``conn``
+        and what the receiver was configured with."""
         ...

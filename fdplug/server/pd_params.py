@@ -2,9 +2,10 @@
 
 Only an instance started with ``--role`` takes it. A prefill instance takes exactly
 ``{"do_remote_decode": true}``; a decode instance what a prefill instance returned
-(`fdplug.core.kv_transfer.params`): here their shape, types and sizes; the engine checks them
-again against the prompt (its digest, the connector, the block size, the signature) and the
-connector checks its own ``conn`` before it uses it.
+(`fdplug.core.kv_transfer.params`): here their shape, types and sizes (``conn``: JSON values, a
+few levels deep, a few KiB); the engine checks them again against the prompt (its digest, the
+connector, the block size, the signature) and the connector's ``check`` refuses a ``conn`` it
+did not make or aimed at an address this instance may not pull from (``--kv-peers``), before any I/O.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 import msgpack
 
-from fdplug.core.kv_transfer.params import KEYS, is_count
+from fdplug.core.kv_transfer.params import KEYS, is_count, plain_conn
 from fdplug.core.kv_transfer.params import bad as _bad
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -60,10 +61,12 @@ def check_kv_transfer_params(params: dict | None, role: str | None, n: int, voca
     if not isinstance(hashes, list) or len(hashes) > MAX_ITEMS or not all(_small_str(h) for h in hashes):
         _bad("have mm_hashes that are not a list of item identities")
     conn = params["conn"]
-    try:
-        packed = msgpack.packb(conn)
-    except (TypeError, ValueError, OverflowError):
-        packed = b""
-    if not isinstance(conn, dict) or not _small_str(conn.get("transfer_id")) or not 0 < len(packed) <= MAX_CONN_BYTES:
+    packed = b""
+    if plain_conn(conn):
+        try:
+            packed = msgpack.packb(conn)
+        except (TypeError, ValueError, OverflowError):
+            pass
+    if not _small_str(conn.get("transfer_id") if packed else None) or not 0 < len(packed) <= MAX_CONN_BYTES:
         _bad(f"have a conn that is not a connector's (a JSON object of at most {MAX_CONN_BYTES} bytes with a transfer_id)")
     return params

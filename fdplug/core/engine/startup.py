@@ -25,7 +25,9 @@ ENGINE_ARGS = tuple(f.name for f in dataclasses.fields(EngineConfig)
 def build_engine_config(model: str | None, engine_args: Mapping[str, Any]) -> tuple[EngineConfig, Any]:
     """EngineConfig from vLLM-named engine args plus the model's own config; unknown args are errors.
     Without a model this is the built-in demo model (`fdplug.demo`)."""
+    from fdplug.core.kv_transfer.peers import check_decode_trust
     from fdplug.core.model.config import ModelConfig
+    from fdplug.core.settings import env
     from fdplug.demo import demo_model_dir
 
     unknown = sorted(set(engine_args) - set(ENGINE_ARGS))
@@ -34,6 +36,7 @@ def build_engine_config(model: str | None, engine_args: Mapping[str, Any]) -> tu
                           fix=f"use only: {', '.join(ENGINE_ARGS)}.")
     model_dir = str(model) if model else str(demo_model_dir())
     config = EngineConfig(model_dir=model_dir, **engine_args)
+    check_decode_trust(config, env("FDPLUG_PD_SECRET"))   # before the model loads: fail in seconds
     model_config = ModelConfig.from_dir(model_dir, config.quantization)
     if config.max_model_len is None:
         config.max_model_len = min(model_config.max_position_embeddings, EngineConfig.DEFAULT_MAX_MODEL_LEN)

@@ -11,9 +11,11 @@ prompt (its token ids, cache salt and multimodal placeholders), so a decode inst
 for any other; ``mm_hashes`` are the items' identities, which a decode instance cannot compute (it
 never fetches features) and which key its prefix cache. ``sig`` (with ``FDPLUG_PD_SECRET`` set on
 the prefill side) is an HMAC-SHA256 over the rest: a decode instance that has the secret refuses
-params without a valid one. One without the secret takes any well-formed params, but keeps the
-request's KV apart from every other request's (a random cache salt): params a client forged can
-then only feed that client's own request, never poison the prefix cache others hit.
+params without a valid one. One without the secret must name the prefill instances it pulls
+from (``--kv-peers``, `fdplug.core.kv_transfer.peers`): its connector's ``check`` refuses a
+``conn`` aimed anywhere else, and it keeps the request's KV apart from every other request's (a
+random cache salt): params a client forged can then only feed that client's own request, never
+poison the prefix cache others hit.
 """
 
 from __future__ import annotations
@@ -67,6 +69,32 @@ def make_params(request: Request, connector: str, block_size: int, conn: dict, s
     return params
 
 
+MAX_CONN_DEPTH = 8
+"""How deep a ``conn`` may nest (the built-in connectors' are flat): deeper is no connector's."""
+
+
+def plain_conn(conn: Any) -> bool:
+    """A dict of str keys with JSON values (str, int, float, bool, None, lists and dicts of them),
+    at most `MAX_CONN_DEPTH` deep: what may be hashed, packed and handed to a connector's ``check``
+    without a recursion or a type a serializer chokes on (walked without recursing)."""
+    if not isinstance(conn, dict):
+        return False
+    stack: list[tuple[Any, int]] = [(conn, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict):
+            if depth > MAX_CONN_DEPTH or not all(isinstance(k, str) for k in value):
+                return False
+            stack.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, list):
+            if depth > MAX_CONN_DEPTH:
+                return False
+            stack.extend((v, depth + 1) for v in value)
+        elif not (value is None or isinstance(value, (str, int, float, bool))):
+            return False
+    return True
+
+
 def is_count(value: Any, low: int, high: int) -> bool:
     """An int (not a bool) in ``[low, high)``."""
     return isinstance(value, int) and not isinstance(value, bool) and low <= value < high
@@ -92,6 +120,9 @@ def check_params(params: dict, request: Request, connector: str, block_size: int
                  vocab_size: int) -> None:
     """A 400 unless ``params`` came from a prefill instance for this very prompt, through this
     instance's connector (and, with ``secret``, signed with it), with values this model takes."""
+    conn = params.get("conn")
+    if not plain_conn(conn) or not isinstance(conn.get("transfer_id"), str):
+        bad("have no conn (where the prompt's KV waits) of a connector's form")
     if secret is not None:
         sig = params.get("sig")
         if not isinstance(sig, str) or not hmac.compare_digest(sig, signature(params, secret)):
@@ -118,6 +149,3 @@ def check_params(params: dict, request: Request, connector: str, block_size: int
     if not isinstance(hashes, list) or len(hashes) != len(request.mm_positions) \
             or not all(isinstance(h, str) and 0 < len(h) <= 128 for h in hashes):
         bad("do not name one identity per multimodal item of the prompt")
-    conn = params.get("conn")
-    if not isinstance(conn, dict) or not isinstance(conn.get("transfer_id"), str):
-        bad("have no conn (where the prompt's KV waits)")

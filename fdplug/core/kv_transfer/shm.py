@@ -14,6 +14,13 @@ before and after its copy, so an extent the prefill side reclaimed in the meanti
 late, or past ``4 x FDPLUG_KV_STALL_TIMEOUT``) fails the transfer instead of landing another's
 bytes. A prefill instance that was killed leaves its arena behind: the next one on the machine
 removes arenas whose process is gone.
+
+The arena's path comes in the client's ``conn``, so the decode side opens it only when all of
+these hold: it is an arena's name in ``/dev/shm`` (``fdplug-kv-PID-HEX``, nothing else: no other
+directory, no ``..``); the sender at the (checked) address confirmed it as its own arena (a pull
+names the arena it would read, and the sender stages into it only if it is its own, else it
+answers over TCP); and the file, opened without following a link, is a regular file of this user,
+readable by no one else, as a prefill instance creates it.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import mmap
 import os
 import re
 import secrets
+import stat
 import time
 import weakref
 from pathlib import Path
@@ -30,7 +38,9 @@ from pathlib import Path
 import numpy as np
 import zmq
 
-from fdplug.core.kv_transfer.tcp import TCPReceiver, TCPSender, _Pull
+from fdplug.core.kv_transfer.peers import sender_address
+from fdplug.core.kv_transfer.tcp import TCPSender
+from fdplug.core.kv_transfer.tcp_receiver import TCPReceiver, _Pull
 from fdplug.core.kv_transfer.wire import header as _header
 from fdplug.plugin_api.kv_connector import KVCaches
 from fdplug.plugin_api.kv_layout import put_blocks, take_blocks
@@ -42,13 +52,13 @@ MIN_ARENA_BYTES = 16 << 20
 MAX_MAPS = 8
 HEADER_BYTES = 64
 MAGIC = b"FDPLUGKV"
-_ARENA = re.compile(r"^/dev/shm/fdplug-kv-([0-9]+)-[0-9a-f]{32}$")
+_ARENA = re.compile(r"/dev/shm/fdplug-kv-([0-9]{1,10})-[0-9a-f]{32}")
 
 
 def remove_stale_arenas(directory: Path = DIRECTORY) -> None:
     """Remove the arenas of prefill processes that are gone (killed before they could)."""
     for path in directory.glob("fdplug-kv-*-*"):
-        match = _ARENA.match(str(DIRECTORY / path.name))
+        match = _ARENA.fullmatch(str(DIRECTORY / path.name))
         if match is None:
             continue
         try:
@@ -128,7 +138,8 @@ class ShmSender(TCPSender):
     name = "shm"
 
     def __init__(self, caches: KVCaches, arena_bytes: int) -> None:
-        super().__init__(caches.layers, caches.layout, f"tcp://{caches.host}:0")
+        address, span = sender_address(caches.host, caches.port)
+        super().__init__(caches.layers, caches.layout, address, port_span=span)
         self.arena = Arena.create(arena_bytes)
         self.hold = 4 * caches.stall_timeout
         self.staged: dict[str, tuple[int, int, float]] = {}    # transfer id -> (offset, bytes, deadline)
@@ -147,8 +158,8 @@ class ShmSender(TCPSender):
         return sent
 
     def _send(self, identity: bytes, transfer_id: str, blocks: list[int], request: dict) -> str | None:
-        if request.get("via") != "shm" or self.arena is None:
-            return super()._send(identity, transfer_id, blocks, request)
+        if request.get("via") != "shm" or self.arena is None or request.get("arena") != str(self.arena.path):
+            return super()._send(identity, transfer_id, blocks, request)     # not our arena it would read: TCP
         key, shape = self.caches[0][0], self.wire_shape(len(blocks))
         per = int(np.prod(shape)) * self.word.itemsize
         nbytes = HEADER_BYTES + 2 * len(self.caches) * per
@@ -187,38 +198,51 @@ class ShmSender(TCPSender):
 
 class ShmReceiver(TCPReceiver):
     name = "shm"
+    CONN_KEYS = TCPReceiver.CONN_KEYS | {"shm"}
 
     def __init__(self, caches: KVCaches) -> None:
-        super().__init__(caches.layers, caches.layout, caches.stall_timeout)
+        super().__init__(caches.layers, caches.layout, caches.stall_timeout, peers=caches.peers)
         self.maps: dict[str, np.ndarray] = {}      # arena path -> its read-only bytes
+
+    def check(self, conn: dict) -> None:
+        """The tcp conn's checks, and ``shm`` (when present) only an arena's name in /dev/shm."""
+        super().check(conn)
+        path = conn.get("shm")
+        if path is not None and not (isinstance(path, str) and _ARENA.fullmatch(path)):
+            raise ValueError(f"conn's shm {str(path)[:80]!r} is not a prefill instance's arena "
+                             f"({DIRECTORY}/fdplug-kv-PID-HEX)")
 
     def _pull_options(self, conn: dict) -> dict:
         path = conn.get("shm")
-        if isinstance(path, str) and _ARENA.match(path) and os.access(path, os.R_OK):
-            return {"via": "shm"}
+        if isinstance(path, str) and _ARENA.fullmatch(path) and os.access(path, os.R_OK):
+            return {"via": "shm", "arena": path}       # the sender stages there only if it is its own
         return {}
 
-    def _land(self, frames: list, done: set[str], failed: dict[str, str]) -> None:
+    def _land(self, frames: list, pull: _Pull, done: set[str], failed: dict[str, str]) -> None:
         header = self._parse(frames)
         if header is None or header["op"] != "staged":
-            return super()._land(frames, done, failed)
-        pull = self.pulls.pop(header["transfer_id"], None)
-        if pull is None:
+            return super()._land(frames, pull, done, failed)
+        tid = pull.conn["transfer_id"]
+        if header.get("transfer_id") != tid:
             return
         problem = self._copy_staged(header, pull)
         if problem is None:
-            done.add(header["transfer_id"])
+            done.add(tid)
         else:
-            failed[header["transfer_id"]] = problem
-        self._socket(pull.address).send(_header({"op": "release", "transfer_id": header["transfer_id"]}))
+            failed[tid] = problem
+        del self.pulls[tid]
+        self._send_release(pull.socket, tid)       # the extent back to the sender; the socket goes with it
 
     def _copy_staged(self, header: dict, pull: _Pull) -> str | None:
-        arena = self._arena(pull.conn.get("shm"))
         shape = self._shape(header, pull)
         offset, generation = header.get("offset"), header.get("generation")
-        if arena is None or isinstance(shape, str) or header.get("layers") != len(self.caches) \
-                or not isinstance(generation, int) or not isinstance(offset, int):
+        if isinstance(shape, str) or header.get("layers") != len(self.caches) \
+                or not (isinstance(generation, int) and 0 <= generation < 1 << 64) \
+                or not (isinstance(offset, int) and 0 <= offset < 1 << 62):
             return shape if isinstance(shape, str) else "the staged extent is not one this transfer expects"
+        arena = self._arena(pull.conn.get("shm"))
+        if arena is None:
+            return "the arena the sender staged into cannot be read here"
         per = int(np.prod(shape)) * self.word.itemsize
         end = offset + HEADER_BYTES + 2 * len(self.caches) * per
         if not 0 <= offset or end > len(arena):
@@ -237,14 +261,25 @@ class ShmReceiver(TCPReceiver):
         return None
 
     def _arena(self, path: object) -> np.ndarray | None:
-        if not isinstance(path, str) or not _ARENA.match(path):
+        """The arena at ``path`` mapped read-only, or None: only an arena's name in /dev/shm, opened
+        without following a link, a regular file of this user that no one else may read."""
+        if not isinstance(path, str) or not _ARENA.fullmatch(path):
             return None
         if path not in self.maps:
             if len(self.maps) >= MAX_MAPS:          # the oldest prefill instance's: likely gone
                 del self.maps[next(iter(self.maps))]
             try:
-                with open(path, "rb") as file:
-                    self.maps[path] = np.frombuffer(mmap.mmap(file.fileno(), 0, prot=mmap.PROT_READ), np.uint8)
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
             except OSError:
                 return None
+            try:
+                info = os.fstat(fd)
+                if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077 \
+                        or info.st_size < MIN_ARENA_BYTES:
+                    return None
+                self.maps[path] = np.frombuffer(mmap.mmap(fd, 0, prot=mmap.PROT_READ), np.uint8)
+            except OSError:
+                return None
+            finally:
+                os.close(fd)
         return self.maps[path]

@@ -1,0 +1,183 @@
+"""Which prefill instances a decode instance may pull KV from, and where a prefill instance listens.
+
+A decode instance connects to the address in a request's ``kv_transfer_params``. Those params come
+from the client (through the router, or written by hand), so the address may be anyone's: left
+alone, an instance would open connections wherever a client points it (a server-side request
+forgery). Two things make that address trustworthy, and a decode instance needs one of them to start
+(`check_decode_trust`):
+
+- ``FDPLUG_PD_SECRET``, shared with the prefill instances: they sign the params, and a signature
+  proves a prefill instance wrote the address;
+- ``--kv-peers HOST:PORT`` (``FDPLUG_KV_PEERS``): the KV endpoints of the prefill instances it may
+  pull from. A conn naming any other address is a 400 before a socket is made, signed or not.
+
+To name a prefill instance's endpoint, fix it: ``--kv-port PORT`` (``FDPLUG_KV_PORT``) on the
+prefill instance, with ``FDPLUG_KV_HOST`` its address; it logs the endpoint at startup. Its
+data-parallel engines each listen on one port: the first free one from ``PORT`` on (with N engines,
+``PORT`` to ``PORT+N-1`` unless something else holds one), so a decode instance names them all,
+``HOST:PORT-LAST``. Host names in ``--kv-peers`` are resolved once, at startup: a client's address
+is only ever compared with the result, never looked up.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import re
+import socket
+from collections.abc import Iterable
+from typing import Any
+
+from fdplug.errors import ConfigError
+from fdplug.plugin_api.settings import Setting, declare
+
+logger = logging.getLogger("fdplug.kv_transfer")
+
+PORT_SPAN = 64
+"""How many ports from ``--kv-port`` on a prefill instance's engines may take (its data-parallel size at most)."""
+MAX_PEER_PORTS = 4096
+"""The most endpoints ``--kv-peers`` may name (ranges included): a mistyped range is an error, not a huge set."""
+
+_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,62})(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,62}))*\.?")
+_ENDPOINT = re.compile(r"(?:\[(?P<v6>[0-9A-Fa-f:.]{2,45})\]|(?P<host>[A-Za-z0-9.\-]{1,253})):"
+                       r"(?P<first>[0-9]{1,5})(?:-(?P<last>[0-9]{1,5}))?")
+_TCP = re.compile(r"tcp://(?:\[(?P<v6>[0-9A-Fa-f:.]{2,45})\]|(?P<host>[A-Za-z0-9.\-]{1,253})):(?P<port>[0-9]{1,5})")
+
+
+def normal_host(host: str) -> str:
+    """An IP address in its one canonical spelling, a host name in lower case; a ValueError for anything else."""
+    try:
+        return ipaddress.ip_address(host).compressed
+    except ValueError:
+        pass
+    if len(host) > 253 or not _NAME.fullmatch(host):
+        raise ValueError(f"{host[:80]!r} is not an IP address or a host name")
+    return host.rstrip(".").lower()
+
+
+def _port(text: str, low: int = 1) -> int:
+    port = int(text)
+    if not low <= port <= 65535:
+        raise ValueError(f"port {port} is not in {low}..65535")
+    return port
+
+
+def parse_endpoints(spec: str) -> list[tuple[str, int]]:
+    """``HOST:PORT`` or ``HOST:FIRST-LAST`` (IPv6 in brackets) -> ``[(host, port), ...]``; a ValueError
+    saying why for anything else."""
+    match = _ENDPOINT.fullmatch(spec.strip())
+    if match is None:
+        raise ValueError(f"{spec[:80]!r} is not HOST:PORT or HOST:FIRST-LAST (e.g. 10.0.0.5:5600 or prefill-1:5600-5603)")
+    v6 = match.group("v6")
+    if v6 is not None and not isinstance(ipaddress.ip_address(v6), ipaddress.IPv6Address):
+        raise ValueError(f"{spec[:80]!r}: only IPv6 addresses go in brackets")
+    host = normal_host(v6 if v6 is not None else match.group("host"))
+    first = _port(match.group("first"))
+    last = _port(match.group("last")) if match.group("last") else first
+    if last < first or last - first >= MAX_PEER_PORTS:
+        raise ValueError(f"{spec[:80]!r}: the range {first}-{last} is empty or longer than {MAX_PEER_PORTS} ports")
+    return [(host, port) for port in range(first, last + 1)]
+
+
+def parse_peers(raw: str | Iterable[str]) -> tuple[str, ...]:
+    """``FDPLUG_KV_PEERS`` / ``--kv-peers`` (comma-separated, repeatable) -> the specs, each checked."""
+    items = raw.split(",") if isinstance(raw, str) else [part for item in raw for part in str(item).split(",")]
+    specs = tuple(item.strip() for item in items if item.strip())
+    count = 0
+    for spec in specs:
+        count += len(parse_endpoints(spec))
+    if count > MAX_PEER_PORTS:
+        raise ValueError(f"they name {count} endpoints, more than {MAX_PEER_PORTS}")
+    return specs
+
+
+def parse_kv_port(raw: str) -> int:
+    return _port(raw.strip())
+
+
+def split_tcp_address(address: Any) -> tuple[str, int]:
+    """``tcp://HOST:PORT`` -> ``(normal host, port)``; a ValueError for anything else (what a client
+    wrote never reaches a socket unless it is exactly that)."""
+    match = _TCP.fullmatch(address) if isinstance(address, str) else None
+    if match is None:
+        raise ValueError(f"conn's addr {str(address)[:80]!r} is not a tcp://host:port address")
+    host = match.group("v6") if match.group("v6") is not None else match.group("host")
+    try:
+        return normal_host(host), _port(match.group("port"))
+    except ValueError as exc:
+        raise ValueError(f"conn's addr {address[:80]!r} is not a tcp://host:port address ({exc})") from None
+
+
+def tcp_address(host: str, port: int) -> str:
+    """The ZMQ address of ``(host, port)`` (IPv6 in brackets)."""
+    return f"tcp://[{host}]:{port}" if ":" in host and not host.startswith("[") else f"tcp://{host}:{port}"
+
+
+def sender_address(host: str, port: int) -> tuple[str, int]:
+    """``(ZMQ address, port span)`` a sender binds: ``host`` (``FDPLUG_KV_HOST``) at ``port``
+    (``--kv-port``: the first free of `PORT_SPAN` ports from it on, one per data-parallel engine),
+    or at a free port when ``port`` is 0."""
+    return tcp_address(host, port), PORT_SPAN if port else 1
+
+
+def resolve_peers(specs: Iterable[str]) -> frozenset[tuple[str, int]]:
+    """The ``(host, port)`` endpoints ``specs`` name: each host as written, and, for a host name,
+    every address it resolves to now (a prefill instance's conn carries the address it bound)."""
+    endpoints: set[tuple[str, int]] = set()
+    for spec in specs:
+        pairs = parse_endpoints(spec)
+        host = pairs[0][0]
+        hosts = {host}
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            try:
+                hosts |= {normal_host(info[4][0].split("%")[0]) for info in socket.getaddrinfo(host, None,
+                                                                                              type=socket.SOCK_STREAM)}
+            except OSError as exc:
+                logger.warning("--kv-peers %s: %s does not resolve (%s); only conns naming it by that name are taken",
+                               spec, host, exc)
+        endpoints |= {(h, port) for h in hosts for _, port in pairs}
+    return frozenset(endpoints)
+
+
+KV_PORT = declare(Setting(
+    "FDPLUG_KV_PORT", None, parse_kv_port,
+    "PD prefill: the port decode instances pull KV from, on FDPLUG_KV_HOST (--kv-port; default: a free port, logged "
+    "at startup). Data-parallel engines take the first free ports from it on (port, port+1, ...)."))
+KV_PEERS = declare(Setting(
+    "FDPLUG_KV_PEERS", (), parse_peers,
+    "PD decode: comma-separated HOST:PORT (or HOST:FIRST-LAST) KV endpoints of the prefill instances this decode "
+    "instance may pull from (--kv-peers); conns naming any other address are refused (400). A decode instance "
+    "needs these or FDPLUG_PD_SECRET."))
+
+
+def check_kv_fields(kv_port: Any, kv_peers: Any) -> tuple[int | None, tuple[str, ...]]:
+    """`EngineConfig`'s ``kv_port`` and ``kv_peers``, checked (a ConfigError naming the field) and normalised."""
+    if kv_port is not None and not (isinstance(kv_port, int) and not isinstance(kv_port, bool)
+                                    and 1 <= kv_port <= 65535):
+        raise ConfigError(f"kv_port must be a port number 1..65535, got {kv_port!r}.",
+                          fix="give the port decode instances pull KV from (--kv-port), or leave it unset for a free one.")
+    if isinstance(kv_peers, str):
+        kv_peers = (kv_peers,)
+    if not isinstance(kv_peers, (tuple, list)) or not all(isinstance(p, str) for p in kv_peers):
+        raise ConfigError(f"kv_peers must be a list of HOST:PORT strings, got {kv_peers!r:.80}.",
+                          fix="give e.g. kv_peers=('10.0.0.5:5600',) (--kv-peers 10.0.0.5:5600).")
+    try:
+        peers = parse_peers(kv_peers)
+    except ValueError as exc:
+        raise ConfigError(f"kv_peers: {exc}.",
+                          fix="name each prefill instance's KV endpoint as HOST:PORT or HOST:FIRST-LAST "
+                              "(it logs it at startup; fix it with --kv-port on the prefill side).") from None
+    return kv_port, peers
+
+
+def check_decode_trust(config: Any, secret: str | None) -> None:
+    """A decode instance must be able to trust the address it pulls from: the secret or named peers."""
+    if getattr(config, "kv_role", None) == "decode" and not secret and not getattr(config, "kv_peers", ()):
+        raise ConfigError(
+            "a decode instance without FDPLUG_PD_SECRET would connect to any host:port a client writes into "
+            "kv_transfer_params; it will not start without knowing which prefill instances it may pull from.",
+            fix="set the same FDPLUG_PD_SECRET on prefill and decode, or name the prefill instances' KV endpoints "
+                "with --kv-peers HOST:PORT (FDPLUG_KV_PEERS; a prefill instance logs its endpoint at startup, "
+                "--kv-port fixes it).")
