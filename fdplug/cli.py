@@ -200,7 +200,11 @@ def explain_command(device: str, runner: str | None, attention: str | None, moe:
 @user_errors
 def generate_command(prompts: tuple[str, ...], chat: bool, max_tokens: int, temperature: float, top_p: float,
                      top_k: int, seed: int | None, **kw: Any) -> None:
-    """Generate text offline: one prompt streams to the terminal, several show a progress bar."""
+    """Generate text offline: one prompt streams to the terminal, several show a progress bar.
+
+    stdout is only the text; stderr says why each output ended and how many tokens it has, because
+    a chat model given a raw prompt often ends at once and an empty line alone explains nothing.
+    """
     from fdplug.core.engine.request import SamplingParams
     from fdplug.core.frontend.llm import LLM
 
@@ -213,81 +217,35 @@ def generate_command(prompts: tuple[str, ...], chat: bool, max_tokens: int, temp
                              for t in texts]
     else:
         inputs = list(prompts)
+    ended: list[tuple[str | None, int, str]] = []   # (finish_reason, tokens, text) per prompt
     if len(inputs) == 1:
+        text, tokens, finish = "", 0, None
         for delta in llm.stream(inputs[0], params):
             click.echo(delta.text, nl=False)
+            text, tokens, finish = text + delta.text, tokens + len(delta.token_ids), delta.finish_reason or finish
         click.echo()
-        return
-    for prompt, output in zip(prompts, llm.generate(inputs, params)):
-        click.echo(f"--- {prompt!r} -> {output.outputs[0].finish_reason}\n{output.outputs[0].text}")
-
-
-# ---------------------------------------------------------------------------------------------------
-# serve
-# ---------------------------------------------------------------------------------------------------
-
-
-@main.command("serve")
-@engine_options
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: all).")
-@click.option("--port", type=int, default=8000, show_default=True, help="Port to listen on (0: any free port).")
-@click.option("--api-key", default=None, help="Require `Authorization: Bearer KEY` on /v1 (or set FDPLUG_API_KEY).")
-@click.option("--served-model-name", default=None, help="The model's name in the API (default: --model, or demo).")
-@click.option("--max-body-bytes", type=click.IntRange(min=1), default=8 << 20, show_default=True,
-              help="Largest request body; larger ones get 413.")
-@click.option("--stream-interval", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Tokens per streamed chunk after the first (fewer socket writes under load; 1: every step).")
-@click.option("--max-waiting-requests", type=click.IntRange(min=1), default=1024, show_default=True,
-              help="Requests queued beyond the running batch; more get 503.")
-@click.option("--trust-request-chat-template", is_flag=True,
-              help="Run chat templates sent in requests (chat_template): a template is code; trusted clients only.")
-@click.option("--data-parallel-size", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Engine processes, each with its own KV cache, behind this one API (cpu: the cores split "
-                   "between them; other devices: device i for engine i). Requests go to the least loaded, "
-                   "preferring one that has their prefix cached.")
-@click.option("--data-parallel-backend", type=click.Choice(["mp", "ray"]), default="mp", show_default=True,
-              help="mp: engine processes on this machine; ray: engines placed by Ray (across its machines), "
-                   "restarted when they die.")
-@click.option("--ray-address", default=None,
-              help="With --data-parallel-backend ray: the cluster to join (ray start --head's address); "
-                   "default: a local Ray.")
-@click.option("--role", type=click.Choice(["prefill", "decode"]), default=None,
-              help="Prefill/decode disaggregation: this instance prefills requests (max_tokens=1) and holds their KV "
-                   "for a decode instance to pull, or decodes requests whose KV it pulls (kv_transfer_params).")
-@click.option("--kv-connector", default=None,
-              help="With --role: how KV moves between prefill and decode instances (default: by priority; "
-                   "`fdplug explain --role decode` lists them).")
-@click.option("--expert-parallel-size", type=click.IntRange(min=1), default=1, show_default=True,
-              help="MoE models: shard the routed experts over this many engines (the data-parallel engines; "
-                   "each keeps its own KV cache and requests) that run every forward pass together, tokens "
-                   "exchanged through paddle.distributed (gloo on cpu).")
-@user_errors
-def serve_command(host: str, port: int, api_key: str | None, served_model_name: str | None, max_body_bytes: int,
-                  stream_interval: int, max_waiting_requests: int, trust_request_chat_template: bool,
-                  data_parallel_size: int, data_parallel_backend: str, ray_address: str | None,
-                  expert_parallel_size: int, role: str | None, kv_connector: str | None, **kw: Any) -> None:
-    """Serve the OpenAI API (chat, completions, streaming) with the engine in its own process."""
-    from fdplug.server.launcher import ServerSettings, serve
-
-    logging.getLogger("fdplug").setLevel(min(logging.INFO, logging.getLogger().getEffectiveLevel()))
-    args = engine_kwargs(kw)
-    args["max_waiting_requests"] = max_waiting_requests
-    if role is not None:
-        args["kv_role"] = role
-    if kv_connector is not None:
-        args["kv_connector"] = kv_connector
-    settings = ServerSettings(host=host, port=port, api_key=api_key, served_model_name=served_model_name,
-                              max_body_bytes=max_body_bytes, stream_interval=stream_interval,
-                              trust_request_chat_template=trust_request_chat_template,
-                              data_parallel_size=data_parallel_size, data_parallel_backend=data_parallel_backend,
-                              ray_address=ray_address, expert_parallel_size=expert_parallel_size)
-    sys.exit(serve(settings, args))
+        click.echo(f"[finish_reason={finish}, {tokens} token{'s' * (tokens != 1)}]", err=True)
+        ended.append((finish, tokens, text))
+    else:
+        for prompt, output in zip(prompts, llm.generate(inputs, params)):
+            out = output.outputs[0]
+            n = len(out.token_ids)
+            click.echo(f"--- {prompt!r} -> {out.finish_reason}, {n} token{'s' * (n != 1)}\n{out.text}")
+            ended.append((out.finish_reason, n, out.text))
+    empty = [(finish, tokens) for finish, tokens, text in ended if not text.strip()]
+    if empty and not chat:
+        finish, tokens = empty[0]
+        click.echo(f"note: empty output (finish_reason={finish} after {tokens} token{'s' * (tokens != 1)}): a chat "
+                   "model given a raw prompt often ends at once; try --chat to wrap it in the model's chat template.",
+                   err=True)
 
 
 def _register_fetch_features() -> None:
     from fdplug.cli_fetch import fetch_features
     from fdplug.cli_router import router_command
+    from fdplug.cli_serve import serve_command
 
+    main.add_command(serve_command, "serve")
     main.add_command(fetch_features, "fetch-features")
     main.add_command(router_command, "router")
 

@@ -7,6 +7,8 @@ from typing import Any, Callable
 
 import click
 
+from fdplug.core.config import EngineConfig
+
 
 def engine_options(fn: Callable) -> Callable:
     """The engine arguments shared by `generate` and `serve` (vLLM's names, as flags)."""
@@ -22,7 +24,9 @@ def engine_options(fn: Callable) -> Callable:
         click.option("--max-num-seqs", type=int, default=64, show_default=True, help="Most requests in one step."),
         click.option("--max-num-batched-tokens", type=int, default=None, help="Token budget of one step."),
         click.option("--block-size", type=int, default=16, show_default=True, help="KV cache block size in tokens."),
-        click.option("--kv-cache-memory", type=float, default=None, help="KV cache size in GiB (default 2)."),
+        click.option("--kv-cache-memory", type=float, default=None,
+                     help=f"KV cache size in GiB (default: {EngineConfig.DEFAULT_KV_CACHE_GIB:g}, capped at what "
+                          "--max-num-seqs requests of --max-model-len tokens can use; the startup log says the size)."),
         click.option("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (overrides memory)."),
         click.option("--no-prefix-caching", is_flag=True, help="Turn prefix caching off."),
         click.option("--no-chunked-prefill", is_flag=True, help="Turn chunked prefill off."),

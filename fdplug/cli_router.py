@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from fdplug.cli import user_errors
+from fdplug.cli_http import http_front_options, http_front_settings
+
+if TYPE_CHECKING:
+    from fdplug.server.connection_guard import ConnectionLimits
 
 
 @click.command("router")
@@ -21,11 +26,42 @@ from fdplug.cli import user_errors
                                               "the header goes on to the instances.")
 @click.option("--max-body-bytes", type=click.IntRange(min=1), default=8 << 20, show_default=True,
               help="Largest request body; larger ones get 413.")
+@http_front_options
 @user_errors
 def router_command(prefill: tuple[str, ...], decode: tuple[str, ...], host: str, port: int, api_key: str | None,
-                   max_body_bytes: int) -> None:
+                   max_body_bytes: int, **kw: Any) -> None:
     """An OpenAI-compatible front over prefill and decode instances (PD disaggregation)."""
-    from fdplug.server.pd_router import run_router
-
     logging.getLogger("fdplug").setLevel(min(logging.INFO, logging.getLogger().getEffectiveLevel()))
-    sys.exit(run_router(list(prefill), list(decode), host, port, api_key, max_body_bytes))
+    sys.exit(run_router(list(prefill), list(decode), host, port, api_key, max_body_bytes, **http_front_settings(kw)))
+
+
+def run_router(prefill: list[str], decode: list[str], host: str, port: int, api_key: str | None,
+               max_body_bytes: int, shutdown_timeout: float, limits: ConnectionLimits) -> int:
+    """Serve until a signal (drained: `fdplug.server.drain`); the exit status."""
+    import asyncio
+
+    import uvicorn
+
+    from fdplug.server.app import Guard
+    from fdplug.server.connection_guard import uvicorn_kwargs
+    from fdplug.server.drain import GRACE_AFTER_DRAIN_S, DrainingServer
+    from fdplug.server.pd_router import PDRouter, logger
+    from fdplug.server.settings import env
+
+    async def run() -> None:
+        router = PDRouter(prefill, decode, env("FDPLUG_ROUTER_PREFILL_TIMEOUT"), env("FDPLUG_ENGINE_STALL_TIMEOUT"),
+                          shutdown_timeout)
+        key = api_key if api_key is not None else env("FDPLUG_API_KEY")
+        config = uvicorn.Config(Guard(router.app, key, max_body_bytes, router.metrics), host=host, port=port,
+                                log_config=None, log_level="warning", access_log=False, lifespan="off",
+                                timeout_graceful_shutdown=GRACE_AFTER_DRAIN_S,
+                                **uvicorn_kwargs(limits))
+        logger.info("fdplug router on http://%s:%d: prefill %s, decode %s", host, port, ", ".join(prefill),
+                    ", ".join(decode))
+        try:
+            await DrainingServer(config, router.drain, asyncio.get_running_loop()).serve()
+        finally:
+            await router.http.aclose()
+
+    asyncio.run(run())      # a signal is a normal stop: status 0
+    return 0

@@ -209,6 +209,14 @@ class EngineDeadError(FdplugError):
     error_type = "server_error"
 
 
+class EngineUnavailableError(FdplugError):
+    """The data-parallel engine a request named (``X-Data-Parallel-Rank``) is not running now; the
+    others may be: a 503, retry without the header or later (a restarted engine serves again)."""
+
+    http_status = 503
+    error_type = "server_error"
+
+
 class EngineRequestError(FdplugError):
     """The engine failed this request (a step it was in raised); other requests are unaffected."""
 
@@ -238,7 +246,8 @@ class KVTransferTimeoutError(KVTransferError):
 
 
 class ServerShuttingDownError(FdplugError):
-    """The server is stopping (SIGINT/SIGTERM): requests in flight are aborted."""
+    """The server is stopping (SIGINT/SIGTERM): it takes no new request while it drains the ones in
+    flight, and aborts those still running when ``--shutdown-timeout`` ends."""
 
     http_status = 503
     error_type = "server_error"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -94,6 +95,18 @@ def test_generate_runs_the_components_named_on_the_command_line(swiglu):
     assert out.stdout == expected.outputs[0].text + "\n"
 
 
+def test_generate_says_why_an_output_is_empty_and_suggests_chat():
+    """The demo chat model ends at once on a raw prompt: stdout stays the (empty) text, stderr says why."""
+    flags = ("--prompt", "Hello, how are you?", "--max-model-len", "256", "--num-kv-blocks", "64")
+    out = run("generate", *flags)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "\n"
+    assert "[finish_reason=stop, 1 token]" in out.stderr and "try --chat" in out.stderr
+    chat = run("generate", "--chat", "--max-tokens", "4", *flags)
+    assert chat.returncode == 0, chat.stderr
+    assert chat.stdout.strip() and "[finish_reason=length, 4 tokens]" in chat.stderr and "--chat" not in chat.stderr
+
+
 def test_a_malformed_op_kernel_flag_is_a_usage_error():
     out = run("generate", "--op-kernel", "swiglu", "--prompt", "Hello")
     assert out.returncode == 2 and "OP=NAME" in out.stderr and "Traceback" not in out.stderr
@@ -102,6 +115,24 @@ def test_a_malformed_op_kernel_flag_is_a_usage_error():
 def test_unknown_runner_is_a_clear_error():
     out = run("generate", "--runner", "warp-speed", "--prompt", "Hello")
     assert out.returncode == 1 and "warp-speed" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_serve_help_states_the_engines_kv_cache_default():
+    """The --kv-cache-memory default in the help is the size the engine plans when it is left out."""
+    from fdplug.core.config import EngineConfig
+    from fdplug.core.worker.kv_cache import plan_kv_cache
+    from fdplug.plugin_api.model_runner import GIB
+
+    out = run("serve", "--help")
+    assert out.returncode == 0, out.stderr
+    stated = re.search(r"--kv-cache-memory FLOAT +KV cache size in GiB \(default: ([0-9.]+), capped at what "
+                       r"--max-num-seqs requests", " ".join(out.stdout.split()))
+    assert stated, out.stdout
+    size, per_block = float(stated.group(1)), 64 << 10
+    for max_model_len in (512, 16384):   # capped by max_num_seqs requests of max_model_len, and not
+        default = plan_kv_cache(EngineConfig(), per_block, max_model_len, None, 0)
+        assert default == plan_kv_cache(EngineConfig(kv_cache_memory=size), per_block, max_model_len, None, 0)
+    assert default.total_bytes == size * GIB
 
 
 def test_doctor_reports_paddle_devices_and_threads():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 
 import paddle
 import pytest
@@ -10,11 +11,29 @@ import pytest
 from fdplug.plugins import cuda, xpu
 from tests.conftest import PYTHON, subprocess_env
 
+GPU_INSTALL = "python -m pip install paddlepaddle-gpu==3.3.1 -i https://www.paddlepaddle.org.cn/packages/stable/cu126/"
+
 
 def test_cuda_probe_on_the_cpu_build_says_install_paddlepaddle_gpu():
     probe = cuda.probe()
     assert not probe.available
-    assert "not compiled with CUDA" in probe.reason and "paddlepaddle-gpu" in probe.fix
+    assert "not compiled with CUDA" in probe.reason and GPU_INSTALL in probe.fix and "cu118" in probe.fix
+    assert "fdplug[gpu]" not in probe.fix
+
+
+def test_every_suggested_gpu_install_is_paddles_own_index():
+    """paddlepaddle-gpu 3.x is not on PyPI: no message, extra or README line may suggest `fdplug[gpu]`."""
+    import tomllib
+
+    from fdplug.plugin_api.paddle import INSTALL_FIX
+
+    assert GPU_INSTALL in INSTALL_FIX and GPU_INSTALL in cuda.INSTALL_FIX
+    root = Path(__file__).resolve().parents[1]
+    assert "gpu" not in tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    readme = (root / "README.md").read_text()
+    assert GPU_INSTALL in readme and readme.count(".[gpu]") == readme.count("no `.[gpu]`")  # only to say so
+    sources = [root / "README.md", *(root / "fdplug").rglob("*.py")]
+    assert not [str(f) for f in sources if "fdplug[gpu]" in f.read_text()]
 
 
 def test_xpu_probe_on_the_cpu_build():

@@ -163,6 +163,10 @@ def test_bad_items_are_typed_errors(test_model_dir, feature_dir):
         chat(llm, [image(feature_dir, "cat", (1, 3, 4))])
     with pytest.raises(InvalidRequestError, match="placeholder"):
         llm.generate({"prompt": "no placeholder here", "mm_items": [image(feature_dir, "cat")]}, use_tqdm=False)
+    huge = int("9" * 4000)        # str() of t*h*w (12,000 digits) raises ValueError: a 500 once
+    for grid in ((1, huge * 2, huge * 2), (1, huge, 4), (huge, 4, 4), (1, -huge * 10**600, 4)):
+        with pytest.raises(InvalidRequestError, match="grid_thw|max_model_len"):
+            llm.generate(chat(llm, [image(feature_dir, "cat", grid)]), use_tqdm=False)
 
 
 def test_a_failed_fetch_fails_its_request_alone(test_model_dir, feature_dir, cases):

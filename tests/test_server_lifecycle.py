@@ -71,12 +71,16 @@ def _stream_lines(server, body, out: list, started: threading.Event):
 
 @pytest.mark.parametrize("event_loop", ["uvloop", "asyncio"])
 def test_queue_full_then_sigterm(tmp_path, event_loop):
-    """One running, one waiting: the next gets 503. Then SIGTERM ends the streams and exits 0 (either loop)."""
-    server = Server([*SMALL, "--max-num-seqs", "1", "--max-waiting-requests", "1"], tmp_path / "q.log",
+    """One running, one waiting: the next gets 503. Then SIGTERM with --shutdown-timeout 0 (no drain)
+    ends the streams with an error event and exits 0 (either loop); `test_hostile_clients` drains."""
+    # 4,000-token streams (~3 s each on the demo model): the first still runs while a loaded machine's
+    # client makes its checks
+    server = Server(["--max-model-len", "4096", "--num-kv-blocks", "600", "--max-num-seqs", "1",
+                     "--max-waiting-requests", "1", "--shutdown-timeout", "0"], tmp_path / "q.log",
                     FDPLUG_EVENT_LOOP=event_loop).wait_ready()
     assert f"API process event loop: {event_loop}" in server.log()
     engine = server.engine_pid()
-    long = {"prompt": "Hello", "max_tokens": 480, "ignore_eos": True, "stream": True}
+    long = {"prompt": "Hello", "max_tokens": 4000, "ignore_eos": True, "stream": True}
     results = [[], []]
     events = [threading.Event(), threading.Event()]
     threads = [threading.Thread(target=_stream_lines, args=(server, long, results[i], events[i])) for i in range(2)]

@@ -203,6 +203,15 @@ def test_a_host_not_allowed_is_refused_without_a_request(web, http_storages, hos
     assert web.hits == []
 
 
+@pytest.mark.parametrize("url", ["http://127.0.0.1/a\x01b.npy", "http://127.0.0.1/a b.npy", "http://127.0.0.1/\x7f",
+                                 "http://[::1/x.npy", "http://127.0.0.1:99999/x.npy", "http://127.0.0.1:x/y"])
+def test_a_malformed_url_is_the_clients_400_and_never_sent(web, http_storages, url):
+    with pytest.raises(FeatureAccessDeniedError) as err:
+        http_storages().fetch(url)
+    assert err.value.http_status == 400
+    assert web.hits == []
+
+
 def test_hosts_and_limits_come_from_the_environment(web, monkeypatch):
     monkeypatch.setenv("FDPLUG_ALLOWED_FEATURE_HOSTS", "example.com, 127.0.0.1")
     monkeypatch.setenv("FDPLUG_HTTP_FEATURE_MAX_BYTES", "8")

@@ -8,8 +8,13 @@ from typing import Any
 
 from fdplug.errors import PaddleNotInstalledError
 
-INSTALL_FIX = ("install a PaddlePaddle build: `pip install 'fdplug[cpu]'` (CPU), `pip install 'fdplug[gpu]'` "
-               "or the paddlepaddle-gpu wheel for your CUDA (NVIDIA), or Paddle's XPU wheel (Kunlun).")
+# paddlepaddle-gpu 3.x is not on PyPI (whose last one is 2.6), so no pip extra can install it: Paddle
+# publishes it on its own index, one per CUDA version (cu118, cu126, cu129).
+GPU_INSTALL = "python -m pip install paddlepaddle-gpu==3.3.1 -i https://www.paddlepaddle.org.cn/packages/stable/cu126/"
+GPU_INSTALL_FIX = (f"`{GPU_INSTALL}` (Paddle's own index: paddlepaddle-gpu 3.x is not on PyPI; pick the index for "
+                   "your CUDA version: cu118, cu126 or cu129)")
+INSTALL_FIX = (f"install a PaddlePaddle build: `pip install 'fdplug[cpu]'` (CPU); for NVIDIA GPUs {GPU_INSTALL_FIX}; "
+               "for Kunlun XPUs, Paddle's XPU wheel.")
 
 
 def paddle_installed() -> bool:

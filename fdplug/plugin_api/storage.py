@@ -34,10 +34,14 @@ _END = object()
 
 
 def url_scheme(url: str) -> str:
-    """The scheme of a feature URL, lower-cased; an URL without one is refused."""
-    scheme = urlsplit(url).scheme.lower()
+    """The scheme of a feature URL, lower-cased; an URL without one (or not an URL at all) is refused."""
+    try:
+        scheme = urlsplit(url).scheme.lower()
+    except ValueError:
+        scheme = ""
     if not scheme:
-        raise FeatureAccessDeniedError(f"feature URL {url!r} has no scheme.", url=url,
+        raise FeatureAccessDeniedError(f"feature URL {display_url(url)!r} has no scheme or is malformed.",
+                                       url=display_url(url),
                                        fix="use bos://bucket/key, file:///abs/path or https://host/path.")
     return scheme
 
@@ -63,7 +67,10 @@ class FeatureStorage(Protocol):
 
 def display_url(url: str) -> str:
     """``url`` without user-info, query or fragment (presigned URLs carry tokens there): safe to show."""
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError:     # e.g. an unclosed IPv6 bracket: show nothing of it (it may hold a token)
+        return "<a malformed URL>"
     host = parts.netloc.rsplit("@", 1)[-1]
     hidden = "?<query hidden>" if parts.query else ""
     return f"{parts.scheme}://{host}{parts.path}{hidden}"

@@ -14,7 +14,8 @@ import hmac
 import json
 import logging
 import time
-from typing import Any, Awaitable, Callable
+from functools import partial
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -27,13 +28,19 @@ from fdplug.errors import (
     FdplugError,
     InvalidRequestError,
     RequestTooLargeError,
+    ServerShuttingDownError,
 )
 from fdplug.server import openai_types as T
 from fdplug.server.engine_client import EngineClient
-from fdplug.server.jobs import JobBuilder
+from fdplug.server.jobs import JobBuilder, parse_job_request
 from fdplug.server.metrics import CONTENT_TYPE_LATEST
 from fdplug.server.pd_params import check_kv_transfer_params
+from fdplug.server.request_stream import BacklogQueue
 from fdplug.server.serving import Serving
+
+if TYPE_CHECKING:
+    from fdplug.server.drain import Drain
+    from fdplug.server.launcher import ServerSettings
 
 logger = logging.getLogger("fdplug.server")
 
@@ -49,39 +56,54 @@ def error_response(exc: FdplugError, metrics: Any = None) -> JSONResponse:
                         status_code=exc.http_status)
 
 
-def build_app(client: EngineClient, model_name: str, api_key: str | None, max_body_bytes: int,
-              stream_interval: int = 1, trust_request_chat_template: bool = False, kv_role: str | None = None) -> Any:
+def guarded(handler: Callable[[Request], Awaitable[Response]], metrics: Any) -> Callable[[Request], Awaitable[Response]]:
+    """A route whose failures are OpenAI error objects: its ``FdplugError`` with its status, anything
+    else a bug (logged with its traceback, a 500 that reveals nothing)."""
+    async def wrapper(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except FdplugError as exc:
+            return error_response(exc, metrics)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("bug while serving %s", request.url.path)
+            metrics.http_error(500)
+            return JSONResponse(T.error_body("internal server error (a bug; the server log has the details).",
+                                             "server_error", None, 500), status_code=500)
+    return wrapper
+
+
+def answer_unknown_routes(app: Any, metrics: Any) -> None:
+    """An unknown path (404) or a wrong method (405) answered as an OpenAI error object, not plain text."""
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        metrics.http_error(exc.status_code)
+        return JSONResponse(T.error_body(f"{request.method} {request.url.path}: {exc.detail}.", kind, None,
+                                         exc.status_code), status_code=exc.status_code, headers=exc.headers)
+
+    app.add_exception_handler(StarletteHTTPException, http_error)
+
+
+def build_app(client: EngineClient, model_name: str, settings: ServerSettings, api_key: str | None,
+              kv_role: str | None, drain: Drain) -> Any:
     """The ASGI app uvicorn runs: the guard around the FastAPI routes."""
     app = FastAPI(title="fdplug", version=fdplug.__version__, docs_url=None, redoc_url=None, openapi_url=None)
-    jobs = JobBuilder(client, model_name, trust_request_chat_template)
-    serving = Serving(client, stream_interval)
+    jobs = JobBuilder(client, model_name, settings.trust_request_chat_template)
+    serving = Serving(client, settings.stream_interval)
     metrics = client.metrics
     started = int(time.time())
-
-    def guarded(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
-        async def wrapper(request: Request) -> Response:
-            try:
-                return await handler(request)
-            except FdplugError as exc:
-                return error_response(exc, metrics)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                logger.exception("bug while serving %s", request.url.path)
-                metrics.http_error(500)
-                return JSONResponse(T.error_body("internal server error (a bug; the server log has the details).",
-                                                 "server_error", None, 500), status_code=500)
-        return wrapper
 
     @app.get("/health")
     async def health() -> Response:
         """200 while an engine serves ("degraded" when a data-parallel engine died), with each
         engine's rank, pid, state and requests in flight; 503 once none does."""
-        if client.healthy:
+        if client.healthy and not drain.draining:
             engines = client.engines()
             return JSONResponse({"status": "ok" if all(e["alive"] for e in engines) else "degraded",
                                  "engines": engines})
-        error = client.error
+        error = client.error if not client.healthy else ServerShuttingDownError(
+            "the server is draining (SIGTERM): requests in flight finish, new ones are refused.", fix="")
         return JSONResponse(T.error_body(error.message, "server_error", None, 503), status_code=503)
 
     @app.get("/version")
@@ -102,21 +124,21 @@ def build_app(client: EngineClient, model_name: str, api_key: str | None, max_bo
     # Nothing is registered with the engine there, so a failure leaves nothing behind.
 
     def completion_job(body: bytes) -> tuple:
-        req = T.parse_request(T.CompletionRequest, body)
+        req = parse_job_request("/v1/completions", body)
         return req, *jobs.completion_job(req)
 
     def chat_job(body: bytes, tenant_id: str) -> tuple:
-        req = T.parse_request(T.ChatCompletionRequest, body)
+        req = parse_job_request("/v1/chat/completions", body)
         return req, *jobs.chat_job(req, tenant_id)
 
     @app.post("/v1/completions")
-    @guarded
+    @partial(guarded, metrics=metrics)
     async def completions(request: Request) -> Response:
         req, job, prepared, params = await asyncio.to_thread(completion_job, await request.body())
         return await _run(job, prepared, params, req, request)
 
     @app.post("/v1/chat/completions")
-    @guarded
+    @partial(guarded, metrics=metrics)
     async def chat_completions(request: Request) -> Response:
         req, job, prepared, params = await asyncio.to_thread(chat_job, await request.body(), tenant(request))
         return await _run(job, prepared, params, req, request)
@@ -126,7 +148,8 @@ def build_app(client: EngineClient, model_name: str, api_key: str | None, max_bo
         raw = request.headers.get("x-data-parallel-rank")
         if raw is None:
             return None
-        if not raw.strip().isdigit():
+        raw = raw.strip()
+        if not (raw.isascii() and raw.isdigit() and len(raw) <= 6):    # "²".isdigit() is true; int() refuses it
             raise InvalidRequestError(f"X-Data-Parallel-Rank must be an engine's rank (0, 1, ...), got {raw[:20]!r}.",
                                       fix="send a non-negative integer, or leave the header out.",
                                       param="X-Data-Parallel-Rank")
@@ -138,6 +161,7 @@ def build_app(client: EngineClient, model_name: str, api_key: str | None, max_bo
         return hashlib.sha256(token.encode()).hexdigest()[:32] if token else ""
 
     async def _run(job: Any, prepared: list, params: Any, req: Any, request: Request) -> Response:
+        drain.refuse_if_draining()
         rank = data_parallel_rank(request)
         kv_params = check_kv_transfer_params(req.kv_transfer_params, kv_role, params.n, client.info.vocab_size,
                                              num_prompts=len(prepared))
@@ -146,19 +170,15 @@ def build_app(client: EngineClient, model_name: str, api_key: str | None, max_bo
         if not req.stream:
             serving.submit(job, prepared, params, None, req.cache_salt, rank)
             return await serving.respond(job, request)
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = BacklogQueue(settings.max_stream_backlog, lambda: asyncio.get_running_loop().call_soon(
+            serving.cut_off, job, request.scope, settings.max_stream_backlog))
         serving.submit(job, prepared, params, queue, req.cache_salt, rank)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await serving.stream(job, queue, include_usage, request)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        metrics.http_error(exc.status_code)
-        return JSONResponse(T.error_body(f"{request.method} {request.url.path}: {exc.detail}.", kind, None,
-                                         exc.status_code), status_code=exc.status_code)
+    answer_unknown_routes(app, metrics)
 
-    return Guard(app, api_key, max_body_bytes, metrics)
+    return Guard(app, api_key, settings.max_body_bytes, metrics)
 
 
 class Guard:

@@ -29,7 +29,13 @@ from typing import Any
 
 from fdplug.core.engine.request import SamplingParams
 from fdplug.core.frontend.processor import ProcessedPrompt
-from fdplug.errors import ConfigError, EngineDeadError, FdplugError, InvalidRequestError
+from fdplug.errors import (
+    ConfigError,
+    EngineDeadError,
+    EngineUnavailableError,
+    FdplugError,
+    InvalidRequestError,
+)
 from fdplug.server.dp_router import Router
 from fdplug.server.engine_client import EngineClient
 from fdplug.server.engine_handle import EngineProcess
@@ -107,7 +113,7 @@ class DataParallelClient:
             except EngineDeadError:
                 self.router.dead(chosen)
                 if rank is not None:
-                    raise
+                    break
                 continue
             self.router.sent(chosen, prompt.token_ids, cache_salt)
             if self.lockstep:
@@ -122,8 +128,10 @@ class DataParallelClient:
                                       f"(0..{len(self.clients) - 1}).",
                                       fix="leave X-Data-Parallel-Rank out, or name an engine that exists.",
                                       param="X-Data-Parallel-Rank")
-        which = f"of rank {rank} " if rank is not None else ""
-        raise EngineDeadError(f"no data-parallel engine {which}is running.",
+        if rank is not None:
+            raise EngineUnavailableError(f"data-parallel engine {rank} is not running.",
+                                         fix="leave X-Data-Parallel-Rank out (another engine serves), or retry later.")
+        raise EngineDeadError("no data-parallel engine is running.",
                               fix="see the server log for why the engines exited, then restart `fdplug serve`.")
 
     def abort(self, request_id: str) -> None:

@@ -52,19 +52,6 @@ class JobBuilder:
             raise err
         return self.model_name
 
-    def sampling_params(self, req: Any, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        def pick(value: Any, default: Any) -> Any:
-            return default if value is None else value
-
-        params = SamplingParams(
-            n=req.n, temperature=pick(req.temperature, 1.0), top_p=pick(req.top_p, 1.0), top_k=pick(req.top_k, 0),
-            min_p=pick(req.min_p, 0.0), seed=req.seed, presence_penalty=pick(req.presence_penalty, 0.0),
-            frequency_penalty=pick(req.frequency_penalty, 0.0),
-            repetition_penalty=pick(req.repetition_penalty, 1.0), max_tokens=max_tokens, min_tokens=req.min_tokens,
-            stop=req.stop or (), stop_token_ids=req.stop_token_ids or (), ignore_eos=req.ignore_eos,
-            logprobs=logprobs, skip_special_tokens=req.skip_special_tokens)
-        return self.client.input_processor.check_params(params)
-
     def check_sequences(self, num_prompts: int, n: int) -> None:
         """A request may ask for at most as many sequences as the engine can ever queue: beyond that a
         503 "retry later" would be a lie, so it is a 400 (checked before anything is tokenized)."""
@@ -76,10 +63,11 @@ class JobBuilder:
                 fix="send fewer prompts per request or a smaller n, or start the server with a larger "
                     "--max-waiting-requests.", param="n" if n > 1 else "prompt")
 
+    # both take a request that `parse_job_request` checked
+
     def completion_job(self, req: T.CompletionRequest) -> tuple[Job, list[ProcessedPrompt], SamplingParams]:
-        T.unsupported(req)
         model = self.check_model(req.model)
-        params = self.sampling_params(req, req.max_tokens, req.logprobs)
+        params = self.client.input_processor.check_params(request_params(req))
         prompts = _prompts(req.prompt)
         self.check_sequences(len(prompts), params.n)
         prepared = [self.client.input_processor.process(p) for p in prompts]
@@ -90,14 +78,8 @@ class JobBuilder:
 
     def chat_job(self, req: T.ChatCompletionRequest, tenant: str = "") -> tuple[Job, list[ProcessedPrompt],
                                                                                  SamplingParams]:
-        T.unsupported(req)
         model = self.check_model(req.model)
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
-            raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}.",
-                                      fix=f"ask for at most {MAX_LOGPROBS} alternatives.", param="top_logprobs")
-        num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = self.sampling_params(req, max_tokens, num_logprobs)
+        params = self.client.input_processor.check_params(request_params(req))
         self.check_sequences(1, params.n)
         kwargs = dict(req.chat_template_kwargs or {})
         template, where = req.chat_template, "chat_template"
@@ -111,8 +93,8 @@ class JobBuilder:
                                              variables=check_template_kwargs(kwargs))
         prompt = processor.process({"prompt": text, "prompt_token_ids": processor.encode(text, add_special_tokens=False),
                                     "mm_items": collector.parts}, tenant)
-        processor.check_length(len(prompt.token_ids), max_tokens)
-        job = Job("chat", f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, params.n, num_logprobs)
+        processor.check_length(len(prompt.token_ids), params.max_tokens)
+        job = Job("chat", f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, params.n, params.logprobs)
         return job, [prompt], params
 
     def check_template(self, template: Any, where: str) -> None:
@@ -128,6 +110,45 @@ class JobBuilder:
             f"{template!r:.40} is not one of the model's ({', '.join(sorted(self.client.tokenizer.chat_templates))}).",
             fix="leave it out to use the model's template, or start the server with --trust-request-chat-template "
                 "if every client is trusted.", param=where)
+
+
+def parse_job_request(path: str, body: bytes) -> T.CompletionRequest | T.ChatCompletionRequest:
+    """A completions or chat body (``path`` says which), with every check that needs no model: its
+    JSON, fields and types (strict), the fields fdplug cannot honour, and the sampling values' ranges.
+
+    The server runs it before tokenizing, ``fdplug router`` before relaying: one parser, one contract.
+    """
+    model = T.ChatCompletionRequest if path.endswith("/chat/completions") else T.CompletionRequest
+    req = T.parse_request(model, body)
+    T.unsupported(req)
+    request_params(req)
+    return req
+
+
+def request_params(req: T.CompletionRequest | T.ChatCompletionRequest) -> SamplingParams:
+    """The request's ``SamplingParams``, range-checked (the vocabulary checks are the engine client's)."""
+    if isinstance(req, T.ChatCompletionRequest):
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}.",
+                                      fix=f"ask for at most {MAX_LOGPROBS} alternatives.", param="top_logprobs")
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    else:
+        max_tokens, logprobs = req.max_tokens, req.logprobs
+    return sampling_params(req, max_tokens, logprobs)
+
+
+def sampling_params(req: Any, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def pick(value: Any, default: Any) -> Any:
+        return default if value is None else value
+
+    return SamplingParams(
+        n=req.n, temperature=pick(req.temperature, 1.0), top_p=pick(req.top_p, 1.0), top_k=pick(req.top_k, 0),
+        min_p=pick(req.min_p, 0.0), seed=req.seed, presence_penalty=pick(req.presence_penalty, 0.0),
+        frequency_penalty=pick(req.frequency_penalty, 0.0),
+        repetition_penalty=pick(req.repetition_penalty, 1.0), max_tokens=max_tokens, min_tokens=req.min_tokens,
+        stop=req.stop or (), stop_token_ids=req.stop_token_ids or (), ignore_eos=req.ignore_eos,
+        logprobs=logprobs, skip_special_tokens=req.skip_special_tokens).validate()
 
 
 def _prompts(prompt: Any) -> list:

@@ -4,9 +4,10 @@ Order matters for the user: the port is bound and the selection selected (strict
 errors, with their fix) before the model loads, so mistakes fail in seconds, not after loading.
 The engine process then loads the model and reports ready or a typed startup error.
 
-Stopping: SIGINT/SIGTERM make uvicorn stop accepting; every request in flight ends at once with a
-503 error ("shutting down") and the engine is told to exit; the exit status is 0. If the engine
-process dies instead, ``/health`` turns 503, requests in flight get a 500, and the exit status is 1.
+Stopping (`drain`): SIGINT/SIGTERM turn new requests and ``/health`` into 503s while the requests in
+flight finish, for at most ``--shutdown-timeout`` seconds; what is left is then aborted (a 503 error
+each) and the engine is told to exit; the exit status is 0. A second signal aborts at once. If the
+engine process dies instead, ``/health`` turns 503, requests in flight get a 500, and the exit status is 1.
 The engine process is always gone when this returns (shutdown message, SIGTERM, then SIGKILL).
 """
 
@@ -16,14 +17,22 @@ import asyncio
 import logging
 import signal
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import uvicorn
 
 from fdplug.errors import ConfigError
 from fdplug.server import protocol as P
+from fdplug.server.connection_guard import ConnectionLimits, uvicorn_kwargs
+from fdplug.server.drain import (
+    DEFAULT_SHUTDOWN_TIMEOUT_S,
+    GRACE_AFTER_DRAIN_S,
+    Drain,
+    DrainingServer,
+)
 from fdplug.server.heap import freeze_startup_heap
+from fdplug.server.request_stream import DEFAULT_STREAM_BACKLOG
 from fdplug.server.settings import env
 
 logger = logging.getLogger("fdplug.server")
@@ -43,6 +52,9 @@ class ServerSettings:
     data_parallel_backend: str = "mp"
     ray_address: str | None = None
     expert_parallel_size: int = 1
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S     # SIGTERM: seconds to drain (`drain`)
+    max_stream_backlog: int = DEFAULT_STREAM_BACKLOG         # a stream's unsent tokens before its client is cut
+    limits: ConnectionLimits = field(default_factory=ConnectionLimits)   # per connection (`connection_guard`)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -158,7 +170,7 @@ async def _serve(settings: ServerSettings, spec_args: list[dict], tokenizer: Any
                                 rank=rank, data_parallel_size=len(engines))
 
         async def restart(rank: int) -> EngineClient:
-            await engines[rank].stop(env("FDPLUG_SHUTDOWN_TIMEOUT"))       # its resources, free for the new one
+            await engines[rank].stop(env("FDPLUG_ENGINE_STOP_TIMEOUT"))       # its resources, free for the new one
             engines[rank] = await asyncio.to_thread(engine_set.make, rank)   # off the event loop: Ray starts an actor
             info = await engines[rank].wait_ready(env("FDPLUG_ENGINE_STARTUP_TIMEOUT"), asyncio.Event())
             return engine_client(engines[rank], info, rank)
@@ -169,13 +181,11 @@ async def _serve(settings: ServerSettings, spec_args: list[dict], tokenizer: Any
             clients, restart if restarts else None, lockstep=settings.expert_parallel_size > 1)
         info = infos[0]
         api_key = settings.api_key if settings.api_key is not None else env("FDPLUG_API_KEY")
-        app = build_app(client, name, api_key, settings.max_body_bytes, settings.stream_interval,
-                        settings.trust_request_chat_template, spec_args[0]["engine_args"].get("kv_role"))
-        shutdown_timeout = env("FDPLUG_SHUTDOWN_TIMEOUT")
-        server = _Server(uvicorn.Config(app, log_config=None, log_level="warning", access_log=False, lifespan="off",
-                                        timeout_graceful_shutdown=int(max(1, shutdown_timeout)),
-                                        timeout_keep_alive=5),
-                         on_signal=lambda: loop.call_soon_threadsafe(client.begin_shutdown))
+        drain = Drain(settings.shutdown_timeout, client.num_registered, client.begin_shutdown)
+        app = build_app(client, name, settings, api_key, spec_args[0]["engine_args"].get("kv_role"), drain)
+        server = DrainingServer(uvicorn.Config(app, log_config=None, log_level="warning", access_log=False,
+                                               lifespan="off", timeout_graceful_shutdown=GRACE_AFTER_DRAIN_S,
+                                               **uvicorn_kwargs(settings.limits)), drain, loop)
         exit_code = 0
 
         def engine_dead() -> None:
@@ -210,28 +220,6 @@ async def _serve(settings: ServerSettings, spec_args: list[dict], tokenizer: Any
                 client.begin_shutdown()
             await client.close()
         if engine_set is not None:
-            codes = await engine_set.stop(env("FDPLUG_SHUTDOWN_TIMEOUT"))
+            codes = await engine_set.stop(env("FDPLUG_ENGINE_STOP_TIMEOUT"))
             logger.info("engine process%s exited (status %s); server stopped", "es" if len(codes) > 1 else "",
                         ", ".join(str(code) for code in codes))
-
-
-class _Server(uvicorn.Server):
-    """uvicorn's Server, with signals that end requests in flight instead of waiting for them.
-
-    uvicorn re-raises a caught signal after shutting down (so the process dies *by* SIGTERM, status
-    -15); a service manager reads that as a crash. Here a signal is a normal stop: status 0.
-    """
-
-    def __init__(self, config: uvicorn.Config, on_signal: Callable[[], None]) -> None:
-        super().__init__(config)
-        self.on_signal = on_signal
-        self.signalled = False
-
-    def handle_exit(self, sig: int, frame: Any) -> None:
-        if self.should_exit and sig == signal.SIGINT:
-            self.force_exit = True
-        self.should_exit = True
-        if not self.signalled:
-            self.signalled = True
-            logger.info("%s: stopping", signal.Signals(sig).name)
-            self.on_signal()

@@ -7,18 +7,22 @@ was. Then the original request, with those params, goes to the least busy decode
 answer (one JSON body, or the SSE stream) is the client's, byte for byte. vLLM's proxy flow: decode
 allocates only once prefill has succeeded, so nothing is reserved on a side that may never be used.
 
-An instance's error answer reaches the client unchanged (the same OpenAI error objects as
-``fdplug serve``); an instance that cannot be reached is a 503 naming it. Waits are bounded: connect
-5 s, a prefill answer ``FDPLUG_ROUTER_PREFILL_TIMEOUT``, a decode stream's silence
-``FDPLUG_ENGINE_STALL_TIMEOUT``. A client that leaves closes the upstream stream (the decode instance
-aborts the request and frees its blocks).
+The router checks a body with the server's own parser and checks (`jobs.parse_job_request`), so
+what an instance would refuse is refused here with the same 400, and nothing malformed is relayed;
+its own failures, unknown paths and wrong methods are OpenAI error objects too. An instance's error
+answer reaches the client unchanged; an instance that cannot be reached is a 503 naming it. Waits
+are bounded: connect 5 s, a prefill answer ``FDPLUG_ROUTER_PREFILL_TIMEOUT``, a decode stream's
+silence ``FDPLUG_ENGINE_STALL_TIMEOUT``. A client that leaves, streamed or not, at any stage, closes
+the upstream request (the instance aborts it and frees its blocks). SIGTERM drains (`drain`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from dataclasses import dataclass
+from typing import AsyncIterator, Awaitable, Callable
 
 import httpx
 from starlette.applications import Starlette
@@ -26,9 +30,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from fdplug.errors import FdplugError, InvalidRequestError
-from fdplug.server import openai_types as T
-from fdplug.server.app import error_response
+from fdplug.errors import FdplugError, InvalidRequestError, ServerShuttingDownError
+from fdplug.server.app import answer_unknown_routes, error_response, guarded
+from fdplug.server.drain import (
+    DEFAULT_SHUTDOWN_TIMEOUT_S,
+    Drain,
+)
+from fdplug.server.jobs import parse_job_request
+from fdplug.server.router_metrics import RouterMetrics
+from fdplug.server.serving import ClosingStream, sse_error, wait_disconnect
 
 logger = logging.getLogger("fdplug.router")
 
@@ -37,10 +47,16 @@ FORWARDED = ("authorization", "x-request-id")
 
 
 class UpstreamError(FdplugError):
-    """A prefill or decode instance could not be reached, or did not answer as one."""
+    """A prefill or decode instance could not be reached."""
 
     http_status = 503
     error_type = "server_error"
+
+
+class BadUpstreamError(UpstreamError):
+    """An instance answered, but not as a prefill instance does (no kv_transfer_params)."""
+
+    http_status = 502
 
 
 @dataclass(slots=True)
@@ -52,7 +68,8 @@ class Upstream:
 class PDRouter:
     """The two pools and the request flow; `app` is the ASGI app uvicorn runs."""
 
-    def __init__(self, prefill: list[str], decode: list[str], prefill_timeout: float, stall_timeout: float) -> None:
+    def __init__(self, prefill: list[str], decode: list[str], prefill_timeout: float, stall_timeout: float,
+                 shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> None:
         if not prefill or not decode:
             raise ValueError("a router needs at least one prefill and one decode instance")
         self.prefill = [Upstream(url.rstrip("/")) for url in prefill]
@@ -61,23 +78,57 @@ class PDRouter:
         self.decode_timeout = httpx.Timeout(stall_timeout, connect=CONNECT_TIMEOUT_S)
         self.http = httpx.AsyncClient()
         self.metrics = RouterMetrics(self)
-        self.app = Starlette(routes=[Route("/v1/completions", self.relay, methods=["POST"]),
-                                     Route("/v1/chat/completions", self.relay, methods=["POST"]),
+        self.in_flight = 0                             # client requests not answered to the end yet
+        self.waiting: set[asyncio.Task] = set()        # relays not answering yet (prefill, decode's start)
+        self.drain = Drain(shutdown_timeout, lambda: self.in_flight, self._abort_all)
+        relay = guarded(self.relay, self.metrics)
+        self.app = Starlette(routes=[Route("/v1/completions", relay, methods=["POST"]),
+                                     Route("/v1/chat/completions", relay, methods=["POST"]),
                                      Route("/v1/models", self.models, methods=["GET"]),
                                      Route("/health", self.health, methods=["GET"]),
                                      Route("/version", self.version, methods=["GET"]),
                                      Route("/metrics", self.metrics.route, methods=["GET"])])
+        answer_unknown_routes(self.app, self.metrics)
 
     # -- the flow ---------------------------------------------------------------------------------
 
     async def relay(self, request: Request) -> Response:
+        """Check the body as an instance would, then prefill and decode, watching for the client
+        leaving: a client gone before its answer starts closes the upstream request (the instance
+        holding it aborts it and frees its blocks), streamed or not."""
+        self.drain.refuse_if_draining()
+        path = request.url.path
         try:
-            body = _request_body(await request.body())
+            body = await asyncio.to_thread(_request_body, path, await request.body())
         except FdplugError as exc:
             self.metrics.requests.labels("router", str(exc.http_status)).inc()
-            return error_response(exc)
+            raise
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED}
-        path = request.url.path
+        self.in_flight += 1
+        streaming = False
+        flow = asyncio.ensure_future(self._flow(path, body, headers))
+        disconnect = asyncio.ensure_future(wait_disconnect(request))
+        self.waiting.add(flow)
+        try:
+            done, _ = await asyncio.wait({flow, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+            if flow not in done:             # the client left: closing the upstream request aborts it there
+                flow.cancel()
+                await asyncio.wait({flow})
+                return Response(status_code=499)        # nobody reads it
+            if flow.cancelled():             # the drain's timeout ended it
+                raise self._stopping()
+            reply = flow.result()
+            streaming = isinstance(reply, StreamingResponse)
+            return reply
+        finally:
+            disconnect.cancel()
+            self.waiting.discard(flow)
+            if not flow.done():
+                flow.cancel()
+            if not streaming:
+                self.in_flight -= 1
+
+    async def _flow(self, path: str, body: dict, headers: dict) -> Response:
         first = await self._prefill(path, body, headers)
         if isinstance(first, Response):
             self.metrics.requests.labels("prefill", str(first.status_code)).inc()
@@ -91,59 +142,86 @@ class PDRouter:
         """The prefill instance's ``kv_transfer_params``, or the response to give the client."""
         prefill_body = {k: v for k, v in body.items() if k not in ("max_completion_tokens", "stream_options")}
         prefill_body.update(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True},
-                            min_tokens=min(int(body.get("min_tokens") or 0), 1))
+                            min_tokens=min(body.get("min_tokens", 0), 1))
         upstream = min(self.prefill, key=lambda u: u.in_flight)
         upstream.in_flight += 1
         try:
-            reply = await self.http.post(upstream.url + path, json=prefill_body, headers=headers,
+            reply = await self.http.post(upstream.url + path, content=_json(prefill_body), headers=headers,
                                          timeout=self.prefill_timeout)
         except httpx.HTTPError as exc:
             return error_response(UpstreamError(f"prefill instance {upstream.url} did not answer ({type(exc).__name__}).",
-                                        fix="check that it runs (fdplug serve --role prefill) and is reachable."))
+                                                fix="check that it runs (fdplug serve --role prefill) and is reachable."))
         finally:
             upstream.in_flight -= 1
         if reply.status_code != 200:
             return Response(reply.content, reply.status_code, media_type="application/json")
-        params = reply.json().get("kv_transfer_params")
+        try:
+            params = reply.json().get("kv_transfer_params")
+        except (ValueError, AttributeError):
+            params = None
         if not isinstance(params, dict):
-            return error_response(UpstreamError(f"{upstream.url} answered without kv_transfer_params.",
-                                        fix="start it with `fdplug serve --role prefill`."))
+            return error_response(BadUpstreamError(f"{upstream.url} answered without kv_transfer_params.",
+                                                   fix="start it with `fdplug serve --role prefill`."))
         return params
 
     async def _decode(self, path: str, body: dict, headers: dict) -> Response:
-        upstream = min(self.decode, key=lambda u: u.in_flight)
+        upstream: Upstream | None = min(self.decode, key=lambda u: u.in_flight)
         upstream.in_flight += 1
+        reply = None
         try:
-            reply = await self.http.send(self.http.build_request("POST", upstream.url + path, json=body,
-                                                                 headers=headers, timeout=self.decode_timeout),
-                                         stream=True)
-        except httpx.HTTPError as exc:
-            upstream.in_flight -= 1
-            return error_response(UpstreamError(f"decode instance {upstream.url} did not answer ({type(exc).__name__}).",
-                                        fix="check that it runs (fdplug serve --role decode) and is reachable."))
-        if reply.status_code != 200 or not body.get("stream"):
             try:
+                reply = await self.http.send(self.http.build_request("POST", upstream.url + path, content=_json(body),
+                                                                     headers=headers, timeout=self.decode_timeout),
+                                             stream=True)
+                if reply.status_code == 200 and body.get("stream"):
+                    stream = ClosingStream(self._chunks(reply, upstream), self._stream_closer(reply, upstream),
+                                           media_type=reply.headers.get("content-type", "text/event-stream"))
+                    reply = upstream = None     # the stream's now: it closes them however it ends
+                    return stream
                 content = await reply.aread()
-            finally:
-                await reply.aclose()
-                upstream.in_flight -= 1
+            except httpx.HTTPError as exc:
+                return error_response(UpstreamError(f"decode instance {upstream.url} did not answer "
+                                                    f"({type(exc).__name__}).", fix="check that it runs (fdplug "
+                                                    "serve --role decode) and is reachable."))
             return Response(content, reply.status_code, media_type=reply.headers.get("content-type"))
-
-        async def chunks():
-            try:
-                async for chunk in reply.aiter_raw():
-                    yield chunk
-            except httpx.HTTPError as exc:   # the decode instance went silent or away: say so in the stream
-                logger.warning("decode stream from %s broke: %s", upstream.url, type(exc).__name__)
-                error = UpstreamError(f"the decode instance's stream broke ({type(exc).__name__}).",
-                                      fix="retry the request.")
-                yield f"data: {json.dumps(T.error_body(error.message, error.error_type, None, 503))}\n\n".encode()
-                yield b"data: [DONE]\n\n"
-            finally:
+        finally:       # answered, failed, or cancelled (the client left): closing the reply aborts it upstream
+            if reply is not None:
                 await reply.aclose()
+            if upstream is not None:
                 upstream.in_flight -= 1
 
-        return StreamingResponse(chunks(), media_type=reply.headers.get("content-type", "text/event-stream"))
+    async def _chunks(self, reply: httpx.Response, upstream: Upstream) -> AsyncIterator[bytes]:
+        """The decode instance's SSE stream, byte for byte; an error event if it breaks or the drain ends it."""
+        try:
+            async for chunk in reply.aiter_raw():
+                yield chunk
+                if self.drain.aborting:
+                    raise self._stopping()
+        except (httpx.HTTPError, ServerShuttingDownError) as exc:   # went silent or away, or we stop: say so
+            logger.warning("decode stream from %s ended early: %s", upstream.url, type(exc).__name__)
+            error = exc if isinstance(exc, FdplugError) else UpstreamError(
+                f"the decode instance's stream broke ({type(exc).__name__}).", fix="retry the request.")
+            yield sse_error(error)
+            yield b"data: [DONE]\n\n"
+
+    def _stream_closer(self, reply: httpx.Response, upstream: Upstream) -> Callable[[], Awaitable[None]]:
+        """Run once when the client's stream ends, even if its body never started (the client left)."""
+        async def close() -> None:
+            upstream.in_flight -= 1
+            self.in_flight -= 1
+            await reply.aclose()
+        return close
+
+    # -- stopping ---------------------------------------------------------------------------------
+
+    def _stopping(self) -> ServerShuttingDownError:
+        return ServerShuttingDownError("the router is shutting down; the request was aborted.",
+                                       fix="retry against a running router.")
+
+    def _abort_all(self) -> None:
+        """The drain's timeout: requests not answering yet end with a 503, streams with an error event."""
+        for flow in list(self.waiting):
+            flow.cancel()
 
     # -- the rest ---------------------------------------------------------------------------------
 
@@ -162,7 +240,11 @@ class PDRouter:
         return JSONResponse({"version": fdplug.__version__, "api_version": fdplug.API_VERSION})
 
     async def health(self, request: Request) -> Response:
-        """Each instance's /health (1 s each); 200 while a prefill and a decode instance answer."""
+        """Each instance's /health (1 s each); 200 while a prefill and a decode instance answer and the
+        router is not draining (SIGTERM: a 503 takes it out of a load balancer's rotation)."""
+        if self.drain.draining:
+            return error_response(ServerShuttingDownError("the router is draining (SIGTERM): requests in flight "
+                                                          "finish, new ones are refused.", fix=""), self.metrics)
         status = {}
         for role, pool in (("prefill", self.prefill), ("decode", self.decode)):
             for upstream in pool:
@@ -175,64 +257,23 @@ class PDRouter:
         return JSONResponse({"status": "ok" if up else "unavailable", **status}, status_code=200 if up else 503)
 
 
-def _request_body(raw: bytes) -> dict:
-    """The client's JSON object, refusing what the router must set itself."""
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        raise InvalidRequestError("the request body is not valid JSON.", fix="send a JSON object.") from None
-    if not isinstance(body, dict):
-        raise InvalidRequestError("the request body must be a JSON object.", fix="send a JSON object.")
-    if "kv_transfer_params" in body:
+def _request_body(path: str, raw: bytes) -> dict:
+    """The client's body, checked as an instance checks it (`parse_job_request`: one contract), less
+    what the router must set itself; as the JSON object to forward."""
+    req = parse_job_request(path, raw)
+    if req.kv_transfer_params is not None:
         raise InvalidRequestError("unrecognized request argument supplied: kv_transfer_params.",
                                   fix="remove it: the router sets it.", param="kv_transfer_params")
-    if body.get("n", 1) != 1:
+    if req.n != 1:
         raise InvalidRequestError("the PD router serves one sequence a request (n=1).", fix="send n=1.", param="n")
+    body = req.model_dump(exclude_unset=True)
+    _json(body)          # a NaN or Infinity in a free-form field (messages, metadata...) is the client's error
     return body
 
 
-class RouterMetrics:
-    """The router's own ``/metrics`` (each instance keeps its own): requests by the stage that
-    answered and its status, requests in flight per instance, and the errors the guard answered."""
-
-    def __init__(self, router: PDRouter) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Gauge
-
-        self.registry = CollectorRegistry()
-        self.requests = Counter("fdplug_router:requests", "Requests answered, by the stage that answered.",
-                                ["stage", "status"], registry=self.registry)
-        self.errors = Counter("fdplug_router:http_errors", "Requests the router refused itself.", ["status"],
-                              registry=self.registry)
-        in_flight = Gauge("fdplug_router:in_flight", "Requests in flight at each instance.", ["role", "url"],
-                          registry=self.registry)
-        for role, pool in (("prefill", router.prefill), ("decode", router.decode)):
-            for upstream in pool:
-                in_flight.labels(role, upstream.url).set_function(lambda u=upstream: u.in_flight)
-
-    def http_error(self, status: int) -> None:
-        self.errors.labels(str(status)).inc()
-
-    async def route(self, request: Request) -> Response:
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
-        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
-
-
-def run_router(prefill: list[str], decode: list[str], host: str, port: int, api_key: str | None,
-               max_body_bytes: int) -> int:
-    """Serve until a signal; the exit status."""
-    import uvicorn
-
-    from fdplug.server.app import Guard
-    from fdplug.server.settings import env
-
-    router = PDRouter(prefill, decode, env("FDPLUG_ROUTER_PREFILL_TIMEOUT"), env("FDPLUG_ENGINE_STALL_TIMEOUT"))
-    key = api_key if api_key is not None else env("FDPLUG_API_KEY")
-    logger.info("fdplug router on http://%s:%d: prefill %s, decode %s", host, port, ", ".join(prefill),
-                ", ".join(decode))
-    from fdplug.server.launcher import _Server
-
-    config = uvicorn.Config(Guard(router.app, key, max_body_bytes, router.metrics), host=host, port=port,
-                            log_config=None, log_level="warning", access_log=False, lifespan="off")
-    _Server(config, on_signal=lambda: None).run()    # a signal is a normal stop: status 0
-    return 0
+def _json(body: dict) -> bytes:
+    try:
+        return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+    except ValueError:
+        raise InvalidRequestError("the body holds a number that is not finite (NaN or Infinity).",
+                                  fix="send finite numbers only (JSON has no NaN).") from None

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any, Callable
 
 from fdplug.core.frontend.outputs import RequestOutput
+from fdplug.core.frontend.processor import Delta
 from fdplug.errors import FdplugError
 
 
@@ -48,3 +50,45 @@ class RequestStream:
                 future.exception()  # mark retrieved: nobody may await it (e.g. a stream's result)
         if self.queue is not None:
             self.queue.put_nowait(output if error is None else (self.request_id, error))
+
+# tokens (each logprob alternative one) a stream may hold for a client that does not read: ~2-3 MB
+# with logprobs, far more than a reading client ever leaves behind (its writer takes all at once)
+DEFAULT_STREAM_BACKLOG = 16384
+
+
+class BacklogQueue(asyncio.Queue):
+    """A streaming request's queue of events, with a bound on what its client has not taken yet.
+
+    The stream's writer takes everything queued each time the client's socket accepts more, so the
+    backlog stays small while the client reads. A client that stops reading stops the writer (flow
+    control), and the engine's tokens would pile up here for as long as it generates: past
+    ``limit`` tokens (each logprob alternative counted as one) ``on_overflow`` runs once, to abort the
+    request and drop the connection, instead of the API process growing without end.
+    """
+
+    def __init__(self, limit: int, on_overflow: Callable[[], None]) -> None:
+        super().__init__()
+        self.limit = limit
+        self.backlog = 0
+        self.overflowed = False
+        self._on_overflow = on_overflow
+
+    def put_nowait(self, item: Any) -> None:
+        super().put_nowait(item)
+        self.backlog += _weight(item)
+        if self.backlog > self.limit and not self.overflowed:
+            self.overflowed = True
+            self._on_overflow()
+
+    def get_nowait(self) -> Any:     # asyncio.Queue.get ends in get_nowait too
+        item = super().get_nowait()
+        self.backlog -= _weight(item)
+        return item
+
+
+def _weight(item: Any) -> int:
+    if not isinstance(item, Delta):
+        return 0
+    if item.logprobs:
+        return sum(len(entry) for entry in item.logprobs)
+    return len(item.token_ids)

@@ -9,8 +9,10 @@ A client that disconnects aborts its sequences, which frees their KV blocks at t
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
-from typing import Any, AsyncIterator
+import logging
+from typing import Any, AsyncIterator, Callable
 
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, StreamingResponse
@@ -22,6 +24,8 @@ from fdplug.errors import EngineRequestError, FdplugError
 from fdplug.server import openai_types as T
 from fdplug.server.engine_client import EngineClient
 from fdplug.server.jobs import Job
+
+logger = logging.getLogger("fdplug.server")
 
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
@@ -54,21 +58,32 @@ class Serving:
         for stream in job.streams:
             self.client.abort(stream.request_id)
 
+    def cut_off(self, job: Job, scope: dict, limit: int) -> None:
+        """A streaming client stopped reading and its unsent output passed ``limit`` tokens
+        (`BacklogQueue`): abort its sequences (their KV blocks free at the next step) and drop its
+        connection, rather than hold its output for as long as the engine generates."""
+        logger.warning("%s: the client stopped reading (over %d unsent tokens); aborting it and closing the "
+                       "connection (--max-stream-backlog)", job.id, limit)
+        self.abort(job)
+        connection = scope.get("extensions", {}).get("fdplug.connection")
+        if connection is not None:
+            connection.close()
+
     # -- non-streaming ----------------------------------------------------------------------------
 
     async def respond(self, job: Job, http: HTTPRequest) -> JSONResponse:
         """Wait for every sequence (aborting them all if the client leaves), then one JSON body."""
-        disconnect = asyncio.create_task(_wait_disconnect(http))
+        disconnect = asyncio.create_task(wait_disconnect(http))
         gather = asyncio.ensure_future(asyncio.gather(*(s.final() for s in job.streams)))
         try:
             done, _ = await asyncio.wait({gather, disconnect}, return_when=asyncio.FIRST_COMPLETED)
             if gather not in done:              # the client left: free the engine's blocks now
-                gather.cancel()
+                _drop(gather)
                 self.abort(job)
                 return JSONResponse({}, status_code=499)   # nobody reads it
             outputs: list[RequestOutput] = gather.result()
         except BaseException:
-            gather.cancel()
+            _drop(gather)
             self.abort(job)
             raise
         finally:
@@ -124,22 +139,22 @@ class Serving:
         """Admission first (a refused request gets its status code, not a 200 with an error inside),
         watching for the client leaving meanwhile; then the events. However the response ends, the
         job's sequences end with it: a client gone before the first event is not served for nothing."""
-        disconnect = asyncio.create_task(_wait_disconnect(http))
+        disconnect = asyncio.create_task(wait_disconnect(http))
         admitted = asyncio.ensure_future(asyncio.gather(*(s.admitted for s in job.streams)))
         try:
             done, _ = await asyncio.wait({admitted, disconnect}, return_when=asyncio.FIRST_COMPLETED)
             if admitted not in done:
-                admitted.cancel()
+                _drop(admitted)
                 self.abort(job)
                 return JSONResponse({}, status_code=499)   # nobody reads it
             admitted.result()
         except BaseException:
-            admitted.cancel()
+            _drop(admitted)
             self.abort(job)
             raise
         finally:
             disconnect.cancel()
-        return _JobStream(self._events(job, queue, include_usage), lambda: self.abort(job),
+        return ClosingStream(self._events(job, queue, include_usage), lambda: self.abort(job),
                           media_type="text/event-stream", headers={"Cache-Control": "no-cache",
                                                                    "X-Accel-Buffering": "no"})
 
@@ -201,20 +216,19 @@ class Serving:
                 yield chunk([], T.usage(job.prompt_tokens, completion_tokens, cached))
         except FdplugError as exc:
             self.abort(job)
-            yield b"data: " + _dumps(T.error_body(exc.message + (f" Fix: {exc.fix}" if exc.fix else ""),
-                                                  exc.error_type, getattr(exc, "param", None),
-                                                  getattr(exc, "code", None) or exc.http_status)).encode() + b"\n\n"
+            yield sse_error(exc)
         except BaseException:  # client gone (cancelled) or a bug: free the engine's blocks either way
             self.abort(job)
             raise
         yield b"data: [DONE]\n\n"
 
 
-class _JobStream(StreamingResponse):
-    """A streaming response that ends its job's sequences when it ends, even if its body never
-    started (a disconnect right after admission cancels the response before the first event)."""
+class ClosingStream(StreamingResponse):
+    """A streaming response that runs ``on_close`` (a function or a coroutine function) when it
+    ends, even if its body never started (a disconnect right after admission cancels the response
+    before the first event): a job's sequences, a relayed upstream stream, end with it."""
 
-    def __init__(self, content: AsyncIterator[bytes], on_close: Any, **kwargs: Any) -> None:
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], Any], **kwargs: Any) -> None:
         super().__init__(content, **kwargs)
         self._on_close = on_close
 
@@ -222,7 +236,9 @@ class _JobStream(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self._on_close()
+            result = self._on_close()
+            if inspect.isawaitable(result):
+                await result
 
 
 def _merge(items: list) -> dict[tuple[str, int], Delta]:
@@ -259,7 +275,20 @@ def _raise_if_failed(finish_reason: str | None, stop_reason: Any, error: FdplugE
                              fix="retry; if it fails again, report it with the server log.")
 
 
-async def _wait_disconnect(http: HTTPRequest) -> None:
+def _drop(future: asyncio.Future) -> None:
+    """Cancel a gather nobody will await: its children's cancellation is retrieved, not logged as lost."""
+    future.cancel()
+    future.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+
+def sse_error(exc: FdplugError) -> bytes:
+    """An error as a server-sent event: a stream that already answered 200 ends with it (vLLM's shape)."""
+    body = T.error_body(exc.message + (f" Fix: {exc.fix}" if exc.fix else ""), exc.error_type,
+                        getattr(exc, "param", None), getattr(exc, "code", None) or exc.http_status)
+    return b"data: " + _dumps(body).encode() + b"\n\n"
+
+
+async def wait_disconnect(http: HTTPRequest) -> None:
     while True:
         message = await http.receive()
         if message["type"] == "http.disconnect":

@@ -35,8 +35,11 @@ for _setting in (
             secret=True),
     Setting("FDPLUG_ENGINE_STARTUP_TIMEOUT", 600.0, parse_positive_float,
             "Seconds `fdplug serve` waits for the engine process to load the model and report ready."),
-    Setting("FDPLUG_SHUTDOWN_TIMEOUT", 5.0, parse_positive_float,
-            "Seconds `fdplug serve` waits for responses and the engine process to finish when stopping."),
+    Setting("FDPLUG_SHUTDOWN_TIMEOUT", 25.0, parse_positive_float,
+            "Seconds `fdplug serve` and `fdplug router` let requests in flight finish after SIGTERM before aborting "
+            "them (--shutdown-timeout overrides; 25: inside Kubernetes' default 30 s grace period)."),
+    Setting("FDPLUG_ENGINE_STOP_TIMEOUT", 5.0, parse_positive_float,
+            "Seconds an engine process has to exit after `fdplug serve` tells it to (then SIGTERM, then SIGKILL)."),
     Setting("FDPLUG_ENGINE_STALL_TIMEOUT", 600.0, parse_positive_float,
             "Seconds the engine may send nothing while requests are in flight before `fdplug serve` kills it as hung."),
     Setting("FDPLUG_ENGINE_SLICE_US", 100, parse_slice_us,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from fdplug.errors import InvalidRequestError, ModelLoadError
+from fdplug.errors import InvalidRequestError, ModelLoadError, show_value
 
 MASK_POLICIES = ("causal", "bidirectional_items")
 BIDIRECTIONAL_BY_DEFAULT = ("Ernie4_5_VLMoeForConditionalGeneration",)
@@ -50,10 +50,12 @@ class MultimodalConfig:
         """Placeholder tokens of an item: t*h*w / merge²; h and w must be multiples of the merge size."""
         t, h, w = _grid(grid_thw)
         if h % self.merge_size or w % self.merge_size:
-            raise InvalidRequestError(f"{modality} grid_thw {list(grid_thw)}: h and w must be multiples of the "
-                                      f"spatial merge size {self.merge_size}.", fix="send the grid the encoder used.")
+            raise InvalidRequestError(f"{modality} grid_thw {show_value(list(grid_thw))}: h and w must be multiples "
+                                      f"of the spatial merge size {self.merge_size}.",
+                                      fix="send the grid the encoder used.")
         if modality == "image" and t != 1:
-            raise InvalidRequestError(f"image grid_thw {list(grid_thw)} must have t == 1.", fix="use [1, h, w].")
+            raise InvalidRequestError(f"image grid_thw {show_value(list(grid_thw))} must have t == 1.",
+                                      fix="use [1, h, w].")
         return t * h * w // self.merge_size ** 2
 
     def span_length(self, modality: str, grid_thw: Sequence[int]) -> int:
@@ -70,6 +72,6 @@ class MultimodalConfig:
 def _grid(grid_thw: Sequence[int]) -> tuple[int, int, int]:
     if (not isinstance(grid_thw, (list, tuple)) or len(grid_thw) != 3
             or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in grid_thw)):
-        raise InvalidRequestError(f"grid_thw must be three positive integers [t, h, w], got {grid_thw!r}.",
+        raise InvalidRequestError(f"grid_thw must be three positive integers [t, h, w], got {show_value(grid_thw)}.",
                                   fix="send the feature's grid as [t, h, w].")
     return grid_thw[0], grid_thw[1], grid_thw[2]

@@ -15,7 +15,7 @@ from typing import Any, Mapping, Sequence
 
 from fdplug.core.engine.request import MMPlaceholder
 from fdplug.core.multimodal.config import MultimodalConfig
-from fdplug.errors import InvalidRequestError
+from fdplug.errors import InvalidRequestError, show_value
 
 MODALITIES = ("image", "video")
 
@@ -84,10 +84,10 @@ def expand_placeholders(token_ids: Sequence[int], items: Sequence[MMFeatureInput
                                   f"item(s) were given.", fix="send one placeholder per image/video item.")
     total = len(token_ids) - len(items) + sum(item.num_tokens for item in items)
     if total >= max_model_len:
-        sizes = ", ".join(str(item.num_tokens) for item in items[:8]) + (", ..." if len(items) > 8 else "")
-        raise InvalidRequestError(
-            f"the prompt would have {total} tokens with its multimodal items ({sizes} placeholder tokens, from "
-            f"their grid_thw), but max_model_len is {max_model_len}.",
+        sizes = ", ".join(show_value(item.num_tokens) for item in items[:8]) + (", ..." if len(items) > 8 else "")
+        raise InvalidRequestError(    # show_value: a product of 4,000-digit grids has no str() (a ValueError)
+            f"the prompt would have {show_value(total)} tokens with its multimodal items ({sizes} placeholder "
+            f"tokens, from their grid_thw), but max_model_len is {max_model_len}.",
             fix="send smaller images/videos (grid_thw), fewer of them, or start the engine with a larger "
                 "max_model_len.", param="messages")
     out: list[int] = []

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from fdplug.plugin_api.device_probe import probe_accelerator
 from fdplug.plugin_api.hookspecs import API_VERSION, hookimpl
+from fdplug.plugin_api.paddle import GPU_INSTALL_FIX
 from fdplug.plugin_api.specs import DeviceSpec, Probe
 
 FDPLUG_API_VERSION = API_VERSION
 
-INSTALL_FIX = ("install the CUDA build of paddle for your CUDA version (`pip install 'fdplug[gpu]'`, or "
-               "paddlepaddle-gpu from https://www.paddlepaddle.org.cn/install) and uninstall paddlepaddle (CPU build).")
+INSTALL_FIX = ("uninstall paddlepaddle (the CPU build of the same `paddle` module) and install the CUDA build: "
+               f"{GPU_INSTALL_FIX}.")
 VISIBILITY_FIX = "check `nvidia-smi`, the NVIDIA driver and CUDA_VISIBLE_DEVICES."
 
 

@@ -59,7 +59,15 @@ class HttpStorage:
     def check(self, url: str) -> None:
         """Refuse a URL whose scheme is not http(s) or whose host is not allowed."""
         shown = display_url(url)
-        parts = urlsplit(url)
+        if any(ord(c) < 0x21 or ord(c) == 0x7F for c in url):     # never sent: a client's malformed URL
+            raise FeatureAccessDeniedError(f"feature URL {shown!r} holds a space or a control character.", url=shown,
+                                           fix="percent-encode it (e.g. %20 for a space).")
+        try:
+            parts = urlsplit(url)
+            parts.port      # noqa: B018 - parsed lazily: an out-of-range or non-numeric port raises here
+        except ValueError:
+            raise FeatureAccessDeniedError(f"feature URL {shown!r} is malformed.", url=shown,
+                                           fix="send https://host[:port]/path.") from None
         if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
             raise FeatureAccessDeniedError(f"{shown!r} is not an http(s) URL with a host.", url=shown,
                                            fix="use https://host/path.")
