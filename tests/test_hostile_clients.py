@@ -79,10 +79,15 @@ def _status(url: str) -> int | None:
 def fleet(test_model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("hostile")
     model = str(test_model_dir)
+    kv_port = free_port()
     servers = {"plain": Server(["--model", model, *ARGS, *FAST], logs / "plain.log"),
                "dp": Server(["--model", model, *ARGS, "--data-parallel-size", "2"], logs / "dp.log"),
-               "prefill": Server(["--model", model, *ARGS, "--role", "prefill"], logs / "prefill.log", **SECRET),
-               "decode": Server(["--model", model, *ARGS, "--role", "decode"], logs / "decode.log", **SECRET)}
+               "prefill": Server(["--model", model, *ARGS, "--role", "prefill", "--kv-port", str(kv_port)],
+                                 logs / "prefill.log", **SECRET),
+               "decode": Server(["--model", model, *ARGS, "--role", "decode"], logs / "decode.log", **SECRET),
+               # no secret: it pulls from the prefill instance it names, and nothing else
+               "unsigned": Server(["--model", model, *ARGS, "--role", "decode", "--kv-peers", f"127.0.0.1:{kv_port}"],
+                                  logs / "unsigned.log")}
     router = None
     try:
         for server in servers.values():
@@ -183,7 +188,7 @@ FIELDS = ["model", "prompt", "max_tokens", "min_tokens", "temperature", "top_p",
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(fields=st.dictionaries(st.sampled_from(FIELDS), JSON, max_size=6), target=st.sampled_from(
-    ["plain", "dp", "decode", "router"]))
+    ["plain", "dp", "decode", "unsigned", "router"]))
 def test_random_bodies_never_get_a_5xx(fleet, fields, target):
     body = {"model": "m", "prompt": "hi", "max_tokens": 4, **fields}
     raw = json.dumps(body, allow_nan=True).encode()   # NaN and Infinity as Python writes them: a client may
@@ -204,6 +209,41 @@ def test_data_parallel_rank_headers(fleet):
     for rank in ("0", "1"):
         assert httpx.post(dp.url + "/v1/completions", json=body, timeout=30,
                           headers={"X-Data-Parallel-Rank": rank}).status_code == 200
+
+
+def test_forged_kv_transfer_params_never_make_a_decode_instance_connect(fleet):
+    """Params a prefill instance really returned, their conn aimed at a listener of ours: the signed
+    decode instance refuses them (signature), the unsigned one too (not a peer it named); neither
+    connects, 30 times over, and neither engine keeps a descriptor. The real params work."""
+    servers, _ = fleet
+    prompt = {"model": "m", "prompt": [5, 9, 2], "max_tokens": 4}
+    first = httpx.post(servers["prefill"].url + "/v1/completions", timeout=30,
+                       json={**prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    params = first.json()["kv_transfer_params"]
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    listener.settimeout(0.2)
+    forged = {**params, "conn": {**params["conn"], "addr": f"tcp://127.0.0.1:{listener.getsockname()[1]}"}}
+    forged.pop("sig", None)
+    try:
+        for name in ("decode", "unsigned"):
+            server = servers[name]
+            engine = server.engine_pid()
+            before = fds(engine)
+            for _ in range(30):
+                reply = httpx.post(server.url + "/v1/completions", json={**prompt, "kv_transfer_params": forged},
+                                   timeout=30)
+                assert assert_error_object(reply, name, {400})["param"] == "kv_transfer_params"
+            with pytest.raises(socket.timeout):
+                listener.accept()
+            assert fds(engine) <= before, name
+    finally:
+        listener.close()
+    # the real params, from the peer it named: served (and the prefill instance lets go of its blocks)
+    reply = httpx.post(servers["unsigned"].url + "/v1/completions", json={**prompt, "kv_transfer_params": params},
+                       timeout=30)
+    assert reply.status_code == 200, reply.text
 
 
 # -- clients that leave, stall or never read ----------------------------------------------------------

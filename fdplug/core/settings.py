@@ -40,7 +40,8 @@ for _setting in (
             "PD prefill: seconds a finished request's KV blocks stay held for a decode instance to pull them."),
     Setting("FDPLUG_KV_HOST", "127.0.0.1", _parse_name,
             "PD prefill: the address of this machine that decode instances pull KV from (its engines listen there, "
-            "each on a free port); 127.0.0.1 (default) serves decode instances on this machine only."),
+            "from --kv-port / FDPLUG_KV_PORT on, else each on a free port, logged); 127.0.0.1 (default) serves "
+            "decode instances on this machine only."),
     Setting("FDPLUG_KV_TRANSFER_TIMEOUT", 60.0, parse_positive_float,
             "PD decode: seconds from a request's arrival until its prompt's KV must have landed, or it fails (504)."),
     Setting("FDPLUG_KV_STALL_TIMEOUT", 5.0, parse_positive_float,
