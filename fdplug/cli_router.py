@@ -50,9 +50,10 @@ def run_router(prefill: list[str], decode: list[str], host: str, port: int, api_
 
     async def run() -> None:
         router = PDRouter(prefill, decode, env("FDPLUG_ROUTER_PREFILL_TIMEOUT"), env("FDPLUG_ENGINE_STALL_TIMEOUT"),
-                          shutdown_timeout)
+                          shutdown_timeout, env("FDPLUG_ROUTER_MAX_CONNECTIONS"))
         key = api_key if api_key is not None else env("FDPLUG_API_KEY")
-        config = uvicorn.Config(Guard(router.app, key, max_body_bytes, router.metrics), host=host, port=port,
+        app = Guard(router.app, key, max_body_bytes, router.metrics, router.drain)
+        config = uvicorn.Config(app, host=host, port=port,
                                 log_config=None, log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=GRACE_AFTER_DRAIN_S,
                                 **uvicorn_kwargs(limits))

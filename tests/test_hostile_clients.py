@@ -37,7 +37,7 @@ from tests.serverkit import FDPLUG, Server, free_port, wait_until
 
 ARGS = ["--max-model-len", "2048", "--num-kv-blocks", "600", "--served-model-name", "m"]
 SECRET = {"FDPLUG_PD_SECRET": "shared by the PD pair"}
-FAST = ["--idle-timeout", "1", "--request-timeout", "2", "--write-timeout", "3"]
+FAST = ["--idle-timeout", "1", "--request-timeout", "2"]   # the write timeout stays long: the backlog bound acts
 
 
 @dataclass
@@ -48,7 +48,8 @@ class Router:
     log: object
 
     def stop(self, sig: int = signal.SIGTERM) -> int:
-        self.proc.send_signal(sig)
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
         try:
             return self.proc.wait(30)
         finally:
@@ -168,6 +169,23 @@ def test_malformed_bodies_are_4xx_error_objects_on_every_surface(fleet):
                 for body in probes:
                     reply = http.post(url + path, content=body, headers={"content-type": "application/json"})
                     assert_error_object(reply, f"{name} {path} {body[:60]!r}")
+
+
+def test_malformed_http_is_a_400_error_object_on_every_surface(fleet):
+    bad = [b"GARBAGE\r\n\r\n", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+           b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+           b"GET /health HTTP/1.1\r\nHost: x\r\nX-A: a\x00b\r\n\r\n"]
+    for name, url in targets(fleet).items():
+        port = int(url.rpartition(":")[2])
+        for raw in bad:
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                sock.sendall(raw)
+                reply = b""
+                while chunk := sock.recv(65536):
+                    reply += chunk
+            head, _, body = reply.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 400") and b"application/json" in head, (name, raw, reply[:300])
+            assert json.loads(body)["error"]["code"] == 400, (name, raw)
 
 
 def test_unknown_paths_and_wrong_methods_are_error_objects(fleet):
@@ -400,6 +418,7 @@ def test_afterwards_every_instance_is_idle_and_kept_no_descriptor_or_memory(flee
     for name, server in servers.items():
         wait_until(lambda s=server: idle(s), 30, 0.2, what=f"{name} idle")
     assert metric(router.url, "fdplug_router:in_flight") == 0
+    assert metric(router.url, "fdplug_router:requests_in_flight") == 0
     for name, process in [*servers.items(), ("router", router)]:
         before_fds, before_rss = process.baseline
         pid = process.proc.pid
@@ -455,18 +474,23 @@ def check_refusing_while_draining(url: str) -> None:
     assert_error_object(reply, "a request while draining", {503})
 
 
-def sigterm_during_streams(client: openai.OpenAI, proc, count: int, tokens: int, drains_at: str | None) -> list:
-    """``count`` streams admitted (each answered 200: the server admits before it answers), then
-    SIGTERM to ``proc``; while it drains (``drains_at``: its URL) new requests and /health must get
-    503. Each stream's (tokens, finish_reason), or its error."""
+def sigterm_during_streams(client: openai.OpenAI, proc, count: int, tokens: int, after_signal=None) -> list:
+    """``count`` streams admitted (each answered 200: a server admits before it answers), then SIGTERM
+    to ``proc``, then ``after_signal()``. Each stream's (tokens, finish_reason), or its error."""
     started = threading.Semaphore(0)
     futures = run_streams(client, count, tokens, started)
     for _ in range(count):
         assert started.acquire(timeout=60)
     proc.send_signal(signal.SIGTERM)
-    if drains_at:
-        check_refusing_while_draining(drains_at)
+    if after_signal is not None:
+        after_signal()
     return [f.result(timeout=120) for f in futures]
+
+
+def aborted_by_the_stop(results: list) -> list:
+    errors = [r for r in results if isinstance(r, openai.APIError)]
+    assert errors and all("shutting down" in str(e) for e in errors), results
+    return errors
 
 
 @pytest.mark.parametrize("engines", [1, 2])
@@ -475,12 +499,14 @@ def test_sigterm_lets_streams_in_flight_finish_then_exits_0(test_model_dir, tmp_
                      str(engines)], tmp_path / "drain.log")
     try:
         server.wait_ready()
-        results = sigterm_during_streams(server.openai(), server.proc, 8, 200, server.url)
+        results = sigterm_during_streams(server.openai(), server.proc, 8, 200,
+                                         lambda: check_refusing_while_draining(server.url))
+        server.proc.wait(30)          # it exits by itself once drained
     finally:
         code = server.stop()
     assert results == [(200, "length")] * 8, results
     assert code == 0, server.log()
-    assert "draining" in server.log()
+    assert "drained: no requests in flight" in server.log()
 
 
 def test_sigterm_with_a_short_shutdown_timeout_aborts_the_rest_and_exits_0(test_model_dir, tmp_path):
@@ -488,21 +514,66 @@ def test_sigterm_with_a_short_shutdown_timeout_aborts_the_rest_and_exits_0(test_
                     tmp_path / "abort.log")
     try:
         server.wait_ready()
-        results = sigterm_during_streams(server.openai(), server.proc, 8, 1500, None)
+        aborted_by_the_stop(sigterm_during_streams(server.openai(), server.proc, 8, 1500))
     finally:
         code = server.stop()
-    errors = [r for r in results if isinstance(r, openai.APIError)]
-    assert errors and all("shutting down" in str(e) for e in errors), results
     assert code == 0, server.log()
 
 
-def test_the_router_drains_too(fleet, tmp_path):
+def test_a_request_still_uploading_at_sigterm_is_served(test_model_dir, tmp_path):
+    """It arrived before the signal: in flight from its first byte, so the drain waits for it."""
+    server = Server(["--model", str(test_model_dir), *ARGS], tmp_path / "upload.log")
+    try:
+        server.wait_ready()
+        body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 3}).encode()
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(body) + body[:10])
+            time.sleep(0.2)
+            server.proc.send_signal(signal.SIGTERM)
+            check_refusing_while_draining(server.url)
+            sock.sendall(body[10:])
+            reply = b""
+            while chunk := sock.recv(65536):
+                reply += chunk
+        assert reply.startswith(b"HTTP/1.1 200"), reply[:300]
+        assert json.loads(reply.partition(b"\r\n\r\n")[2])["usage"]["completion_tokens"] == 3
+        server.proc.wait(30)
+    finally:
+        code = server.stop()
+    assert code == 0, server.log()
+
+
+def test_a_second_sigterm_stops_at_once(test_model_dir, tmp_path):
+    """Four long streams on one slot (seconds of work), the default 25 s drain: the second signal
+    aborts them and the server exits 0 without waiting out the drain."""
+    server = Server(["--model", str(test_model_dir), *ARGS, "--max-num-seqs", "1"], tmp_path / "twice.log")
+    try:
+        server.wait_ready()
+        aborted_by_the_stop(sigterm_during_streams(server.openai(), server.proc, 4, 1900,
+                                                   lambda: (time.sleep(0.2), server.proc.send_signal(signal.SIGTERM))))
+    finally:
+        code = server.stop(timeout=15)
+    assert code == 0, server.log()
+    assert "again: stopping now" in server.log()
+
+
+@pytest.mark.parametrize("timeout", [None, "0.2"])
+def test_the_router_drains_too(fleet, tmp_path, timeout):
+    """Default: both streams finish, new requests and /health 503 meanwhile. With a 0.2 s timeout the
+    streams still running end with an error event (even a silent one: the abort races each chunk)."""
     servers, _ = fleet
-    router = start_router(servers["prefill"], servers["decode"], tmp_path / "router.log")
+    router = start_router(servers["prefill"], servers["decode"], tmp_path / "router.log",
+                          *(["--shutdown-timeout", timeout] if timeout else []))
     try:
         client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-        results = sigterm_during_streams(client, router.proc, 2, 1500, router.url)
+        results = sigterm_during_streams(client, router.proc, 2, 1900,
+                                         None if timeout else lambda: check_refusing_while_draining(router.url))
+        router.proc.wait(30)          # it exits by itself once drained
     finally:
         code = router.stop()
-    assert results == [(1500, "length")] * 2, results
+    if timeout:
+        aborted_by_the_stop(results)
+    else:
+        assert results == [(1900, "length")] * 2, results
     assert code == 0

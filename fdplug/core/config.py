@@ -12,7 +12,6 @@ from fdplug.core.kv_transfer.peers import check_kv_fields
 from fdplug.core.settings import env
 from fdplug.errors import ConfigError
 
-
 QUANTIZATIONS = ("fp8",)
 """What ``quantization=`` / ``--quantization`` accept: a float checkpoint quantized while it loads."""
 

@@ -161,7 +161,6 @@ def build_app(client: EngineClient, model_name: str, settings: ServerSettings, a
         return hashlib.sha256(token.encode()).hexdigest()[:32] if token else ""
 
     async def _run(job: Any, prepared: list, params: Any, req: Any, request: Request) -> Response:
-        drain.refuse_if_draining()
         rank = data_parallel_rank(request)
         kv_params = check_kv_transfer_params(req.kv_transfer_params, kv_role, params.n, client.info.vocab_size,
                                              num_prompts=len(prepared))
@@ -170,35 +169,64 @@ def build_app(client: EngineClient, model_name: str, settings: ServerSettings, a
         if not req.stream:
             serving.submit(job, prepared, params, None, req.cache_salt, rank)
             return await serving.respond(job, request)
+        connection = request.scope.get("extensions", {}).get("fdplug.connection")   # `connection_guard`
         queue = BacklogQueue(settings.max_stream_backlog, lambda: asyncio.get_running_loop().call_soon(
-            serving.cut_off, job, request.scope, settings.max_stream_backlog))
+            serving.cut_off, job, connection, settings.max_stream_backlog),
+            lambda: connection is None or connection.write_paused)
         serving.submit(job, prepared, params, queue, req.cache_salt, rank)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await serving.stream(job, queue, include_usage, request)
 
     answer_unknown_routes(app, metrics)
 
-    return Guard(app, api_key, settings.max_body_bytes, metrics)
+    return Guard(app, api_key, settings.max_body_bytes, metrics, drain)
 
 
 class Guard:
-    """API key (constant-time compare) on ``/v1/*``, then the body size limit, before the app runs.
+    """Before the app runs: the drain's door (`Drain`), the API key (constant-time compare) on
+    ``/v1/*``, then the body size limit. Probes (``/health``, ``/metrics``, ``/version``) pass.
 
     The limit is checked on ``Content-Length`` and again while the body is read (chunked uploads
-    have none); an accepted body is handed to the app as one message.
+    have none); an accepted body is handed to the app as one message. With a ``drain``, every
+    request let in counts as in flight until the app has answered it to the end, and one that
+    uvicorn cancels before its answer started (its shutdown grace ended) still gets a JSON 503.
     """
 
-    def __init__(self, app: Any, api_key: str | None, max_body_bytes: int, metrics: Any) -> None:
+    def __init__(self, app: Any, api_key: str | None, max_body_bytes: int, metrics: Any,
+                 drain: Drain | None = None) -> None:
         self.app = app
         self.api_key = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
         self.metrics = metrics
+        self.drain = drain
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope["path"].startswith(OPEN_PATHS):
             return await self.app(scope, receive, send)
+        if self.drain is None:
+            return await self._guard(scope, receive, send)
+        if self.drain.draining:
+            return await self._reject(send, self.drain.refusal())
+        started = False
+
+        async def tracked(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        self.drain.active += 1
+        try:
+            await self._guard(scope, receive, tracked)
+        except asyncio.CancelledError:
+            if started or not self.drain.draining:
+                raise
+            await self._reject(send, self.drain.refusal())
+        finally:
+            self.drain.active -= 1
+
+    async def _guard(self, scope: dict, receive: Callable, send: Callable) -> None:
         headers = dict(scope.get("headers") or ())
-        if self.api_key is not None and not scope["path"].startswith(OPEN_PATHS) and not self._authorized(headers):
+        if self.api_key is not None and not self._authorized(headers):
             return await self._reject(send, AuthenticationError(
                 "missing or incorrect API key.", fix="send it as the header `Authorization: Bearer <key>`."),
                 code="invalid_api_key", extra_headers=[(b"www-authenticate", b"Bearer")])

@@ -12,23 +12,15 @@ import json
 import logging
 import struct
 import termios
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Callable
 
-import click
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 logger = logging.getLogger(__name__)
 
 LINGER = 1.0   # seconds a refused connection still reads (and drops) so that its client can read the refusal
 EXTENSION = "fdplug.connection"
-OPTION_HELP = {
-    "max_header_bytes": "Largest request line + headers, in bytes; past it a 431.",
-    "max_header_count": "Most header fields in one request; past it a 431.",
-    "idle_timeout": "Seconds a connection with no request in progress stays open (0: off).",
-    "request_timeout": "Seconds for a request's head and body to arrive from its first byte; then a 408 (0: off).",
-    "write_timeout": "Seconds a client may read nothing of a pending response before it is dropped (0: off).",
-}
 
 
 @dataclass(slots=True)
@@ -65,6 +57,12 @@ class ConnectionHandle:
     stream whose unsent output passed its bound (the request is then aborted like a disconnect)."""
 
     transport: asyncio.Transport
+    flow: Any                         # uvicorn's FlowControl of the connection
+
+    @property
+    def write_paused(self) -> bool:
+        """The client is not taking what was written (the transport's buffer is over its high mark)."""
+        return bool(self.flow.write_paused)
 
     def close(self) -> None:
         """Drop the connection now, unsent output included."""
@@ -114,7 +112,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._handle = ConnectionHandle(transport)
+        self._handle = ConnectionHandle(transport, self.flow)
         self._arm("idle", self.limits.idle_timeout, self._close_when_drained)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -135,9 +133,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
                 self._refuse_head_bytes()
 
     def send_400_response(self, msg: str) -> None:
+        """Malformed HTTP (httptools' parse error): an OpenAI error object too, not uvicorn's plain text."""
         if not self._rejected:   # a parse error past a refusal must not add a second response
-            self._rejected = True
-            super().send_400_response(msg)
+            self._reject(400, "The request is not valid HTTP/1.1 (a malformed request line, header or body "
+                              "framing); send a well-formed request.")
 
     def on_message_begin(self) -> None:
         if not self._rejected:
@@ -280,17 +279,3 @@ def uvicorn_kwargs(limits: ConnectionLimits) -> dict[str, Any]:
     WebSocket upgrades off (the API has none, and an upgraded connection would leave the guard)."""
     factory = functools.partial(GuardedHttpToolsProtocol, limits=limits)
     return {"http": factory, "timeout_keep_alive": limits.idle_timeout or 5, "ws": "none"}
-
-
-def connection_options(fn: Callable) -> Callable:
-    """The per-connection limit flags, defaults shown (``limits_from`` pops them back out)."""
-    for field in reversed(fields(ConnectionLimits)):
-        kind = click.IntRange(min=1) if field.type == "int" else click.FloatRange(min=0)
-        fn = click.option("--" + field.name.replace("_", "-"), type=kind, default=field.default, show_default=True,
-                          help=OPTION_HELP[field.name])(fn)
-    return fn
-
-
-def limits_from(kw: dict[str, Any]) -> ConnectionLimits:
-    """Pop the ``connection_options`` values out of a click kwargs dict."""
-    return ConnectionLimits(**{field.name: kw.pop(field.name) for field in fields(ConnectionLimits)})

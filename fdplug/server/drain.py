@@ -9,8 +9,9 @@ signal skips the wait. ``fdplug serve`` (single or data-parallel engines) and ``
 share this; each says what "in flight" is and how to abort it.
 
 Why 25 s by default: Kubernetes sends SIGKILL ``terminationGracePeriodSeconds`` (30 s by default)
-after SIGTERM; 25 s of draining leaves the engine processes 5 s to exit on their own. Most chat
-answers finish within it; set it (and the pod's grace period) higher for long generations.
+after SIGTERM; 25 s of draining leaves the rest of the stop (2 s for the last writes, then the
+engines' exit, well under a second when they are idle) inside it. Most chat answers finish within
+it; set it (and the pod's grace period) higher for long generations.
 """
 
 from __future__ import annotations
@@ -28,30 +29,33 @@ from fdplug.errors import ServerShuttingDownError
 logger = logging.getLogger("fdplug.server")
 
 DEFAULT_SHUTDOWN_TIMEOUT_S = 25.0
-GRACE_AFTER_DRAIN_S = 5     # uvicorn's wait for responses still being written once the drain is over
+GRACE_AFTER_DRAIN_S = 2     # uvicorn's wait for responses still being written once the drain is over
 POLL_S = 0.05
 
 
 class Drain:
-    """The graceful stop of one HTTP front: ``begin`` on the first signal, ``force`` on the second."""
+    """The graceful stop of one HTTP front: ``begin`` on the first signal, ``force`` on the second.
 
-    def __init__(self, timeout: float, in_flight: Callable[[], int], abort_rest: Callable[[], None],
-                 what: str = "requests") -> None:
-        """``in_flight()``: requests still running; ``abort_rest()``: end them now, with an error each."""
+    "In flight" is every request the front's `Guard` let in and has not answered to the end, from
+    its first byte (a body still uploading, a prompt being tokenized, a relay waiting for prefill)
+    to its last (a stream's ``[DONE]``); ``/health``, ``/metrics`` and ``/version`` do not count.
+    """
+
+    def __init__(self, timeout: float, abort_rest: Callable[[], None], what: str = "requests") -> None:
+        """``abort_rest()``: end what still runs now, with an error each (a 503, or a stream's error event)."""
         self.timeout = timeout
-        self.in_flight = in_flight
         self.abort_rest = abort_rest
         self.what = what
-        self.server: uvicorn.Server | None = None     # set once it runs: `done` makes it exit
+        self.active = 0                                # requests in flight (the `Guard` counts them)
+        self.server: uvicorn.Server | None = None     # set once it runs: `_stop` makes it exit
         self.draining = False
-        self.aborting = False     # the timeout (or a second signal) came: what runs is being ended
+        self.aborting = asyncio.Event()   # the timeout (or a second signal) came: what runs is being ended
         self._task: asyncio.Task | None = None
 
-    def refuse_if_draining(self) -> None:
+    def refusal(self) -> ServerShuttingDownError:
         """New requests while draining: a 503 (retry elsewhere), never a half-served answer."""
-        if self.draining:
-            raise ServerShuttingDownError("the server is shutting down and takes no new requests.",
-                                          fix="retry against another instance (or once this one is back).")
+        return ServerShuttingDownError("the server is shutting down and takes no new requests.",
+                                       fix="retry against another instance (or once this one is back).")
 
     def begin(self) -> None:
         """Stop taking requests; let those in flight finish within the timeout (on the event loop)."""
@@ -59,30 +63,31 @@ class Drain:
             return
         self.draining = True
         logger.info("draining: %d %s in flight, up to %g s (--shutdown-timeout); a second signal stops at once",
-                    self.in_flight(), self.what, self.timeout)
+                    self.active, self.what, self.timeout)
         self._task = asyncio.get_running_loop().create_task(self._drain(), name="fdplug-drain")
 
     def force(self) -> None:
-        """Abort whatever is still running and stop now."""
+        """Abort whatever is still running and stop now, without uvicorn's wait for open connections."""
         self.draining = True
         if self._task is not None:
             self._task.cancel()
+        if self.server is not None:
+            self.server.force_exit = True
         self._stop(abort=True)
 
     async def _drain(self) -> None:
         deadline = time.monotonic() + self.timeout
-        while self.in_flight() and time.monotonic() < deadline:
+        while self.active and time.monotonic() < deadline:
             await asyncio.sleep(POLL_S)
-        left = self.in_flight()
-        if left:
-            logger.warning("shutdown timeout: aborting %d %s still in flight", left, self.what)
+        if self.active:
+            logger.warning("shutdown timeout: aborting %d %s still in flight", self.active, self.what)
         else:
             logger.info("drained: no %s in flight", self.what)
-        self._stop(abort=bool(left))
+        self._stop(abort=bool(self.active))
 
     def _stop(self, abort: bool) -> None:
         if abort:
-            self.aborting = True
+            self.aborting.set()
             self.abort_rest()
         if self.server is not None:
             self.server.should_exit = True

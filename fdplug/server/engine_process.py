@@ -111,8 +111,11 @@ def run_engine(spec: EngineSpec) -> int:
                           env("FD_EP_BATCHED_TOKEN_TIMEOUT") if group is not None else 0.0)
         freeze_startup_heap()
         # after paddle's import (which installs its own SIGTERM handler): SIGTERM, also what the parent's
-        # death sends, ends the loop after its current step, so the cleanup below runs
-        signal.signal(signal.SIGTERM, lambda *_: setattr(loop, "running", False))
+        # death sends, ends the loop after its current step, so the cleanup below runs. While the API
+        # process lives, SIGTERM is its to handle (a whole process group or cgroup gets it: systemd, kill
+        # -TERM -PGID): it drains its requests, then tells this engine to stop (or SIGKILLs a stuck one)
+        signal.signal(signal.SIGTERM, lambda *_: None if os.getppid() == spec.parent_pid
+                      else setattr(loop, "running", False))
         try:
             loop.run()
         except Exception as exc:

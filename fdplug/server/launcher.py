@@ -144,7 +144,9 @@ async def _serve(settings: ServerSettings, spec_args: list[dict], tokenizer: Any
 
     loop = asyncio.get_running_loop()
     interrupted = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):  # until uvicorn takes over: stop the startup cleanly
+    # a signal during startup stops it cleanly; one before uvicorn serves, or after it is done (stopping the
+    # engines), is noted instead of killing the process (uvicorn's own handlers are in place while it serves)
+    for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, interrupted.set)
     engine_set = None
     client = None
@@ -161,8 +163,6 @@ async def _serve(settings: ServerSettings, spec_args: list[dict], tokenizer: Any
         except KeyboardInterrupt:
             logger.warning("interrupted while the engine was starting")
             return 0
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
         metrics = ServerMetrics(name)
 
         def engine_client(engine: EngineProcess, info: P.EngineInfo, rank: int) -> EngineClient:
@@ -181,7 +181,7 @@ async def _serve(settings: ServerSettings, spec_args: list[dict], tokenizer: Any
             clients, restart if restarts else None, lockstep=settings.expert_parallel_size > 1)
         info = infos[0]
         api_key = settings.api_key if settings.api_key is not None else env("FDPLUG_API_KEY")
-        drain = Drain(settings.shutdown_timeout, client.num_registered, client.begin_shutdown)
+        drain = Drain(settings.shutdown_timeout, client.begin_shutdown)
         app = build_app(client, name, settings, api_key, spec_args[0]["engine_args"].get("kv_role"), drain)
         server = DrainingServer(uvicorn.Config(app, log_config=None, log_level="warning", access_log=False,
                                                lifespan="off", timeout_graceful_shutdown=GRACE_AFTER_DRAIN_S,
@@ -210,6 +210,9 @@ async def _serve(settings: ServerSettings, spec_args: list[dict], tokenizer: Any
                     "a chunk per step" if settings.stream_interval == 1 else
                     f"the first token, then chunks of {settings.stream_interval} tokens (--stream-interval)")
         logger.info("fdplug serving on http://%s:%d (OpenAI API under /v1; /health, /metrics)", shown_host, port)
+        if interrupted.is_set():
+            logger.info("stopped before serving (a signal)")
+            return 0
         await server.serve(sockets=[sock])
         if not client.healthy and exit_code == 0 and not server.signalled:
             exit_code = 1

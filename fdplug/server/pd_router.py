@@ -27,7 +27,7 @@ from typing import AsyncIterator, Awaitable, Callable
 import httpx
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from fdplug.errors import FdplugError, InvalidRequestError, ServerShuttingDownError
@@ -69,18 +69,19 @@ class PDRouter:
     """The two pools and the request flow; `app` is the ASGI app uvicorn runs."""
 
     def __init__(self, prefill: list[str], decode: list[str], prefill_timeout: float, stall_timeout: float,
-                 shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> None:
+                 shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S, max_connections: int = 4096) -> None:
         if not prefill or not decode:
             raise ValueError("a router needs at least one prefill and one decode instance")
         self.prefill = [Upstream(url.rstrip("/")) for url in prefill]
         self.decode = [Upstream(url.rstrip("/")) for url in decode]
-        self.prefill_timeout = httpx.Timeout(prefill_timeout, connect=CONNECT_TIMEOUT_S)
-        self.decode_timeout = httpx.Timeout(stall_timeout, connect=CONNECT_TIMEOUT_S)
-        self.http = httpx.AsyncClient()
+        self.prefill_timeout = httpx.Timeout(prefill_timeout, connect=CONNECT_TIMEOUT_S, pool=CONNECT_TIMEOUT_S)
+        self.decode_timeout = httpx.Timeout(stall_timeout, connect=CONNECT_TIMEOUT_S, pool=CONNECT_TIMEOUT_S)
+        # one connection per relay in flight (a stream holds its own): bounded, and a full pool is a 503 at once
+        self.http = httpx.AsyncClient(limits=httpx.Limits(max_connections=max_connections,
+                                                          max_keepalive_connections=min(max_connections, 256)))
+        self.drain = Drain(shutdown_timeout, self._abort_all)   # its `Guard` (cli_router) counts what is in flight
         self.metrics = RouterMetrics(self)
-        self.in_flight = 0                             # client requests not answered to the end yet
         self.waiting: set[asyncio.Task] = set()        # relays not answering yet (prefill, decode's start)
-        self.drain = Drain(shutdown_timeout, lambda: self.in_flight, self._abort_all)
         relay = guarded(self.relay, self.metrics)
         self.app = Starlette(routes=[Route("/v1/completions", relay, methods=["POST"]),
                                      Route("/v1/chat/completions", relay, methods=["POST"]),
@@ -96,7 +97,6 @@ class PDRouter:
         """Check the body as an instance would, then prefill and decode, watching for the client
         leaving: a client gone before its answer starts closes the upstream request (the instance
         holding it aborts it and frees its blocks), streamed or not."""
-        self.drain.refuse_if_draining()
         path = request.url.path
         try:
             body = await asyncio.to_thread(_request_body, path, await request.body())
@@ -104,8 +104,6 @@ class PDRouter:
             self.metrics.requests.labels("router", str(exc.http_status)).inc()
             raise
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED}
-        self.in_flight += 1
-        streaming = False
         flow = asyncio.ensure_future(self._flow(path, body, headers))
         disconnect = asyncio.ensure_future(wait_disconnect(request))
         self.waiting.add(flow)
@@ -117,16 +115,12 @@ class PDRouter:
                 return Response(status_code=499)        # nobody reads it
             if flow.cancelled():             # the drain's timeout ended it
                 raise self._stopping()
-            reply = flow.result()
-            streaming = isinstance(reply, StreamingResponse)
-            return reply
+            return flow.result()
         finally:
             disconnect.cancel()
             self.waiting.discard(flow)
             if not flow.done():
                 flow.cancel()
-            if not streaming:
-                self.in_flight -= 1
 
     async def _flow(self, path: str, body: dict, headers: dict) -> Response:
         first = await self._prefill(path, body, headers)
@@ -191,24 +185,36 @@ class PDRouter:
                 upstream.in_flight -= 1
 
     async def _chunks(self, reply: httpx.Response, upstream: Upstream) -> AsyncIterator[bytes]:
-        """The decode instance's SSE stream, byte for byte; an error event if it breaks or the drain ends it."""
+        """The decode instance's SSE stream, byte for byte; an error event if it breaks, or if the
+        drain's timeout ends it (even while the stream is silent: each chunk races the abort)."""
+        chunks = reply.aiter_raw()
+        aborting = asyncio.ensure_future(self.drain.aborting.wait())
         try:
-            async for chunk in reply.aiter_raw():
-                yield chunk
-                if self.drain.aborting:
+            while True:
+                step = asyncio.ensure_future(anext(chunks))
+                await asyncio.wait({step, aborting}, return_when=asyncio.FIRST_COMPLETED)
+                if not step.done():
+                    step.cancel()
+                    await asyncio.wait({step})
                     raise self._stopping()
+                try:
+                    chunk = step.result()
+                except StopAsyncIteration:
+                    return
+                yield chunk
         except (httpx.HTTPError, ServerShuttingDownError) as exc:   # went silent or away, or we stop: say so
             logger.warning("decode stream from %s ended early: %s", upstream.url, type(exc).__name__)
             error = exc if isinstance(exc, FdplugError) else UpstreamError(
                 f"the decode instance's stream broke ({type(exc).__name__}).", fix="retry the request.")
             yield sse_error(error)
             yield b"data: [DONE]\n\n"
+        finally:
+            aborting.cancel()
 
     def _stream_closer(self, reply: httpx.Response, upstream: Upstream) -> Callable[[], Awaitable[None]]:
         """Run once when the client's stream ends, even if its body never started (the client left)."""
         async def close() -> None:
             upstream.in_flight -= 1
-            self.in_flight -= 1
             await reply.aclose()
         return close
 

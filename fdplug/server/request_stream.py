@@ -60,23 +60,26 @@ class BacklogQueue(asyncio.Queue):
     """A streaming request's queue of events, with a bound on what its client has not taken yet.
 
     The stream's writer takes everything queued each time the client's socket accepts more, so the
-    backlog stays small while the client reads. A client that stops reading stops the writer (flow
-    control), and the engine's tokens would pile up here for as long as it generates: past
-    ``limit`` tokens (each logprob alternative counted as one) ``on_overflow`` runs once, to abort the
-    request and drop the connection, instead of the API process growing without end.
+    backlog stays small while the client reads (a single step of a wide request, 128 sequences with
+    20 logprobs each, may pass the bound: it counts only while the connection's writes are paused).
+    A client that stops reading stops the writer (flow control), and the engine's tokens would pile
+    up here for as long as it generates: past ``limit`` tokens (each logprob alternative counted as
+    one) with the client taking nothing, ``on_overflow`` runs once, to abort the request and drop
+    the connection, instead of the API process growing without end.
     """
 
-    def __init__(self, limit: int, on_overflow: Callable[[], None]) -> None:
+    def __init__(self, limit: int, on_overflow: Callable[[], None], write_paused: Callable[[], bool]) -> None:
         super().__init__()
         self.limit = limit
         self.backlog = 0
         self.overflowed = False
         self._on_overflow = on_overflow
+        self._write_paused = write_paused
 
     def put_nowait(self, item: Any) -> None:
         super().put_nowait(item)
         self.backlog += _weight(item)
-        if self.backlog > self.limit and not self.overflowed:
+        if self.backlog > self.limit and not self.overflowed and self._write_paused():
             self.overflowed = True
             self._on_overflow()
 

@@ -25,6 +25,8 @@ class RouterMetrics:
                               registry=self.registry)
         in_flight = Gauge("fdplug_router:in_flight", "Requests in flight at each instance.", ["role", "url"],
                           registry=self.registry)
+        Gauge("fdplug_router:requests_in_flight", "Client requests let in and not answered to the end yet.",
+              registry=self.registry).set_function(lambda: router.drain.active)
         for role, pool in (("prefill", router.prefill), ("decode", router.decode)):
             for upstream in pool:
                 in_flight.labels(role, upstream.url).set_function(lambda u=upstream: u.in_flight)

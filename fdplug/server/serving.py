@@ -58,15 +58,14 @@ class Serving:
         for stream in job.streams:
             self.client.abort(stream.request_id)
 
-    def cut_off(self, job: Job, scope: dict, limit: int) -> None:
+    def cut_off(self, job: Job, connection: Any, limit: int) -> None:
         """A streaming client stopped reading and its unsent output passed ``limit`` tokens
         (`BacklogQueue`): abort its sequences (their KV blocks free at the next step) and drop its
         connection, rather than hold its output for as long as the engine generates."""
         logger.warning("%s: the client stopped reading (over %d unsent tokens); aborting it and closing the "
                        "connection (--max-stream-backlog)", job.id, limit)
         self.abort(job)
-        connection = scope.get("extensions", {}).get("fdplug.connection")
-        if connection is not None:
+        if connection is not None:      # `connection_guard.ConnectionHandle`
             connection.close()
 
     # -- non-streaming ----------------------------------------------------------------------------
