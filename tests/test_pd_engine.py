@@ -53,6 +53,11 @@ def drive(engines, until, timeout: float = 60.0) -> dict[str, list]:
     return got
 
 
+def merged(*runs: dict[str, list]) -> dict[str, list]:
+    """Outputs of several `drive` runs, in order, by request id."""
+    return {rid: [o for run in runs for o in run.get(rid, [])] for rid in {r for run in runs for r in run}}
+
+
 def finished(ids):
     return lambda got: all(any(o.finished for o in got.get(i, [])) for i in ids)
 
@@ -222,11 +227,18 @@ def test_multimodal_prompts_continue_on_a_decode_side_that_never_fetches_unless_
             req.kv_transfer_params = {"do_remote_decode": True}
             prefill.engine.add_request(req)
         first = drive([prefill.engine], finished(ids))
+        # pulls land in any order: the plain-text request runs before the others are added, so the
+        # newest running requests, preempted first, are the multimodal ones
+        early: dict[str, list] = {}
         for rid, prompt in zip(ids, processed):
             (req,) = decode.input_processor.make_requests(rid, prompt, GREEDY)
             req.kv_transfer_params = next(o for o in first[rid] if o.finished).kv_transfer_params
             decode.engine.add_request(req)
-        got = drive([prefill.engine, decode.engine], finished(ids))
+            if not early:
+                early = drive([prefill.engine, decode.engine], lambda got, rid=rid: rid in got)
+        rest = drive([prefill.engine, decode.engine], lambda got: finished(ids)(merged(early, got)))
+        got = merged(early, rest)
+
         assert [[t for o in got[rid] for t in o.new_token_ids] for rid in ids] == want
         assert (decode.engine.stats().num_preemptions > 0) is preempts
         assert (len(decode.engine.encoder_cache) > 0) is preempts      # no feature fetched unless preempted
