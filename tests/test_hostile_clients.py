@@ -413,6 +413,35 @@ def test_slowloris_and_huge_headers(fleet):
     assert time.monotonic() - started < 30
 
 
+def test_every_surface_closes_idle_connections_and_refuses_huge_heads(fleet):
+    """The same per-connection bounds on every surface (default idle timeout 5 s, except the plain
+    instance's 1 s): idle connections closed, a 128 KiB header a 431 error object."""
+    sockets = {name: [socket.create_connection(("127.0.0.1", int(url.rpartition(":")[2])), timeout=10)
+                      for _ in range(20)] for name, url in targets(fleet).items()}
+    try:
+        for name, url in targets(fleet).items():
+            with socket.create_connection(("127.0.0.1", int(url.rpartition(":")[2])), timeout=10) as big:
+                try:
+                    big.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (128 << 10) + b"\r\n\r\n")
+                except OSError:
+                    pass        # refused before the whole head was sent
+                reply = b""
+                try:
+                    while chunk := big.recv(65536):
+                        reply += chunk
+                except ConnectionResetError:
+                    pass
+            head, _, body = reply.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 431"), (name, reply[:200])
+            assert json.loads(body)["error"]["code"] == 431, name
+        for name, socks in sockets.items():
+            assert all(closed_by_peer(s, 15) for s in socks), f"{name} kept an idle connection"
+    finally:
+        for socks in sockets.values():
+            for s in socks:
+                s.close()
+
+
 def test_afterwards_every_instance_is_idle_and_kept_no_descriptor_or_memory(fleet):
     servers, router = fleet
     for name, server in servers.items():
