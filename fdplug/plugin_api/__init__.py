@@ -1,6 +1,6 @@
 """fdplug's plugin API: everything a plugin author imports, and nothing else.
 
-A plugin is a module with ``FDPLUG_API_VERSION = "3.8"`` and functions decorated with ``hookimpl``,
+A plugin is a module with ``FDPLUG_API_VERSION = "3.9"`` and functions decorated with ``hookimpl``,
 found through the ``fdplug`` entry-point group (``[project.entry-points.fdplug] mychip =
 "fdplug_mychip"``). Its hooks (`hookspecs`) each receive a ``register`` callback taking one spec
 (`specs`). The smallest useful plugin registers one `DeviceSpec`; the core's portable runner,
@@ -61,7 +61,7 @@ _EXPORTS = {
     "import_paddle": "fdplug.plugin_api.paddle",
     "gather_blocks": "fdplug.plugin_api.kv_layout", "scatter_blocks": "fdplug.plugin_api.kv_layout",
     "layout_of": "fdplug.plugin_api.kv_layout",
-    **dict.fromkeys(("KVCaches", "KVReceiver", "KVSender"), "fdplug.plugin_api.kv_connector"),
+    **dict.fromkeys(("KVCaches", "KVConnChecker", "KVReceiver", "KVSender"), "fdplug.plugin_api.kv_connector"),
     "Decision": "fdplug.plugin_api.selection", "Selection": "fdplug.plugin_api.selection",
     "Setting": "fdplug.plugin_api.settings", "cache_dir": "fdplug.plugin_api.settings",
     **dict.fromkeys(("ANY_DEVICE", "AttentionBackendSpec", "DeviceSpec", "FeatureStorageSpec", "KVConnectorSpec",
