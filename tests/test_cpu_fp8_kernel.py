@@ -12,8 +12,9 @@ import paddle
 import pytest
 
 from fdplug.core.frontend.llm import LLM
+from fdplug.errors import SelectionError
 from fdplug.plugin_api.fp8 import block_quant
-from fdplug.plugins.cpu import kernels, native_fp8
+from fdplug.plugins.cpu import isa, kernels, native_fp8
 
 if kernels.unavailable_reason() is not None:
     pytest.skip(f"the cpu kernels do not build here: {kernels.unavailable_reason()}", allow_module_level=True)
@@ -113,6 +114,10 @@ def test_an_fp8_model_decodes_the_same_tokens_with_the_kernel(tmp_path):
     greedy tokens (float32 rounding apart, the same numbers)."""
     params = __import__("fdplug").SamplingParams(temperature=0, max_tokens=24, logprobs=1)
     prompts = [[{"role": "user", "content": "Hello"}], [{"role": "user", "content": "What does the for statement do?"}]]
+    if isa.level() < 4:   # the CPU (or FDPLUG_CPU_ISA) below x86-64-v4: the tiles' scalar fallback is not chosen
+        with pytest.raises(SelectionError, match="AVX-512 tiles only"):
+            LLM(quantization="fp8", op_kernels={"fp8_linear": "cpu_native_fp8_linear"}, max_model_len=256)
+        return
     runs = {}
     for kernel in ("cpu_native_fp8_linear", "paddle_fp8_linear"):
         llm = LLM(quantization="fp8", op_kernels={"fp8_linear": kernel}, max_model_len=256, num_kv_blocks=64)

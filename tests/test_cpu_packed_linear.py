@@ -13,8 +13,9 @@ import numpy as np
 import paddle
 import pytest
 
+from fdplug.errors import SelectionError
 from fdplug.plugin_api.ops import PreparedWeight
-from fdplug.plugins.cpu import kernels, native_linear
+from fdplug.plugins.cpu import isa, kernels, native_linear
 from tests.test_cpu_linear_kernel import weight
 
 if kernels.unavailable_reason() is not None:
@@ -127,6 +128,10 @@ def test_the_engine_packs_its_linear_layers_once_and_keeps_one_copy(test_model_d
     from fdplug.core.frontend.llm import LLM
     from fdplug.core.model.layers import Linear
 
+    if isa.level() < 4:   # the CPU (or FDPLUG_CPU_ISA) below x86-64-v4: the tiles' scalar fallback is not chosen
+        with pytest.raises(SelectionError, match="AVX-512 tiles only"):
+            LLM(str(test_model_dir), max_model_len=64, num_kv_blocks=64, op_kernels={"linear": "cpu_native_linear"})
+        return
     llm = LLM(str(test_model_dir), max_model_len=64, num_kv_blocks=64, max_num_seqs=8)
     linears = [layer for layer in llm.engine.runner.model.sublayers() if isinstance(layer, Linear)]
     assert linears and all(layer.prepared is not None and layer.prepared.layout == native_linear.PANELS

@@ -10,7 +10,12 @@ op kernels. Everything else on the cpu device is the core's portable code.
 from __future__ import annotations
 
 from fdplug.plugin_api.hookspecs import API_VERSION, hookimpl
-from fdplug.plugin_api.specs import AttentionBackendSpec, DeviceSpec, MoEBackendSpec, OpSpec
+from fdplug.plugin_api.specs import (
+    AttentionBackendSpec,
+    DeviceSpec,
+    MoEBackendSpec,
+    OpSpec,
+)
 from fdplug.plugins.cpu import device, settings
 
 FDPLUG_API_VERSION = API_VERSION
@@ -66,10 +71,20 @@ def _native_kernels_supports(config) -> str | None:
     return kernels.unavailable_reason()
 
 
+def _avx512_tiles_supports(name: str):
+    """The linear kernels' tiles are AVX-512 only: below x86-64-v4 (the CPU, or FDPLUG_CPU_ISA) their
+    scalar fallback is ~40x below paddle's matmul, so they are not chosen there."""
+    def supports(config) -> str | None:
+        from fdplug.plugins.cpu import isa
+
+        return _native_kernels_supports(config) or isa.avx512_reason(name)
+    return supports
+
+
 def _bf16_math_supports(config) -> str | None:
     from fdplug.plugins.cpu import native_linear
 
-    reason = _native_kernels_supports(config)
+    reason = _avx512_tiles_supports("cpu_native_bf16_linear")(config)
     if reason is None and not native_linear.bf16_math_available():
         reason = "the CPU (or the C compiler) has no AVX512-BF16: bf16 weights run as cpu_native_linear's float32 math"
     return reason
@@ -114,7 +129,8 @@ def fdplug_register_ops(register):
            "AVX2 SwiGLU on every core (compiled C): 4-5x paddle's single-threaded one (FDPLUG_CPU_KERNELS)")
     native("cpu_native_fp8_linear", "fp8_linear", ("native_fp8", "fp8_linear_or_portable"),
            "FP8 weights kept one byte, packed at load in panels of 64 columns, widened in registers and "
-           "scaled per block in outer-product tiles (compiled C)", prepare=_fp8_prepare_factory)
+           "scaled per block in outer-product tiles (compiled C)", prepare=_fp8_prepare_factory,
+           supports=_avx512_tiles_supports("cpu_native_fp8_linear"))
     native("cpu_native_rms_norm", "rms_norm", ("native_norms", "rms_norm"),
            "one compiled call instead of paddle's five ops (float32; the q/k norm's per-head weights too)")
     native("cpu_native_add_rms_norm", "add_rms_norm", ("native_norms", "add_rms_norm"),
@@ -126,7 +142,7 @@ def fdplug_register_ops(register):
     native("cpu_native_linear", "linear", ("native_linear", "linear_or_portable"),
            "AVX-512 FMA tiles on float32 or bf16 weights packed at load in panels of 64 columns (compiled "
            "C; bf16 widened in registers: half the bytes, float32 math); ~1.4-2x paddle's matmul",
-           prepare=_linear_prepare_factory)
+           prepare=_linear_prepare_factory, supports=_avx512_tiles_supports("cpu_native_linear"))
     native("cpu_native_bf16_linear", "linear", ("native_linear", "linear_or_portable"),
            "bf16 weights in bf16 math (AVX512-BF16 dot products: inputs rounded to bf16, float32 sums; ~2x "
            "cpu_native_linear where compute-bound); float32 weights as cpu_native_linear. --op-kernel "

@@ -39,8 +39,11 @@ def is_amd_cpu() -> bool:
 def probe() -> Probe:
     if not paddle_installed():
         return Probe(False, "PaddlePaddle is not installed", fix=INSTALL_FIX)
-    return Probe(True, "the CPU is always usable", info=MappingProxyType(
-        {"cores": str(usable_cores()), "threads": str(cpu_threads()), "amd": str(is_amd_cpu())}))
+    from fdplug.plugins.cpu import isa
+
+    return Probe(True, f"the CPU is always usable; {isa.describe()}", info=MappingProxyType(
+        {"cores": str(usable_cores()), "threads": str(cpu_threads()), "amd": str(is_amd_cpu()),
+         "isa": isa.describe()}))
 
 
 def setup() -> None:

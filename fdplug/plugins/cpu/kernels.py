@@ -3,9 +3,10 @@
 ``csrc/cpu_kernels.c`` holds a paged attention that reads the KV cache in place, the KV write,
 SwiGLU, RMSNorm (alone and with the residual add), RoPE, a MoE layer's routed experts, the FP8
 linear and the linear layer (see the files for why). It is compiled the first time it is needed,
-with ``-march=native``, into ``$FDPLUG_CACHE_DIR/kernels/`` under a name that hashes the sources,
-the flags, the compiler and the CPU's feature flags: a changed source or a different CPU gets its
-own build, and a build from another machine sharing the directory is never loaded. The build goes
+with ``-march=native`` (or for the level ``FDPLUG_CPU_ISA`` caps it to: `isa`), into
+``$FDPLUG_CACHE_DIR/kernels/`` under a name that hashes the sources, the flags, the compiler and
+the CPU's feature flags: a changed source or a different CPU gets its own build, and a build from
+another machine sharing the directory is never loaded. The build goes
 to a temporary file that is renamed into place, so concurrent processes never load a half-written
 library.
 
@@ -33,13 +34,13 @@ import numpy as np
 
 from fdplug.errors import ConfigError
 from fdplug.plugin_api.settings import cache_dir
-from fdplug.plugins.cpu import settings
+from fdplug.plugins.cpu import isa, settings
 
 logger = logging.getLogger("fdplug")
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCE = CSRC / "cpu_kernels.c"    # it #includes the other files of CSRC
-FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared", "-pthread", "-std=c99")
+FLAGS = ("-O3", "-fno-math-errno", "-fPIC", "-shared", "-pthread", "-std=c99")   # + the target (`isa.march`)
 ABI = 8
 BUILD_TIMEOUT_S = 120.0
 
@@ -102,7 +103,8 @@ def _cpu_fingerprint() -> str:
 def library_path(cc: list[str]) -> Path:
     key = hashlib.sha256()
     included = (f.read_bytes() for f in sorted(CSRC.glob("*.c")) if f != SOURCE)
-    for part in (SOURCE.read_bytes(), *included, " ".join(FLAGS).encode(), " ".join(cc).encode(), _cpu_fingerprint().encode()):
+    flags = " ".join((*isa.march(), *FLAGS))
+    for part in (SOURCE.read_bytes(), *included, flags.encode(), " ".join(cc).encode(), _cpu_fingerprint().encode()):
         key.update(part)
         key.update(b"\0")
     return cache_dir() / "kernels" / f"cpu_kernels-{platform.machine()}-{key.hexdigest()[:16]}.so"
@@ -115,7 +117,8 @@ def build(cc: list[str], target: Path) -> None:
     os.close(fd)
     try:
         try:
-            command = [*cc, *FLAGS, "-I", str(CSRC), "-o", tmp, str(SOURCE), "-lm"]
+            # the target first: a flag added to FLAGS (a test's -march=x86-64) overrides it
+            command = [*cc, *isa.march(), *FLAGS, "-I", str(CSRC), "-o", tmp, str(SOURCE), "-lm"]
             result = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False)
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise KernelsUnavailable(f"the C compiler {cc[0]!r} could not run: {exc}") from None

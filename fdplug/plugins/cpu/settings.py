@@ -25,6 +25,10 @@ PACK_WEIGHTS = Setting("FDPLUG_CPU_PACK_WEIGHTS", True, parse_bool,
                        "1 (default): the cpu_native linear kernels pack each linear layer's weights once at load "
                        "(panels of 64 columns: ~2x the in-place tiles at 64+ rows); 0: weights stay in the "
                        "checkpoint's [out, in] layout (the in-place tiles; other bits, same accuracy).")
+CPU_ISA = Setting("FDPLUG_CPU_ISA", "auto", parse_choice("auto", "avx512", "avx2", "sse4"),
+                  "Caps the x86 instruction-set level the cpu kernels are compiled for and claim: auto (default) "
+                  "what the CPU has; avx512 (x86-64-v4), avx2 (x86-64-v3), sse4 (x86-64-v2). To test a lower "
+                  "level's code on a higher CPU, or give a fleet of mixed CPUs the same bits.")
 CC = Setting("CC", None, str, "C compiler for the cpu device's kernels (default: cc, then gcc, then clang on PATH).")
 MKL_DEBUG_CPU_TYPE = Setting("MKL_DEBUG_CPU_TYPE", None, str,
                              "Honoured if set; otherwise the cpu device sets 5 on AMD CPUs (MKL's fast AVX2 path).",
@@ -34,4 +38,4 @@ KMP_BLOCKTIME = Setting("KMP_BLOCKTIME", None, str,
                         "spinning for 200 ms (they took the cores from the compiled attention kernel's threads).",
                         as_set_by_user=True)
 
-SETTINGS = (CPU_THREADS, CPU_MALLOC_TUNING, CPU_KERNELS, PACK_WEIGHTS, CC, MKL_DEBUG_CPU_TYPE, KMP_BLOCKTIME)
+SETTINGS = (CPU_THREADS, CPU_MALLOC_TUNING, CPU_KERNELS, PACK_WEIGHTS, CPU_ISA, CC, MKL_DEBUG_CPU_TYPE, KMP_BLOCKTIME)

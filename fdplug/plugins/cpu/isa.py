@@ -1,0 +1,110 @@
+"""The CPU's instruction-set level, as the cpu kernels see it: what they are compiled for and what they may claim.
+
+x86 CPUs differ where it matters: an AMD EPYC of the Zen 3 generation (the most common cloud x86)
+has AVX2 and FMA but no AVX-512, and a kernel whose fast path is AVX-512 falls back to a scalar loop
+there (the packed linear: ~3 GFLOP/s, ~40x below paddle's matmul). The level comes from the flags
+the kernel reports (``/proc/cpuinfo``), named as the x86-64 psABI levels:
+
+- ``x86-64-v2``: SSE4.2, POPCNT (``FDPLUG_CPU_ISA=sse4``)
+- ``x86-64-v3``: AVX2, FMA, F16C, BMI2 (``avx2``)
+- ``x86-64-v4``: AVX-512 F, BW, VL, DQ, CD (``avx512``)
+
+plus the extensions the kernels use or could (AVX512-BF16, AVX512-VNNI, AVX-VNNI, AMX).
+``FDPLUG_CPU_ISA`` caps the level: the kernels are then compiled for it (``-march=x86-64-v3``
+instead of ``-march=native``) and claim only what it has, so an AVX-512 machine runs and tests the
+AVX2 code, and a fleet of mixed CPUs can be given the same bits.
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+
+from fdplug.plugins.cpu import settings
+
+CAPS = {"sse4": 2, "avx2": 3, "avx512": 4}
+NAMES = {0: "no x86-64 level (not x86)", 1: "x86-64 (baseline)", 2: "x86-64-v2 (SSE4.2)",
+         3: "x86-64-v3 (AVX2, FMA, F16C)", 4: "x86-64-v4 (AVX-512 F/BW/VL/DQ)"}
+REQUIRED = {2: {"sse4_2", "popcnt", "ssse3", "cx16"},
+            3: {"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"},
+            4: {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}}
+EXTENSIONS = {"avx512_bf16": ("AVX512-BF16", 4), "avx512_vnni": ("AVX512-VNNI", 4), "avx_vnni": ("AVX-VNNI", 3),
+              "amx_tile": ("AMX", 4), "amx_bf16": ("AMX-BF16", 4), "amx_int8": ("AMX-INT8", 4)}
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The feature flags of the first CPU in ``/proc/cpuinfo`` (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def is_x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
+
+
+def detected_level(flags: frozenset[str] | None = None, x86: bool | None = None) -> int:
+    """The highest x86-64 level whose every flag (and every lower level's) the CPU has; 0 off x86."""
+    if not (is_x86() if x86 is None else x86):
+        return 0
+    flags = cpu_flags() if flags is None else flags
+    level = 1
+    for candidate in (2, 3, 4):
+        if not REQUIRED[candidate] <= flags:
+            break
+        level = candidate
+    return level
+
+
+def cap() -> int | None:
+    """The level ``FDPLUG_CPU_ISA`` allows (None: ``auto``, no cap)."""
+    value = settings.CPU_ISA.value()
+    return None if value == "auto" else CAPS[value]
+
+
+def level(flags: frozenset[str] | None = None, x86: bool | None = None) -> int:
+    """The level the kernels are compiled for and may claim: what the CPU has, capped by FDPLUG_CPU_ISA."""
+    detected = detected_level(flags, x86)
+    limit = cap()
+    return detected if limit is None or detected == 0 else min(detected, limit)
+
+
+def extensions(flags: frozenset[str] | None = None, x86: bool | None = None) -> list[str]:
+    """The extensions the CPU has that the (capped) level allows, by name."""
+    flags = cpu_flags() if flags is None else flags
+    allowed = level(flags, x86)
+    return [name for flag, (name, needs) in EXTENSIONS.items() if flag in flags and allowed >= needs]
+
+
+def march() -> list[str]:
+    """The compiler's target flags: the CPU itself, or the capped level (tuned for this CPU)."""
+    detected, allowed = detected_level(), level()
+    if allowed == detected or allowed < 2:
+        return ["-march=native"]
+    return [f"-march=x86-64-v{allowed}", "-mtune=native"]
+
+
+def describe() -> str:
+    """What the startup log and ``fdplug doctor`` say: the level, its extensions, and any cap."""
+    allowed, detected = level(), detected_level()
+    text = NAMES[allowed] if is_x86() else f"{platform.machine()} ({NAMES[0]})"
+    ext = extensions()
+    if ext:
+        text += " + " + ", ".join(ext)
+    if allowed != detected:
+        text += f" (FDPLUG_CPU_ISA={settings.CPU_ISA.value()}; the CPU has {NAMES[detected]})"
+    return text
+
+
+def avx512_reason(what: str) -> str | None:
+    """None where ``what`` (an AVX-512-only kernel) runs at speed; else why it is not chosen."""
+    if level() >= 4:
+        return None
+    return (f"{what} has AVX-512 tiles only, and this CPU runs {describe()}: its fallback is a scalar loop "
+            "far below paddle's matmul, so paddle's is used")
