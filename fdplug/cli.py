@@ -217,27 +217,29 @@ def generate_command(prompts: tuple[str, ...], chat: bool, max_tokens: int, temp
                              for t in texts]
     else:
         inputs = list(prompts)
-    ended: list[tuple[str | None, int, str]] = []   # (finish_reason, tokens, text) per prompt
+    ended: list[tuple[str | None, int, bool]] = []   # (finish_reason, tokens, blank) per prompt
     if len(inputs) == 1:
-        text, tokens, finish = "", 0, None
+        tokens, finish, blank = 0, None, True
         for delta in llm.stream(inputs[0], params):
             click.echo(delta.text, nl=False)
-            text, tokens, finish = text + delta.text, tokens + len(delta.token_ids), delta.finish_reason or finish
+            tokens, finish = tokens + len(delta.token_ids), delta.finish_reason or finish
+            blank = blank and not delta.text.strip()
         click.echo()
-        click.echo(f"[finish_reason={finish}, {tokens} token{'s' * (tokens != 1)}]", err=True)
-        ended.append((finish, tokens, text))
+        click.echo(f"[finish_reason={finish}, {_tokens(tokens)}]", err=True)
+        ended.append((finish, tokens, blank))
     else:
         for prompt, output in zip(prompts, llm.generate(inputs, params)):
             out = output.outputs[0]
-            n = len(out.token_ids)
-            click.echo(f"--- {prompt!r} -> {out.finish_reason}, {n} token{'s' * (n != 1)}\n{out.text}")
-            ended.append((out.finish_reason, n, out.text))
-    empty = [(finish, tokens) for finish, tokens, text in ended if not text.strip()]
-    if empty and not chat:
-        finish, tokens = empty[0]
-        click.echo(f"note: empty output (finish_reason={finish} after {tokens} token{'s' * (tokens != 1)}): a chat "
-                   "model given a raw prompt often ends at once; try --chat to wrap it in the model's chat template.",
-                   err=True)
+            click.echo(f"--- {prompt!r} -> {out.finish_reason}, {_tokens(len(out.token_ids))}\n{out.text}")
+            ended.append((out.finish_reason, len(out.token_ids), not out.text.strip()))
+    empty = next(((finish, tokens) for finish, tokens, blank in ended if blank), None)
+    if empty is not None and not chat:
+        click.echo(f"note: empty output (finish_reason={empty[0]} after {_tokens(empty[1])}): a chat model given a raw "
+                   "prompt often ends at once; try --chat to wrap it in the model's chat template.", err=True)
+
+
+def _tokens(n: int) -> str:
+    return f"{n} token{'s' * (n != 1)}"
 
 
 def _register_fetch_features() -> None:

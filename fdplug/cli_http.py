@@ -7,8 +7,8 @@ from typing import Any, Callable
 
 import click
 
-from fdplug.server.connection_guard import ConnectionLimits
-from fdplug.server.settings import env
+from fdplug.server.limits import ConnectionLimits
+from fdplug.server.settings import DEFAULT_SHUTDOWN_TIMEOUT_S, env
 
 
 def http_front_options(fn: Callable) -> Callable:
@@ -16,7 +16,8 @@ def http_front_options(fn: Callable) -> Callable:
     fn = connection_options(fn)
     return click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=None,
                         help="SIGTERM: seconds the requests in flight may take to finish while new ones and /health "
-                             "get 503; then the rest are aborted (default FDPLUG_SHUTDOWN_TIMEOUT, 25; a second "
+                             f"get 503; then the rest are aborted (default FDPLUG_SHUTDOWN_TIMEOUT, "
+                             f"{DEFAULT_SHUTDOWN_TIMEOUT_S:g}; a second "
                              "signal stops at once).")(fn)
 
 

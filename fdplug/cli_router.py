@@ -12,7 +12,7 @@ from fdplug.cli import user_errors
 from fdplug.cli_http import http_front_options, http_front_settings
 
 if TYPE_CHECKING:
-    from fdplug.server.connection_guard import ConnectionLimits
+    from fdplug.server.limits import ConnectionLimits
 
 
 @click.command("router")
@@ -40,11 +40,8 @@ def run_router(prefill: list[str], decode: list[str], host: str, port: int, api_
     """Serve until a signal (drained: `fdplug.server.drain`); the exit status."""
     import asyncio
 
-    import uvicorn
-
     from fdplug.server.app import Guard
-    from fdplug.server.connection_guard import uvicorn_kwargs
-    from fdplug.server.drain import GRACE_AFTER_DRAIN_S, DrainingServer
+    from fdplug.server.drain import DrainingServer
     from fdplug.server.pd_router import PDRouter, logger
     from fdplug.server.settings import env
 
@@ -53,14 +50,10 @@ def run_router(prefill: list[str], decode: list[str], host: str, port: int, api_
                           shutdown_timeout, env("FDPLUG_ROUTER_MAX_CONNECTIONS"))
         key = api_key if api_key is not None else env("FDPLUG_API_KEY")
         app = Guard(router.app, key, max_body_bytes, router.metrics, router.drain)
-        config = uvicorn.Config(app, host=host, port=port,
-                                log_config=None, log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=GRACE_AFTER_DRAIN_S,
-                                **uvicorn_kwargs(limits))
         logger.info("fdplug router on http://%s:%d: prefill %s, decode %s", host, port, ", ".join(prefill),
                     ", ".join(decode))
         try:
-            await DrainingServer(config, router.drain, asyncio.get_running_loop()).serve()
+            await DrainingServer(app, router.drain, asyncio.get_running_loop(), limits, host=host, port=port).serve()
         finally:
             await router.http.aclose()
 

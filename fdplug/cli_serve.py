@@ -11,7 +11,7 @@ import click
 from fdplug.cli import user_errors
 from fdplug.cli_http import http_front_options, http_front_settings
 from fdplug.cli_options import engine_kwargs, engine_options
-from fdplug.server.request_stream import DEFAULT_STREAM_BACKLOG
+from fdplug.server.limits import DEFAULT_STREAM_BACKLOG
 
 
 @click.command("serve")

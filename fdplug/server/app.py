@@ -28,7 +28,6 @@ from fdplug.errors import (
     FdplugError,
     InvalidRequestError,
     RequestTooLargeError,
-    ServerShuttingDownError,
 )
 from fdplug.server import openai_types as T
 from fdplug.server.engine_client import EngineClient
@@ -102,8 +101,7 @@ def build_app(client: EngineClient, model_name: str, settings: ServerSettings, a
             engines = client.engines()
             return JSONResponse({"status": "ok" if all(e["alive"] for e in engines) else "degraded",
                                  "engines": engines})
-        error = client.error if not client.healthy else ServerShuttingDownError(
-            "the server is draining (SIGTERM): requests in flight finish, new ones are refused.", fix="")
+        error = client.error if not client.healthy else drain.refusal()
         return JSONResponse(T.error_body(error.message, "server_error", None, 503), status_code=503)
 
     @app.get("/version")
@@ -124,12 +122,12 @@ def build_app(client: EngineClient, model_name: str, settings: ServerSettings, a
     # Nothing is registered with the engine there, so a failure leaves nothing behind.
 
     def completion_job(body: bytes) -> tuple:
-        req = parse_job_request("/v1/completions", body)
-        return req, *jobs.completion_job(req)
+        req, params = parse_job_request("/v1/completions", body)
+        return req, *jobs.completion_job(req, params)
 
     def chat_job(body: bytes, tenant_id: str) -> tuple:
-        req = parse_job_request("/v1/chat/completions", body)
-        return req, *jobs.chat_job(req, tenant_id)
+        req, params = parse_job_request("/v1/chat/completions", body)
+        return req, *jobs.chat_job(req, params, tenant_id)
 
     @app.post("/v1/completions")
     @partial(guarded, metrics=metrics)
@@ -187,13 +185,12 @@ class Guard:
     ``/v1/*``, then the body size limit. Probes (``/health``, ``/metrics``, ``/version``) pass.
 
     The limit is checked on ``Content-Length`` and again while the body is read (chunked uploads
-    have none); an accepted body is handed to the app as one message. With a ``drain``, every
-    request let in counts as in flight until the app has answered it to the end, and one that
-    uvicorn cancels before its answer started (its shutdown grace ended) still gets a JSON 503.
+    have none); an accepted body is handed to the app as one message. Every request let in counts
+    as in flight until the app has answered it to the end, and one that uvicorn cancels before its
+    answer started (its shutdown grace ended) still gets a JSON 503.
     """
 
-    def __init__(self, app: Any, api_key: str | None, max_body_bytes: int, metrics: Any,
-                 drain: Drain | None = None) -> None:
+    def __init__(self, app: Any, api_key: str | None, max_body_bytes: int, metrics: Any, drain: Drain) -> None:
         self.app = app
         self.api_key = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
@@ -203,8 +200,6 @@ class Guard:
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http" or scope["path"].startswith(OPEN_PATHS):
             return await self.app(scope, receive, send)
-        if self.drain is None:
-            return await self._guard(scope, receive, send)
         if self.drain.draining:
             return await self._reject(send, self.drain.refusal())
         started = False

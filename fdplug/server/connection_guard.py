@@ -17,38 +17,12 @@ from typing import Any, Callable
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from fdplug.server.limits import ConnectionLimits
+
 logger = logging.getLogger(__name__)
 
 LINGER = 1.0   # seconds a refused connection still reads (and drops) so that its client can read the refusal
 EXTENSION = "fdplug.connection"
-
-
-@dataclass(slots=True)
-class ConnectionLimits:
-    """What one client connection may hold of the API process; a timeout of 0 turns that timeout off.
-
-    - ``max_header_bytes`` (64 KiB): request line and header lines, as sent. OpenAI clients send under 2 KiB;
-      64 KiB is 8x nginx's default buffer, and all that reading a head may cost before its 431.
-    - ``max_header_count`` (100): Apache's ``LimitRequestFields``; a real client sends about 10.
-    - ``idle_timeout`` (5 s): no request in progress (nothing sent yet, or between keep-alive requests):
-      closed. uvicorn's keep-alive default; an idle socket costs a descriptor and buffers.
-    - ``request_timeout`` (30 s): from a request's first byte until its whole body has arrived (slowloris,
-      stalled uploads), then a 408. Time the server itself holds reading back is not counted.
-    - ``write_timeout`` (30 s): output is pending (writes paused by flow control, or a closing connection)
-      and the client acknowledges none of it for this long (checked each period, so 1x-2x): aborted, and
-      the app sees ``http.disconnect``. A slow reader still makes progress: it is not cut.
-    """
-
-    max_header_bytes: int = 64 * 1024
-    max_header_count: int = 100
-    idle_timeout: float = 5.0
-    request_timeout: float = 30.0
-    write_timeout: float = 30.0
-
-    def __post_init__(self) -> None:
-        if min(self.max_header_bytes, self.max_header_count) < 1 or min(
-                self.idle_timeout, self.request_timeout, self.write_timeout) < 0:
-            raise ValueError(f"header limits must be at least 1 and timeouts 0 (off) or more: {self}")
 
 
 @dataclass(slots=True)

@@ -8,7 +8,7 @@ stream ends with an error event, each waiting client gets a 503) and the process
 signal skips the wait. ``fdplug serve`` (single or data-parallel engines) and ``fdplug router``
 share this; each says what "in flight" is and how to abort it.
 
-Why 25 s by default: Kubernetes sends SIGKILL ``terminationGracePeriodSeconds`` (30 s by default)
+Why 25 s by default (``settings.DEFAULT_SHUTDOWN_TIMEOUT_S``): Kubernetes sends SIGKILL ``terminationGracePeriodSeconds`` (30 s by default)
 after SIGTERM; 25 s of draining leaves the rest of the stop (2 s for the last writes, then the
 engines' exit, well under a second when they are idle) inside it. Most chat answers finish within
 it; set it (and the pod's grace period) higher for long generations.
@@ -25,10 +25,11 @@ from typing import Any, Callable
 import uvicorn
 
 from fdplug.errors import ServerShuttingDownError
+from fdplug.server.connection_guard import uvicorn_kwargs
+from fdplug.server.limits import ConnectionLimits
 
 logger = logging.getLogger("fdplug.server")
 
-DEFAULT_SHUTDOWN_TIMEOUT_S = 25.0
 GRACE_AFTER_DRAIN_S = 2     # uvicorn's wait for responses still being written once the drain is over
 POLL_S = 0.05
 
@@ -103,8 +104,13 @@ class DrainingServer(uvicorn.Server):
     manager reads as a crash: here a signal is a normal stop, status 0.
     """
 
-    def __init__(self, config: uvicorn.Config, drain: Drain, loop: asyncio.AbstractEventLoop) -> None:
-        super().__init__(config)
+    def __init__(self, app: Any, drain: Drain, loop: asyncio.AbstractEventLoop, limits: ConnectionLimits,
+                 **where: Any) -> None:
+        """``app`` on uvicorn with the per-connection ``limits``, quiet (the app logs), no lifespan;
+        ``where``: uvicorn's ``host``/``port`` when it binds its own socket."""
+        super().__init__(uvicorn.Config(app, log_config=None, log_level="warning", access_log=False, lifespan="off",
+                                        timeout_graceful_shutdown=GRACE_AFTER_DRAIN_S, **uvicorn_kwargs(limits),
+                                        **where))
         self.drain = drain
         self.loop = loop
         self.signalled = False

@@ -63,11 +63,12 @@ class JobBuilder:
                 fix="send fewer prompts per request or a smaller n, or start the server with a larger "
                     "--max-waiting-requests.", param="n" if n > 1 else "prompt")
 
-    # both take a request that `parse_job_request` checked
+    # both take a request and its params as `parse_job_request` checked them
 
-    def completion_job(self, req: T.CompletionRequest) -> tuple[Job, list[ProcessedPrompt], SamplingParams]:
+    def completion_job(self, req: T.CompletionRequest, params: SamplingParams) -> tuple[Job, list[ProcessedPrompt],
+                                                                                       SamplingParams]:
         model = self.check_model(req.model)
-        params = self.client.input_processor.check_params(request_params(req))
+        params = self.client.input_processor.check_params(params)
         prompts = _prompts(req.prompt)
         self.check_sequences(len(prompts), params.n)
         prepared = [self.client.input_processor.process(p) for p in prompts]
@@ -76,10 +77,10 @@ class JobBuilder:
         job = Job("completion", f"cmpl-{uuid.uuid4().hex}", int(time.time()), model, params.n, req.logprobs)
         return job, prepared, params
 
-    def chat_job(self, req: T.ChatCompletionRequest, tenant: str = "") -> tuple[Job, list[ProcessedPrompt],
-                                                                                 SamplingParams]:
+    def chat_job(self, req: T.ChatCompletionRequest, params: SamplingParams, tenant: str = "") -> tuple[
+            Job, list[ProcessedPrompt], SamplingParams]:
         model = self.check_model(req.model)
-        params = self.client.input_processor.check_params(request_params(req))
+        params = self.client.input_processor.check_params(params)
         self.check_sequences(1, params.n)
         kwargs = dict(req.chat_template_kwargs or {})
         template, where = req.chat_template, "chat_template"
@@ -112,21 +113,17 @@ class JobBuilder:
                 "if every client is trusted.", param=where)
 
 
-def parse_job_request(path: str, body: bytes) -> T.CompletionRequest | T.ChatCompletionRequest:
-    """A completions or chat body (``path`` says which), with every check that needs no model: its
-    JSON, fields and types (strict), the fields fdplug cannot honour, and the sampling values' ranges.
+def parse_job_request(path: str, body: bytes) -> tuple[T.CompletionRequest | T.ChatCompletionRequest,
+                                                      SamplingParams]:
+    """A completions or chat body (``path`` says which) and its ``SamplingParams``, with every check
+    that needs no model: its JSON, fields and types (strict), the fields fdplug cannot honour, and
+    the sampling values' ranges (the vocabulary's bounds are the engine client's).
 
     The server runs it before tokenizing, ``fdplug router`` before relaying: one parser, one contract.
     """
     model = T.ChatCompletionRequest if path.endswith("/chat/completions") else T.CompletionRequest
     req = T.parse_request(model, body)
     T.unsupported(req)
-    request_params(req)
-    return req
-
-
-def request_params(req: T.CompletionRequest | T.ChatCompletionRequest) -> SamplingParams:
-    """The request's ``SamplingParams``, range-checked (the vocabulary checks are the engine client's)."""
     if isinstance(req, T.ChatCompletionRequest):
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
             raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}.",
@@ -135,20 +132,18 @@ def request_params(req: T.CompletionRequest | T.ChatCompletionRequest) -> Sampli
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
     else:
         max_tokens, logprobs = req.max_tokens, req.logprobs
-    return sampling_params(req, max_tokens, logprobs)
 
-
-def sampling_params(req: Any, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
     def pick(value: Any, default: Any) -> Any:
         return default if value is None else value
 
-    return SamplingParams(
+    params = SamplingParams(
         n=req.n, temperature=pick(req.temperature, 1.0), top_p=pick(req.top_p, 1.0), top_k=pick(req.top_k, 0),
         min_p=pick(req.min_p, 0.0), seed=req.seed, presence_penalty=pick(req.presence_penalty, 0.0),
         frequency_penalty=pick(req.frequency_penalty, 0.0),
         repetition_penalty=pick(req.repetition_penalty, 1.0), max_tokens=max_tokens, min_tokens=req.min_tokens,
         stop=req.stop or (), stop_token_ids=req.stop_token_ids or (), ignore_eos=req.ignore_eos,
-        logprobs=logprobs, skip_special_tokens=req.skip_special_tokens).validate()
+        logprobs=logprobs, skip_special_tokens=req.skip_special_tokens)
+    return req, params.validate()
 
 
 def _prompts(prompt: Any) -> list:

@@ -20,20 +20,12 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import uvicorn
-
 from fdplug.errors import ConfigError
 from fdplug.server import protocol as P
-from fdplug.server.connection_guard import ConnectionLimits, uvicorn_kwargs
-from fdplug.server.drain import (
-    DEFAULT_SHUTDOWN_TIMEOUT_S,
-    GRACE_AFTER_DRAIN_S,
-    Drain,
-    DrainingServer,
-)
+from fdplug.server.drain import Drain, DrainingServer
 from fdplug.server.heap import freeze_startup_heap
-from fdplug.server.request_stream import DEFAULT_STREAM_BACKLOG
-from fdplug.server.settings import env
+from fdplug.server.limits import DEFAULT_STREAM_BACKLOG, ConnectionLimits
+from fdplug.server.settings import DEFAULT_SHUTDOWN_TIMEOUT_S, env
 
 logger = logging.getLogger("fdplug.server")
 
@@ -183,9 +175,7 @@ async def _serve(settings: ServerSettings, spec_args: list[dict], tokenizer: Any
         api_key = settings.api_key if settings.api_key is not None else env("FDPLUG_API_KEY")
         drain = Drain(settings.shutdown_timeout, client.begin_shutdown)
         app = build_app(client, name, settings, api_key, spec_args[0]["engine_args"].get("kv_role"), drain)
-        server = DrainingServer(uvicorn.Config(app, log_config=None, log_level="warning", access_log=False,
-                                               lifespan="off", timeout_graceful_shutdown=GRACE_AFTER_DRAIN_S,
-                                               **uvicorn_kwargs(settings.limits)), drain, loop)
+        server = DrainingServer(app, drain, loop, settings.limits)
         exit_code = 0
 
         def engine_dead() -> None:

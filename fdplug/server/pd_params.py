@@ -61,12 +61,10 @@ def check_kv_transfer_params(params: dict | None, role: str | None, n: int, voca
     if not isinstance(hashes, list) or len(hashes) > MAX_ITEMS or not all(_small_str(h) for h in hashes):
         _bad("have mm_hashes that are not a list of item identities")
     conn = params["conn"]
-    packed = b""
-    if plain_conn(conn):
-        try:
-            packed = msgpack.packb(conn)
-        except (TypeError, ValueError, OverflowError):
-            pass
-    if not _small_str(conn.get("transfer_id") if packed else None) or not 0 < len(packed) <= MAX_CONN_BYTES:
+    try:
+        packed = msgpack.packb(conn) if plain_conn(conn) else b""
+    except (TypeError, ValueError, OverflowError):
+        packed = b""
+    if not packed or not _small_str(conn.get("transfer_id")) or len(packed) > MAX_CONN_BYTES:
         _bad(f"have a conn that is not a connector's (a JSON object of at most {MAX_CONN_BYTES} bytes with a transfer_id)")
     return params

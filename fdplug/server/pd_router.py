@@ -32,13 +32,11 @@ from starlette.routing import Route
 
 from fdplug.errors import FdplugError, InvalidRequestError, ServerShuttingDownError
 from fdplug.server.app import answer_unknown_routes, error_response, guarded
-from fdplug.server.drain import (
-    DEFAULT_SHUTDOWN_TIMEOUT_S,
-    Drain,
-)
+from fdplug.server.drain import Drain
 from fdplug.server.jobs import parse_job_request
 from fdplug.server.router_metrics import RouterMetrics
 from fdplug.server.serving import ClosingStream, sse_error, wait_disconnect
+from fdplug.server.settings import DEFAULT_SHUTDOWN_TIMEOUT_S
 
 logger = logging.getLogger("fdplug.router")
 
@@ -249,8 +247,7 @@ class PDRouter:
         """Each instance's /health (1 s each); 200 while a prefill and a decode instance answer and the
         router is not draining (SIGTERM: a 503 takes it out of a load balancer's rotation)."""
         if self.drain.draining:
-            return error_response(ServerShuttingDownError("the router is draining (SIGTERM): requests in flight "
-                                                          "finish, new ones are refused.", fix=""), self.metrics)
+            return error_response(self.drain.refusal(), self.metrics)
         status = {}
         for role, pool in (("prefill", self.prefill), ("decode", self.decode)):
             for upstream in pool:
@@ -266,7 +263,7 @@ class PDRouter:
 def _request_body(path: str, raw: bytes) -> dict:
     """The client's body, checked as an instance checks it (`parse_job_request`: one contract), less
     what the router must set itself; as the JSON object to forward."""
-    req = parse_job_request(path, raw)
+    req, _ = parse_job_request(path, raw)
     if req.kv_transfer_params is not None:
         raise InvalidRequestError("unrecognized request argument supplied: kv_transfer_params.",
                                   fix="remove it: the router sets it.", param="kv_transfer_params")

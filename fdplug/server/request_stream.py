@@ -51,9 +51,6 @@ class RequestStream:
         if self.queue is not None:
             self.queue.put_nowait(output if error is None else (self.request_id, error))
 
-# tokens (each logprob alternative one) a stream may hold for a client that does not read: ~2-3 MB
-# with logprobs, far more than a reading client ever leaves behind (its writer takes all at once)
-DEFAULT_STREAM_BACKLOG = 16384
 
 
 class BacklogQueue(asyncio.Queue):

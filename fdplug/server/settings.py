@@ -37,13 +37,15 @@ def parse_window_seconds(raw: str) -> float:
     return value
 
 
+DEFAULT_SHUTDOWN_TIMEOUT_S = 25.0   # why 25: `fdplug.server.drain`
+
 for _setting in (
     Setting("FDPLUG_API_KEY", None, str,
             "API key `fdplug serve` requires as `Authorization: Bearer KEY` (--api-key overrides; unset: no key).",
             secret=True),
     Setting("FDPLUG_ENGINE_STARTUP_TIMEOUT", 600.0, parse_positive_float,
             "Seconds `fdplug serve` waits for the engine process to load the model and report ready."),
-    Setting("FDPLUG_SHUTDOWN_TIMEOUT", 25.0, parse_seconds,
+    Setting("FDPLUG_SHUTDOWN_TIMEOUT", DEFAULT_SHUTDOWN_TIMEOUT_S, parse_seconds,
             "Seconds `fdplug serve` and `fdplug router` let requests in flight finish after SIGTERM before aborting "
             "them (--shutdown-timeout overrides; 25: inside Kubernetes' default 30 s grace period; 0: no wait). "
             "It used to be the engine processes' stop timeout, FDPLUG_ENGINE_STOP_TIMEOUT now."),

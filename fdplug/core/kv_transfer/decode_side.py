@@ -51,6 +51,8 @@ class DecodeSide:
         self.incoming: dict[str, _Incoming] = {}
         self.landed: list[Request] = []            # holding their blocks, waiting for the scheduler
         self.ready: list[EngineCoreOutput] = []
+        # a receiver without ``check`` runs only where the params are signed (`make_side`): decided once
+        self.check_conn = receiver.check if isinstance(receiver, KVConnChecker) else None
 
     def admit(self, request: Request) -> bool:
         """Before the scheduler queues it: check the params, add the first token, wait for the KV.
@@ -78,12 +80,11 @@ class DecodeSide:
 
     def _check_conn(self, conn: dict) -> None:
         """A 400 unless the receiver would pull ``conn``: its own form, an address it may reach
-        (``--kv-peers``), no I/O yet. A receiver without ``check`` runs only where the params are
-        signed (`make_side`)."""
-        if not isinstance(self.receiver, KVConnChecker):
+        (``--kv-peers``), no I/O yet."""
+        if self.check_conn is None:
             return
         try:
-            self.receiver.check(conn)
+            self.check_conn(conn)
         except (ValueError, TypeError) as exc:
             bad(f"have a conn this decode instance will not pull from ({exc})",
                 fix="pass the kv_transfer_params the prefill instance returned, unchanged; a prefill instance this "

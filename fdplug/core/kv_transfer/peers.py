@@ -28,8 +28,9 @@ import socket
 from collections.abc import Iterable
 from typing import Any
 
+from fdplug.core.kv_transfer.params import is_count
 from fdplug.errors import ConfigError
-from fdplug.plugin_api.settings import Setting, declare
+from fdplug.plugin_api.settings import Setting, declare, parse_list
 
 logger = logging.getLogger("fdplug.kv_transfer")
 
@@ -55,10 +56,10 @@ def normal_host(host: str) -> str:
     return host.rstrip(".").lower()
 
 
-def _port(text: str, low: int = 1) -> int:
+def parse_port(text: str) -> int:
     port = int(text)
-    if not low <= port <= 65535:
-        raise ValueError(f"port {port} is not in {low}..65535")
+    if not 1 <= port <= 65535:
+        raise ValueError(f"port {port} is not in 1..65535")
     return port
 
 
@@ -72,8 +73,8 @@ def parse_endpoints(spec: str) -> list[tuple[str, int]]:
     if v6 is not None and not isinstance(ipaddress.ip_address(v6), ipaddress.IPv6Address):
         raise ValueError(f"{spec[:80]!r}: only IPv6 addresses go in brackets")
     host = normal_host(v6 if v6 is not None else match.group("host"))
-    first = _port(match.group("first"))
-    last = _port(match.group("last")) if match.group("last") else first
+    first = parse_port(match.group("first"))
+    last = parse_port(match.group("last")) if match.group("last") else first
     if last < first or last - first >= MAX_PEER_PORTS:
         raise ValueError(f"{spec[:80]!r}: the range {first}-{last} is empty or longer than {MAX_PEER_PORTS} ports")
     return [(host, port) for port in range(first, last + 1)]
@@ -81,18 +82,11 @@ def parse_endpoints(spec: str) -> list[tuple[str, int]]:
 
 def parse_peers(raw: str | Iterable[str]) -> tuple[str, ...]:
     """``FDPLUG_KV_PEERS`` / ``--kv-peers`` (comma-separated, repeatable) -> the specs, each checked."""
-    items = raw.split(",") if isinstance(raw, str) else [part for item in raw for part in str(item).split(",")]
-    specs = tuple(item.strip() for item in items if item.strip())
-    count = 0
-    for spec in specs:
-        count += len(parse_endpoints(spec))
+    specs = parse_list(raw if isinstance(raw, str) else ",".join(map(str, raw)))
+    count = sum(len(parse_endpoints(spec)) for spec in specs)
     if count > MAX_PEER_PORTS:
         raise ValueError(f"they name {count} endpoints, more than {MAX_PEER_PORTS}")
     return specs
-
-
-def parse_kv_port(raw: str) -> int:
-    return _port(raw.strip())
 
 
 def split_tcp_address(address: Any) -> tuple[str, int]:
@@ -103,7 +97,7 @@ def split_tcp_address(address: Any) -> tuple[str, int]:
         raise ValueError(f"conn's addr {str(address)[:80]!r} is not a tcp://host:port address")
     host = match.group("v6") if match.group("v6") is not None else match.group("host")
     try:
-        return normal_host(host), _port(match.group("port"))
+        return normal_host(host), parse_port(match.group("port"))
     except ValueError as exc:
         raise ValueError(f"conn's addr {address[:80]!r} is not a tcp://host:port address ({exc})") from None
 
@@ -142,7 +136,7 @@ def resolve_peers(specs: Iterable[str]) -> frozenset[tuple[str, int]]:
 
 
 KV_PORT = declare(Setting(
-    "FDPLUG_KV_PORT", None, parse_kv_port,
+    "FDPLUG_KV_PORT", None, parse_port,
     "PD prefill: the port decode instances pull KV from, on FDPLUG_KV_HOST (--kv-port; default: a free port, logged "
     "at startup). Data-parallel engines take the first free ports from it on (port, port+1, ...)."))
 KV_PEERS = declare(Setting(
@@ -154,8 +148,7 @@ KV_PEERS = declare(Setting(
 
 def check_kv_fields(kv_port: Any, kv_peers: Any) -> tuple[int | None, tuple[str, ...]]:
     """`EngineConfig`'s ``kv_port`` and ``kv_peers``, checked (a ConfigError naming the field) and normalised."""
-    if kv_port is not None and not (isinstance(kv_port, int) and not isinstance(kv_port, bool)
-                                    and 1 <= kv_port <= 65535):
+    if kv_port is not None and not is_count(kv_port, 1, 65536):
         raise ConfigError(f"kv_port must be a port number 1..65535, got {kv_port!r}.",
                           fix="give the port decode instances pull KV from (--kv-port), or leave it unset for a free one.")
     if isinstance(kv_peers, str):

@@ -245,7 +245,7 @@ class ShmReceiver(TCPReceiver):
             return "the arena the sender staged into cannot be read here"
         per = int(np.prod(shape)) * self.word.itemsize
         end = offset + HEADER_BYTES + 2 * len(self.caches) * per
-        if not 0 <= offset or end > len(arena):
+        if end > len(arena):
             return "the staged extent lies outside the arena"
         expected = np.frombuffer(_extent_header(header["transfer_id"], generation), np.uint8)
         if not np.array_equal(arena[offset:offset + HEADER_BYTES], expected):

@@ -27,6 +27,7 @@ import msgpack
 import numpy as np
 import zmq
 
+from fdplug.core.kv_transfer.params import is_count
 from fdplug.core.kv_transfer.peers import split_tcp_address, tcp_address
 from fdplug.core.kv_transfer.wire import header as _header
 from fdplug.core.kv_transfer.wire import read_header as _read_header
@@ -43,7 +44,6 @@ class _Pull:
     block_ids: list[int]
     last_heard: float
     conn: dict
-    address: str
     socket: zmq.Socket                        # this pull's own connection, closed when it ends
     layers_done: set[int] = field(default_factory=set)
 
@@ -84,8 +84,7 @@ class TCPReceiver:
         if not isinstance(transfer_id, str) or not TRANSFER_ID.fullmatch(transfer_id):
             raise ValueError("conn's transfer_id is not one a sender makes (32 hex digits)")
         num_blocks = conn.get("num_blocks")
-        if num_blocks is not None and not (isinstance(num_blocks, int) and not isinstance(num_blocks, bool)
-                                           and 0 < num_blocks < 1 << 31):
+        if num_blocks is not None and not is_count(num_blocks, 1, 1 << 31):
             raise ValueError("conn's num_blocks is not a count of blocks")
         self._address(conn)
 
@@ -112,7 +111,7 @@ class TCPReceiver:
         except zmq.ZMQError as exc:
             socket.close(0)
             raise ValueError(f"the pull could not be queued ({exc})") from None
-        self.pulls[transfer_id] = _Pull(list(block_ids), time.monotonic(), conn, address, socket)
+        self.pulls[transfer_id] = _Pull(list(block_ids), time.monotonic(), conn, socket)
 
     def _pull_options(self, conn: dict) -> dict:
         """More fields of a pull (a subclass's way of asking for another data path)."""
@@ -135,9 +134,8 @@ class TCPReceiver:
 
     def cancel(self, transfer_id: str) -> None:
         """Stop a pull (its request ended): nothing more of it is written, and its socket is closed."""
-        pull = self.pulls.pop(transfer_id, None)
-        if pull is not None:
-            pull.socket.close(0)
+        if transfer_id in self.pulls:
+            self._end(transfer_id)
 
     def _connect(self, address: str) -> zmq.Socket:
         """A DEALER connected to ``address`` (a checked one) that tries once and never reconnects."""

@@ -12,8 +12,6 @@ from typing import Any
 
 from fdplug.errors import ModelLoadError, UnsupportedModelError
 
-CONFIG_FIX = "fix the model's config.json (compare with the original checkpoint's)."
-
 _Rule = str | bool | tuple[str, bool]
 
 

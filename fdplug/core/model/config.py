@@ -19,7 +19,6 @@ from typing import Any
 
 from fdplug.core.config import ModelTraits
 from fdplug.core.model.architectures import (
-    CONFIG_FIX,
     check_supported,
     flag,
     kv_heads,
@@ -145,13 +144,13 @@ class ModelConfig:
         """Shape facts the decoder relies on; a violation is a broken config.json."""
         if self.num_heads % self.num_kv_heads:
             raise ModelLoadError(f"num_attention_heads={self.num_heads} is not a multiple of "
-                                 f"num_key_value_heads={self.num_kv_heads}.", fix=CONFIG_FIX)
+                                 f"num_key_value_heads={self.num_kv_heads}.", fix=_CONFIG_FIX)
         if self.head_dim % 2:
-            raise ModelLoadError(f"head_dim={self.head_dim} is odd; RoPE needs an even head_dim.", fix=CONFIG_FIX)
+            raise ModelLoadError(f"head_dim={self.head_dim} is odd; RoPE needs an even head_dim.", fix=_CONFIG_FIX)
         rotary = self.rope.rotary_dim(self.head_dim)
         if rotary < 2 or rotary % 2:
             raise ModelLoadError(f"partial_rotary_factor={self.rope.partial:g} of head_dim={self.head_dim} rotates "
-                                 f"{rotary} dims; RoPE needs a positive even number.", fix=CONFIG_FIX)
+                                 f"{rotary} dims; RoPE needs a positive even number.", fix=_CONFIG_FIX)
 
     def moe_weight_format(self) -> str:
         """How the routed experts are stored: ``none`` (float), ``fp8_block``; a MoE backend must execute it."""
@@ -175,6 +174,7 @@ class ModelConfig:
                            mask_policy=self.multimodal.mask_policy if self.multimodal else "causal")
 
 
+_CONFIG_FIX = "fix the model's config.json (compare with the original checkpoint's)."
 _DIR_FIX = ("pass a local Hugging Face model directory holding config.json and model.safetensors (or "
             "model.safetensors.index.json and its shards), e.g. from `huggingface-cli download ORG/NAME "
             "--local-dir DIR`.")
@@ -184,15 +184,15 @@ def _read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"cannot read {str(path)!r}: {exc}.", fix=CONFIG_FIX) from None
+        raise ModelLoadError(f"cannot read {str(path)!r}: {exc}.", fix=_CONFIG_FIX) from None
     if not isinstance(data, dict):
-        raise ModelLoadError(f"{str(path)!r} is not a JSON object.", fix=CONFIG_FIX)
+        raise ModelLoadError(f"{str(path)!r} is not a JSON object.", fix=_CONFIG_FIX)
     return data
 
 
 def _need_int(raw: dict[str, Any], key: str) -> int:
     if not isinstance(raw.get(key), int) or isinstance(raw.get(key), bool):
-        raise ModelLoadError(f"config.json has no integer {key!r} (got {raw.get(key)!r}).", fix=CONFIG_FIX)
+        raise ModelLoadError(f"config.json has no integer {key!r} (got {raw.get(key)!r}).", fix=_CONFIG_FIX)
     return raw[key]
 
 

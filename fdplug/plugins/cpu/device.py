@@ -26,14 +26,9 @@ def cpu_threads() -> int:
 
 
 def is_amd_cpu() -> bool:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return "AuthenticAMD" in line
-    except OSError:
-        pass
-    return False
+    from fdplug.plugins.cpu import isa
+
+    return next((("AuthenticAMD" in line) for line in isa.cpuinfo_lines() if line.startswith("vendor_id")), False)
 
 
 def probe() -> Probe:
@@ -41,9 +36,9 @@ def probe() -> Probe:
         return Probe(False, "PaddlePaddle is not installed", fix=INSTALL_FIX)
     from fdplug.plugins.cpu import isa
 
-    return Probe(True, f"the CPU is always usable; {isa.describe()}", info=MappingProxyType(
-        {"cores": str(usable_cores()), "threads": str(cpu_threads()), "amd": str(is_amd_cpu()),
-         "isa": isa.describe()}))
+    level = isa.describe()
+    return Probe(True, f"the CPU is always usable; {level}", info=MappingProxyType(
+        {"cores": str(usable_cores()), "threads": str(cpu_threads()), "amd": str(is_amd_cpu()), "isa": level}))
 
 
 def setup() -> None:

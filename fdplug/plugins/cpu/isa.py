@@ -33,15 +33,22 @@ EXTENSIONS = {"avx512_bf16": ("AVX512-BF16", 4), "avx512_vnni": ("AVX512-VNNI", 
 
 
 @functools.lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
-    """The feature flags of the first CPU in ``/proc/cpuinfo`` (empty where there is none)."""
+def cpuinfo_lines() -> tuple[str, ...]:
+    """``/proc/cpuinfo``'s lines, stripped, read once (empty where there is none): the flags here,
+    the vendor (`device.is_amd_cpu`) and the kernels' build key (`kernels`) all come from it."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return frozenset(line.partition(":")[2].split())
+            return tuple(line.strip() for line in f)
     except OSError:
-        pass
+        return ()
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The feature flags of the first CPU in ``/proc/cpuinfo`` (empty where there is none)."""
+    for line in cpuinfo_lines():
+        if line.startswith(("flags", "Features")):
+            return frozenset(line.partition(":")[2].split())
     return frozenset()
 
 
@@ -85,7 +92,7 @@ def extensions(flags: frozenset[str] | None = None, x86: bool | None = None) -> 
 def march() -> list[str]:
     """The compiler's target flags: the CPU itself, or the capped level (tuned for this CPU)."""
     detected, allowed = detected_level(), level()
-    if allowed == detected or allowed < 2:
+    if allowed == detected:
         return ["-march=native"]
     return [f"-march=x86-64-v{allowed}", "-mtune=native"]
 

@@ -87,23 +87,19 @@ def compiler() -> list[str] | None:
 
 def _cpu_fingerprint() -> str:
     """The CPU model and feature flags: -march=native code is only valid where these match."""
-    lines = []
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith(("model name", "flags", "Features")):
-                    lines.append(line.strip())
-                if len(lines) >= 2:
-                    break
-    except OSError:
-        pass
+    lines = [line for line in isa.cpuinfo_lines() if line.startswith(("model name", "flags", "Features"))][:2]
     return "\n".join(lines) or platform.processor() or platform.machine()
+
+
+def _flags() -> tuple[str, ...]:
+    """The compiler's flags: the target first, so that a flag added to FLAGS (a test's -march) overrides it."""
+    return (*isa.march(), *FLAGS)
 
 
 def library_path(cc: list[str]) -> Path:
     key = hashlib.sha256()
     included = (f.read_bytes() for f in sorted(CSRC.glob("*.c")) if f != SOURCE)
-    flags = " ".join((*isa.march(), *FLAGS))
+    flags = " ".join(_flags())
     for part in (SOURCE.read_bytes(), *included, flags.encode(), " ".join(cc).encode(), _cpu_fingerprint().encode()):
         key.update(part)
         key.update(b"\0")
@@ -117,8 +113,7 @@ def build(cc: list[str], target: Path) -> None:
     os.close(fd)
     try:
         try:
-            # the target first: a flag added to FLAGS (a test's -march=x86-64) overrides it
-            command = [*cc, *isa.march(), *FLAGS, "-I", str(CSRC), "-o", tmp, str(SOURCE), "-lm"]
+            command = [*cc, *_flags(), "-I", str(CSRC), "-o", tmp, str(SOURCE), "-lm"]
             result = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False)
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise KernelsUnavailable(f"the C compiler {cc[0]!r} could not run: {exc}") from None
