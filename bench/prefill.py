@@ -2,9 +2,11 @@
 
     python bench/prefill.py            # bench/throughput.py's 54M Qwen2, 1,024-token prompts
     python bench/prefill.py --quick    # fewer pairs
+    python bench/prefill.py --heads 9 --kv-heads 3    # SmolLM2-135M's attention shape (heads of 64)
+    FDPLUG_CPU_ISA=avx2 python bench/prefill.py       # the AVX2 kernel (prefill_attention_avx2.c)
 
 Two engines on the same float32 model, alternated in ABBA order, medians: ``cpu_native`` attention
-(prefill pieces through ``fdplug_prefill_attention``: blocked, online softmax, AVX-512) and the
+(prefill pieces through ``fdplug_prefill_attention``: blocked, online softmax, AVX-512 or AVX2) and the
 ``reference`` backend (paddle matmuls, a mask and paddle's softmax). Everything else is the same
 (the cpu plugin's linear, SwiGLU). Also prints the prefill's model FLOP/s.
 """
@@ -34,7 +36,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="3 pairs")
     parser.add_argument("--tokens", type=int, default=1024)
+    parser.add_argument("--heads", type=int, default=MODEL["num_attention_heads"], help="query heads (hidden = heads x 64)")
+    parser.add_argument("--kv-heads", type=int, default=MODEL["num_key_value_heads"])
     args = parser.parse_args()
+    MODEL.update(num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, hidden_size=64 * args.heads)
     logging.disable(logging.INFO)
     from fdplug.core.frontend.llm import LLM
 

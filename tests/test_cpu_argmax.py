@@ -27,6 +27,27 @@ def test_argmax_is_the_first_largest_value(rows, cols, threads):
     np.testing.assert_array_equal(got, _definition(x))
 
 
+def test_argmax_at_every_short_length():
+    """Lengths 1..40: the vector lanes (16 a step, as two sets of 8 with AVX2), the scalar tail, and
+    ties, NaN and all-NaN rows on either side of where the tail starts."""
+    rng = np.random.default_rng(40)
+    for cols in range(1, 41):
+        x = rng.integers(-3, 4, (12, cols)).astype(np.float32)          # ties in most rows
+        x[1] = np.nan
+        x[2, rng.integers(0, cols, 1 + cols // 3)] = np.nan
+        x[3, :] = -np.inf
+        x[3, -1] = -1.0                                                 # the only finite value is the last
+        x[4, :] = np.where(np.arange(cols) % 2 == 0, np.nan, 2.0)        # equal maxima between NaNs
+        x[5, :] = 0.0
+        x[5, cols // 2:] = 5.0                                          # the first of equal maxima is mid-row
+        x[6, rng.integers(0, cols)] = np.inf
+        x[7, :] = np.nan
+        x[7, -1] = -np.inf                                              # NaN then -inf: the -inf
+        for threads in (1, 2):
+            got = native_argmax.argmax(paddle.to_tensor(x), threads)
+            np.testing.assert_array_equal(got, _definition(x), err_msg=f"{cols} columns, {threads} threads")
+
+
 def test_argmax_at_the_ends_of_the_float_range():
     x = np.array([[np.nan, 1.0, np.nan, 9.0] + [0.0] * 30,
                   [-np.inf] * 34,

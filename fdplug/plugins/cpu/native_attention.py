@@ -4,9 +4,10 @@ Decode (one query token per sequence) is most of a busy server's steps and, on C
 memory traffic: the reference gathers each sequence's blocks into a dense copy every layer. Here
 decode rows go to ``fdplug_paged_attention``, which reads every key and value once from its block.
 Prefill pieces (one sequence's query rows, `ReferenceAttention.prepare`) go to
-``fdplug_prefill_attention`` (csrc/prefill_attention.c: blocked, online softmax, AVX-512) where the
-CPU has AVX-512 and the head dim is a multiple of 16; elsewhere to the reference's matmuls. Same
-cache layout as the reference, so the two are interchangeable on one cache.
+``fdplug_prefill_attention`` (csrc/prefill_attention.c: blocked, online softmax, AVX-512 or AVX2 +
+FMA) where the CPU has AVX2 and FMA (x86-64-v3) and the head dim is a multiple of 16 up to 256;
+elsewhere to the reference's matmuls. Same cache layout as the reference, so the two are
+interchangeable on one cache.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def prefill_attention(q: Any, key_cache: Any, value_cache: Any, q_rows: np.ndarr
         table.ctypes.data, out.data_ptr(), len(q_rows), heads, kv_heads, dim, num_blocks, block_size,
         int(key_end.max()), scale, threads)
     if status != 0:
-        raise MemoryError(f"cpu prefill attention failed ({status}): no scratch memory, or built without AVX-512")
+        raise MemoryError(f"cpu prefill attention failed ({status}): no scratch memory, or built without AVX2 and FMA")
     return out
 
 
@@ -70,7 +71,7 @@ class NativeCpuAttention(ReferenceAttention):
     def __init__(self, threads: int) -> None:
         lib = kernels.load()  # fail at construction, not at the first step
         self.threads = threads
-        self.prefill_kernel = bool(lib.fdplug_prefill_attention_available())   # built with AVX-512
+        self.prefill_kernel = bool(lib.fdplug_prefill_attention_available())   # built with AVX2 + FMA (or AVX-512)
 
     def prepare(self, meta: AttentionMetadata) -> _Prepared:
         """A step of decodes only (one token a sequence: every step of a steady single stream) skips

@@ -14,8 +14,15 @@
  * L2 while every row tile passes over it. Each output is one FMA chain per lane over k in index
  * order (the k tail through masked loads that read zeros), then its 16 lanes summed in a fixed
  * order: the same bits whatever the thread count, the tile it falls in and the other rows.
+ *
+ * Three builds of the tiles, by what the compiler targets (isa.py: FDPLUG_CPU_ISA caps it): AVX-512
+ * (below), AVX2 + FMA (linear_avx2.c: the same 16 lanes per output as two 8-lane halves, so the
+ * same bits as AVX-512's), else a scalar loop (one chain per output: other bits, ~40x below paddle's
+ * matmul). The work split (linear_pieces, linear_run) is shared: it never changes an output's bits.
  * ------------------------------------------------------------------------------------------- */
 
+/* The work split's blocks (a piece's columns are a multiple of LIN_NR, a row block's rows of LIN_MR)
+ * and the AVX-512 tile; linear_avx2.c runs a block as LIN_NR tiles of LIN_MR x 1 (16 ymm registers). */
 #define LIN_MR 4
 #define LIN_NR 4
 /* Up to this many rows (one row tile: decode) a tile takes one column at a time, so each thread
@@ -162,8 +169,10 @@ static void linear_block(const linear_job *job, int m0, int mr, int n0, int nr) 
 #undef LIN_F32_TILE
 #undef LIN_BF16_TILE
 }
+#elif defined(HAVE_AVX2)
+#include "linear_avx2.c" /* AVX2 + FMA: the AVX-512 tiles' bits in 8-lane halves */
 #else
-/* Without AVX-512: one float chain per output over k in index order. */
+/* Without AVX2: one float chain per output over k in index order. */
 static void linear_block(const linear_job *job, int m0, int mr, int n0, int nr) {
     const int depth = job->depth;
     for (int r = 0; r < mr; ++r)

@@ -43,7 +43,10 @@ typedef struct {
     const float *scales_t;    /* LP_FP8: [blocks][cols], 256 x each column's block scale */
     int block_k;
     const float *bias;        /* [cols] added to the finished sums, or NULL */
+    int64_t call;             /* this call's number (lp_calls): what a thread's widened copy belongs to */
 } packed_job;
+
+static int64_t lp_calls;
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 /* Rows m0 .. m0 + MR - 1 times the NV vectors of panel ``panel``, k in [k0, k1) (k0, k1 even for
@@ -158,8 +161,10 @@ static void packed_block(const packed_job *job, int m0, int mr, int panel, int n
     default: LP_MCASE(LP_BF16_MATH) break;
     }
 }
+#elif defined(HAVE_AVX2) && defined(__F16C__)
+#include "linear_packed_avx2.c" /* the same chains in 8-lane tiles: the same bits */
 #else
-/* Without AVX-512: the same chains, one output at a time (the bf16 math kind is never asked for:
+/* Below x86-64-v3: the same chains, one output at a time (the bf16 math kind is never asked for:
  * fdplug_linear_bf16dot_available() is 0). */
 static void packed_block(const packed_job *job, int m0, int mr, int panel, int nv, int k0, int k1) {
     const int depth = job->depth, width = nv * 16;
@@ -236,7 +241,7 @@ int fdplug_linear_packed(const float *x, const void *w, int kind, const float *b
     if (rows <= 0 || cols <= 0) return 0;
     if (cols % 16 != 0 || kind < LP_F32 || kind > LP_BF16_MATH || (kind != LP_F32 && depth % 2 != 0)) return -2;
     if (depth <= 0) return -2;   /* the prepared layouts need a depth */
-    packed_job job = {x, NULL, w, out, rows, cols, depth, kind, 0, 0, 0, 0, 0, NULL, 0, bias};
+    packed_job job = {x, NULL, w, out, rows, cols, depth, kind, 0, 0, 0, 0, 0, NULL, 0, bias, 0};
     void *buffer = NULL;
     if (kind == LP_BF16_MATH) {
 #ifdef HAVE_BF16_DOT
@@ -250,6 +255,7 @@ int fdplug_linear_packed(const float *x, const void *w, int kind, const float *b
         return -1;
 #endif
     }
+    job.call = __atomic_add_fetch(&lp_calls, 1, __ATOMIC_RELAXED);
     packed_run(&job, kind == LP_BF16_MATH ? 2 : 4, num_threads);
     free(buffer);
     return 0;
@@ -267,7 +273,7 @@ int fdplug_linear_packed_fp8(const float *x, const uint8_t *w, const float *scal
     if (scales_t == NULL) return -1;
     for (int n = 0; n < cols; ++n)
         for (int b = 0; b < blocks; ++b) scales_t[(int64_t)b * cols + n] = scales[(int64_t)n * blocks + b] * 256.0f;
-    packed_job job = {x, NULL, w, out, rows, cols, depth, LP_FP8, 0, 0, 0, 0, 0, scales_t, block_k, bias};
+    packed_job job = {x, NULL, w, out, rows, cols, depth, LP_FP8, 0, 0, 0, 0, 0, scales_t, block_k, bias, 0};
     packed_run(&job, 4, num_threads);
     free(scales_t);
     return 0;

@@ -1,5 +1,6 @@
 /* ---------------------------------------------------------------------------------------------
- * Prefill attention from the paged cache, blocked (flash-attention's online softmax) on AVX-512:
+ * Prefill attention from the paged cache, blocked (flash-attention's online softmax) on AVX-512 or
+ * on AVX2 + FMA:
  *   out[i, h] = softmax_j(scale * q[i, h] . K[j, h / group]) V[j, h / group] over keys [0, key_end[i])
  * for query rows q_rows[i] of ONE sequence (block table `table`); key_end is the mask spec, per row.
  *
@@ -12,10 +13,13 @@
  * (row, head of the group) over 16-key tiles: scores by broadcast FMAs against the transposed
  * keys, masked, the running max and sum rescaled, then the probabilities times the value rows.
  * Nothing of size keys x rows in memory.
+ *
+ * Two micro-tiles (`prefill_tile`), one algorithm and one layout: AVX-512 keeps a 32-key step's
+ * scores and the accumulators in its 32 zmm registers; AVX2 (prefill_attention_avx2.c: an AVX2-only
+ * EPYC, most cloud x86, or FDPLUG_CPU_ISA=avx2) has 16 ymm registers of 8 lanes, so it takes a
+ * 16-key tile as two halves and keeps its accumulators in L1. The rest is shared.
  * ------------------------------------------------------------------------------------------- */
 
-#define PF_MR 4      /* query vectors a micro-tile */
-#define PF_CHUNK 32  /* query rows a work unit */
 #define PF_MAX_DIM 256
 #define PF_KEYS_A_UNIT 256 /* keys a transposition unit (16 tiles) */
 /* Keep a loaded vector in a register: gcc otherwise folded the load into each of the PF_MR FMAs
@@ -34,14 +38,8 @@ typedef struct {
     int key_tiles;       /* an even count: a score tile is two of them */
 } prefill_job;
 
-#if defined(__AVX512F__) && defined(HAVE_AVX2)
+#ifdef HAVE_AVX2
 int fdplug_prefill_attention_available(void) { return 1; }
-
-static inline __m512 exp16(__m512 x) { /* exp8 on each half: a 512-bit copy of it measured no faster */
-    const __m256 lo = exp8(_mm512_castps512_ps256(x));
-    const __m256 hi = exp8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
-    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
-}
 
 static inline const float *key_row(const prefill_job *job, const float *cache, int kvh, int j) {
     const int64_t head_stride = (int64_t)job->num_blocks * job->block_size * job->dim;
@@ -73,6 +71,16 @@ static void *transpose_worker(void *arg) {
         const int first = unit % chunks * per_unit;
         transpose_keys(job, unit / chunks, first, first + per_unit < job->key_tiles ? first + per_unit : job->key_tiles);
     }
+}
+
+#ifdef __AVX512F__
+#define PF_MR 4     /* query vectors a micro-tile */
+#define PF_CHUNK 32 /* query rows a work unit */
+
+static inline __m512 exp16(__m512 x) { /* exp8 on each half: a 512-bit copy of it measured no faster */
+    const __m256 lo = exp8(_mm512_castps512_ps256(x));
+    const __m256 hi = exp8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
 }
 
 /* PF_MR query vectors (rows rows[v], heads heads[v]) over the keys their rows see, 32 keys a step
@@ -159,6 +167,10 @@ static inline __attribute__((always_inline)) void prefill_tile(const prefill_job
     }
 }
 
+#else
+#include "prefill_attention_avx2.c" /* prefill_tile, PF_MR and PF_CHUNK for 16 ymm registers */
+#endif
+
 static void prefill_unit(const prefill_job *job, int unit) {
     const int group = job->heads / job->kv_heads, kvh = unit % job->kv_heads;
     const int first = (unit / job->kv_heads) * PF_CHUNK;
@@ -219,6 +231,6 @@ int fdplug_prefill_attention(const float *q, const float *key_cache, const float
                              const int32_t *q_rows, const int32_t *key_end, const int32_t *table, float *out,
                              int rows, int heads, int kv_heads, int dim, int num_blocks, int block_size,
                              int max_keys, float scale, int num_threads) {
-    return -2; /* built without AVX-512: the caller keeps the reference path */
+    return -2; /* built without AVX2 and FMA: the caller keeps the reference path */
 }
 #endif
