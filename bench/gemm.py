@@ -1,7 +1,10 @@
 """Isolated linear layers: the cpu kernels on packed weights, on weights in place, and paddle's matmul.
 
-    python bench/gemm.py            # bench/throughput.py's layer shapes, 1 to 1,024 rows
-    python bench/gemm.py --quick    # fewer repetitions
+    python bench/gemm.py                    # bench/throughput.py's layer shapes, 1 to 1,024 rows
+    python bench/gemm.py --quick            # fewer repetitions
+    python bench/gemm.py --smollm2          # SmolLM2-135M's shapes (bench/levels.py's model)
+    python bench/gemm.py --shape 49152x576 --rows 1,16,64   # other [N, K] (a tied lm_head), row counts
+    FDPLUG_CPU_ISA=avx2 python bench/gemm.py  # the kernels built for x86-64-v3 (AVX2 tiles)
 
 The issue's question for the GEMMs: measure the library's best against our own kernels, keep the
 faster. Per shape (``[N, K]`` weights of the bench model's layers) and row count, GFLOP/s of:
@@ -11,8 +14,11 @@ faster. Per shape (``[N, K]`` weights of the bench model's layers) and row count
 (``dnnl_sgemm`` / ``dnnl_gemm_bf16bf16f32`` of the oneDNN 3 that paddle's wheel bundles,
 ``paddle/libs/libdnnl.so.3``, called on the same buffers; its bf16 GEMM is given the input already
 rounded to bf16, a conversion the others pay inside), for float32 weights, bf16 weights in float32
-math, and bf16 math (``cpu_native_bf16_linear``; paddle has no CPU bf16 matmul to compare). All in this run, the variants alternated (ABAB...) and the median of
-each taken: this machine drifts, so only the ratios within a line mean anything.
+math (against ``portable``: the core's op, which widens the layer and calls paddle's matmul), and
+bf16 math (``cpu_native_bf16_linear``; paddle has no CPU bf16 matmul to compare). All in this run, the variants alternated (ABAB...) and the median of
+each taken: this machine drifts, so only the ratios within a line mean anything. The first line
+names the CPU and the level the kernels were built for (``FDPLUG_CPU_ISA`` caps it; paddle's MKL
+and oneDNN pick their own code paths whatever the cap).
 """
 
 from __future__ import annotations
@@ -28,10 +34,10 @@ from throughput import MODEL
 ROWS = (1, 16, 64, 256, 1024)
 
 
-def shapes() -> list[tuple[int, int]]:
-    """The bench model's linear layers, [N, K]: fused qkv, o, gate/up, down."""
-    h, i = MODEL["hidden_size"], MODEL["intermediate_size"]
-    heads, kv, d = MODEL["num_attention_heads"], MODEL["num_key_value_heads"], h // MODEL["num_attention_heads"]
+def shapes(model: dict = MODEL) -> list[tuple[int, int]]:
+    """A model's linear layers, [N, K]: fused qkv, o, gate/up, down."""
+    h, i = model["hidden_size"], model["intermediate_size"]
+    heads, kv, d = model["num_attention_heads"], model["num_key_value_heads"], h // model["num_attention_heads"]
     return [((heads + 2 * kv) * d, h), (h, heads * d), (2 * i, h), (h, i)]
 
 
@@ -84,24 +90,36 @@ def compare(calls: dict, flops: float, rounds: int, budget: float) -> dict[str, 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer, shorter repetitions")
+    parser.add_argument("--smollm2", action="store_true", help="SmolLM2-135M's layer shapes")
+    parser.add_argument("--shape", action="append", metavar="NxK",
+                        help="a weight [N, K] instead of the model's layers (repeatable)")
+    parser.add_argument("--rows", help=f"comma-separated row counts (default: {','.join(map(str, ROWS))})")
     args = parser.parse_args()
+    row_counts = [int(v) for v in args.rows.split(",")] if args.rows else ROWS
     import paddle
 
-    from fdplug.plugins.cpu import device, native_linear
+    from fdplug.core.portable.ops import linear as portable
+    from fdplug.plugins.cpu import device, isa, native_linear
+
+    model = MODEL
+    if args.smollm2:
+        from levels import SMOLLM2 as model
 
     device.setup()
     threads = device.cpu_threads()
     rounds, budget = (4, 0.05) if args.quick else (8, 0.1)
     bf16_math = native_linear.bf16_math_available()
     dnnl = onednn()
+    print(f"CPU: {isa.model_name()}, kernels built for {isa.describe()}")
     print(f"{threads} threads; GFLOP/s, medians of {rounds} interleaved timings; 'x' = packed / best other"
           + ("" if dnnl else "; no libdnnl.so.3 in paddle's wheel: oneDNN not compared"))
     rng = np.random.default_rng(0)
-    for n, k in shapes():
+    layers = [tuple(int(v) for v in s.lower().split("x")) for s in args.shape] if args.shape else shapes(model)
+    for n, k in layers:
         w = paddle.to_tensor(rng.standard_normal((n, k)).astype(np.float32) * 0.05)
         wb = w.astype("bfloat16")
         packed, packed_b = native_linear.prepare(w), native_linear.prepare(wb)
-        for rows in ROWS:
+        for rows in row_counts:
             x = paddle.to_tensor(rng.standard_normal((rows, k)).astype(np.float32))
             xb, out = x.astype("bfloat16"), paddle.empty([rows, n], dtype="float32")
             flops = 2.0 * rows * n * k
@@ -112,11 +130,13 @@ def main() -> None:
                 calls["onednn"] = lambda: dnnl_call(dnnl, "dnnl_sgemm", x, w, out)
             f32 = compare(calls, flops, rounds, budget)
             b16 = compare({"packed": lambda: native_linear.linear(x, packed_b, threads),
-                           "inplace": lambda: native_linear.linear(x, wb, threads)}, flops, rounds, budget)
+                           "inplace": lambda: native_linear.linear(x, wb, threads),
+                           "portable": lambda: portable(x, wb)}, flops, rounds, budget)
             others = max(v for name, v in f32.items() if name != "packed")
             line = (f"[{n:4d}, {k:4d}] {rows:4d} rows | float32 " + " ".join(f"{a} {v:6.1f}" for a, v in f32.items())
-                    + f" ({f32['packed'] / others:.2f}x) | bf16 weights packed {b16['packed']:6.1f} inplace "
-                    f"{b16['inplace']:6.1f} ({b16['packed'] / b16['inplace']:.2f}x)")
+                    + f" ({f32['packed'] / others:.2f}x best, {f32['packed'] / f32['paddle']:.2f}x paddle) | bf16 "
+                    "weights " + " ".join(f"{a} {v:6.1f}" for a, v in b16.items())
+                    + f" ({b16['packed'] / b16['portable']:.2f}x portable)")
             if bf16_math:
                 calls = {"packed": lambda: native_linear.linear(x, packed_b, threads, bf16_math=True),
                          "inplace": lambda: native_linear.linear(x, wb, threads, bf16_math=True)}

@@ -178,8 +178,18 @@ def explain_command(device: str, runner: str | None, attention: str | None, moe:
     if model_config is not None:
         from fdplug.core.model.footprint import model_summary
 
+        from fdplug.core.plugin_loading.op_timing import plan_linear
+
         model_config.keep_weights(config.dtype, config.weight_dtype)
         click.echo(model_summary(model_config, config.dtype, selection.moe.name, selection.ops))
+        if "linear" in selection.measured_ops and selection.device.setup is not None:
+            selection.device.setup()    # threads and math library as the engine runs them: the same figures
+        linear_plan = plan_linear(selection, config, model_config)
+        if linear_plan is not None:
+            click.echo(linear_plan.describe())
+    elif "linear" in selection.measured_ops:
+        click.echo(f"op:linear: {selection.ops['linear'].name} is timed against the portable op on the model's "
+                   "layer shapes at startup and runs those where it is not slower (--model DIR shows the figures)")
     click.echo(f"selected: {selection.summary()}")
 
 

@@ -1,7 +1,7 @@
 """The hooks: what a plugin implements. Read with `fdplug.plugin_api.specs` (what it registers).
 
 A plugin is a module (or object) with functions decorated by ``fdplug.hookimpl`` whose names are
-the hooks below, and a module-level ``FDPLUG_API_VERSION = "3.9"`` naming the API it was written
+the hooks below, and a module-level ``FDPLUG_API_VERSION = "3.10"`` naming the API it was written
 for. Registration hooks are called once, when plugins load, with a ``register`` callback that
 accepts one spec object; the core validates what is registered, so a bad registration fails loudly
 and only that plugin is skipped.
@@ -26,7 +26,9 @@ and `ExpertBatch`, and an optional ``MoEBackend.make_exchange`` (a backend's own
 (`fdplug.plugin_api.kv_layout`), for moving KV between instances. 3.8: ``fdplug_register_kv_connectors``
 (`fdplug.plugin_api.kv_connector`): how KV moves between prefill and decode instances. 3.9:
 `fdplug.plugin_api.kv_connector.KVConnChecker` (a receiver's ``check(conn)``, which a decode
-instance without ``FDPLUG_PD_SECRET`` requires) and ``KVCaches.peers``.
+instance without ``FDPLUG_PD_SECRET`` requires) and ``KVCaches.peers``. 3.10: ``OpSpec.measure_key``
+(``linear``): a kernel timed against the portable op on the model's layer shapes, used only where it
+is not slower (`fdplug.core.plugin_loading.op_timing`); ``Selection.measured_ops``.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ if TYPE_CHECKING:
     from fdplug.plugin_api.selection import Selection
 
 PROJECT_NAME = "fdplug"
-API_VERSION = "3.9"
+API_VERSION = "3.10"
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)

@@ -52,13 +52,17 @@ class Selection:
     storages: Mapping[str, FeatureStorageSpec]
     decisions: tuple[Decision, ...]
     kv_connector: KVConnectorSpec | None = None     # only for a prefill or decode instance (--role)
+    measured_ops: frozenset[str] = frozenset()
+    """The ops whose kernel was chosen by priority and names a ``measure_key``: the core times it
+    against the portable op on the model's shapes (`OpSpec.measure_key`). Not those named explicitly."""
 
     def to_names(self) -> dict[str, Any]:
         """The choice as plain names: ``select_components(**names)`` rebuilds it in another process."""
         return {"device": self.device.name, "runner": self.runner.name, "attention": self.attention.name,
                 "moe": self.moe.name, "ops": {op: spec.name for op, spec in self.ops.items()},
                 "storages": {scheme: spec.name for scheme, spec in self.storages.items()},
-                "kv_connector": self.kv_connector.name if self.kv_connector is not None else None}
+                "kv_connector": self.kv_connector.name if self.kv_connector is not None else None,
+                "measured_ops": sorted(self.measured_ops)}
 
     def summary(self) -> str:
         """One line: the chosen name of each role."""

@@ -141,11 +141,20 @@ class OpSpec(ComponentSpec):
     returns a function that the core calls once per such layer after load with its weight ``[N,
     K]``; what that returns (a `fdplug.plugin_api.ops.PreparedWeight`, or None to keep the weight as
     it is) is what the kernel then receives as that layer's ``weight`` (FP8 scales stay as they are).
+
+    ``measure_key`` (``linear`` only): for a kernel whose speed against the portable op depends on
+    the machine (a CPU's instruction-set level, a GPU's generation). Chosen by priority (not by
+    name), it is then timed against the portable op once on each of the model's layer shapes, and
+    runs only the shapes where it is not slower at any row count measured (beyond noise); the others run the
+    portable op (`fdplug.core.plugin_loading.op_timing`). ``measure_key(config)`` is a string that
+    changes whenever those figures could (the CPU model and level, the kernel build, the thread
+    count): the figures are cached under it. Named with ``--op-kernel``, the kernel runs every shape.
     """
 
     op: str = ""
     bf16_inputs: bool = False
     prepare: Callable[["EngineConfig"], Callable[[Any], Any]] | None = None
+    measure_key: Callable[["EngineConfig"], str] | None = None
 
     role = "op"
 

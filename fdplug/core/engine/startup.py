@@ -53,17 +53,18 @@ def build_engine_config(model: str | None, engine_args: Mapping[str, Any]) -> tu
 def resolve_engine(model: str | None, device: str = "auto", runner: str | None = None, attention: str | None = None,
                    moe: str | None = None, storages: Mapping[str, str] | None = None,
                    ops: Mapping[str, str] | None = None, kv_connector: str | None = None,
-                   **engine_args: Any) -> tuple[EngineConfig, Any, Selection]:
+                   measured_ops: list[str] | None = None, **engine_args: Any) -> tuple[EngineConfig, Any, Selection]:
     """Config, model config and selection, without building the engine: select once, settle the
-    dtype on the device, let plugins configure."""
+    dtype on the device, let plugins configure. ``measured_ops``: as `select_components` (None
+    here; another process rebuilding a selection passes its list)."""
     from fdplug.core.plugin_loading.loader import load_plugins
     from fdplug.core.plugin_loading.selection import select_components
 
     config, model_config = build_engine_config(model, engine_args)
     plugin_set = load_plugins()
     config.model = model_config.traits(None if config.dtype == "auto" else config.dtype)
-    selection = select_components(device, runner, attention, moe, storages, ops, kv_connector, config=config,
-                                  plugins=plugin_set)
+    selection = select_components(device, runner, attention, moe, storages, ops, kv_connector, measured_ops,
+                                  config=config, plugins=plugin_set)
     config.dtype, config.weight_dtype = compute_dtype(config.dtype, model_config.dtype, selection)
     plugin_set.configure(config, selection)
     return config, model_config, selection

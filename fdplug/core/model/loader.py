@@ -23,6 +23,7 @@ from fdplug.core.model.config import _DIR_FIX, ModelConfig
 from fdplug.core.model.decoder import DecoderForCausalLM
 from fdplug.core.model.fp8_layers import Fp8Linear, expand_scale_rows, fp8_rows
 from fdplug.core.model.layers import Linear
+from fdplug.core.model.linear_shapes import LinearShape
 from fdplug.core.model.moe_block import EXPERT_PARAMS
 from fdplug.core.model.rope import rope_permutation
 from fdplug.core.model.weight_slots import Slot, weight_slots
@@ -44,7 +45,8 @@ def load_model(model_dir: str | Path, attn_backend: Any, dtype: str = "float32",
                max_positions: int | None = None, show_progress: bool = True,
                kernels: Kernels = PORTABLE, moe_backend: Any | None = None,
                quantization: str | None = None,
-               weight_dtype: str | None = None, expert_parallel: Any = None) -> tuple[DecoderForCausalLM, ModelConfig]:
+               weight_dtype: str | None = None, expert_parallel: Any = None,
+               linear_plan: Any = None) -> tuple[DecoderForCausalLM, ModelConfig]:
     """Build the decoder for ``model_dir``'s config and fill it from its safetensors files.
 
     ``dtype`` is the compute dtype (float32 on CPU); checkpoint tensors are cast to it.
@@ -54,6 +56,8 @@ def load_model(model_dir: str | Path, attn_backend: Any, dtype: str = "float32",
     ``weight_dtype="bfloat16"`` with a float32 ``dtype`` keeps the float linears, the embedding and
     the lm_head in bf16 (`layers.Linear`, the ``linear`` op): half the bytes, float32 math.
     ``expert_parallel`` (a `lockstep.LockstepGroup`): keep this rank's share of the routed experts.
+    ``linear_plan`` (an `op_timing.LinearPlan`): the layer shapes where the portable op runs instead
+    of ``kernels.linear`` (faster there, as measured); None: the kernel runs every layer.
     """
     started = time.perf_counter()
     cfg = ModelConfig.from_dir(model_dir, quantization).keep_weights(dtype, weight_dtype)
@@ -61,12 +65,15 @@ def load_model(model_dir: str | Path, attn_backend: Any, dtype: str = "float32",
     model = DecoderForCausalLM(cfg, attn_backend, dtype=dtype, max_positions=max_positions, kernels=kernels,
                                moe_backend=moe_backend, expert_parallel=expert_parallel)
     load_weights(model, cfg, files, show_progress=show_progress)
+    if linear_plan is not None:
+        _portable_where_faster(model, linear_plan)
     for kind, prepare in ((Linear, kernels.prepare_linear), (Fp8Linear, kernels.prepare_fp8_linear)):
         layers = [layer for layer in model.sublayers() if isinstance(layer, kind)]
         if prepare is None or not layers:
             continue
         for layer in layers:
-            layer.prepare(prepare)
+            if layer.kernel is not PORTABLE.linear:   # the portable op reads the weight as it is
+                layer.prepare(prepare)
         prepared = [layer.prepared.layout for layer in layers if layer.prepared is not None]
         logger.info("%s layers: %d of %d laid out for their kernel at load%s", kind.__name__, len(prepared),
                     len(layers), f" ({prepared[0]})" if prepared else "")
@@ -74,6 +81,20 @@ def load_model(model_dir: str | Path, attn_backend: Any, dtype: str = "float32",
                 cfg.num_layers, len(files), dtype + (" (bf16 weights)" if cfg.bf16_weights else ""),
                 time.perf_counter() - started)
     return model, cfg
+
+
+def _portable_where_faster(model: DecoderForCausalLM, plan: Any) -> None:
+    """The portable ``linear`` for the layers (and the tied lm_head) whose shape it runs faster than
+    the kernel (`op_timing.LinearPlan`); those keep their weight as it is (nothing to prepare)."""
+    def shape_of(weight: Any, prepared: bool, logits: bool) -> LinearShape:
+        n, k = weight.shape
+        return LinearShape(n, k, str(weight.dtype).removeprefix("paddle."), prepared, logits, ())
+
+    for layer in model.sublayers():
+        if isinstance(layer, Linear) and not plan.uses_kernel(shape_of(layer.weight, True, layer is model.lm_head)):
+            layer.kernel = PORTABLE.linear
+    if model.lm_head is None and not plan.uses_kernel(shape_of(model.embed_tokens, False, True)):
+        model.logits_kernel = PORTABLE.linear
 
 
 def weight_files(model_dir: str | Path) -> list[Path]:

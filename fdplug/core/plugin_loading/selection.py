@@ -10,7 +10,7 @@ immutable and serialises to names, so another process rebuilds the same choice w
 from __future__ import annotations
 
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from fdplug.core.config import EngineConfig
 from fdplug.core.plugin_loading.loader import PluginSet, current_plugins
@@ -26,7 +26,8 @@ AUTO = "auto"
 
 def select_components(device: str = AUTO, runner: str | None = None, attention: str | None = None,
                       moe: str | None = None, storages: Mapping[str, str] | None = None,
-                      ops: Mapping[str, str] | None = None, kv_connector: str | None = None, *,
+                      ops: Mapping[str, str] | None = None, kv_connector: str | None = None,
+                      measured_ops: Iterable[str] | None = None, *,
                       config: EngineConfig | None = None, plugins: PluginSet | None = None) -> Selection:
     """Resolve device, runner, attention, MoE, op kernels and storages (and, for an instance with a
     ``config.kv_role``, its KV connector) into one immutable `Selection`.
@@ -34,6 +35,10 @@ def select_components(device: str = AUTO, runner: str | None = None, attention: 
     Raises `DeviceUnavailableError` (explicit device not usable here, with the probe's reason and
     fix), `UnknownComponentError` (no plugin registered that name) or `SelectionError` (no candidate
     fits); each carries the decisions made so far.
+
+    ``measured_ops``: the ops whose kernel is timed against the portable op on the model's shapes
+    (`Selection.measured_ops`); None: those chosen here by priority whose spec has a ``measure_key``
+    (a list: how another process rebuilds a selection, whose ops it names).
     """
     plugins = plugins or current_plugins()
     config = config or EngineConfig()
@@ -53,8 +58,11 @@ def select_components(device: str = AUTO, runner: str | None = None, attention: 
                              decisions=tuple(decisions))
     connector = (_select_component(plugins, "kv_connector", kv_connector, device_entry.spec.name, config, decisions)
                  if config.kv_role is not None else None)
+    if measured_ops is None:
+        measured_ops = [op for op, spec in op_specs.items() if spec.measure_key is not None and op not in (ops or {})]
     return Selection(device_entry.spec, probe, chosen["runner"], chosen["attention"], chosen["moe"],
-                     MappingProxyType(op_specs), MappingProxyType(storage_specs), tuple(decisions), connector)
+                     MappingProxyType(op_specs), MappingProxyType(storage_specs), tuple(decisions), connector,
+                     frozenset(op for op in measured_ops if op in op_specs and op_specs[op].measure_key is not None))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -96,6 +96,7 @@ class ModelRunner:
         from fdplug.core.model.config import ModelConfig
         from fdplug.core.model.footprint import model_summary
         from fdplug.core.model.loader import load_model
+        from fdplug.core.plugin_loading.op_timing import plan_linear
 
         self.paddle.set_device(self.place)
         cfg = ModelConfig.from_dir(self.config.model_dir, self.config.quantization)
@@ -104,6 +105,10 @@ class ModelRunner:
         footprint = check_weights_fit(cfg, self.config.dtype, self.selection, group.size if group else 1)
         self.attn_backend = self.selection.attention.factory(self.config)
         self.moe_backend = self.selection.moe.factory(self.config) if cfg.moe is not None else None
+        linear_plan = plan_linear(self.selection, self.config, cfg)
+        if linear_plan is not None:
+            for line in linear_plan.describe().splitlines():
+                logger.info(line)
         ops = self.selection.ops
         kernels = Kernels(**{op: spec.factory(self.config) for op, spec in ops.items()},
                           **{f"prepare_{op}": ops[op].prepare(self.config) for op in PREPARED_OPS if ops[op].prepare})
@@ -111,7 +116,8 @@ class ModelRunner:
         self.model, self.model_config = load_model(self.config.model_dir, self.attn_backend, dtype=self.config.dtype,
                                                    max_positions=self.config.max_model_len, kernels=kernels,
                                                    moe_backend=self.moe_backend, quantization=self.config.quantization,
-                                                   weight_dtype=self.config.weight_dtype, expert_parallel=group)
+                                                   weight_dtype=self.config.weight_dtype, expert_parallel=group,
+                                                   linear_plan=linear_plan)
         self.model.eval()
         # The routed experts live in the MoE backend's layout, not as parameters: count them as loaded.
         params = sum(int(np.prod(p.shape)) * p.element_size() for p in self.model.parameters())

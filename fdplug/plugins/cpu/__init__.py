@@ -71,20 +71,31 @@ def _native_kernels_supports(config) -> str | None:
     return kernels.unavailable_reason()
 
 
-def _avx512_tiles_supports(name: str):
-    """The linear kernels' tiles are AVX-512 only: below x86-64-v4 (the CPU, or FDPLUG_CPU_ISA) their
-    scalar fallback is ~40x below paddle's matmul, so they are not chosen there."""
+def _tiles_supports(name: str):
+    """The linear kernels have tiles for x86-64-v4 (AVX-512) and v3 (AVX2, FMA, F16C): below (the
+    CPU, or FDPLUG_CPU_ISA) their scalar fallback is ~40x below paddle's matmul, so they are not
+    chosen there."""
     def supports(config) -> str | None:
         from fdplug.plugins.cpu import isa
 
-        return _native_kernels_supports(config) or isa.avx512_reason(name)
+        return _native_kernels_supports(config) or isa.level_reason(name, 3)
     return supports
+
+
+def _measure_key(config) -> str:
+    """`OpSpec.measure_key` of the linear kernels: what their speed against paddle's matmul depends on."""
+    import paddle
+
+    from fdplug.plugins.cpu import isa, kernels
+
+    return (f"{isa.model_name()} | {isa.describe()} | {kernels.load()._name.rsplit('/', 1)[-1]} | "
+            f"{device.cpu_threads()} threads | paddle {paddle.__version__}")
 
 
 def _bf16_math_supports(config) -> str | None:
     from fdplug.plugins.cpu import native_linear
 
-    reason = _avx512_tiles_supports("cpu_native_bf16_linear")(config)
+    reason = _tiles_supports("cpu_native_bf16_linear")(config)
     if reason is None and not native_linear.bf16_math_available():
         reason = "the CPU (or the C compiler) has no AVX512-BF16: bf16 weights run as cpu_native_linear's float32 math"
     return reason
@@ -130,7 +141,7 @@ def fdplug_register_ops(register):
     native("cpu_native_fp8_linear", "fp8_linear", ("native_fp8", "fp8_linear_or_portable"),
            "FP8 weights kept one byte, packed at load in panels of 64 columns, widened in registers and "
            "scaled per block in outer-product tiles (compiled C)", prepare=_fp8_prepare_factory,
-           supports=_avx512_tiles_supports("cpu_native_fp8_linear"))
+           supports=_tiles_supports("cpu_native_fp8_linear"))
     native("cpu_native_rms_norm", "rms_norm", ("native_norms", "rms_norm"),
            "one compiled call instead of paddle's five ops (float32; the q/k norm's per-head weights too)")
     native("cpu_native_add_rms_norm", "add_rms_norm", ("native_norms", "add_rms_norm"),
@@ -140,15 +151,16 @@ def fdplug_register_ops(register):
     native("cpu_native_argmax", "argmax", ("native_argmax", "argmax"),
            "greedy sampling's argmax, 16 lanes at a time, rows over the cores (compiled C)")
     native("cpu_native_linear", "linear", ("native_linear", "linear_or_portable"),
-           "AVX-512 FMA tiles on float32 or bf16 weights packed at load in panels of 64 columns (compiled "
-           "C; bf16 widened in registers: half the bytes, float32 math); ~1.4-2x paddle's matmul",
-           prepare=_linear_prepare_factory, supports=_avx512_tiles_supports("cpu_native_linear"))
+           "FMA tiles (AVX-512 or AVX2) on float32 or bf16 weights packed at load in panels of 64 columns "
+           "(compiled C; bf16 widened in registers: half the bytes, float32 math); timed against paddle's "
+           "matmul on the model's shapes at startup, used where it is not slower",
+           prepare=_linear_prepare_factory, supports=_tiles_supports("cpu_native_linear"), measure_key=_measure_key)
     native("cpu_native_bf16_linear", "linear", ("native_linear", "linear_or_portable"),
            "bf16 weights in bf16 math (AVX512-BF16 dot products: inputs rounded to bf16, float32 sums; ~2x "
            "cpu_native_linear where compute-bound); float32 weights as cpu_native_linear. --op-kernel "
            "linear=cpu_native_linear keeps float32 math",
            bound={"bf16_math": True}, priority=20, supports=_bf16_math_supports, bf16_inputs=True,
-           prepare=_linear_prepare_factory)
+           prepare=_linear_prepare_factory, measure_key=_measure_key)
 
 
 @hookimpl

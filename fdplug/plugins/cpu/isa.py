@@ -1,9 +1,10 @@
 """The CPU's instruction-set level, as the cpu kernels see it: what they are compiled for and what they may claim.
 
 x86 CPUs differ where it matters: an AMD EPYC of the Zen 3 generation (the most common cloud x86)
-has AVX2 and FMA but no AVX-512, and a kernel whose fast path is AVX-512 falls back to a scalar loop
-there (the packed linear: ~3 GFLOP/s, ~40x below paddle's matmul). The level comes from the flags
-the kernel reports (``/proc/cpuinfo``), named as the x86-64 psABI levels:
+has AVX2 and FMA but no AVX-512, so each kernel has AVX-512 tiles and AVX2 ones (the linears' give
+the same bits), and below x86-64-v3 a scalar loop (~3 GFLOP/s, ~40x below paddle's matmul) that
+selection refuses for the linears. The level comes from the flags the kernel reports
+(``/proc/cpuinfo``), named as the x86-64 psABI levels:
 
 - ``x86-64-v2``: SSE4.2, POPCNT (``FDPLUG_CPU_ISA=sse4``)
 - ``x86-64-v3``: AVX2, FMA, F16C, BMI2 (``avx2``)
@@ -109,9 +110,17 @@ def describe() -> str:
     return text
 
 
-def avx512_reason(what: str) -> str | None:
-    """None where ``what`` (an AVX-512-only kernel) runs at speed; else why it is not chosen."""
-    if level() >= 4:
+def model_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), or the machine's architecture where it has none."""
+    for line in cpuinfo_lines():
+        if line.startswith("model name"):
+            return line.partition(":")[2].strip()
+    return platform.machine()
+
+
+def level_reason(what: str, needed: int) -> str | None:
+    """None where ``what`` has tiles for the (capped) level; else why it is not chosen."""
+    if level() >= needed:
         return None
-    return (f"{what} has AVX-512 tiles only, and this CPU runs {describe()}: its fallback is a scalar loop "
-            "far below paddle's matmul, so paddle's is used")
+    return (f"{what} has tiles for {NAMES[needed]} and above, and this CPU runs {describe()}: below, "
+            "a scalar loop far slower than paddle's matmul, so paddle's is used")

@@ -1,0 +1,193 @@
+"""Selection that measures (`fdplug.core.plugin_loading.op_timing`): a ``linear`` kernel with an
+`OpSpec.measure_key`, chosen by priority, runs only the layer shapes where it is not slower than the
+portable op, as timed once per machine and cached; named with ``--op-kernel``, every shape.
+
+The timer is replaced where a test needs a verdict (a machine's real figures decide nothing the
+test could assert); the real one runs in `test_the_real_figures_are_cached_and_shown_by_explain`.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from fdplug.cli import main
+from fdplug.core.model.config import ModelConfig
+from fdplug.core.model.decoder import DecoderForCausalLM
+from fdplug.core.model.layers import Linear
+from fdplug.core.model.linear_shapes import LinearShape, linear_shapes
+from fdplug.core.plugin_loading import op_timing
+from fdplug.core.portable.ops import PORTABLE
+from fdplug.plugin_api.ops import PreparedWeight
+from fdplug.plugins.cpu import isa, kernels
+
+GOLDEN = Path(__file__).parent / "fixtures" / "golden"
+NEEDS_KERNELS = pytest.mark.skipif(kernels.unavailable_reason() is not None or isa.level() < 3,
+                                   reason="the cpu linear kernels need their build and x86-64-v3 (FDPLUG_CPU_ISA)")
+
+
+def _built_shapes(model: DecoderForCausalLM) -> set[tuple]:
+    """The ``LinearShape.key`` of every linear the built decoder runs through the ``linear`` op."""
+    keys = {(*layer.weight.shape, str(layer.weight.dtype).removeprefix("paddle."), True, layer is model.lm_head)
+            for layer in model.sublayers() if isinstance(layer, Linear)}
+    if model.lm_head is None:
+        keys.add((*model.embed_tokens.shape, str(model.embed_tokens.dtype).removeprefix("paddle."), False, True))
+    return {(int(n), int(k), dtype, prepared, logits) for n, k, dtype, prepared, logits in keys}
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in GOLDEN.iterdir() if (p / "config.json").is_file()))
+@pytest.mark.parametrize("weights", ["float32", "bfloat16"])
+def test_the_shapes_from_the_config_are_the_decoders_linears(name, weights):
+    """Dense, MoE with and without shared experts, tied and untied lm_heads, bf16 weights: the
+    shapes measured before load are exactly those the decoder builds."""
+    cfg = ModelConfig.from_dir(GOLDEN / name).keep_weights("float32", weights)
+    model = DecoderForCausalLM(cfg, attn_backend=None)
+    assert {s.key for s in linear_shapes(cfg, "float32")} == _built_shapes(model)
+
+
+def test_fp8_layers_are_not_linear_shapes():
+    cfg = ModelConfig.from_dir(GOLDEN / "llama", quantization="fp8").keep_weights("float32", None)
+    shapes = linear_shapes(cfg, "float32")
+    assert [s.layers for s in shapes] == [("lm_head",)]              # every projection is an Fp8Linear
+    assert shapes[0].key == _built_shapes(DecoderForCausalLM(cfg, attn_backend=None)).pop()
+
+
+def _figures(slow: set[str]):
+    """A timer: the kernel 2x the portable op, except on layers named in ``slow`` (0.5x at the most rows)."""
+    calls: list[LinearShape] = []
+
+    def time_shape(shape: LinearShape) -> dict[str, list]:
+        calls.append(shape)
+        rows = list(op_timing.LOGITS_ROWS if shape.logits else op_timing.ROWS)
+        kernel = [100.0 if r != rows[-1] or not slow & set(shape.layers) else 25.0 for r in rows]
+        return {"rows": rows, "kernel": kernel, "portable": [50.0] * len(rows)}
+    return time_shape, calls
+
+
+def _shape(name: str, n: int = 64, k: int = 32, logits: bool = False) -> LinearShape:
+    return LinearShape(n, k, "float32", True, logits, (name,))
+
+
+def test_a_shape_goes_to_the_kernel_only_where_it_is_not_slower_at_any_row_count(tmp_path):
+    shapes = [_shape("qkv_proj"), _shape("down_proj", 32, 64), _shape("lm_head", 100, 32, logits=True)]
+    time_shape, calls = _figures(slow={"down_proj"})
+    figures, cached = op_timing._measured(tmp_path / "t.json", "key", shapes, time_shape)
+    assert not cached and calls == shapes
+    plan = op_timing.LinearPlan("k", "p", tuple(op_timing.ShapeTiming.of(s, figures[op_timing._name(s)])
+                                                for s in shapes), cached)
+    assert [plan.uses_kernel(s) for s in shapes] == [True, False, True]
+    text = plan.describe()
+    assert "k on 2 of 3 shapes, p on the others" in text and "-> p (k slower at 256 rows)" in text
+    assert "[64, 32] float32 (qkv_proj): k 100.0/100.0/100.0 vs p 50.0/50.0/50.0 GFLOP/s at 1/32/256 rows -> k" in text
+
+
+def test_figures_are_cached_per_key_and_a_bad_file_is_measured_again(tmp_path):
+    path, shapes = tmp_path / "t.json", [_shape("qkv_proj"), _shape("o_proj", 32, 32)]
+    time_shape, calls = _figures(slow=set())
+    op_timing._measured(path, "key", shapes, time_shape)
+    _, cached = op_timing._measured(path, "key", shapes, time_shape)
+    assert cached and len(calls) == 2                                   # nothing timed again
+    op_timing._measured(path, "key", [*shapes, _shape("gate_up_proj", 128, 32)], time_shape)
+    assert len(calls) == 3                                              # only the new shape
+    op_timing._measured(path, "another CPU", shapes, time_shape)
+    assert len(calls) == 5                                              # another key: all of them
+    saved = json.loads(path.read_text())
+    saved["shapes"][op_timing._name(shapes[0])]["kernel"] = ["fast"]    # edited by hand: not trusted
+    path.write_text(json.dumps(saved))
+    op_timing._measured(path, "another CPU", shapes, time_shape)
+    assert len(calls) == 6
+    path.write_text("{not json")
+    op_timing._measured(path, "another CPU", shapes, time_shape)
+    assert len(calls) == 8
+
+
+def test_processes_starting_together_time_each_shape_once(tmp_path):
+    """Under the file lock the second waits for the first's figures (flock is per open file, so two
+    threads stand for two processes)."""
+    shapes, calls, results = [_shape("qkv_proj")], [], []
+    gate = threading.Event()
+
+    def slow_timer(shape):
+        calls.append(shape)
+        gate.wait(5)
+        return {"rows": [1], "kernel": [1.0], "portable": [2.0]}
+
+    threads = [threading.Thread(target=lambda: results.append(op_timing._measured(tmp_path / "t.json", "key",
+                                                                                  shapes, slow_timer)))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    threading.Timer(0.3, gate.set).start()
+    for t in threads:
+        t.join(30)
+    assert len(calls) == 1 and sorted(cached for _, cached in results) == [False, True]
+    assert results[0][0] == results[1][0]
+
+
+def _engine(model_dir: Path, **kwargs):
+    from fdplug.core.frontend.llm import LLM
+
+    return LLM(str(model_dir), max_model_len=64, num_kv_blocks=64, **kwargs)
+
+
+@NEEDS_KERNELS
+def test_the_engine_runs_the_portable_op_on_the_shapes_where_it_is_faster(test_model_dir, tmp_path, monkeypatch):
+    """Same tokens as the kernel everywhere; the losing shape keeps its [N, K] weight, the others are
+    laid out for the kernel; the plan is in the startup log; ``--op-kernel`` takes every shape."""
+    from fdplug.core.engine.request import SamplingParams
+
+    monkeypatch.setenv("FDPLUG_CACHE_DIR", str(tmp_path))
+    time_shape, calls = _figures(slow={"o_proj", "lm_head"})
+    monkeypatch.setattr(op_timing, "_time_shape", lambda shape, *args: time_shape(shape))
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    prompts = ["the quick brown fox", "one two three four five six"]
+    llm = _engine(test_model_dir)
+    model = llm.engine.runner.model
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert calls and {s.layers[0] for s in calls} >= {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"}
+    layers = model.layers[0]
+    assert layers.self_attn.o_proj.kernel is PORTABLE.linear and layers.self_attn.o_proj.prepared is None
+    assert layers.self_attn.qkv_proj.kernel is not PORTABLE.linear
+    assert isinstance(layers.self_attn.qkv_proj.kernel_weight, PreparedWeight)
+    assert model.lm_head is None and model.logits_kernel is PORTABLE.linear   # the tied lm_head
+    calls.clear()
+    pinned = _engine(test_model_dir, op_kernels={"linear": "cpu_native_linear"})
+    model = pinned.engine.runner.model
+    want = [o.outputs[0].token_ids for o in pinned.generate(prompts, params, use_tqdm=False)]
+    assert not calls                                                    # named: not measured
+    assert model.layers[0].self_attn.o_proj.kernel is not PORTABLE.linear and model.logits_kernel is not PORTABLE.linear
+    assert got == want
+
+
+@NEEDS_KERNELS
+def test_the_real_figures_are_cached_and_shown_by_explain(test_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("FDPLUG_CACHE_DIR", str(tmp_path))
+    first = CliRunner().invoke(main, ["explain", "--model", str(test_model_dir)])
+    assert first.exit_code == 0, first.output
+    assert "(measured now)" in first.output
+    lines = [line for line in first.output.splitlines() if "GFLOP/s at 1/32/256 rows" in line]
+    assert len(lines) == 4 and all(line.rstrip().endswith(("cpu_native_linear", "cpu_native_bf16_linear"))
+                                   or "slower at" in line for line in lines)
+    second = CliRunner().invoke(main, ["explain", "--model", str(test_model_dir)])
+    assert "(cached figures)" in second.output
+    assert [line for line in second.output.splitlines() if "GFLOP/s" in line] == \
+        [line for line in first.output.splitlines() if "GFLOP/s" in line]
+    (saved,) = (tmp_path / "op_timings").glob("*.json")
+    assert np.all(np.array([v for e in json.loads(saved.read_text())["shapes"].values() for v in e["kernel"]]) > 0)
+    named = CliRunner().invoke(main, ["explain", "--model", str(test_model_dir), "--op-kernel", "linear=paddle_linear"])
+    assert "GFLOP/s" not in named.output and "per layer shape" not in named.output
+
+
+def test_within_the_timings_noise_is_a_tie_and_beyond_it_a_loss():
+    """Two GEMMs at the machine's peak measure a few percent apart either way: that must not cost
+    a shape its kernel (and decode its speed-up); more than the noise does."""
+    def timing(kernel_at_256: float) -> op_timing.ShapeTiming:
+        return op_timing.ShapeTiming(_shape("gate_up_proj"), (1, 32, 256), (70.0, 220.0, kernel_at_256),
+                                     (40.0, 190.0, 250.0))
+    assert timing(250 * (1 - op_timing.NOISE) + 0.5).kernel_wins
+    assert timing(250 * (1 - op_timing.NOISE) - 0.5).slower_at == (256,)
