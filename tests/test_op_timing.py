@@ -191,3 +191,63 @@ def test_within_the_timings_noise_is_a_tie_and_beyond_it_a_loss():
                                      (40.0, 190.0, 250.0))
     assert timing(250 * (1 - op_timing.NOISE) + 0.5).kernel_wins
     assert timing(250 * (1 - op_timing.NOISE) - 0.5).slower_at == (256,)
+
+
+def test_a_failed_timing_gives_that_shape_the_portable_op_and_is_not_cached(tmp_path):
+    path, shapes = tmp_path / "t.json", [_shape("qkv_proj"), _shape("o_proj", 32, 32)]
+    time_shape, calls = _figures(slow=set())
+
+    def failing(shape):
+        return None if "o_proj" in shape.layers else time_shape(shape)
+
+    figures, cached = op_timing._measured(path, "key", shapes, failing)
+    assert not cached and set(figures) == {op_timing._name(shapes[0])}
+    plan = op_timing.LinearPlan("k", "p", tuple(op_timing.ShapeTiming.of(s, figures.get(op_timing._name(s),
+                                                                                        op_timing._NONE))
+                                                for s in shapes), cached)
+    assert [plan.uses_kernel(s) for s in shapes] == [True, False]
+    assert "(o_proj): timing failed (see the log) -> p" in plan.describe()
+    _, cached = op_timing._measured(path, "key", shapes, time_shape)
+    assert not cached and len(calls) == 2                               # the failed one timed again, only it
+
+
+def test_no_usable_cache_directory_means_timing_without_one(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    time_shape, calls = _figures(slow=set())
+    figures, cached = op_timing._measured(tmp_path / "file" / "op_timings" / "t.json", "key", [_shape("qkv_proj")],
+                                          time_shape)
+    assert not cached and len(calls) == 1 and len(figures) == 1
+
+
+def test_a_lock_held_past_the_timeout_means_no_timing(tmp_path, monkeypatch):
+    import fcntl
+
+    path = tmp_path / "t.json"
+    monkeypatch.setattr(op_timing, "LOCK_TIMEOUT_S", 0.2)
+    time_shape, calls = _figures(slow=set())
+    with open(path.with_suffix(".lock"), "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        assert op_timing._measured(path, "key", [_shape("qkv_proj")], time_shape) is None
+    assert not calls
+
+
+def test_fdplug_op_timing_0_and_an_explicit_kernel_are_not_timed(monkeypatch):
+    from fdplug.core.plugin_loading.selection import select_components
+
+    if kernels.unavailable_reason() is not None or isa.level() < 3:
+        pytest.skip("the cpu linear kernels need their build and x86-64-v3")
+    assert select_components("cpu").measured_ops == {"linear"}
+    assert select_components("cpu", ops={"linear": "cpu_native_linear"}).measured_ops == frozenset()
+    monkeypatch.setenv("FDPLUG_OP_TIMING", "0")
+    selection = select_components("cpu")
+    assert selection.measured_ops == frozenset() and selection.to_names()["measured_ops"] == []
+    rebuilt = select_components(**select_components("cpu", measured_ops=["linear"]).to_names())
+    assert rebuilt.measured_ops == {"linear"}                           # another process follows the names
+
+
+def test_only_linear_kernels_may_name_a_measure_key():
+    from fdplug.plugin_api.specs import OpSpec, validate_spec
+
+    with pytest.raises(ValueError, match="only 'linear' kernels are timed"):
+        validate_spec(OpSpec(name="x", op="swiglu", devices=("cpu",), factory=lambda c: None,
+                             measure_key=lambda c: "k"), OpSpec)

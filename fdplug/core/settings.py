@@ -53,6 +53,10 @@ for _setting in (
             "PD: a secret shared by the prefill and decode instances. Prefill signs the kv_transfer_params it returns; "
             "decode then refuses unsigned ones and lets pulled KV into its prefix cache. Unset on decode: any "
             "client's params are taken, but their KV is kept apart from every other request's.", secret=True),
+    Setting("FDPLUG_OP_TIMING", True, parse_bool,
+            "0: a linear kernel chosen by priority runs every layer shape, untimed (default 1: timed against the "
+            "portable op per shape at startup, used where not slower; the same bits on every machine of a fleet "
+            "take 0, or --op-kernel)."),
     Setting("FD_MOE_BACKEND", None, _parse_name,
             "MoE backend for the routed experts, by name (`fdplug explain` lists them; FastDeploy's name, "
             "but its values cutlass/marlin/triton are GPU kernels fdplug does not have). --moe-backend wins."),

@@ -225,6 +225,10 @@ def validate_spec(spec: Any, expected: type) -> None:
         raise ValueError(f"op {spec.op!r} of {spec.name!r} is not one of {', '.join(OPS)}")
     if isinstance(spec, OpSpec) and spec.bf16_inputs is not False and (spec.bf16_inputs is not True or spec.op != "linear"):
         raise ValueError(f"bf16_inputs of {spec.name!r} must be a bool, and True only for the 'linear' op")
+    if isinstance(spec, OpSpec) and spec.measure_key is not None:
+        _require_callable(spec, "measure_key")
+        if spec.op != "linear":
+            raise ValueError(f"measure_key of {spec.name!r}: only 'linear' kernels are timed against the portable op")
     if isinstance(spec, OpSpec) and spec.prepare is not None:
         _require_callable(spec, "prepare")
         if spec.op not in PREPARED_OPS:

@@ -13,12 +13,22 @@ noise, `NOISE`), so the choice is per shape, never per row count, and a row's re
 depend on its batch. The figures are
 cached under the kernel's ``measure_key`` (the CPU model and level, the kernel build, the threads)
 in ``$FDPLUG_CACHE_DIR/op_timings/``, measured under a file lock: every process of a machine (DP
-ranks, a PD pair) uses the same figures, so the same kernels. ``--op-kernel linear=NAME`` skips
-all of it: that kernel runs every shape. `fdplug explain --model DIR` prints each shape's figures.
+ranks, a PD pair) uses the same figures, so the same kernels. `fdplug explain --model DIR` prints
+each shape's figures.
+
+Where it is not wanted: the bits of a shape then depend on the machine that timed it (two machines
+with the same kernels can split a near tie differently), so ``--op-kernel linear=NAME`` (that
+kernel on every shape) or ``FDPLUG_OP_TIMING=off`` (the kernel chosen by priority on every shape)
+give a fleet the same bits. A shape whose timing fails runs the portable op (logged, not cached);
+an unusable cache directory means timing without it; another process holding the lock past
+`LOCK_TIMEOUT_S`, no timing (the kernel on every shape). bf16 weights: a losing shape's portable op
+widens the layer per call (what ``dtype=auto`` keeps bf16 weights to avoid); the cpu kernels beat
+it by 1.4-17x on every shape measured, so it stays a fallback.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -65,12 +75,15 @@ class ShapeTiming:
 
     @property
     def kernel_wins(self) -> bool:
-        return not self.slower_at
+        """Not slower anywhere (a shape whose timing failed has no figures: it does not win)."""
+        return bool(self.rows) and not self.slower_at
 
     def line(self, kernel: str, portable: str) -> str:
         def figures(values: tuple[float, ...]) -> str:
             return "/".join(f"{v:.1f}" for v in values)
 
+        if not self.rows:
+            return f"  {self.shape.describe()}: timing failed (see the log) -> {portable}"
         verdict = (kernel if self.kernel_wins
                    else f"{portable} ({kernel} slower at {'/'.join(map(str, self.slower_at))} rows)")
         return (f"  {self.shape.describe()}: {kernel} {figures(self.kernel_gflops)} vs {portable} "
@@ -114,15 +127,30 @@ def plan_linear(selection: Any, config: Any, model_config: Any) -> LinearPlan | 
     from fdplug.core.portable.ops import linear as portable
 
     shapes = linear_shapes(model_config, config.dtype)
-    key = f"{spec.name}|{config.dtype}|{spec.measure_key(config)}|{PAIRS} pairs of {CALL_SECONDS} s"
+    key = (f"{spec.name}|{config.dtype}|{spec.measure_key(config)}|rows {ROWS}, lm_head {LOGITS_ROWS}, {PAIRS} "
+           f"pairs of {CALL_SECONDS} s")
     path = cache_dir() / "op_timings" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
     kernel = spec.factory(config)
     prepare = spec.prepare(config) if spec.prepare is not None else None
     place = selection.device.paddle_place_name(config.device_index)
-    figures, cached = _measured(path, key, shapes, lambda shape: _time_shape(shape, kernel, prepare, portable,
-                                                                          config.dtype, place))
-    timings = tuple(ShapeTiming.of(shape, figures[_name(shape)]) for shape in shapes)
+
+    def time_shape(shape: LinearShape) -> dict[str, list] | None:
+        try:
+            return _time_shape(shape, kernel, prepare, portable, config.dtype, place)
+        except Exception as exc:   # noqa: BLE001 - any failure: this shape runs the portable op
+            logger.warning("timing %s on linear layers %s failed (%r): they run %s", spec.name, shape.describe(),
+                           exc, PORTABLE_LINEAR)
+            return None
+
+    measured = _measured(path, key, shapes, time_shape)
+    if measured is None:
+        return None
+    figures, cached = measured
+    timings = tuple(ShapeTiming.of(shape, figures.get(_name(shape), _NONE)) for shape in shapes)
     return LinearPlan(spec.name, PORTABLE_LINEAR, timings, cached)
+
+
+_NONE = {"rows": [], "kernel": [], "portable": []}   # a shape whose timing failed
 
 
 def _name(shape: LinearShape) -> str:
@@ -131,31 +159,49 @@ def _name(shape: LinearShape) -> str:
 
 
 def _measured(path: Any, key: str, shapes: list[LinearShape],
-              time_shape: Callable[[LinearShape], dict[str, list]]) -> tuple[dict[str, dict], bool]:
-    """The figures of every shape: from the cache file where it has them, else timed now and added
-    to it; under the file's lock, so that processes starting together time each shape once."""
-    import fcntl
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "a+") as lock:
-        deadline = time.monotonic() + LOCK_TIMEOUT_S
-        while True:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    logger.warning("%s stayed locked for %.0f s: timing the linear shapes without it",
-                                   path.with_suffix(".lock"), LOCK_TIMEOUT_S)
-                    break
-                time.sleep(0.05)
+              time_shape: Callable[[LinearShape], dict[str, list] | None]) -> tuple[dict[str, dict], bool] | None:
+    """The figures of every shape (a failed one left out): from the cache file where it has them, else
+    timed now and added to it, shape by shape; under the file's lock, so that processes starting
+    together time each shape once. None: another process kept the lock past LOCK_TIMEOUT_S."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(path.with_suffix(".lock"), "a+")   # noqa: SIM115 - held below, closed by the with
+    except OSError as exc:
+        logger.warning("cannot use %s (%s): timing the linear shapes without a cache", path.parent, exc)
+        figures = {_name(shape): time_shape(shape) for shape in shapes}
+        return {name: entry for name, entry in figures.items() if entry is not None}, False
+    with lock:
+        if not _locked(lock, path):
+            return None
         figures = _read(path, key)
         missing = [shape for shape in shapes if _name(shape) not in figures]
         for shape in missing:
-            figures[_name(shape)] = time_shape(shape)
-        if missing:
-            _write(path, key, figures)
+            entry = time_shape(shape)
+            if entry is not None:
+                figures[_name(shape)] = entry
+                _write(path, key, figures)    # after each shape: what was timed stays if a later one fails
     return figures, not missing
+
+
+def _locked(lock: Any, path: Any) -> bool:
+    """Take the lock within LOCK_TIMEOUT_S (False: still held elsewhere); where the file system has
+    no locks, go on without."""
+    import fcntl
+
+    deadline = time.monotonic() + LOCK_TIMEOUT_S
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                logger.warning("%s stayed locked for %.0f s: the linear kernel runs every shape, untimed",
+                               path.with_suffix(".lock"), LOCK_TIMEOUT_S)
+                return False
+            time.sleep(0.05)
+        except OSError as exc:
+            logger.warning("cannot lock %s (%s): timing without the lock", path.with_suffix(".lock"), exc)
+            return True
 
 
 def _read(path: Any, key: str) -> dict[str, dict]:
@@ -176,10 +222,20 @@ def _valid(entry: Any) -> bool:
 
 
 def _write(path: Any, key: str, figures: dict[str, dict]) -> None:
-    fd, tmp = tempfile.mkstemp(suffix=".json", dir=path.parent)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump({"key": key, "shapes": figures}, f, indent=1)
-    os.replace(tmp, path)
+    """The cache file replaced at once (a reader sees the old one or the new one); a failure is logged."""
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(suffix=".json", dir=path.parent)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump({"key": key, "shapes": figures}, f, indent=1)
+        os.replace(tmp, path)
+        tmp = None
+    except OSError as exc:
+        logger.warning("cannot write %s (%s): the linear shapes will be timed again next start", path, exc)
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
 
 
 def _time_shape(shape: LinearShape, kernel: Callable, prepare: Callable | None, portable: Callable, dtype: str,
@@ -191,14 +247,17 @@ def _time_shape(shape: LinearShape, kernel: Callable, prepare: Callable | None, 
     paddle.set_device(place)
     n, k = shape.out_features, shape.in_features
     rng = np.random.default_rng(n * 65537 + k)
-    weight = paddle.to_tensor((rng.standard_normal((n, k)) * 0.05).astype(np.float32)).astype(shape.weight_dtype)
+    values = rng.standard_normal((n, k), dtype=np.float32)
+    values *= 0.05
+    weight = paddle.to_tensor(values).astype(shape.weight_dtype)
+    del values
     laid_out = prepare(weight) if prepare is not None and shape.prepared else None
     kernel_weight = weight if laid_out is None else laid_out
     rows = LOGITS_ROWS if shape.logits else ROWS
     got: dict[str, list] = {"rows": list(rows), "kernel": [], "portable": []}
     sync = (lambda: None) if place == "cpu" else paddle.device.synchronize
     for r in rows:
-        x = paddle.to_tensor(rng.standard_normal((r, k)).astype(np.float32)).astype(dtype)
+        x = paddle.to_tensor(rng.standard_normal((r, k), dtype=np.float32)).astype(dtype)
         calls = {"kernel": lambda x=x: kernel(x, kernel_weight), "portable": lambda x=x: portable(x, weight)}
         for call in calls.values():   # first calls allocate, convert, fault pages in: not timed
             call()

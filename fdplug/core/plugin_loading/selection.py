@@ -37,8 +37,8 @@ def select_components(device: str = AUTO, runner: str | None = None, attention: 
     fits); each carries the decisions made so far.
 
     ``measured_ops``: the ops whose kernel is timed against the portable op on the model's shapes
-    (`Selection.measured_ops`); None: those chosen here by priority whose spec has a ``measure_key``
-    (a list: how another process rebuilds a selection, whose ops it names).
+    (`Selection.measured_ops`); None: those chosen here by priority whose spec has a ``measure_key``,
+    unless FDPLUG_OP_TIMING=0 (a list: how another process rebuilds a selection, whose ops it names).
     """
     plugins = plugins or current_plugins()
     config = config or EngineConfig()
@@ -59,7 +59,8 @@ def select_components(device: str = AUTO, runner: str | None = None, attention: 
     connector = (_select_component(plugins, "kv_connector", kv_connector, device_entry.spec.name, config, decisions)
                  if config.kv_role is not None else None)
     if measured_ops is None:
-        measured_ops = [op for op, spec in op_specs.items() if spec.measure_key is not None and op not in (ops or {})]
+        measured_ops = [op for op, spec in op_specs.items()
+                        if spec.measure_key is not None and op not in (ops or {}) and env("FDPLUG_OP_TIMING")]
     return Selection(device_entry.spec, probe, chosen["runner"], chosen["attention"], chosen["moe"],
                      MappingProxyType(op_specs), MappingProxyType(storage_specs), tuple(decisions), connector,
                      frozenset(op for op in measured_ops if op in op_specs and op_specs[op].measure_key is not None))

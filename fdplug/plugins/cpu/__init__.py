@@ -88,8 +88,9 @@ def _measure_key(config) -> str:
 
     from fdplug.plugins.cpu import isa, kernels
 
-    return (f"{isa.model_name()} | {isa.describe()} | {kernels.load()._name.rsplit('/', 1)[-1]} | "
-            f"{device.cpu_threads()} threads | paddle {paddle.__version__}")
+    packed = "packed weights" if settings.PACK_WEIGHTS.value() else "weights in place"
+    return (f"{isa.model_name()} | {isa.describe()} | {kernels.library_path(kernels.compiler()).name} | "
+            f"{packed} | {device.cpu_threads()} threads | paddle {paddle.__version__}")
 
 
 def _bf16_math_supports(config) -> str | None:

@@ -154,7 +154,8 @@ static inline __attribute__((always_inline)) void packed_tiles(const packed_job 
  * float32 tiles. The same values and the same FMA chains, so the same bits; the widening (a shift
  * or a mask per 8 weights) is paid once per block instead of once per row tile: it had bf16
  * weights at ~0.67x float32's speed from 64 rows. ``call``: fdplug_linear_packed's call number,
- * so that a copy is never taken for another call's weights at the same address. */
+ * so that a copy is never taken for another call's weights at the same address. The buffer lives
+ * as long as its thread (the pool's helpers and the engine's thread: a few, for the process's life). */
 static __thread float *lp_widened;
 static __thread int64_t lp_widened_key[3] = {-1, -1, -1};
 
