@@ -15,6 +15,15 @@ REPO = Path(__file__).resolve().parent.parent
 EXAMPLE_PLUGIN = REPO / "examples" / "fdplug-fakechip"   # the README's "Writing a plugin"
 
 
+# The engines in tests run the linear kernel chosen by priority on every shape (FDPLUG_OP_TIMING=0):
+# timed, a shape whose figures near-tie could go to paddle's matmul on one run and not the next, and
+# paddle's results depend on the batch (MKL picks its kernel by the row count), so the tests of batch
+# invariance and of tokens across processes would hang on timing noise. The timing has its own tests
+# (tests/test_op_timing.py, with FDPLUG_OP_TIMING=1), the engine with a plan included.
+PINNED_KERNELS = {"FDPLUG_OP_TIMING": "0"}
+os.environ.update(PINNED_KERNELS)   # at import: module- and session-scoped fixtures build engines too
+
+
 @pytest.fixture(autouse=True)
 def _clean_plugin_env(monkeypatch):
     """No test sees the developer's FDPLUG_* plugin settings, nor a previous test's loaded set."""
@@ -63,8 +72,11 @@ def site(tmp_path, monkeypatch) -> Path:
 
 
 def subprocess_env(extra_paths: list[str] = (), **env: str) -> dict[str, str]:
+    """This environment for a child process: no FDPLUG_* setting of the developer's, the kernels
+    pinned (PINNED_KERNELS), then ``env``."""
     out = {k: v for k, v in os.environ.items() if not k.startswith("FDPLUG_")}
     out["PYTHONPATH"] = os.pathsep.join([*extra_paths, *filter(None, [out.get("PYTHONPATH")])])
+    out.update(PINNED_KERNELS)
     out.update(env)
     return out
 

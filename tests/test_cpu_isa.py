@@ -70,8 +70,8 @@ def test_the_linear_kernels_need_x86_64_v3_and_say_so_below():
     the scalar loop is refused with the reason, and paddle's matmul runs."""
     if not isa.is_x86() or isa.detected_level() < 3:
         pytest.skip("this CPU has no x86-64-v3 to run the AVX2 tiles")
-    out = subprocess.run([FDPLUG, "explain"], capture_output=True, text=True, env=subprocess_env(FDPLUG_CPU_ISA="avx2"),
-                         timeout=300, check=True).stdout
+    out = subprocess.run([FDPLUG, "explain"], capture_output=True, text=True, timeout=300, check=True,
+                         env=subprocess_env(FDPLUG_CPU_ISA="avx2", FDPLUG_OP_TIMING="1")).stdout
     assert "x86-64-v3 (AVX2, FMA, F16C)" in out
     linear = out.split("op:linear:")[1].split("op:")[0]
     assert "chosen   cpu_native_linear" in linear

@@ -339,7 +339,9 @@ def test_a_client_that_stops_reading_is_cut_off_and_its_request_aborted(fleet):
     finally:
         for s in socks:
             s.close()
-    assert peak - before_rss < 150, (before_rss, peak)
+    # Bounded, not small: what piles up before the writes pause scales with how fast the engine makes
+    # events (68-152 MB measured on the 2-core machine, run to run); unbounded it was 700+ MB in 40 s.
+    assert peak - before_rss < 250, (before_rss, peak)
     wait_until(lambda: fds(pid) <= before_fds + 2, 10, what=f"descriptors back to {before_fds}")
     assert "the client stopped reading" in plain.log()
 

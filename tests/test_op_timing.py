@@ -141,6 +141,7 @@ def test_the_engine_runs_the_portable_op_on_the_shapes_where_it_is_faster(test_m
     laid out for the kernel; the plan is in the startup log; ``--op-kernel`` takes every shape."""
     from fdplug.core.engine.request import SamplingParams
 
+    monkeypatch.setenv("FDPLUG_OP_TIMING", "1")   # the tests' default pins the kernels (conftest)
     monkeypatch.setenv("FDPLUG_CACHE_DIR", str(tmp_path))
     time_shape, calls = _figures(slow={"o_proj", "lm_head"})
     monkeypatch.setattr(op_timing, "_time_shape", lambda shape, *args: time_shape(shape))
@@ -166,6 +167,7 @@ def test_the_engine_runs_the_portable_op_on_the_shapes_where_it_is_faster(test_m
 
 @NEEDS_KERNELS
 def test_the_real_figures_are_cached_and_shown_by_explain(test_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("FDPLUG_OP_TIMING", "1")
     monkeypatch.setenv("FDPLUG_CACHE_DIR", str(tmp_path))
     first = CliRunner().invoke(main, ["explain", "--model", str(test_model_dir)])
     assert first.exit_code == 0, first.output
@@ -236,6 +238,7 @@ def test_fdplug_op_timing_0_and_an_explicit_kernel_are_not_timed(monkeypatch):
 
     if kernels.unavailable_reason() is not None or isa.level() < 3:
         pytest.skip("the cpu linear kernels need their build and x86-64-v3")
+    monkeypatch.setenv("FDPLUG_OP_TIMING", "1")
     assert select_components("cpu").measured_ops == {"linear"}
     assert select_components("cpu", ops={"linear": "cpu_native_linear"}).measured_ops == frozenset()
     monkeypatch.setenv("FDPLUG_OP_TIMING", "0")
