@@ -73,7 +73,9 @@ def test_prefill_then_decode_gives_one_instances_text(pd):
     for server in (prefill, decode):          # nothing left running, no block held for a pull; prefix hits
         wait_until(lambda s=server: s.metrics()["fdplug:kv_cache_usage_perc"] == 0.0, 10, what="KV blocks released")
         assert server.metrics()["fdplug:num_requests_running"] == 0
-        assert server.metrics()["fdplug:prefix_cache_hits_total"] > 0, server.url
+        # the engine's stats reach /metrics with its next report: wait for it, as for the usage above
+        wait_until(lambda s=server: s.metrics()["fdplug:prefix_cache_hits_total"] > 0, 10,
+                   what=f"prefix cache hits on {server.url}")
 
 
 def test_bad_params_are_a_400_naming_the_field(pd, tmp_path):
