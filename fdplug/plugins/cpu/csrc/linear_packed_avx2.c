@@ -119,7 +119,7 @@ static inline __attribute__((always_inline)) void packed_tile8(const packed_job 
 static inline __attribute__((always_inline)) void packed_tiles(const packed_job *job, int m0, int mr,
                                                                int64_t first_col, const char *w_at, int width, int k0,
                                                                int k1, const int KIND) {
-    const int units = width / 8, col_bytes = KIND == LP_F32 ? 4 : KIND == LP_BF16 ? 4 : 1; /* bf16: a pair */
+    const int units = width / 8, col_bytes = KIND == LP_FP8 ? 1 : 4; /* a column of k: 4 bytes, or a bf16 pair */
     if (mr == 1) {
         const int c0 = 0, row = 0;
         switch (units) {
