@@ -23,6 +23,7 @@ from fdplug.core.model.chat_messages import (
     normalize_messages,
 )
 from fdplug.core.model.chat_template import render_template
+from fdplug.core.model.gguf_tokenizer import tokenizer_from_gguf
 from fdplug.errors import InvalidRequestError, ModelLoadError
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
@@ -46,7 +47,12 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
-        """Load from a Hugging Face model directory (``tokenizer.json`` is required)."""
+        """Load from a Hugging Face model directory (``tokenizer.json`` is required), or from the
+        metadata of a GGUF file (`gguf_file.gguf_path`: a ``.gguf`` or a directory holding one)."""
+        from fdplug.core.model.gguf_file import gguf_path, open_gguf
+
+        if (gguf := gguf_path(model_dir)) is not None:
+            return cls.from_gguf_metadata(open_gguf(gguf).metadata)
         model_dir = Path(model_dir)
         path = model_dir / "tokenizer.json"
         if not path.is_file():
@@ -68,6 +74,24 @@ class Tokenizer:
             eos_token_ids=_eos_ids(backend, specials.get("eos_token"), generation_config),
             special_token_ids=_special_ids(backend, config, specials),
             add_bos_token=config.get("add_bos_token"),
+        )
+
+    @classmethod
+    def from_gguf_metadata(cls, metadata: Mapping[str, Any]) -> Tokenizer:
+        """Load from a GGUF file's metadata (``{key: field.contents()}`` of ``gguf.GGUFReader``): the
+        file has no tokenizer.json, so ``gguf_tokenizer`` rebuilds one from the vocabulary it stores.
+        ``tokenizer.chat_template`` is the "default" template, ``tokenizer.chat_template.NAME`` NAME."""
+        gguf = tokenizer_from_gguf(metadata)
+        templates = dict(gguf.chat_templates)
+        if gguf.chat_template is not None:
+            templates["default"] = gguf.chat_template
+        return cls(
+            backend=gguf.backend,
+            chat_templates=templates,
+            special_tokens=gguf.special_tokens,
+            eos_token_ids=gguf.eos_token_ids,
+            special_token_ids=gguf.special_token_ids,
+            add_bos_token=gguf.add_bos_token,
         )
 
     # ------------------------------------------------------------------------------------------------

@@ -1,0 +1,199 @@
+"""A GGUF file (llama.cpp's format) as fdplug reads it: metadata, a config.json's facts, tensors by HF name.
+
+One file holds what a Hugging Face directory spreads over several: the hyperparameters (under
+``<arch>.*`` keys), the tokenizer and chat template (``tokenizer.*``, `gguf_tokenizer`) and the
+weights in GGML's block formats (`fdplug.core.quant.gguf_blocks`). It is read with ``gguf``, ggml's
+own reader, memory-mapped: nothing is converted on disk, and a tensor's bytes are read when the
+loader copies them into the model.
+
+The metadata becomes the ``config.json`` dict that transformers' own GGUF loader would write
+(`hf_config`), so `ModelConfig.from_dict` applies the same defaults and checks as for a directory.
+The tensors get their Hugging Face names (`HF_NAMES`), and the q/k rows of the Llama family get
+back the order the checkpoint had: llama.cpp's converter interleaves each head's two halves
+(its RoPE rotates neighbouring pairs); ours rotates halves, as transformers does (`unpermute_rows`).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fdplug.core.quant.gguf_formats import format_of
+from fdplug.errors import ModelLoadError, UnsupportedModelError
+
+SUFFIX = ".gguf"
+# general.architecture -> (transformers architecture, whether llama.cpp's converter permuted q/k rows)
+ARCHITECTURES: dict[str, tuple[str, bool]] = {
+    "llama": ("LlamaForCausalLM", True),
+    "qwen2": ("Qwen2ForCausalLM", False),
+    "qwen3": ("Qwen3ForCausalLM", False),
+}
+_LAYER_NAMES = {  # blk.{i}.<name> -> model.layers.{i}.<name>
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_SPLIT = re.compile(r"-\d{5}-of-\d{5}\.gguf$")
+_FIX = "pass a .gguf file written by llama.cpp's convert_hf_to_gguf.py (or llama-quantize), or a directory holding one."
+
+
+@dataclass(slots=True)
+class GgufTensor:
+    """One tensor: its HF name, GGML type, logical shape in HF order (``[rows, cols]`` for a matrix)
+    and its data as the reader maps it (quantized: uint8 ``[rows, row_bytes]``)."""
+
+    name: str
+    gguf_name: str
+    qtype: str
+    shape: tuple[int, ...]
+    data: Any = field(repr=False)
+
+
+@dataclass(slots=True)
+class GgufFile:
+    """An opened GGUF file: ``metadata`` (key -> Python value) and ``tensors`` by HF name."""
+
+    path: Path
+    metadata: dict[str, Any] = field(repr=False)
+    tensors: dict[str, GgufTensor] = field(repr=False)
+
+    @property
+    def architecture(self) -> str:
+        return str(self.metadata.get("general.architecture", ""))
+
+    def hf_config(self) -> dict[str, Any]:
+        """The ``config.json`` dict these weights would have: what `ModelConfig.from_dict` reads."""
+        return hf_config(self.metadata, self.tensors)
+
+    def file_bytes(self) -> int:
+        return self.path.stat().st_size
+
+
+def gguf_path(model: str | Path | None) -> Path | None:
+    """The GGUF file ``model`` names (a ``.gguf`` file, or a directory with one and no config.json),
+    else None (a Hugging Face directory). A directory with several is refused by name."""
+    if model is None:
+        return None
+    path = Path(model)
+    if path.suffix == SUFFIX and not path.is_dir():
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file {str(path)!r} does not exist.", fix=_FIX)
+        return path
+    if not path.is_dir() or (path / "config.json").is_file():
+        return None
+    found = sorted(path.glob("*" + SUFFIX))
+    if len(found) > 1:
+        raise ModelLoadError(f"{str(path)!r} holds {len(found)} GGUF files ({', '.join(p.name for p in found[:4])}).",
+                             fix="pass the one to serve as --model DIR/NAME.gguf.")
+    return found[0] if found else None
+
+
+def open_gguf(path: str | Path) -> GgufFile:
+    """Read the metadata and the tensor index of ``path`` (memory-mapped; no weight is read yet).
+    Cached by path, size and modification time: startup reads the config from several places, and
+    ``gguf``'s reader takes 1-2 s over a 50k-token vocabulary."""
+    path = Path(path)
+    stat = path.stat()
+    return _open(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _open(name: str, size: int, mtime_ns: int) -> GgufFile:
+    from gguf import GGUFReader
+
+    path = Path(name)
+    if _SPLIT.search(path.name):
+        raise UnsupportedModelError(f"{path.name} is one part of a split GGUF file; split files are not supported.",
+                                    fix="merge the parts first: llama-gguf-split --merge FIRST_PART OUT.gguf.")
+    try:
+        reader = GGUFReader(str(path), "r")
+        metadata = {key: f.contents() for key, f in reader.fields.items() if not key.startswith("GGUF.")}
+    except (ValueError, KeyError, IndexError, TypeError, OSError, struct.error) as exc:   # a damaged file
+        raise ModelLoadError(f"cannot read GGUF file {str(path)!r}: {exc}.",
+                             fix="download the file again; it looks truncated or is not a GGUF file.") from None
+    arch = str(metadata.get("general.architecture", ""))
+    if arch not in ARCHITECTURES:
+        raise UnsupportedModelError(f"GGUF architecture {arch!r} ({path.name}) is not supported; supported: "
+                                    f"{', '.join(ARCHITECTURES)}.", fix=_FIX)
+    tensors = {}
+    for t in reader.tensors:
+        format_of(t.tensor_type.name)       # an unsupported type is refused by name before anything loads
+        name = hf_name(t.name)
+        shape = tuple(int(n) for n in reversed(t.shape.tolist()))   # ggml lists ne0 (the row length) first
+        tensors[name] = GgufTensor(name, t.name, t.tensor_type.name, shape, t.data)
+    return GgufFile(path, metadata, tensors)
+
+
+def hf_name(gguf_name: str) -> str:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; unknown names are refused."""
+    base, _, suffix = gguf_name.rpartition(".")
+    parts = base.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
+    if base in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[base]}.{suffix}"
+    what = ("per-dimension RoPE frequency factors (Llama 3.1+ 'llama3' RoPE)" if base == "rope_freqs"
+            else "a tensor no supported architecture has")
+    raise UnsupportedModelError(f"GGUF tensor {gguf_name!r} is {what}; not supported yet.", fix=_FIX)
+
+
+def hf_config(md: dict[str, Any], tensors: dict[str, GgufTensor]) -> dict[str, Any]:
+    """What transformers' GGUF loader makes of ``md``: the keys `ModelConfig.from_dict` reads."""
+    arch = str(md.get("general.architecture"))
+    def key(name: str, default: Any = None) -> Any:
+        value = md.get(f"{arch}.{name}", default)
+        if value is None:
+            raise ModelLoadError(f"GGUF metadata has no {arch}.{name}.", fix=_FIX)
+        return value
+
+    heads = int(key("attention.head_count"))
+    hidden = int(key("embedding_length"))
+    raw: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[arch][0]], "model_type": arch, "hidden_act": "silu",
+        "hidden_size": hidden, "intermediate_size": int(key("feed_forward_length")),
+        "num_hidden_layers": int(key("block_count")), "num_attention_heads": heads,
+        "num_key_value_heads": int(key("attention.head_count_kv", heads)),
+        "head_dim": int(key("attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(key("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(key("context_length")),
+        "vocab_size": int(md.get(f"{arch}.vocab_size") or tensors["model.embed_tokens.weight"].shape[0]),
+        "tie_word_embeddings": "lm_head.weight" not in tensors,
+        "attention_bias": "model.layers.0.self_attn.q_proj.bias" in tensors,
+        "torch_dtype": "float32",
+    }
+    for name, token in (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "padding")):
+        if isinstance(md.get(f"tokenizer.ggml.{token}_token_id"), int):
+            raw[name] = md[f"tokenizer.ggml.{token}_token_id"]
+    scaling = md.get(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raw["rope_scaling"] = {"rope_type": scaling, "factor": float(key("rope.scaling.factor"))}
+        if md.get(f"{arch}.rope.scaling.original_context_length"):
+            raw["rope_scaling"]["original_max_position_embeddings"] = int(key("rope.scaling.original_context_length"))
+    rotary = int(key("rope.dimension_count", raw["head_dim"]))
+    if rotary != raw["head_dim"]:
+        raw["partial_rotary_factor"] = rotary / raw["head_dim"]
+    return raw
+
+
+def qk_permuted(arch: str) -> bool:
+    """Whether llama.cpp's converter reordered the q/k rows of ``arch`` (`unpermute_rows` undoes it)."""
+    return ARCHITECTURES[arch][1]
+
+
+def unpermute_rows(rows: int, heads: int) -> np.ndarray:
+    """The row order that undoes llama.cpp's q/k permutation of ``rows`` rows in ``heads`` heads:
+    the file holds each head's rows as pairs ``(j, j + D/2)`` side by side (``2j``, ``2j + 1``);
+    transformers' (and our) order has the first halves first. Row ``i`` of the result is row
+    ``order[i]`` of the file, for weights, biases and quantized rows alike (blocks run along a row)."""
+    d = rows // heads
+    pair = np.arange(d).reshape(d // 2, 2).T.reshape(d)       # [0, 2, 4, ..., 1, 3, 5, ...]
+    return (np.arange(heads)[:, None] * d + pair[None, :]).reshape(rows)
