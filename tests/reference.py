@@ -8,7 +8,7 @@ bidirectional ranges of the dense mask.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import paddle
@@ -21,26 +21,40 @@ BLOCK = 16
 
 def naive_greedy(llm, prompt: Sequence[int], max_tokens: int, spans: Sequence[tuple[int, int]] = (),
                  features: Sequence[tuple[int, np.ndarray]] = ()) -> list[int]:
-    runner = llm.engine.runner
-    cfg = runner.model_config
     tokens = list(prompt)
     for _ in range(max_tokens):
-        n = len(tokens)
-        blocks = -(-n // BLOCK)
-        shape = runner.attn_backend.kv_cache_shape(blocks + 1, BLOCK, cfg.num_kv_heads, cfg.head_dim)
-        caches = [(paddle.zeros(shape), paddle.zeros(shape)) for _ in range(cfg.num_layers)]
-        positions = np.arange(n, dtype=np.int64)
-        meta = AttentionMetadata(np.array([0, n]), np.array([n]), positions, key_end_with_spans(positions, list(spans)),
-                                 positions + BLOCK, np.arange(1, blocks + 1)[None, :], BLOCK)
-        ids = paddle.to_tensor(tokens)
-        embeds = None
-        if features:
-            rows = runner.model.embed(ids).numpy()
-            for offset, values in features:
-                rows[offset:offset + len(values)] = values
-            embeds = paddle.to_tensor(rows)
+        hidden = _full_forward(llm, tokens, spans, features)
         with paddle.no_grad():
-            hidden = runner.model(ids, paddle.to_tensor(positions), caches, runner.attn_backend.prepare(meta),
-                                  inputs_embeds=embeds)
-            tokens.append(int(runner.model.compute_logits(hidden[-1:]).argmax(axis=-1).item()))
+            tokens.append(int(llm.engine.runner.model.compute_logits(hidden[-1:]).argmax(axis=-1).item()))
     return tokens[len(prompt):]
+
+
+def full_logits(llm, tokens: Sequence[int]) -> np.ndarray:
+    """float32 logits ``[len(tokens), vocab]`` of every position, in one forward pass."""
+    hidden = _full_forward(llm, list(tokens), (), ())
+    with paddle.no_grad():
+        return llm.engine.runner.model.compute_logits(hidden).numpy()
+
+
+def _full_forward(llm, tokens: list[int], spans: Sequence[tuple[int, int]],
+                  features: Sequence[tuple[int, np.ndarray]]):
+    """The final hidden states of ``tokens`` from a fresh cache, in one pass."""
+    runner = llm.engine.runner
+    cfg = runner.model_config
+    n = len(tokens)
+    blocks = -(-n // BLOCK)
+    shape = runner.attn_backend.kv_cache_shape(blocks + 1, BLOCK, cfg.num_kv_heads, cfg.head_dim)
+    caches = [(paddle.zeros(shape), paddle.zeros(shape)) for _ in range(cfg.num_layers)]
+    positions = np.arange(n, dtype=np.int64)
+    meta = AttentionMetadata(np.array([0, n]), np.array([n]), positions, key_end_with_spans(positions, list(spans)),
+                             positions + BLOCK, np.arange(1, blocks + 1)[None, :], BLOCK)
+    ids = paddle.to_tensor(tokens)
+    embeds = None
+    if features:
+        rows = runner.model.embed(ids).numpy()
+        for offset, values in features:
+            rows[offset:offset + len(values)] = values
+        embeds = paddle.to_tensor(rows)
+    with paddle.no_grad():
+        return runner.model(ids, paddle.to_tensor(positions), caches, runner.attn_backend.prepare(meta),
+                            inputs_embeds=embeds)

@@ -197,7 +197,7 @@ def test_configure_failures_name_their_plugin():
 
 
 def test_weight_preparation_is_for_the_linear_ops_only():
-    """``OpSpec.prepare`` (API 3.5): a callable, and only on ``linear`` / ``fp8_linear``."""
+    """``OpSpec.prepare`` (API 3.5): a callable, and only on ``linear`` / ``fp8_linear`` / ``gguf_linear``."""
     from fdplug.plugin_api.specs import OpSpec
 
     def plugin(spec):
@@ -215,5 +215,5 @@ def test_weight_preparation_is_for_the_linear_ops_only():
     not_callable = OpSpec(name="bad_prep", op="linear", devices=("cpu",), factory=kernel, prepare="pack")
     plugin_set = load_plugins(extra=[("good", plugin(good)), ("wrong", plugin(wrong_op)), ("bad", plugin(not_callable))])
     assert plugin_set.infos["good"].status != "failed"
-    assert "only linear and fp8_linear kernels prepare weights" in plugin_set.infos["wrong"].error
+    assert "only linear, fp8_linear, gguf_linear kernels prepare weights" in plugin_set.infos["wrong"].error
     assert "prepare of 'bad_prep' must be callable" in plugin_set.infos["bad"].error

@@ -36,6 +36,7 @@ class ModelTraits:
     moe_weight_format: str = "none"      # the routed experts' format, for the MoE backend
     linear_weight_format: str = "none"   # the other linear layers' format, for the model runner
     weight_block: tuple[int, int] = ()   # a quantized format's (rows, cols) block, e.g. (128, 128)
+    weight_types: tuple[str, ...] = ()   # format "gguf": the GGML block types of its linears (Q4_K, Q6_K...)
     mask_policy: str = "causal"
 
 

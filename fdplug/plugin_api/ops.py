@@ -41,6 +41,15 @@ Contracts (``T`` tokens as rows; inputs are never modified; results in the input
     ``layers.RotaryEmbedding.lookup`` gives them: each token's row tiled over the heads, ``sin``'s
     first half negated) -> ``y = x * cos + roll(x, D / 2, axis=-1) * sin``, each product rounded, then
     the sum (NeoX rotation; no fused multiply-add, so a kernel can match the portable op's bits).
+``gguf_linear(x, weight, qtype, k) -> y``
+    ``x [..., K]`` (``K == k``), ``weight [N, row_bytes]`` uint8: each row ``K`` weights in GGML's
+    blocks of type ``qtype`` (a name of `fdplug.core.quant.gguf_blocks.BLOCK_FORMATS`: ``Q4_1``,
+    ``Q6_K``...; byte for byte as the GGUF file stores them) -> ``y [..., N] = x @ dequantize(weight)^T``
+    in ``x``'s dtype and arithmetic (no bias). Every linear layer of a GGUF model whose weights are
+    quantized (and the tied lm_head of a quantized embedding). A kernel reads the blocks in place or
+    lays them out once at load (``OpSpec(prepare=...)``, the `PreparedWeight` keeping the same bytes);
+    it must not requantize them. A kernel supports the types listed in ``ModelTraits.weight_types``
+    or objects in ``supports``.
 ``argmax(logits) -> ids``
     ``logits [T, V]`` float32 -> numpy int64 ``[T]``: each row's largest value's index, the lowest
     among equal values, NaN never chosen (a row of only NaN gives 0); greedy sampling. On the host:
@@ -55,9 +64,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-OPS: tuple[str, ...] = ("swiglu", "rms_norm", "fp8_linear", "linear", "add_rms_norm", "rope", "argmax")
+OPS: tuple[str, ...] = ("swiglu", "rms_norm", "fp8_linear", "linear", "add_rms_norm", "rope", "argmax",
+                        "gguf_linear")
 """Every op a plugin may override, in the order `Kernels` lists them."""
-PREPARED_OPS: tuple[str, ...] = ("linear", "fp8_linear")
+PREPARED_OPS: tuple[str, ...] = ("linear", "fp8_linear", "gguf_linear")
 """The ops whose kernels may lay out the layers' weights once at load (`OpSpec.prepare`)."""
 
 
@@ -88,8 +98,8 @@ class PreparedWeight:
 @dataclass(frozen=True, slots=True)
 class Kernels:
     """The op implementations the model calls: one callable per name in `OPS`, and the selected
-    ``linear`` and ``fp8_linear`` kernels' weight preparation (`OpSpec.prepare`; None: weights stay
-    ``[N, K]``)."""
+    ``linear``, ``fp8_linear`` and ``gguf_linear`` kernels' weight preparation (`OpSpec.prepare`;
+    None: weights stay ``[N, K]``; ``gguf_linear``'s also gets the layer's block type)."""
 
     swiglu: Callable[[Any], Any]
     rms_norm: Callable[[Any, Any, float], Any]
@@ -98,5 +108,7 @@ class Kernels:
     add_rms_norm: Callable[[Any, Any, Any, float], tuple[Any, Any]]
     rope: Callable[[Any, Any, Any], Any]
     argmax: Callable[[Any], Any]
+    gguf_linear: Callable[[Any, Any, str, int], Any]
     prepare_linear: Callable[[Any], PreparedWeight | None] | None = None
     prepare_fp8_linear: Callable[[Any], PreparedWeight | None] | None = None
+    prepare_gguf_linear: Callable[[Any, str], PreparedWeight | None] | None = None

@@ -137,10 +137,11 @@ class OpSpec(ComponentSpec):
     float32 weights it computes as any other. The conformance kit compares it with the portable op
     on the rounded ``x``; `fdplug explain` says which math a bf16 model gets.
 
-    ``prepare`` (``linear`` and ``fp8_linear`` only), like ``factory`` called with the config:
-    returns a function that the core calls once per such layer after load with its weight ``[N,
-    K]``; what that returns (a `fdplug.plugin_api.ops.PreparedWeight`, or None to keep the weight as
-    it is) is what the kernel then receives as that layer's ``weight`` (FP8 scales stay as they are).
+    ``prepare`` (``linear``, ``fp8_linear`` and ``gguf_linear`` only), like ``factory`` called with
+    the config: returns a function that the core calls once per such layer after load with its
+    weight ``[N, K]`` (``gguf_linear``: each block-type group's bytes and its type); what that returns
+    (a `fdplug.plugin_api.ops.PreparedWeight`, or None to keep the weight as it is) is what the kernel
+    then receives as that layer's ``weight`` (FP8 scales stay as they are).
 
     ``measure_key`` (``linear`` only): for a kernel whose speed against the portable op depends on
     the machine (a CPU's instruction-set level, a GPU's generation). Chosen by priority (not by
@@ -232,7 +233,7 @@ def validate_spec(spec: Any, expected: type) -> None:
     if isinstance(spec, OpSpec) and spec.prepare is not None:
         _require_callable(spec, "prepare")
         if spec.op not in PREPARED_OPS:
-            raise ValueError(f"prepare of {spec.name!r}: only {' and '.join(PREPARED_OPS)} kernels prepare weights")
+            raise ValueError(f"prepare of {spec.name!r}: only {', '.join(PREPARED_OPS)} kernels prepare weights")
     if isinstance(spec, DeviceSpec) and (isinstance(spec.dtypes, str) or not spec.dtypes):
         raise TypeError(f"dtypes of {spec.name!r} must be a non-empty tuple such as ('float32',)")
     if isinstance(spec, FeatureStorageSpec):

@@ -29,12 +29,13 @@ def build_engine_config(model: str | None, engine_args: Mapping[str, Any]) -> tu
     from fdplug.core.model.config import ModelConfig
     from fdplug.core.settings import env
     from fdplug.demo import demo_model_dir
+    from fdplug.demo.pypi_models import resolve_model
 
     unknown = sorted(set(engine_args) - set(ENGINE_ARGS))
     if unknown:
         raise ConfigError(f"unknown engine argument(s): {', '.join(unknown)}.",
                           fix=f"use only: {', '.join(ENGINE_ARGS)}.")
-    model_dir = str(model) if model else str(demo_model_dir())
+    model_dir = resolve_model(str(model)) if model else str(demo_model_dir())
     config = EngineConfig(model_dir=model_dir, **engine_args)
     check_decode_trust(config, env("FDPLUG_PD_SECRET"))   # before the model loads: fail in seconds
     model_config = ModelConfig.from_dir(model_dir, config.quantization)

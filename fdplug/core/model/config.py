@@ -33,7 +33,7 @@ from fdplug.core.model.quant_config import (
 )
 from fdplug.core.model.rope import RopeConfig, parse_rope
 from fdplug.core.multimodal.config import MultimodalConfig
-from fdplug.errors import ModelLoadError
+from fdplug.errors import ConfigError, ModelLoadError
 
 _DTYPES = {"float32": "float32", "float": "float32", "fp32": "float32", "bfloat16": "bfloat16",
            "bf16": "bfloat16", "float16": "float16", "half": "float16", "fp16": "float16"}
@@ -87,6 +87,10 @@ class ModelConfig:
     def from_dir(cls, model_dir: str | Path, quantization: str | None = None) -> ModelConfig:
         """Read ``config.json`` (required) and ``generation_config.json`` (optional) from a model dir;
         ``quantization="fp8"`` quantizes a float checkpoint's linears at load (`with_quantization`)."""
+        from fdplug.core.model.gguf_file import gguf_path
+
+        if (gguf := gguf_path(model_dir)) is not None:
+            return cls.from_gguf(gguf, quantization)
         model_dir = Path(model_dir)
         path = model_dir / "config.json"
         if not model_dir.is_dir():
@@ -97,6 +101,20 @@ class ModelConfig:
         gen_path = model_dir / "generation_config.json"
         cfg = cls.from_dict(raw, _read_json(gen_path) if gen_path.is_file() else None)
         cfg.quant = with_quantization(cfg.quant, quantization)
+        return cfg
+
+    @classmethod
+    def from_gguf(cls, path: str | Path, quantization: str | None = None) -> ModelConfig:
+        """A GGUF file's config (`gguf_file.hf_config`) with its weights' block types as ``quant``."""
+        from fdplug.core.model.gguf_file import open_gguf
+        from fdplug.core.model.gguf_weights import GgufQuant
+
+        if quantization is not None:
+            raise ConfigError(f"--quantization {quantization} does not apply to a GGUF file: its weights are "
+                              "already quantized, and stay in the file's formats.", fix="drop --quantization.")
+        gguf = open_gguf(path)
+        cfg = cls.from_dict(gguf.hf_config())
+        cfg.quant = GgufQuant.from_tensors(gguf.tensors)
         return cfg
 
     @classmethod
@@ -171,6 +189,7 @@ class ModelConfig:
                            moe_weight_format=self.moe_weight_format(),
                            linear_weight_format=self.quant.format if self.quant else "none",
                            weight_block=self.quant.block if self.quant else (),
+                           weight_types=self.quant.weight_types() if self.quant and self.quant.format == "gguf" else (),
                            mask_policy=self.multimodal.mask_policy if self.multimodal else "causal")
 
 

@@ -116,7 +116,15 @@ class DecoderForCausalLM(nn.Layer):
         self.dtype_name = dtype
         self.logits_kernel = kernels.linear       # the lm_head is a linear of [vocab, hidden] weights
         table_dtype = "bfloat16" if cfg.bf16_weights else dtype   # the embedding is the tied lm_head
-        self.embed_tokens = empty_parameter([cfg.vocab_size, cfg.hidden_size], table_dtype)
+        self.embed_type = cfg.quant.embedding_type if cfg.quant is not None and cfg.quant.format == "gguf" else None
+        if self.embed_type is not None:   # a GGUF file's table stays in its blocks (`gguf_layers`)
+            from fdplug.core.quant.gguf_formats import row_bytes
+
+            self.gguf_kernel = kernels.gguf_linear
+            self.embed_tokens = empty_parameter([cfg.vocab_size, row_bytes(self.embed_type, cfg.hidden_size)],
+                                                "uint8")
+        else:
+            self.embed_tokens = empty_parameter([cfg.vocab_size, cfg.hidden_size], table_dtype)
         moe_layers = set(cfg.moe.layers) if cfg.moe else set()
         if moe_layers and moe_backend is None:
             from fdplug.core.portable.moe import ReferenceMoE
@@ -131,7 +139,11 @@ class DecoderForCausalLM(nn.Layer):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
         # [vocab, hidden] like the embedding, so tying is sharing one tensor; untied, a Linear (its
         # kernel may lay the weights out its own way at load, `Linear.prepare`).
+        gguf = cfg.quant is not None and cfg.quant.format == "gguf"    # FP8 checkpoints keep a float lm_head
+        head_quant = fused_quant(cfg.quant, "", ("lm_head",)) if gguf else None
         self.lm_head = (None if cfg.tie_word_embeddings
+                        else make_linear(cfg.hidden_size, cfg.vocab_size, False, dtype, head_quant, kernels)
+                        if head_quant is not None
                         else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, kernels.linear, table_dtype))
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions or cfg.max_position_embeddings, dtype,
                                       heads=cfg.num_heads + cfg.num_kv_heads, kernels=kernels)  # q, k together
@@ -139,6 +151,11 @@ class DecoderForCausalLM(nn.Layer):
 
     def embed(self, input_ids: Any) -> Any:
         """Token embeddings ``[T, hidden]``; multimodal code replaces rows before ``forward``."""
+        if self.embed_type is not None:
+            from fdplug.core.model.gguf_layers import embedding_rows
+
+            return embedding_rows(self.embed_tokens, self.embed_type, self.config.hidden_size, input_ids,
+                                  self.dtype_name)
         h = F.embedding(input_ids, self.embed_tokens)
         return h.astype(self.dtype_name) if self.config.bf16_weights else h
 
@@ -165,5 +182,10 @@ class DecoderForCausalLM(nn.Layer):
 
     def compute_logits(self, hidden: Any) -> Any:
         """``hidden [N, hidden]`` -> logits ``[N, vocab]`` in float32."""
-        logits = self.logits_kernel(hidden, self.embed_tokens) if self.lm_head is None else self.lm_head(hidden)
+        if self.lm_head is not None:
+            logits = self.lm_head(hidden)
+        elif self.embed_type is not None:
+            logits = self.gguf_kernel(hidden, self.embed_tokens, self.embed_type, self.config.hidden_size)
+        else:
+            logits = self.logits_kernel(hidden, self.embed_tokens)
         return logits if logits.dtype == paddle.float32 else logits.astype("float32")

@@ -7,7 +7,8 @@ every one of them, so time spent on an init (even zero-filling) would be waste.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import paddle
@@ -108,9 +109,16 @@ class Linear(PreparedWeightMixin, nn.Layer):
 
 def make_linear(in_features: int, out_features: int, bias: bool, dtype: str, quant: Any = None,
                 kernels: Kernels = PORTABLE, bf16: bool = False) -> nn.Layer:
-    """A `Linear` (bf16 weights when ``bf16``, `ModelConfig.bf16_weights`), or an
+    """A `Linear` (bf16 weights when ``bf16``, `ModelConfig.bf16_weights`), an
     `fp8_layers.Fp8Linear` (running the ``fp8_linear`` op of ``kernels``) when ``quant`` (a
-    `QuantConfig`) says the checkpoint's is FP8."""
+    `QuantConfig`) says the checkpoint's is FP8, or a `gguf_layers.GgufLinear` for a GGUF file's
+    blocks (``quant`` a `gguf_weights.GgufLayout`)."""
+    from fdplug.core.model.gguf_weights import GgufLayout
+
+    if isinstance(quant, GgufLayout):
+        from fdplug.core.model.gguf_layers import GgufLinear
+
+        return GgufLinear(in_features, out_features, bias, dtype, quant, kernels.gguf_linear)
     if quant is not None:
         from fdplug.core.model.fp8_layers import Fp8Linear
 

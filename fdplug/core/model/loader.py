@@ -14,14 +14,18 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import paddle
 
 from fdplug.core.model.config import _DIR_FIX, ModelConfig
 from fdplug.core.model.decoder import DecoderForCausalLM
 from fdplug.core.model.fp8_layers import Fp8Linear, expand_scale_rows, fp8_rows
+from fdplug.core.model.gguf_file import gguf_path, open_gguf
+from fdplug.core.model.gguf_layers import GgufLinear
+from fdplug.core.model.gguf_loader import load_gguf_weights
 from fdplug.core.model.layers import Linear
 from fdplug.core.model.linear_shapes import LinearShape
 from fdplug.core.model.moe_block import EXPERT_PARAMS
@@ -61,10 +65,18 @@ def load_model(model_dir: str | Path, attn_backend: Any, dtype: str = "float32",
     """
     started = time.perf_counter()
     cfg = ModelConfig.from_dir(model_dir, quantization).keep_weights(dtype, weight_dtype)
-    files = weight_files(model_dir)
+    gguf = gguf_path(model_dir)
+    files = [gguf] if gguf is not None else weight_files(model_dir)
     model = DecoderForCausalLM(cfg, attn_backend, dtype=dtype, max_positions=max_positions, kernels=kernels,
                                moe_backend=moe_backend, expert_parallel=expert_parallel)
-    load_weights(model, cfg, files, show_progress=show_progress)
+    if gguf is not None:
+        load_gguf_weights(model, cfg, open_gguf(gguf), show_progress=show_progress)
+    else:
+        load_weights(model, cfg, files, show_progress=show_progress)
+    if kernels.prepare_gguf_linear is not None:
+        for layer in model.sublayers():
+            if isinstance(layer, GgufLinear):
+                layer.prepare(kernels.prepare_gguf_linear)
     if linear_plan is not None:
         _portable_where_faster(model, linear_plan)
     for kind, prepare in ((Linear, kernels.prepare_linear), (Fp8Linear, kernels.prepare_fp8_linear)):
@@ -80,6 +92,10 @@ def load_model(model_dir: str | Path, attn_backend: Any, dtype: str = "float32",
     logger.info("loaded %s (%s, %d layers) from %d file(s) as %s in %.1f s", model_dir, cfg.architecture,
                 cfg.num_layers, len(files), dtype + (" (bf16 weights)" if cfg.bf16_weights else ""),
                 time.perf_counter() - started)
+    if gguf is not None:
+        held = sum(int(p.numel()) * p.element_size() for p in model.parameters())
+        logger.info("%s; %.1f MB of weights held (the file: %.1f MB)", cfg.quant.describe(), held / 1e6,
+                    gguf.stat().st_size / 1e6)
     return model, cfg
 
 

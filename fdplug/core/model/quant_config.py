@@ -88,12 +88,14 @@ def parse_quant(raw: dict[str, Any]) -> QuantConfig | None:
     return QuantConfig(block=(block[0], block[1]), scale_fmt=scale_fmt, not_converted=tuple(kept))
 
 
-def fused_quant(quant: QuantConfig | None, prefix: str, names: tuple[str, ...]) -> QuantConfig | None:
+def fused_quant(quant: Any, prefix: str, names: tuple[str, ...]) -> Any:
     """The quantization of one fused projection made of the HF linears ``prefix + name``: ``quant``
     if all are converted, None if none is; a mix cannot be fused and is refused by name. The
     decoder (what to build) and the weight slots (what to read) both ask this, so they agree."""
     if quant is None:
         return None
+    if not isinstance(quant, QuantConfig):   # a GGUF file's per-tensor block types (`gguf_weights.GgufQuant`)
+        return quant.fused(prefix, names)
     converted = [quant.converts(prefix + name) for name in names]
     if all(converted):
         return quant

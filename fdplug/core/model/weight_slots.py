@@ -7,6 +7,7 @@ MoE layer are fused, so several tensors share one parameter. `loader.load_weight
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from fdplug.core.model.config import ModelConfig
 from fdplug.core.model.quant_config import (
@@ -40,11 +41,11 @@ class Slot:
 
 
 def proj_slots(src: str, dst: str, shape: tuple[int, int], start: int, stop: int, permute: bool,
-               quant: QuantConfig | None) -> dict[str, Slot]:
+               quant: Any) -> dict[str, Slot]:
     """One HF linear ``src`` (``[N, K]``) as rows ``start:stop`` of the projection ``dst``, as stored:
     into a `layers.Linear` (in its weight dtype), or into an `fp8_layers.Fp8Linear` with its scale
     grid ``weight_scale_inv`` expanded to one row of scales per weight row."""
-    if quant is None:
+    if not isinstance(quant, QuantConfig):   # float, or a GGUF file's blocks (rows of bytes, no scale tensor)
         return {src + "weight": Slot(dst + "weight", shape, "rows", start, stop, permute)}
     (bn, bk), (n, k) = quant.block, shape
     return {src + "weight": Slot(dst + "weight", shape, "rows", start, stop, permute),

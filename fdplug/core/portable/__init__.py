@@ -55,8 +55,8 @@ def _op_factory(op: str):
 @hookimpl
 def fdplug_register_model_runners(register):
     register(ModelRunnerSpec(name="default", devices=(ANY_DEVICE,), factory=_runner_factory, priority=0,
-                             weight_formats=("none", "fp8_block"),
-                             description="the core's device-agnostic Paddle model runner (fp8_block linears: "
+                             weight_formats=("none", "fp8_block", "gguf"),
+                             description="the core's device-agnostic Paddle model runner (fp8_block and gguf linears: "
                                          "each dequantized when it runs)"))
 
 
@@ -83,6 +83,9 @@ def fdplug_register_ops(register):
     register(OpSpec(name="paddle_fp8_linear", op="fp8_linear", devices=(ANY_DEVICE,),
                     factory=_op_factory("fp8_linear"),
                     description="the FP8 layer dequantized to the compute dtype, then one paddle matmul"))
+    register(OpSpec(name="paddle_gguf_linear", op="gguf_linear", devices=(ANY_DEVICE,),
+                    factory=_op_factory("gguf_linear"),
+                    description="the layer's GGML blocks dequantized to the compute dtype, then one paddle matmul"))
     register(OpSpec(name="paddle_add_rms_norm", op="add_rms_norm", devices=(ANY_DEVICE,),
                     factory=_op_factory("add_rms_norm"), description="one Paddle add, then paddle_rms_norm"))
     register(OpSpec(name="paddle_rope", op="rope", devices=(ANY_DEVICE,), factory=_op_factory("rope"),

@@ -34,6 +34,13 @@ def linear(x: Any, weight: Any) -> Any:
     return paddle.matmul(x, weight if weight.dtype == x.dtype else weight.astype(x.dtype), transpose_y=True)
 
 
+def gguf_linear(x: Any, weight: Any, qtype: str, k: int) -> Any:
+    """The whole layer dequantized from its GGML blocks to ``x``'s dtype, then one matmul."""
+    from fdplug.core.quant.gguf_blocks import dequantize
+
+    return paddle.matmul(x, dequantize(weight, qtype, k, str(x.dtype).removeprefix("paddle.")), transpose_y=True)
+
+
 def add_rms_norm(x: Any, residual: Any, weight: Any, eps: float) -> tuple[Any, Any]:
     total = x + residual
     return rms_norm(total, weight, eps), total
@@ -48,5 +55,5 @@ def argmax(logits: Any) -> Any:
 
 
 PORTABLE = Kernels(swiglu=swiglu, rms_norm=rms_norm, fp8_linear=fp8_linear, linear=linear,
-                   add_rms_norm=add_rms_norm, rope=rope, argmax=argmax)
+                   add_rms_norm=add_rms_norm, rope=rope, argmax=argmax, gguf_linear=gguf_linear)
 """The table a model gets when nobody chose kernels for it (tests, tools)."""

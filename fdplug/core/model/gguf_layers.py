@@ -1,0 +1,77 @@
+"""Layers whose weights stay in a GGUF file's GGML blocks: the linear, and the embedding table's rows.
+
+A `GgufLinear` keeps each row group of one block type (`gguf_weights.GgufLayout`) as the file's
+bytes, ``uint8 [rows, row_bytes]``, and runs the selected ``gguf_linear`` op on each
+(`fdplug.plugin_api.ops`): the portable op dequantizes the group for the call, a device kernel reads
+the blocks in place. A projection fused from tensors of different types (a Q4_K_M file's q/k in
+Q4_K and v in Q6_K) runs one op per group and joins the columns: the same numbers as one matmul.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import paddle
+from paddle import nn
+
+from fdplug.core.model.gguf_weights import GgufLayout
+from fdplug.core.quant.gguf_blocks import dequantize, row_bytes
+from fdplug.errors import WeightMismatchError
+from fdplug.plugin_api.ops import PreparedWeight
+
+
+class GgufLinear(nn.Layer):
+    """``x @ W^T (+ bias)`` with ``W``'s row groups kept as GGML blocks: ``weight`` (the first group),
+    ``weight_1``, ``weight_2``... in row order; the bias in the compute dtype."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: str, layout: GgufLayout,
+                 kernel: Callable[[Any, Any, str, int], Any]) -> None:
+        from fdplug.core.model.layers import empty_parameter
+
+        super().__init__()
+        if layout.rows != out_features:
+            raise WeightMismatchError(f"the GGUF tensors of {', '.join(layout.modules)} have {layout.rows} rows, but "
+                                      f"the file's metadata makes them {out_features}.", tensor=layout.modules[0],
+                                      fix="the file does not match its own metadata: download it again, or convert "
+                                          "it again with llama.cpp.")
+        self.in_features, self.layout, self.kernel = in_features, layout, kernel
+        self.names = tuple("weight" if i == 0 else f"weight_{i}" for i in range(len(layout.groups)))
+        for name, (qtype, rows) in zip(self.names, layout.groups, strict=True):
+            setattr(self, name, empty_parameter([rows, row_bytes(qtype, in_features)], "uint8"))
+        self.bias = empty_parameter([out_features], dtype) if bias else None
+        self.prepared: list[Any] | None = None
+
+    def group_of(self, row: int) -> tuple[str, int]:
+        """The parameter holding output row ``row``, and the row's index in it."""
+        for name, (_, rows) in zip(self.names, self.layout.groups, strict=True):
+            if row < rows:
+                return name, row
+            row -= rows
+        raise IndexError(f"row {row} beyond the layer's {self.layout.rows}")
+
+    def prepare(self, prepare: Callable[[Any, str], PreparedWeight | None]) -> None:
+        """Hand each group to the kernel's ``prepare`` once (`OpSpec.prepare`); it keeps the bytes."""
+        if self.prepared is not None:
+            return
+        prepared = []
+        for name, (qtype, _) in zip(self.names, self.layout.groups, strict=True):
+            weight = getattr(self, name)
+            each = prepare(weight, qtype)
+            if each is not None and (each.data.dtype != weight.dtype or each.data.size != weight.size):
+                raise ValueError(f"the kernel prepared a {qtype} weight of {weight.size} bytes as "
+                                 f"{each.data.size} {each.data.dtype}: it must keep the bytes")
+            prepared.append(weight if each is None else each)
+        self.prepared = prepared
+
+    def forward(self, x: Any) -> Any:
+        weights = self.prepared or [getattr(self, name) for name in self.names]
+        outs = [self.kernel(x, w, qtype, self.in_features)
+                for w, (qtype, _) in zip(weights, self.layout.groups, strict=True)]
+        out = outs[0] if len(outs) == 1 else paddle.concat(outs, axis=-1)
+        return out if self.bias is None else out + self.bias
+
+
+def embedding_rows(table: Any, qtype: str, hidden: int, input_ids: Any, dtype: str) -> Any:
+    """Rows ``input_ids`` of an embedding table kept in GGML blocks, dequantized (only those rows)."""
+    return dequantize(paddle.gather(table, input_ids), qtype, hidden, dtype)

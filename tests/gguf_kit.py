@@ -1,0 +1,139 @@
+"""Synthetic GGUF models for tests, and the float Hugging Face directory with exactly their numbers.
+
+`write_pair` writes a tiny random decoder twice: as a GGUF file the way llama.cpp's converter
+writes one (its tensor names, its metadata keys, its q/k row permutation for the Llama family, a
+chosen GGML type per tensor), and as a float32 safetensors directory holding each weight's
+dequantization (by ``gguf.quants``, ggml's own reference) in transformers' row order. fdplug's
+safetensors path is checked against transformers by the golden fixtures, so equal logits from the
+two files check the GGUF path: names, metadata, permutation, fusion of mixed types, the quantized
+embedding and lm_head, and the blocks' decoding in the model.
+
+Types ``gguf.quants`` can quantize (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, F16, BF16) get random floats
+quantized; the K-quants (which it cannot write) get random blocks with finite scales.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+LLAMA_NAMES = {  # HF module in a layer -> llama.cpp's
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+_SCALES_AT = {"Q4_K": (0, 4), "Q5_K": (0, 4), "Q6_K": (208, 210), "Q2_K": (80, 84), "Q3_K": (108, 110)}
+ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def random_blocks(rng: np.random.Generator, qtype: str, rows: int, cols: int) -> np.ndarray:
+    """``[rows, row_bytes]`` uint8 GGML blocks of ``qtype`` with values of order 0.1."""
+    import gguf
+
+    kind = gguf.GGMLQuantizationType[qtype]
+    if qtype in _SCALES_AT:   # random quants, sane f16 super-block scales
+        block, nbytes = gguf.GGML_QUANT_SIZES[kind]
+        raw = rng.integers(0, 256, (rows, cols // block, nbytes), dtype=np.uint8)
+        lo, hi = _SCALES_AT[qtype]
+        scales = (rng.uniform(0.2, 1.0, (rows, cols // block, (hi - lo) // 2)) * 2e-3).astype(np.float16)
+        raw[..., lo:hi] = scales.view(np.uint8)
+        return raw.reshape(rows, -1)
+    floats = (rng.standard_normal((rows, cols)) * 0.1).astype(np.float32)
+    if qtype == "F32":
+        return floats.view(np.uint8)
+    return gguf.quants.quantize(floats, kind).reshape(rows, -1)
+
+
+def dequantized(raw: np.ndarray, qtype: str, cols: int) -> np.ndarray:
+    import gguf
+
+    if qtype == "F32":
+        return raw.view(np.float32).reshape(-1, cols)
+    return gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(-1, cols).astype(np.float32)
+
+
+def permute_rows(rows: int, heads: int) -> np.ndarray:
+    """llama.cpp's q/k permutation as a row order (file row ``i`` = HF row ``order[i]``)."""
+    d = rows // heads
+    pair = np.arange(d).reshape(2, d // 2).T.reshape(d)     # [0, d/2, 1, d/2 + 1, ...]
+    return (np.arange(heads)[:, None] * d + pair[None, :]).reshape(rows)
+
+
+def write_pair(out: Path, arch: str = "llama", *, types: dict[str, str], default: str = "Q8_0", hidden: int = 256,
+               inter: int = 512, layers: int = 2, heads: int = 4, kv_heads: int = 2, vocab: int = 300,
+               tied: bool = True, seed: int = 0) -> tuple[Path, Path]:
+    """``(gguf file, float HF dir)`` under ``out``. ``types``: GGML type by HF module name, with
+    ``*`` for "any layer" (``model.layers.*.self_attn.v_proj``); others get ``default``."""
+    import gguf
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(seed)
+    d = hidden // heads
+    writer = gguf.GGUFWriter(str(out / f"tiny-{arch}.gguf"), arch)
+    for key, value in (("block_count", layers), ("context_length", 512), ("embedding_length", hidden),
+                       ("feed_forward_length", inter), ("attention.head_count", heads),
+                       ("attention.head_count_kv", kv_heads), ("attention.key_length", d),
+                       ("rope.freq_base", 10000.0), ("attention.layer_norm_rms_epsilon", 1e-6)):
+        (writer.add_float32 if isinstance(value, float) else writer.add_uint32)(f"{arch}.{key}", value)
+    floats: dict[str, np.ndarray] = {}
+    shapes = {"model.embed_tokens": (vocab, hidden), "model.norm": (hidden,)}
+    if not tied:
+        shapes["lm_head"] = (vocab, hidden)
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes |= {p + "input_layernorm": (hidden,), p + "post_attention_layernorm": (hidden,),
+                   p + "self_attn.q_proj": (heads * d, hidden), p + "self_attn.k_proj": (kv_heads * d, hidden),
+                   p + "self_attn.v_proj": (kv_heads * d, hidden), p + "self_attn.o_proj": (hidden, heads * d),
+                   p + "mlp.gate_proj": (inter, hidden), p + "mlp.up_proj": (inter, hidden),
+                   p + "mlp.down_proj": (hidden, inter)}
+        if arch == "qwen3":
+            shapes |= {p + "self_attn.q_norm": (d,), p + "self_attn.k_norm": (d,)}
+    for module, shape in shapes.items():
+        gguf_name = _gguf_name(module)
+        if len(shape) == 1:   # norms: F32, near 1
+            value = (1 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+            writer.add_tensor(gguf_name + ".weight", value)
+            floats[module + ".weight"] = value
+            continue
+        qtype = types.get(module) or types.get(_wildcard(module)) or default
+        raw = random_blocks(rng, qtype, *shape)
+        writer.add_tensor(gguf_name + ".weight", raw, raw_dtype=gguf.GGMLQuantizationType[qtype])
+        value = dequantized(raw, qtype, shape[1])
+        if arch == "llama" and module.endswith(("q_proj", "k_proj")):   # the file holds permuted rows
+            n_heads = heads if module.endswith("q_proj") else kv_heads
+            value = value[np.argsort(permute_rows(shape[0], n_heads))]
+        floats[module + ".weight"] = value
+        if arch == "qwen2" and module.endswith(("q_proj", "k_proj", "v_proj")):
+            bias = (0.1 * rng.standard_normal(shape[0])).astype(np.float32)
+            writer.add_tensor(gguf_name + ".bias", bias)
+            floats[module + ".bias"] = bias
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    ref = out / f"tiny-{arch}-float"
+    ref.mkdir()
+    save_file(floats, str(ref / "model.safetensors"), metadata={"format": "pt"})
+    config = {"architectures": [ARCHS[arch]], "model_type": arch, "hidden_size": hidden, "intermediate_size": inter,
+              "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+              "head_dim": d, "rms_norm_eps": float(np.float32(1e-6)), "rope_theta": 10000.0,
+              "max_position_embeddings": 512, "vocab_size": vocab, "tie_word_embeddings": tied,
+              "torch_dtype": "float32", "hidden_act": "silu"}
+    (ref / "config.json").write_text(json.dumps(config))
+    return out / f"tiny-{arch}.gguf", ref
+
+
+def _gguf_name(module: str) -> str:
+    globals_ = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+    if module in globals_:
+        return globals_[module]
+    _, _, index, rest = module.split(".", 3)
+    return f"blk.{index}.{LLAMA_NAMES[rest]}"
+
+
+def _wildcard(module: str) -> str:
+    parts = module.split(".")
+    return ".".join(parts[:2] + ["*"] + parts[3:]) if len(parts) > 3 and parts[1] == "layers" else module

