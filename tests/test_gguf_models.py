@@ -61,6 +61,24 @@ def test_projections_keep_one_weight_per_block_type_in_row_order(tmp_path):
     assert cfg.traits().linear_weight_format == "gguf" and set(cfg.traits().weight_types) == {"Q8_0", "Q4_1"}
 
 
+@pytest.mark.parametrize("arch", sorted(CASES))
+def test_the_float_linear_shapes_are_the_decoders(tmp_path, arch):
+    """What selection times for the ``linear`` op (`linear_shapes`) is exactly the decoder's float
+    `Linear` layers: the projections a file keeps in F16/BF16/F32, never one in blocks."""
+    from fdplug.core.model.decoder import DecoderForCausalLM
+    from fdplug.core.model.linear_shapes import linear_shapes
+    from tests.test_op_timing import _built_shapes
+
+    tied, types = CASES[arch]
+    gguf, _ = write_pair(tmp_path, arch, types=types, tied=tied)
+    cfg = ModelConfig.from_dir(gguf).keep_weights("float32", None)
+    model = DecoderForCausalLM(cfg, attn_backend=None)
+    built = _built_shapes(model)
+    if model.embed_type is not None:   # _built_shapes counts a tied table; one in blocks is gguf_linear's
+        built = {key for key in built if key[2] != "uint8"}
+    assert {s.key for s in linear_shapes(cfg, "float32")} == built
+
+
 def test_the_q_k_row_order_is_llama_cpps_undone():
     order = unpermute_rows(12, 2)
     np.testing.assert_array_equal(order, [0, 2, 4, 1, 3, 5, 6, 8, 10, 7, 9, 11])

@@ -160,6 +160,53 @@ def test_fp8_linear_kernel_matches_the_portable_one(fdplug_selection, fdplug_pla
                                            err_msg=f"{n}x{k}/{bk} {rows} rows, {type(each).__name__}")
 
 
+def _random_gguf_blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """``[n, row_bytes]`` random GGML blocks of ``qtype`` (every bit pattern of the packed integers)
+    whose float16 scales (d, and m / dmin where the type has one) are finite, of either sign."""
+    from fdplug.core.quant.gguf_blocks import BLOCK_FORMATS
+
+    fmt = BLOCK_FORMATS[qtype]
+    raw = rng.integers(0, 256, (n, k // fmt.block, fmt.nbytes), dtype=np.uint8)
+    at, count = (208, 1) if qtype == "Q6_K" else (0, 2 if qtype in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") else 1)
+    shape = (n, k // fmt.block, count)
+    scales = rng.choice([-1.0, 1.0], shape) * np.exp(rng.uniform(np.log(1e-4), np.log(1e-1), shape))
+    raw[..., at:at + 2 * count] = scales.astype(np.float16).view(np.uint8).reshape(n, k // fmt.block, 2 * count)
+    return raw.reshape(n, -1)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
+def test_gguf_linear_kernel_matches_the_portable_one(fdplug_selection, fdplug_place, qtype):
+    """The selected ``gguf_linear`` kernel against the portable dequantize-and-matmul, on random blocks
+    of each GGML type (every packed bit pattern, scales of both signs): N = 70 (no multiple of a
+    tile), depths of 1, 6 and 18 blocks (32-weight types: 32, 192, 576; K-quants: 256 to 4608), 1 to 300
+    rows; with ``prepare``, on the prepared weight too (same bytes, same element count)."""
+    import paddle
+
+    from fdplug.core.portable import ops as portable
+
+    spec = fdplug_selection.ops["gguf_linear"]
+    kernel = spec.factory(EngineConfig())
+    prepare = spec.prepare(EngineConfig()) if spec.prepare is not None else None
+    rng = np.random.default_rng(11)
+    paddle.set_device(fdplug_place)
+    block = 256 if qtype.endswith("_K") else 32
+    for k in (block, 6 * block, 18 * block):
+        weight = paddle.to_tensor(_random_gguf_blocks(qtype, 70, k, rng))
+        weights = [weight]
+        prepared = prepare(weight, qtype) if prepare is not None else None
+        if prepared is not None:
+            assert prepared.data.dtype == weight.dtype and int(np.prod(prepared.data.shape)) == weight.size
+            weights.append(prepared)
+        for rows in (1, 3, 8, 9, 300):
+            x = paddle.to_tensor(rng.standard_normal((rows, k), dtype=np.float32))
+            expected = portable.gguf_linear(x, weight, qtype, k).numpy()
+            scale = np.abs(expected).max()
+            for each in weights:
+                got = kernel(x, each, qtype, k).numpy()
+                np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * scale,
+                                           err_msg=f"{qtype} 70x{k} {rows} rows, {type(each).__name__}")
+
+
 @pytest.mark.parametrize("weight_dtype", ["float32", "bfloat16"])
 def test_linear_kernel_matches_the_portable_one(fdplug_selection, fdplug_place, weight_dtype):
     """The selected ``linear`` kernel against the portable matmul: depths that are not a multiple of

@@ -6,7 +6,7 @@ those figures without loading anything. The decoder (`decoder.py`, `layers.py`, 
 builds exactly these `layers.Linear` layers (tests/test_op_timing.py checks it on built models):
 the fused q/k/v and the o projection of every layer, the fused gate/up and the down projection of
 each dense MLP or shared expert, and the lm_head, unless the checkpoint keeps a projection in
-FP8 (those run ``fp8_linear``). The routed experts are the MoE backend's, not the ``linear`` op's.
+FP8 (those run ``fp8_linear``) or in a GGUF file's blocks (``gguf_linear``). The routed experts are the MoE backend's, not the ``linear`` op's.
 """
 
 from __future__ import annotations
@@ -71,5 +71,15 @@ def linear_shapes(cfg: ModelConfig, dtype: str) -> list[LinearShape]:
                 add(name + "gate_up_proj", 2 * width, cfg.hidden_size)
             if down is None:
                 add(name + "down_proj", cfg.hidden_size, width)
-    add("lm_head", cfg.vocab_size, cfg.hidden_size, prepared=not cfg.tie_word_embeddings, logits=True)
+    if not _head_in_blocks(cfg):
+        add("lm_head", cfg.vocab_size, cfg.hidden_size, prepared=not cfg.tie_word_embeddings, logits=True)
     return [LinearShape(n, k, w, prepared, logits, tuple(names)) for (n, k, w, prepared, logits), names in found.items()]
+
+
+def _head_in_blocks(cfg: ModelConfig) -> bool:
+    """A GGUF file's lm_head (or the embedding it is tied to) kept in GGML blocks: ``gguf_linear``'s."""
+    if cfg.quant is None or cfg.quant.format != "gguf":
+        return False
+    if cfg.tie_word_embeddings:
+        return cfg.quant.embedding_type is not None
+    return fused_quant(cfg.quant, "", ("lm_head",)) is not None

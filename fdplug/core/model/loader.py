@@ -109,7 +109,8 @@ def _portable_where_faster(model: DecoderForCausalLM, plan: Any) -> None:
     for layer in model.sublayers():
         if isinstance(layer, Linear) and not plan.uses_kernel(shape_of(layer.weight, True, layer is model.lm_head)):
             layer.kernel = PORTABLE.linear
-    if model.lm_head is None and not plan.uses_kernel(shape_of(model.embed_tokens, False, True)):
+    if (model.lm_head is None and model.embed_type is None
+            and not plan.uses_kernel(shape_of(model.embed_tokens, False, True))):
         model.logits_kernel = PORTABLE.linear
 
 

@@ -3,8 +3,8 @@
 It registers the cpu device (threads, MKL dispatch, malloc tuning in ``device.py``) and, where the
 kernels in ``csrc/`` build with the system C compiler (``kernels.py``), faster components
 for it: ``cpu_native`` attention (decode reads the paged cache in place), ``cpu_native`` MoE (the
-routed experts in one compiled call) and the ``cpu_native`` SwiGLU, RMSNorm, FP8-linear and linear
-op kernels. Everything else on the cpu device is the core's portable code.
+routed experts in one compiled call) and the ``cpu_native`` SwiGLU, RMSNorm, FP8-linear, GGUF-linear and
+linear op kernels. Everything else on the cpu device is the core's portable code.
 """
 
 from __future__ import annotations
@@ -143,6 +143,10 @@ def fdplug_register_ops(register):
            "FP8 weights kept one byte, packed at load in panels of 64 columns, widened in registers and "
            "scaled per block in outer-product tiles (compiled C)", prepare=_fp8_prepare_factory,
            supports=_tiles_supports("cpu_native_fp8_linear"))
+    native("cpu_native_gguf_linear", "gguf_linear", ("native_gguf", "gguf_linear_or_portable"),
+           "a GGUF file's GGML blocks (Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q5_K, Q6_K) widened in registers and fed to FMA "
+           "tiles, read in place (compiled C; prefill: a panel widened once a thread); other types or "
+           "non-float32 inputs: the portable op", supports=_tiles_supports("cpu_native_gguf_linear"))
     native("cpu_native_rms_norm", "rms_norm", ("native_norms", "rms_norm"),
            "one compiled call instead of paddle's five ops (float32; the q/k norm's per-head weights too)")
     native("cpu_native_add_rms_norm", "add_rms_norm", ("native_norms", "add_rms_norm"),

@@ -2,7 +2,7 @@
 
 ``csrc/cpu_kernels.c`` holds a paged attention that reads the KV cache in place, the KV write,
 SwiGLU, RMSNorm (alone and with the residual add), RoPE, a MoE layer's routed experts, the FP8
-linear and the linear layer (see the files for why). It is compiled the first time it is needed,
+linear, the linear layer and the GGUF linear (see the files for why). It is compiled the first time it is needed,
 with ``-march=native`` (or for the level ``FDPLUG_CPU_ISA`` caps it to: `isa`), into
 ``$FDPLUG_CACHE_DIR/kernels/`` under a name that hashes the sources, the flags, the compiler and
 the CPU's feature flags: a changed source or a different CPU gets its own build, and a build from
@@ -41,7 +41,7 @@ logger = logging.getLogger("fdplug")
 CSRC = Path(__file__).parent / "csrc"
 SOURCE = CSRC / "cpu_kernels.c"    # it #includes the other files of CSRC
 FLAGS = ("-O3", "-fno-math-errno", "-fPIC", "-shared", "-pthread", "-std=c99")   # + the target (`isa.march`)
-ABI = 8
+ABI = 9
 BUILD_TIMEOUT_S = 120.0
 
 _c_int, _c_float, _ptr, _i64 = ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_int64
@@ -65,6 +65,8 @@ SIGNATURES = {   # (restype, argtypes) of every function the library exports (cs
     "fdplug_add_rms_norm": (None, [_ptr] * 5 + [_i64, _c_int, _c_float, _c_int]),
     "fdplug_rope": (None, [_ptr] * 4 + [_i64, _c_int, _c_int]),
     "fdplug_argmax": (None, [_ptr, _ptr, _i64, _c_int, _c_int]),
+    "fdplug_gguf_linear": (_c_int, [_ptr] * 3 + [_c_int] * 5),
+    "fdplug_gguf_dequant": (_c_int, [_ptr] * 2 + [_c_int] * 4),
 }
 
 

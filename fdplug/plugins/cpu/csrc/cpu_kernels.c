@@ -29,7 +29,7 @@
 #define HAVE_AVX2 1
 #endif
 
-int fdplug_kernels_abi(void) { return 8; }
+int fdplug_kernels_abi(void) { return 9; }
 
 /* ---------------------------------------------------------------------------------------------
  * Threads. A kernel call runs worker(job) on the calling thread and up to num_threads - 1 helpers
@@ -1188,6 +1188,7 @@ int fdplug_fp8_moe(const float *x, const uint8_t *w13, const float *s13, const u
 #include "linear.c" /* the linear layer, float32 or bf16 weights (its own file: one concept a file) */
 #include "linear_bf16.c" /* the linear layer in bf16 math (AVX512-BF16) */
 #include "linear_packed.c" /* the linear layer on weights packed at load: outer-product tiles */
+#include "gguf_linear.c" /* the linear layer on a GGUF file's GGML blocks, read in place */
 #include "prefill_attention.c" /* prefill attention, blocked with an online softmax */
 #include "rms_norm.c"
 #include "argmax.c" /* greedy sampling's argmax */

@@ -1,0 +1,122 @@
+"""GGUF linear layers: the cpu kernel (``cpu_native_gguf_linear``) against the portable op.
+
+    python bench/gguf_linear.py                        # Q4_1, Q8_0, Q6_K; 1, 8, 64, 256 rows; the lm_head
+    python bench/gguf_linear.py --quick                # fewer, shorter repetitions
+    python bench/gguf_linear.py --types Q4_K,Q5_0 --rows 1,16
+    FDPLUG_CPU_ISA=avx2 python bench/gguf_linear.py    # the kernels built for x86-64-v3 (AVX2 tiles)
+
+Why: the portable op (`fdplug.core.portable.ops.gguf_linear`) dequantizes the whole layer with
+paddle's ops on every call, then runs paddle's matmul; the kernel widens each block in registers
+(csrc/gguf_linear.c). Per weight type, layer ``[N, K]`` and row count: microseconds a call of
+each, GFLOP/s (2 N K rows / time) and the ratio; where the op takes another route (AVX2 tiles, more
+than 16 rows: the layer widened in C, then paddle's matmul) that route too, as ``widen+matmul``. The 32-weight types run SmolLM2-135M's shapes
+(576x576, 1536x576, 576x1536); the K-quants, whose rows are 256-weight blocks, 512x512, 1536x512
+and 512x1536; the tied lm_head (49152x576, Q8_0) at one row. The variants alternate (ABAB...) and
+the median of each is kept: this machine is shared and drifts, so only the ratios within a line
+mean much. The first line names the CPU and the level the kernels were built for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import numpy as np
+
+ROWS = (1, 8, 64, 256)
+TYPES = ("Q4_1", "Q8_0", "Q6_K")
+SHAPES = {32: [(576, 576), (1536, 576), (576, 1536)], 256: [(512, 512), (1536, 512), (512, 1536)]}
+LM_HEAD = ("Q8_0", 49152, 576, 1)
+
+
+def blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """``[n, row_bytes]`` uint8 GGML blocks: gguf's quantizer where it has one, else random bytes
+    with finite float16 scales (the K-quants: gguf quantizes none of them)."""
+    import gguf
+
+    kind = gguf.GGMLQuantizationType[qtype]
+    try:
+        return gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.05, kind)
+    except NotImplementedError:
+        block, nbytes = gguf.GGML_QUANT_SIZES[kind]
+        raw = rng.integers(0, 256, (n, k // block, nbytes), dtype=np.uint8)
+        scales = rng.uniform(-1e-3, 1e-3, (n, k // block, 2)).astype(np.float16).view(np.uint8)
+        if qtype == "Q6_K":
+            raw[..., 208:210] = scales[..., :2]
+        else:
+            raw[..., 0:4] = scales
+        return raw.reshape(n, -1)
+
+
+def seconds(call, budget: float) -> float:
+    """One timing: as many calls as fit in ``budget`` seconds (at least 3), per call."""
+    call()
+    n, start = 0, time.perf_counter()
+    while n < 3 or time.perf_counter() - start < budget:
+        call()
+        n += 1
+    return (time.perf_counter() - start) / n
+
+
+def compare(calls: dict, rounds: int, budget: float) -> dict[str, float]:
+    """Median seconds a call of each, the calls alternated round by round."""
+    got: dict[str, list[float]] = {name: [] for name in calls}
+    names = list(calls)
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            got[name].append(seconds(calls[name], budget))
+    return {name: statistics.median(v) for name, v in got.items()}
+
+
+def line(qtype: str, n: int, k: int, rows: int, rounds: int, budget: float, threads: int,
+         rng: np.random.Generator) -> str:
+    import paddle
+
+    from fdplug.core.portable.ops import gguf_linear as portable
+    from fdplug.plugins.cpu import native_gguf
+
+    w = paddle.to_tensor(blocks(qtype, n, k, rng))
+    x = paddle.to_tensor(rng.standard_normal((rows, k)).astype(np.float32))
+    calls = {"kernel": lambda: native_gguf.gguf_linear(x, w, qtype, k, threads),
+             "portable": lambda: portable(x, w, qtype, k)}
+    if rows > 8:   # the route the kernel declined for its batch invariance: widened in C, paddle's matmul
+        calls["widen+matmul"] = lambda: paddle.matmul(x, native_gguf.dequantize(w, qtype, k, threads),
+                                                      transpose_y=True)
+    t = compare(calls, rounds, budget)
+    flops = 2.0 * n * k * rows
+    return (f"{qtype:5s} [{n:5d}, {k:4d}] {rows:4d} rows | "
+            + " | ".join(f"{name} {v * 1e6:9.1f} us {flops / v / 1e9:6.1f} GFLOP/s" for name, v in t.items())
+            + f" | kernel {t['portable'] / t['kernel']:6.1f}x portable")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer, shorter repetitions")
+    parser.add_argument("--types", help=f"comma-separated GGML types (default: {','.join(TYPES)})")
+    parser.add_argument("--rows", help=f"comma-separated row counts (default: {','.join(map(str, ROWS))})")
+    parser.add_argument("--no-lm-head", action="store_true", help="skip the 49152x576 Q8_0 lm_head")
+    args = parser.parse_args()
+    types = args.types.upper().split(",") if args.types else TYPES
+    row_counts = [int(v) for v in args.rows.split(",")] if args.rows else ROWS
+    from fdplug.core.quant.gguf_blocks import format_of
+    from fdplug.plugins.cpu import device, isa
+
+    device.setup()
+    threads = device.cpu_threads()
+    rounds, budget = (3, 0.03) if args.quick else (7, 0.05)
+    print(f"CPU: {isa.model_name()}, kernels built for {isa.describe()}")
+    print(f"{threads} threads; medians of {rounds} interleaved timings; 'x' = portable time / kernel time")
+    rng = np.random.default_rng(0)
+    for qtype in types:
+        for n, k in SHAPES[format_of(qtype).block]:
+            for rows in row_counts:
+                print(line(qtype, n, k, rows, rounds, budget, threads, rng), flush=True)
+    if not args.no_lm_head:
+        qtype, n, k, rows = LM_HEAD
+        print(line(qtype, n, k, rows, rounds, budget, threads, rng), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

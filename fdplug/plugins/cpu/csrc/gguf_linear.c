@@ -1,0 +1,271 @@
+/* ---------------------------------------------------------------------------------------------
+ * The GGUF linear layer: out[m, n] = sum_k x[m, k] * W[n, k], x float32 [M, K], W [N, row_bytes]
+ * the file's GGML blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: 32 weights a block; Q4_K, Q5_K, Q6_K: 256),
+ * read in place.
+ *
+ * Why: the portable op dequantizes the whole layer on every call (paddle's bitwise ops over
+ * [N, blocks, bytes]) before its matmul: 1.3-2.3 ms a 576 x 1,536 layer (Q8_0, Q4_1), ~10 ms a
+ * 512 x 1,536 one in Q6_K, even for a one-token decode step (bench/gguf_linear.py; there this
+ * kernel runs 15-210x faster at 1-8 rows, 2-20x at 64-256, on this 2-core Zen 5). Here each block
+ * is widened in registers and fed straight to FMAs, the weights staying the file's 4.5-8.5 bits a
+ * weight in memory.
+ *
+ * Values: every weight is decoded to exactly the float32 that fdplug/core/quant/gguf_blocks.py (and
+ * ggml's dequantize_row_*) gives: d * q, q * d + m, d1 * q - m1 are one FMA each on exact products
+ * (a float16 scale has 11 significant bits, q at most 8), Q6_K's (d * sc) * q in ggml's order. So
+ * only the summation order differs from the portable matmul (float32 rounding, ~1e-6 relative).
+ *
+ * Two routes, the same bits (each output is the same two FMA chains over k in order, then the same
+ * lane sum, whatever the route, the row tile it falls in, the other rows or the thread count: a
+ * token gets the same logits alone or in a batch; and the AVX2 tiles and the scalar loop keep the
+ * same chains and lane sum, so every level gives the AVX-512 bits):
+ *  - few rows (decode): a weight row's blocks are widened in registers and multiplied into up to
+ *    GG_MR rows of x at once (8 with AVX-512, 3 with AVX2), so a block is decoded once per GG_MR rows;
+ *  - more than GG_PANEL_ROWS rows (prefill): each thread widens a panel of weight rows once into a
+ *    thread-local float buffer (in L2) and runs the same tiles over every row from there: the
+ *    decoding, ~10 vector ops per 16 weights, is then paid once a call instead of once per GG_MR
+ *    rows. Measured on this Zen 5 (one thread): the register route 1.2-2.6x the panel's at 2-6 rows,
+ *    about even at 8, the panel's 1.2-1.8x ahead from 16 rows.
+ * Work items are pieces of output columns taken from one counter (as the FP8 GEMV's).
+ *
+ * The block decoders (gguf_bytes.c) are 128-bit SSE4.1/SSSE3 code shared by the AVX-512 tiles
+ * (gguf_linear_avx512.c) and the AVX2 + FMA ones (gguf_linear_avx2.c); elsewhere (other x86 levels,
+ * ARM) a plain C loop over blocks widened to floats one at a time. Included by cpu_kernels.c after
+ * linear.c (its thread pool, lanes_sum).
+ * ------------------------------------------------------------------------------------------- */
+
+enum { GG_F32 = 0, GG_Q4_0 = 2, GG_Q4_1 = 3, GG_Q5_0 = 6, GG_Q5_1 = 7, GG_Q8_0 = 8, GG_Q4_K = 12, GG_Q5_K = 13,
+       GG_Q6_K = 14 }; /* ggml's type ids; GG_F32: the panel buffer's widened rows */
+#ifndef GG_PANEL_ROWS
+#define GG_PANEL_ROWS 8             /* above this many rows the panel route */
+#endif
+#define GG_PANEL_BYTES (128 << 10)  /* a thread's widened panel: stays in L2 while every row passes */
+
+typedef struct {
+    const float *x;
+    const uint8_t *w;
+    float *out;
+    int rows, cols, depth, qtype, row_bytes, panel;
+    int64_t cols_per_piece, next_piece;
+} gg_job;
+
+/* Weights and bytes of a block of QT (one of the types below: gg_known) */
+#define GG_QK(QT) ((QT) == GG_Q4_K || (QT) == GG_Q5_K || (QT) == GG_Q6_K ? 256 : 32)
+#define GG_BYTES(QT)                                                                                 \
+    ((QT) == GG_Q8_0 ? 34 : (QT) == GG_Q4_0 ? 18 : (QT) == GG_Q4_1 ? 20 : (QT) == GG_Q5_0 ? 22 :       \
+     (QT) == GG_Q5_1 ? 24 : (QT) == GG_Q4_K ? 144 : (QT) == GG_Q5_K ? 176 : 210)
+
+static int gg_known(int qtype) {
+    switch (qtype) {
+    case GG_Q4_0: case GG_Q4_1: case GG_Q5_0: case GG_Q5_1: case GG_Q8_0: case GG_Q4_K: case GG_Q5_K: case GG_Q6_K:
+        return 1;
+    default:
+        return 0;
+    }
+}
+
+/* The little-endian float16 at p, as float32 (exact). */
+static inline float gg_f16(const uint8_t *p) {
+    const uint16_t h = (uint16_t)(p[0] | p[1] << 8);
+#if defined(HAVE_AVX2) && defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
+    uint32_t bits;
+    if (exponent == 0x1F) {
+        bits = sign | 0x7F800000u | mantissa << 13;  /* inf, NaN */
+    } else if (exponent != 0) {
+        bits = sign | (exponent + 112) << 23 | mantissa << 13;
+    } else {                                          /* zero and subnormals: mantissa * 2^-24, exact */
+        const float f = (float)mantissa * 0x1p-24f;
+        memcpy(&bits, &f, sizeof bits);
+        bits |= sign;
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
+}
+
+/* A K-quant super-block's per-sub-block factors: Q4_K/Q5_K d * sc and dmin * m for its 8 sub-blocks
+ * of 32 (ggml's get_scale_min_k4: 6-bit fields, the top 2 bits of scales/mins 4-7 in bytes 0-7);
+ * Q6_K d * sc for its 16 sub-blocks of 16. All exact products. */
+typedef struct {
+    float d[16], m[8];
+} gg_scales;
+
+static inline void gg_k_scales(const uint8_t *b, int qtype, gg_scales *s) {
+    uint8_t q[16]; /* a copy: stores to s (floats) cannot then alias it, and the loops vectorize */
+    if (qtype == GG_Q6_K) {
+        const float d = gg_f16(b + 208);
+        memcpy(q, b + 192, 16);
+        for (int i = 0; i < 16; ++i) s->d[i] = d * (float)(int8_t)q[i];
+        return;
+    }
+    const float d = gg_f16(b), dmin = gg_f16(b + 2);
+    uint32_t w[3], sc[2], m[2];
+    memcpy(w, b + 4, 12);   /* four 6-bit fields a word: bytes j, j + 4, j + 8 hold field j's and j + 4's bits */
+    sc[0] = w[0] & 0x3F3F3F3F;
+    m[0] = w[1] & 0x3F3F3F3F;
+    sc[1] = (w[2] & 0x0F0F0F0F) | ((w[0] >> 2) & 0x30303030);
+    m[1] = ((w[2] >> 4) & 0x0F0F0F0F) | ((w[1] >> 2) & 0x30303030);
+    memcpy(q, sc, 8);
+    memcpy(q + 8, m, 8);
+    for (int j = 0; j < 8; ++j) {
+        s->d[j] = d * (float)q[j];
+        s->m[j] = dmin * (float)q[8 + j];
+    }
+}
+
+#if defined(HAVE_AVX2) && defined(__F16C__) && defined(__SSE4_1__) && defined(__SSSE3__)
+#include "gguf_bytes.c"
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include "gguf_linear_avx512.c"
+#else
+#include "gguf_linear_avx2.c"
+#endif
+#define GG_HAVE_PANELS 1
+#else
+#include "gguf_linear_scalar.c"
+#endif
+
+#ifdef GG_HAVE_PANELS
+/* A thread's panel buffer, grown as needed and kept while the thread lives (the pool's threads
+ * live on): allocated every call, blocks this large are mapped afresh and their pages faulted in
+ * again. Freed when its thread exits (the fresh threads of a call made while the pool is busy). */
+typedef struct {
+    float *data;
+    int64_t capacity;
+} gg_buffer;
+
+static pthread_key_t gg_buffer_key;
+static pthread_once_t gg_buffer_once = PTHREAD_ONCE_INIT;
+static int gg_buffer_key_made;
+
+static void gg_buffer_free(void *p) {
+    gg_buffer *buffer = p;
+    free(buffer->data);
+    free(buffer);
+}
+
+static void gg_buffer_init(void) { gg_buffer_key_made = pthread_key_create(&gg_buffer_key, gg_buffer_free) == 0; }
+
+/* NULL if there is no memory for it */
+static float *gg_panel_buffer(int64_t floats) {
+    pthread_once(&gg_buffer_once, gg_buffer_init);
+    if (!gg_buffer_key_made) return NULL;
+    gg_buffer *buffer = pthread_getspecific(gg_buffer_key);
+    if (buffer == NULL) {
+        buffer = calloc(1, sizeof *buffer);
+        if (buffer == NULL || pthread_setspecific(gg_buffer_key, buffer) != 0) {
+            free(buffer);
+            return NULL;
+        }
+    }
+    if (floats > buffer->capacity) {
+        free(buffer->data);
+        buffer->data = NULL;
+        buffer->capacity = 0;
+        void *data;
+        if (posix_memalign(&data, 64, sizeof(float) * (size_t)floats) != 0) return NULL;
+        buffer->data = data;
+        buffer->capacity = floats;
+    }
+    return buffer->data;
+}
+
+/* The panel route's rows a tile: GG_PMR, fewer where their inputs would not stay in L1 (32 KiB of
+ * its 48) while the tile passes over every column: at K = 1,536, 5 rows ran ~1.2x 8 (AVX-512, one
+ * thread; the 8 rows' 48 KiB came from L2 for every column). */
+#ifndef GG_X_L1_BYTES
+#define GG_X_L1_BYTES (32 << 10)
+#endif
+static int gg_panel_tile_rows(int depth) {
+    const int fit = GG_X_L1_BYTES / (4 * depth);
+    return fit < 1 ? 1 : fit < GG_PMR ? fit : GG_PMR;
+}
+#endif
+
+static void *gg_worker(void *arg) {
+    gg_job *job = arg;
+    for (;;) {
+        const int64_t begin = __atomic_fetch_add(&job->next_piece, 1, __ATOMIC_RELAXED) * job->cols_per_piece;
+        if (begin >= job->cols) return NULL;
+        const int end = (int)(begin + job->cols_per_piece < job->cols ? begin + job->cols_per_piece : job->cols);
+#ifdef GG_HAVE_PANELS
+        float *panel = job->panel ? gg_panel_buffer((int64_t)(end - begin) * job->depth) : NULL;
+        if (panel != NULL) { /* (no memory for it: the register route, the same bits) */
+            for (int n = (int)begin; n < end; ++n)
+                gg_dequant_row(job->w + (int64_t)n * job->row_bytes, job->qtype, job->depth,
+                               panel + (int64_t)(n - begin) * job->depth);
+            const int step = gg_panel_tile_rows(job->depth);
+            for (int m0 = 0; m0 < job->rows; m0 += step) /* the panel stays in L2 across row tiles */
+                gg_panel_columns(job, panel, m0, job->rows - m0 < step ? job->rows - m0 : step, (int)begin, end);
+            continue;
+        }
+#endif
+        for (int m0 = 0; m0 < job->rows; m0 += GG_MR) /* a piece's blocks stay in L1/L2 across row tiles */
+            gg_columns(job, job->w + begin * job->row_bytes, job->row_bytes, job->qtype, m0,
+                       job->rows - m0 < GG_MR ? job->rows - m0 : GG_MR, (int)begin, end);
+    }
+}
+
+/* Columns a piece: at most ``most`` (4 at least), in a number of pieces that is a multiple of the
+ * threads, ``per_thread`` a thread at least (the last round of pieces keeps every thread busy). */
+static int64_t gg_piece_cols(int cols, int64_t most, int num_threads, int per_thread) {
+    const int64_t threads = num_threads > 1 ? num_threads : 1;
+    int64_t pieces = (cols + (most > 4 ? most : 4) - 1) / (most > 4 ? most : 4);
+    if (pieces < per_thread * threads) pieces = per_thread * threads;
+    pieces = (pieces + threads - 1) / threads * threads;
+    const int64_t per_piece = (cols + pieces - 1) / pieces;
+    return per_piece > 4 ? per_piece : 4;
+}
+
+/* x [rows, depth] float32 times W [cols, depth] in GGML blocks of type qtype (ggml's id), the file's
+ * bytes, rows of depth / block blocks -> out [rows, cols] float32, on up to num_threads threads.
+ * Returns 0, or -2 for a type not decoded here or a depth that is not a multiple of its block
+ * (nothing written). */
+int fdplug_gguf_linear(const float *x, const uint8_t *w, float *out, int rows, int cols, int depth, int qtype,
+                       int num_threads) {
+    if (!gg_known(qtype) || depth <= 0 || depth % GG_QK(qtype) != 0) return -2;
+    if (rows <= 0 || cols <= 0) return 0;
+    const int row_bytes = depth / GG_QK(qtype) * GG_BYTES(qtype);
+#ifdef GG_HAVE_PANELS
+    const int panel = rows > GG_PANEL_ROWS;
+#else
+    const int panel = 0;
+#endif
+    /* the panel route: a piece is a panel, 4 a thread at least (both cores busy on the smallest
+     * layers); the register route: up to ~64 KiB of blocks */
+    const int64_t per_piece = panel ? gg_piece_cols(cols, GG_PANEL_BYTES / ((int64_t)depth * 4), num_threads, 4)
+                                    : gg_piece_cols(cols, (1 << 16) / row_bytes, num_threads, 1);
+    gg_job job = {x, w, out, rows, cols, depth, qtype, row_bytes, panel, per_piece, 0};
+    const int64_t pieces = (cols + per_piece - 1) / per_piece;
+    run_workers(gg_worker, &job, num_threads < pieces ? num_threads : (int)pieces);
+    return 0;
+}
+
+/* W [cols, row bytes] in blocks of qtype -> out [cols, depth] float32 (the values gg_columns
+ * multiplies: gguf_blocks.dequantize's bits). Returns as fdplug_gguf_linear. */
+typedef struct {
+    const uint8_t *w;
+    float *out;
+    int cols, depth, qtype, row_bytes, next_col;
+} gg_dequant_job;
+
+static void *gg_dequant_worker(void *arg) {
+    gg_dequant_job *job = arg;
+    for (;;) {
+        const int n = __atomic_fetch_add(&job->next_col, 1, __ATOMIC_RELAXED);
+        if (n >= job->cols) return NULL;
+        gg_dequant_row(job->w + (int64_t)n * job->row_bytes, job->qtype, job->depth, job->out + (int64_t)n * job->depth);
+    }
+}
+
+int fdplug_gguf_dequant(const uint8_t *w, float *out, int cols, int depth, int qtype, int num_threads) {
+    if (!gg_known(qtype) || depth <= 0 || depth % GG_QK(qtype) != 0) return -2;
+    if (cols <= 0) return 0;
+    gg_dequant_job job = {w, out, cols, depth, qtype, depth / GG_QK(qtype) * GG_BYTES(qtype), 0};
+    run_workers(gg_dequant_worker, &job, num_threads < cols ? num_threads : cols);
+    return 0;
+}

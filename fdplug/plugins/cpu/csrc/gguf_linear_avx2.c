@@ -1,0 +1,42 @@
+/* ---------------------------------------------------------------------------------------------
+ * gguf_linear.c's vectors in AVX2 + FMA (x86-64-v3: AMD Zen 2/3, Intel before AVX-512), with the
+ * AVX-512 tiles' bits: each of their two 16-lane chains per output is two ymm here (lanes 0-7 and
+ * 8-15), the same FMAs in the same order, and the final sum pairs the lanes as lanes_sum does
+ * (linear_avx2.c's lanes_sum8): a token's logits are the same on either kind of machine. The tiles
+ * are gguf_tiles.c's.
+ *
+ * 16 ymm registers and 4 accumulators an output: 3 rows a tile (12 accumulators, a weight vector
+ * being widened, an input vector); a block is decoded once per 3 rows.
+ * ------------------------------------------------------------------------------------------- */
+
+#define GG_V __m256
+#define GG_VL 8
+#define GG_NV 4
+#ifndef GG_MR     /* (overridable, to measure other shapes) */
+#define GG_MR 3
+#define GG_PMR 3
+#endif
+
+static inline __m256 gg_vload(const float *p) { return _mm256_loadu_ps(p); }
+static inline void gg_vstore(float *p, __m256 v) { _mm256_storeu_ps(p, v); }
+static inline __m256 gg_vzero(void) { return _mm256_setzero_ps(); }
+static inline __m256 gg_vfma(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
+
+/* w[2h], w[2h + 1]: half h's 16 integers as 8 + 8 floats, q * d + o */
+static inline __attribute__((always_inline)) void gg_widen(const gg_pair *q, const int SIGNED, __m256 w[4]) {
+    for (int h = 0; h < 2; ++h) {
+        const __m128i upper = _mm_unpackhi_epi64(q->q[h], q->q[h]);
+        const __m256i a = SIGNED ? _mm256_cvtepi8_epi32(q->q[h]) : _mm256_cvtepu8_epi32(q->q[h]);
+        const __m256i b = SIGNED ? _mm256_cvtepi8_epi32(upper) : _mm256_cvtepu8_epi32(upper);
+        const __m256 d = _mm256_set1_ps(q->d[h]), o = _mm256_set1_ps(q->o[h]);
+        w[2 * h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), d, o);
+        w[2 * h + 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(b), d, o);
+    }
+}
+
+/* acc[v]: lanes 8v .. 8v + 7 of the AVX-512 tile's [chain 0 | chain 1] */
+static inline float gg_finish(const __m256 acc[4]) {
+    return lanes_sum8(_mm256_add_ps(acc[0], acc[2]), _mm256_add_ps(acc[1], acc[3]));
+}
+
+#include "gguf_tiles.c"

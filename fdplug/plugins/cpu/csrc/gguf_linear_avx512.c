@@ -1,0 +1,30 @@
+/* ---------------------------------------------------------------------------------------------
+ * gguf_linear.c's vectors in AVX-512: each 32 weights (gguf_bytes.c's pair) widened into two
+ * 16-float vectors. Output (m, n) is two FMA chains, the first and second 16 of each 32 weights
+ * (two: one chain would wait on the FMA's latency in decode), over k in order, then added lane by
+ * lane and summed across lanes (linear.c's lanes_sum). The tiles are gguf_tiles.c's.
+ * ------------------------------------------------------------------------------------------- */
+
+#define GG_V __m512
+#define GG_VL 16
+#define GG_NV 2
+#ifndef GG_MR     /* (overridable, to measure other shapes) */
+#define GG_MR 8   /* register route: 16 accumulators + 2 weight vectors */
+#define GG_PMR 8  /* panel route: the same, on floats */
+#endif
+
+static inline __m512 gg_vload(const float *p) { return _mm512_loadu_ps(p); }
+static inline void gg_vstore(float *p, __m512 v) { _mm512_storeu_ps(p, v); }
+static inline __m512 gg_vzero(void) { return _mm512_setzero_ps(); }
+static inline __m512 gg_vfma(__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); }
+
+static inline __attribute__((always_inline)) void gg_widen(const gg_pair *q, const int SIGNED, __m512 w[2]) {
+    for (int h = 0; h < 2; ++h) {
+        const __m512i i = SIGNED ? _mm512_cvtepi8_epi32(q->q[h]) : _mm512_cvtepu8_epi32(q->q[h]);
+        w[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_set1_ps(q->d[h]), _mm512_set1_ps(q->o[h]));
+    }
+}
+
+static inline float gg_finish(const __m512 acc[2]) { return lanes_sum(_mm512_add_ps(acc[0], acc[1])); }
+
+#include "gguf_tiles.c"

@@ -1,0 +1,135 @@
+/* ---------------------------------------------------------------------------------------------
+ * gguf_linear.c's tiles, written once for the AVX-512 and the AVX2 vectors: the including file
+ * (gguf_linear_avx512.c, gguf_linear_avx2.c) defines the vector type GG_V of GG_VL floats, GG_NV =
+ * 32 / GG_VL vectors a pair of 16 weights, gg_vload, gg_vfma, gg_widen (a gg_pair's 32 integers as
+ * GG_NV float vectors, q * d + o) and gg_finish (an output's GG_NV accumulators summed in
+ * lanes_sum's pairing), and the rows of a tile: GG_MR for the register route, GG_PMR for the
+ * panel route's floats. A tile is one output column: measured on this Zen 5 (AVX-512, one thread),
+ * 2 columns at once (4 rows x 2 on floats, or 2 columns for a single row, to hide the FMA latency)
+ * ran no faster than one, and 4 x 2 ran 0.6-0.75x 8 x 1 on floats.
+ *
+ * Every tile shape gives the same bits: output (m, n) is GG_NV accumulators, each one chain over k
+ * in order, whatever the rows and columns beside it. The row count and the block type are
+ * compile-time constants at each call (gg_columns' switches): with either a variable gcc keeps the
+ * accumulators on the stack, a store and a load around every FMA (as the FP8 GEMV found).
+ * ------------------------------------------------------------------------------------------- */
+
+#define GG_MAX_MR 8
+
+/* Weights [32j, 32j + 32) of the block at ``blk``: QT's bytes, or (GG_F32) floats. */
+static inline __attribute__((always_inline)) void gg_weights(const uint8_t *blk, const int j, const int QT,
+                                                             const gg_scales *s, GG_V w[GG_NV]) {
+    if (QT == GG_F32) {
+        for (int v = 0; v < GG_NV; ++v) w[v] = gg_vload((const float *)blk + 32 * j + GG_VL * v);
+        return;
+    }
+    const gg_pair q = gg_pair_of(blk, j, QT, s);
+    gg_widen(&q, gg_signed(QT), w);
+}
+
+/* Rows m0 .. m0 + MR - 1 of output column n, whose weights are at src (a row of blocks of QT, or
+ * of floats). */
+static inline __attribute__((always_inline)) void gg_tile(const gg_job *job, const uint8_t *src, const int QT,
+                                                          int m0, const int MR, int n) {
+    const int depth = job->depth, qk = QT == GG_F32 ? 32 : GG_QK(QT);
+    const int64_t block_bytes = QT == GG_F32 ? 32 * 4 : GG_BYTES(QT);
+    const float *x = job->x + (int64_t)m0 * depth;
+    GG_V acc[GG_MAX_MR][GG_NV];
+    for (int r = 0; r < MR; ++r)
+        for (int v = 0; v < GG_NV; ++v) acc[r][v] = gg_vzero();
+    gg_scales s;
+    for (int b = 0; b < depth / qk; ++b) {
+        const uint8_t *blk = src + b * block_bytes;
+        if (qk == 256) gg_k_scales_sse(blk, QT, &s);
+#pragma GCC unroll 8
+        for (int j = 0; j < qk / 32; ++j) {
+            const float *xk = x + b * qk + 32 * j;
+            GG_V w[GG_NV];
+            gg_weights(blk, j, QT, &s, w);
+            for (int r = 0; r < MR; ++r)
+                for (int v = 0; v < GG_NV; ++v)
+                    acc[r][v] = gg_vfma(gg_vload(xk + (int64_t)r * depth + GG_VL * v), w[v], acc[r][v]);
+        }
+    }
+    for (int r = 0; r < MR; ++r) job->out[(int64_t)(m0 + r) * job->cols + n] = gg_finish(acc[r]);
+}
+
+/* A row of blocks widened to floats: the panel route's, and fdplug_gguf_dequant's. */
+static void gg_dequant_row(const uint8_t *row, int qtype, int depth, float *out) {
+#define GG_ROW(QT)                                                                                   \
+    for (int b = 0; b < depth / GG_QK(QT); ++b) {                                                   \
+        const uint8_t *blk = row + (int64_t)b * GG_BYTES(QT);                                        \
+        if (GG_QK(QT) == 256) gg_k_scales_sse(blk, QT, &s);                                              \
+        for (int j = 0; j < GG_QK(QT) / 32; ++j) {                                                   \
+            GG_V w[GG_NV];                                                                           \
+            gg_weights(blk, j, QT, &s, w);                                                           \
+            for (int v = 0; v < GG_NV; ++v) gg_vstore(out + b * GG_QK(QT) + 32 * j + GG_VL * v, w[v]); \
+        }                                                                                            \
+    }
+    gg_scales s;
+    switch (qtype) {
+    case GG_Q4_0: GG_ROW(GG_Q4_0) break;
+    case GG_Q4_1: GG_ROW(GG_Q4_1) break;
+    case GG_Q5_0: GG_ROW(GG_Q5_0) break;
+    case GG_Q5_1: GG_ROW(GG_Q5_1) break;
+    case GG_Q8_0: GG_ROW(GG_Q8_0) break;
+    case GG_Q4_K: GG_ROW(GG_Q4_K) break;
+    case GG_Q5_K: GG_ROW(GG_Q5_K) break;
+    default: GG_ROW(GG_Q6_K) break;
+    }
+#undef GG_ROW
+}
+
+/* Columns [begin, end), column n's weights at src + (n - begin) * stride, each MR rows from m0 */
+#define GG_COLS(QT, MR) \
+    for (int n = begin; n < end; ++n) gg_tile(job, src + (n - begin) * stride, QT, m0, MR, n)
+
+/* The register route: rows m0 .. m0 + mr - 1 (mr <= GG_MR) of columns [begin, end), column n's
+ * blocks at src + (n - begin) * stride. */
+static void gg_columns(const gg_job *job, const uint8_t *src, int64_t stride, int qtype, int m0, int mr, int begin,
+                       int end) {
+#define GG_M(MR) ((MR) < GG_MR ? (MR) : GG_MR)
+#define GG_ROWS(QT)                                                                                  \
+    switch (mr) {                                                                                    \
+    case 1: GG_COLS(QT, 1); break;                                                                   \
+    case 2: GG_COLS(QT, GG_M(2)); break;                                                             \
+    case 3: GG_COLS(QT, GG_M(3)); break;                                                             \
+    case 4: GG_COLS(QT, GG_M(4)); break;                                                             \
+    case 5: GG_COLS(QT, GG_M(5)); break;                                                             \
+    case 6: GG_COLS(QT, GG_M(6)); break;                                                             \
+    case 7: GG_COLS(QT, GG_M(7)); break;                                                             \
+    default: GG_COLS(QT, GG_M(8)); break;                                                            \
+    }
+    switch (qtype) {
+    case GG_Q4_0: GG_ROWS(GG_Q4_0) break;
+    case GG_Q4_1: GG_ROWS(GG_Q4_1) break;
+    case GG_Q5_0: GG_ROWS(GG_Q5_0) break;
+    case GG_Q5_1: GG_ROWS(GG_Q5_1) break;
+    case GG_Q8_0: GG_ROWS(GG_Q8_0) break;
+    case GG_Q4_K: GG_ROWS(GG_Q4_K) break;
+    case GG_Q5_K: GG_ROWS(GG_Q5_K) break;
+    default: GG_ROWS(GG_Q6_K) break;
+    }
+#undef GG_ROWS
+#undef GG_M
+}
+
+/* The panel route: rows m0 .. m0 + mr - 1 (mr <= GG_PMR) of columns [begin, end) over their
+ * widened floats, column n's at panel + (n - begin) * depth. */
+static void gg_panel_columns(const gg_job *job, const float *panel, int m0, int mr, int begin, int end) {
+    const uint8_t *src = (const uint8_t *)panel;
+    const int64_t stride = (int64_t)job->depth * 4;
+#define GG_M(MR) ((MR) < GG_PMR ? (MR) : GG_PMR)
+    switch (mr) {
+    case 1: GG_COLS(GG_F32, 1); break;
+    case 2: GG_COLS(GG_F32, GG_M(2)); break;
+    case 3: GG_COLS(GG_F32, GG_M(3)); break;
+    case 4: GG_COLS(GG_F32, GG_M(4)); break;
+    case 5: GG_COLS(GG_F32, GG_M(5)); break;
+    case 6: GG_COLS(GG_F32, GG_M(6)); break;
+    case 7: GG_COLS(GG_F32, GG_M(7)); break;
+    default: GG_COLS(GG_F32, GG_M(8)); break;
+    }
+#undef GG_M
+}
+#undef GG_COLS

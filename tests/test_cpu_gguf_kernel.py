@@ -1,0 +1,193 @@
+"""The cpu plugin's GGUF linear kernel (``cpu_native_gguf_linear``) against the portable op.
+
+Blocks of every type it decodes, made two ways: ``gguf.quants.quantize`` where the gguf package
+quantizes the type (well-formed blocks: the values a real file holds), and random bytes with the
+float16 scale fields overwritten by finite values (every bit pattern of the packed integers,
+negative scales and mins; the only way to get K-quant blocks, which gguf does not quantize). The
+decoders must give `gguf_blocks.dequantize`'s bits; the products the portable op's matmul to
+float32 rounding. ``tests/test_cpu_isa.py`` runs this file again at the AVX2 cap (and the scalar
+fallback's level).
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import paddle
+import pytest
+
+from fdplug.core.portable.ops import gguf_linear as portable
+from fdplug.core.quant.gguf_blocks import BLOCK_FORMATS, dequantize
+from fdplug.plugins.cpu import isa, kernels, native_gguf
+
+if kernels.unavailable_reason() is not None:
+    pytest.skip(f"the cpu kernels do not build here: {kernels.unavailable_reason()}", allow_module_level=True)
+
+TYPES = native_gguf.SUPPORTED
+ROWS = (1, 3, 8, 9, 64, 300)   # one tile and its tails, two row tiles, the panel route
+_SCALES = {"Q4_0": 2, "Q8_0": 2, "Q5_0": 2, "Q4_1": 4, "Q5_1": 4, "Q4_K": 4, "Q5_K": 4}   # f16 bytes at 0
+
+
+def depths(qtype: str) -> tuple[int, ...]:
+    return (256, 512) if qtype.endswith("_K") else (576, 1536)
+
+
+def random_blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """``[n, row_bytes]`` random bytes whose float16 fields are finite (either sign, 1e-4 to 1e-1)."""
+    fmt = BLOCK_FORMATS[qtype]
+    raw = rng.integers(0, 256, (n, k // fmt.block, fmt.nbytes), dtype=np.uint8)
+    at, count = (208, 2) if qtype == "Q6_K" else (0, _SCALES[qtype])
+    size = (n, k // fmt.block, count // 2)
+    scales = (rng.choice([-1.0, 1.0], size) * np.exp(rng.uniform(np.log(1e-4), np.log(1e-1), size))).astype(np.float16)
+    raw[..., at:at + count] = scales.view(np.uint8).reshape(n, k // fmt.block, count)
+    return raw.reshape(n, -1)
+
+
+def quantized_blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray | None:
+    """gguf's own blocks for weights of about 0.05, or None where it does not quantize the type."""
+    try:
+        return gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.05,
+                                    gguf.GGMLQuantizationType[qtype])
+    except NotImplementedError:
+        return None
+
+
+def weights(qtype: str, n: int, k: int, seed: int) -> list[paddle.Tensor]:
+    rng = np.random.default_rng(seed)
+    made = [random_blocks(qtype, n, k, rng), quantized_blocks(qtype, n, k, rng)]
+    return [paddle.to_tensor(np.ascontiguousarray(w)) for w in made if w is not None]
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_the_decoders_give_the_portable_bits(qtype):
+    """Every weight decoded to the float32 the portable dequantization (ggml's arithmetic) gives."""
+    for k in depths(qtype):
+        for w in weights(qtype, 70, k, seed=k):
+            got = native_gguf.dequantize(w, qtype, k, threads=2).numpy()
+            np.testing.assert_array_equal(got, dequantize(w, qtype, k).numpy(), err_msg=f"{qtype} K={k}")
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_kernel_matches_the_portable_op(qtype):
+    """N = 70 (no multiple of any tile), two depths each, 1 to 300 rows (both routes, tile tails)."""
+    for k in depths(qtype):
+        for w in weights(qtype, 70, k, seed=k + 1):
+            rng = np.random.default_rng(k)
+            for rows in ROWS:
+                x = paddle.to_tensor(rng.standard_normal((rows, k)).astype(np.float32))
+                expected = portable(x, w, qtype, k).numpy()
+                got = native_gguf.gguf_linear(x, w, qtype, k, threads=2).numpy()
+                np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max(),
+                                           err_msg=f"{qtype} 70x{k}, {rows} rows")
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q6_K"])
+def test_the_same_bits_whatever_the_batch_the_route_or_the_threads(qtype):
+    """A row alone on one thread (the register route) gives its bits in a batch of 300 on two (the
+    panel route): a token's logits do not depend on what it is batched with."""
+    k = depths(qtype)[1]
+    w = weights(qtype, 37, k, seed=5)[0]
+    x = paddle.to_tensor(np.random.default_rng(6).standard_normal((300, k)).astype(np.float32))
+    batch = native_gguf.gguf_linear(x, w, qtype, k, threads=2).numpy()
+    for r in (0, 7, 8, 299):
+        alone = native_gguf.gguf_linear(x[r:r + 1], w, qtype, k, threads=1).numpy()
+        np.testing.assert_array_equal(alone[0], batch[r], err_msg=f"row {r}")
+    np.testing.assert_array_equal(native_gguf.gguf_linear(x[:9], w, qtype, k, threads=1).numpy(), batch[:9])
+
+
+def test_calls_from_two_threads_at_once():
+    """A call made while another holds the thread pool runs on fresh threads, each with its own panel
+    buffer (freed when it exits): the same bits either way."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    k, w = 576, weights("Q4_0", 64, 576, seed=15)[0]
+    x = paddle.to_tensor(np.random.default_rng(16).standard_normal((40, k)).astype(np.float32))
+    want = native_gguf.gguf_linear(x, w, "Q4_0", k, threads=2).numpy()
+    with ThreadPoolExecutor(2) as pool:
+        runs = list(pool.map(lambda _: [native_gguf.gguf_linear(x, w, "Q4_0", k, threads=2).numpy()
+                                        for _ in range(20)], range(2)))
+    for got in (g for run in runs for g in run):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_the_op_wrapper_reshapes_falls_back_and_checks_shapes():
+    k, w = 576, weights("Q8_0", 24, 576, seed=7)[0]
+    x = paddle.to_tensor(np.random.default_rng(8).standard_normal((2, 5, k)).astype(np.float32))
+    got = native_gguf.gguf_linear_or_portable(x, w, "Q8_0", k, threads=2)
+    assert got.shape == [2, 5, 24]
+    expected = portable(x, w, "Q8_0", k).numpy()
+    np.testing.assert_allclose(got.numpy(), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+    assert native_gguf.gguf_linear(x[:, :0], w, "Q8_0", k, threads=2).shape == [2, 0, 24]
+    f16 = paddle.to_tensor(np.random.default_rng(9).standard_normal((24, k)).astype(np.float16)).view(paddle.uint8)
+    np.testing.assert_array_equal(native_gguf.gguf_linear_or_portable(x, f16, "F16", k, threads=2).numpy(),
+                                  portable(x, f16, "F16", k).numpy())          # a type it lacks: the portable op
+    with pytest.raises(ValueError, match="decodes Q8_0"):
+        native_gguf.gguf_linear(x, f16, "F16", k, threads=2)
+    with pytest.raises(ValueError, match=r"uint8 \[N, 646\]"):
+        native_gguf.gguf_linear(x, w, "Q8_0", 608, threads=2)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        native_gguf.gguf_linear(x, w, "Q4_K", k, threads=2)
+
+
+def test_the_op_runs_the_tiles_at_every_row_count_so_a_row_does_not_depend_on_its_batch():
+    """At every level (AVX2 included, where widening the layer for paddle's matmul would be faster
+    from ~16 rows) the op's rows are the kernel's, the same bits alone as in a batch of 40."""
+    k, w = 512, weights("Q5_K", 40, 512, seed=13)[0]
+    x = paddle.to_tensor(np.random.default_rng(14).standard_normal((40, k)).astype(np.float32))
+    batched = native_gguf.gguf_linear_or_portable(x, w, "Q5_K", k, threads=2).numpy()
+    np.testing.assert_array_equal(batched, native_gguf.gguf_linear(x, w, "Q5_K", k, threads=2).numpy())
+    for row in (0, 17, 39):
+        alone = native_gguf.gguf_linear_or_portable(x[row:row + 1], w, "Q5_K", k, threads=2).numpy()
+        np.testing.assert_array_equal(alone[0], batched[row])
+
+
+def test_selection_picks_the_kernel_where_the_tiles_are():
+    """Chosen for gguf_linear at x86-64-v3 and above; below, the portable op (its scalar loop, as
+    the linears' is refused there)."""
+    from fdplug.core.plugin_loading.selection import select_components
+
+    chosen = select_components("cpu").ops["gguf_linear"].name
+    assert chosen == ("cpu_native_gguf_linear" if isa.level() >= 3 else "paddle_gguf_linear")
+
+
+_BITS_SCRIPT = r"""
+import sys
+import numpy as np
+import paddle
+from fdplug.plugins.cpu import isa, native_gguf
+from tests.test_cpu_gguf_kernel import TYPES, depths, weights
+
+print(isa.level())
+out = {}
+for qtype in TYPES:
+    k = depths(qtype)[0]
+    w = weights(qtype, 19, k, seed=11)[0]
+    x = paddle.to_tensor(np.random.default_rng(12).standard_normal((40, k)).astype(np.float32))
+    for rows in (1, 5, 40):
+        out[f"{qtype}-{rows}"] = native_gguf.gguf_linear(x[:rows], w, qtype, k, threads=2).numpy()
+np.savez(sys.argv[1], **out)
+"""
+
+
+def test_every_level_gives_the_same_bits(tmp_path):
+    """The AVX-512 tiles, the AVX2 ones (each 16-lane chain as two ymm) and the scalar loop (32
+    fmaf chains a row, the same lane sum) give the same bits: a fleet of mixed CPUs gives the same
+    logits. Run once, uncapped, on an AVX-512 machine (each level is a build of its own)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, subprocess_env
+
+    if not isa.is_x86() or isa.detected_level() < 4 or isa.cap() is not None:
+        pytest.skip("needs an AVX-512 CPU, uncapped, to compare the levels below with it")
+    saved = {}
+    for level in ("avx512", "avx2", "sse4"):
+        path = tmp_path / f"{level}.npz"
+        result = subprocess.run([sys.executable, "-c", _BITS_SCRIPT, str(path)], capture_output=True, text=True,
+                                env=subprocess_env(FDPLUG_CPU_ISA=level), cwd=REPO, timeout=600, check=False)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert result.stdout.split()[0] == str(isa.CAPS[level])
+        saved[level] = np.load(path)
+    for name in saved["avx512"].files:
+        for level in ("avx2", "sse4"):
+            np.testing.assert_array_equal(saved[level][name], saved["avx512"][name], err_msg=f"{name} at {level}")
