@@ -64,9 +64,11 @@ def permute_rows(rows: int, heads: int) -> np.ndarray:
 
 def write_pair(out: Path, arch: str = "llama", *, types: dict[str, str], default: str = "Q8_0", hidden: int = 256,
                inter: int = 512, layers: int = 2, heads: int = 4, kv_heads: int = 2, vocab: int = 300,
-               tied: bool = True, seed: int = 0) -> tuple[Path, Path]:
+               tied: bool = True, seed: int = 0, llama3: dict | None = None) -> tuple[Path, Path]:
     """``(gguf file, float HF dir)`` under ``out``. ``types``: GGML type by HF module name, with
-    ``*`` for "any layer" (``model.layers.*.self_attn.v_proj``); others get ``default``."""
+    ``*`` for "any layer" (``model.layers.*.self_attn.v_proj``); others get ``default``. ``llama3``:
+    Llama 3.1's RoPE scaling (``factor``, ``low_freq_factor``, ``high_freq_factor``,
+    ``original_max_position_embeddings``), in the file as llama.cpp's ``rope_freqs`` tensor."""
     import gguf
     from safetensors.numpy import save_file
 
@@ -110,6 +112,8 @@ def write_pair(out: Path, arch: str = "llama", *, types: dict[str, str], default
             bias = (0.1 * rng.standard_normal(shape[0])).astype(np.float32)
             writer.add_tensor(gguf_name + ".bias", bias)
             floats[module + ".bias"] = bias
+    if llama3:
+        writer.add_tensor("rope_freqs.weight", rope_freqs(llama3, 10000.0, d))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -122,8 +126,27 @@ def write_pair(out: Path, arch: str = "llama", *, types: dict[str, str], default
               "head_dim": d, "rms_norm_eps": float(np.float32(1e-6)), "rope_theta": 10000.0,
               "max_position_embeddings": 512, "vocab_size": vocab, "tie_word_embeddings": tied,
               "torch_dtype": "float32", "hidden_act": "silu"}
+    if llama3:
+        config["rope_scaling"] = {"rope_type": "llama3", **llama3}
     (ref / "config.json").write_text(json.dumps(config))
     return out / f"tiny-{arch}.gguf", ref
+
+
+def rope_freqs(llama3: dict, theta: float, head_dim: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf.py for Llama 3.1: one divisor per inverse frequency."""
+    old = llama3["original_max_position_embeddings"]
+    low, high = old / llama3["low_freq_factor"], old / llama3["high_freq_factor"]
+    factors = []
+    for freq in 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim):
+        wavelen = 2 * np.pi / freq
+        if wavelen < high:
+            factors.append(1.0)
+        elif wavelen > low:
+            factors.append(llama3["factor"])
+        else:
+            smooth = (old / wavelen - llama3["low_freq_factor"]) / (llama3["high_freq_factor"] - llama3["low_freq_factor"])
+            factors.append(1 / ((1 - smooth) / llama3["factor"] + smooth))
+    return np.asarray(factors, dtype=np.float32)
 
 
 def _gguf_name(module: str) -> str:

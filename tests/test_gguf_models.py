@@ -48,6 +48,27 @@ def test_a_gguf_model_computes_the_dequantized_float_model(tmp_path, arch):
     assert (a.model.embed_type is not None) == (types.get("model.embed_tokens", "Q8_0") not in ("F16", "F32"))
 
 
+def test_llama_3_1_rope_scaling_comes_from_the_rope_freqs_tensor(tmp_path):
+    """The file has no llama3 parameters, only llama.cpp's per-frequency divisors: the logits are
+    those of the float checkpoint with ``rope_scaling: llama3`` (and not of one without: the
+    scaling is felt at these positions)."""
+    import json
+
+    llama3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    gguf, floats = write_pair(tmp_path, "llama", types={}, llama3=llama3)
+    assert len(ModelConfig.from_dir(gguf).rope.freq_factors) == 32
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "model.safetensors").write_bytes((floats / "model.safetensors").read_bytes())
+    config = json.loads((floats / "config.json").read_text())
+    (plain / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "rope_scaling"}))
+    ids = list(range(3, 150, 5))
+    got, want, unscaled = (Steps(str(m), 1, max_len=32, model_dir=m).step({0: ids})[0] for m in (gguf, floats, plain))
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * scale)
+    assert np.abs(unscaled - want).max() > 1e-2 * scale
+
+
 def test_projections_keep_one_weight_per_block_type_in_row_order(tmp_path):
     """q and k (Q8_0) share one weight, v (Q4_1) has its own; the layer's bytes are the file's."""
     gguf, _ = write_pair(tmp_path, "qwen2", types={"model.layers.*.self_attn.v_proj": "Q4_1"}, tied=True)
@@ -128,9 +149,12 @@ def test_unsupported_files_are_refused_by_name(tmp_path):
     src, _ = write_pair(tmp_path, "llama", types={})
     with pytest.raises(UnsupportedModelError, match="'gemma'"):
         ModelConfig.from_dir(_rewrite(src, tmp_path / "gemma.gguf", arch="gemma"))
-    freqs = {"rope_freqs.weight": (np.ones(32, np.float32), g.GGMLQuantizationType.F32)}
-    with pytest.raises(UnsupportedModelError, match="llama3"):
+    freqs = {"rope_freqs.weight": (np.ones(30, np.float32), g.GGMLQuantizationType.F32)}
+    with pytest.raises(ModelLoadError, match="30 RoPE frequency factors"):
         ModelConfig.from_dir(_rewrite(src, tmp_path / "l3.gguf", extra=freqs))
+    lora = {"blk.0.attn_q_lora.weight": (np.ones(32, np.float32), g.GGMLQuantizationType.F32)}
+    with pytest.raises(UnsupportedModelError, match="attn_q_lora"):
+        ModelConfig.from_dir(_rewrite(src, tmp_path / "lora.gguf", extra=lora))
     iq = {"blk.0.ffn_gate.weight": (np.zeros((512, 84), np.uint8), g.GGMLQuantizationType.Q2_K)}
     with pytest.raises(UnsupportedModelError, match="Q2_K"):
         ModelConfig.from_dir(_rewrite(src, tmp_path / "q2k.gguf", drop="blk.0.ffn_gate.weight", extra=iq))

@@ -12,6 +12,7 @@ No paddle here: the config can be read and checked before a device is chosen.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,6 +116,9 @@ class ModelConfig:
         gguf = open_gguf(path)
         cfg = cls.from_dict(gguf.hf_config())
         cfg.quant = GgufQuant.from_tensors(gguf.tensors)
+        if gguf.rope_freqs:
+            cfg.rope = dataclasses.replace(cfg.rope, freq_factors=gguf.rope_freqs)
+            cfg.validate()
         return cfg
 
     @classmethod
@@ -169,6 +173,10 @@ class ModelConfig:
         if rotary < 2 or rotary % 2:
             raise ModelLoadError(f"partial_rotary_factor={self.rope.partial:g} of head_dim={self.head_dim} rotates "
                                  f"{rotary} dims; RoPE needs a positive even number.", fix=_CONFIG_FIX)
+        if self.rope.freq_factors and len(self.rope.freq_factors) != rotary // 2:
+            raise ModelLoadError(f"{len(self.rope.freq_factors)} RoPE frequency factors (rope_freqs) for "
+                                 f"{rotary // 2} frequencies.", fix="the GGUF file's rope_freqs tensor does not "
+                                 "match its head size: convert it again with llama.cpp.")
 
     def moe_weight_format(self) -> str:
         """How the routed experts are stored: ``none`` (float), ``fp8_block``; a MoE backend must execute it."""

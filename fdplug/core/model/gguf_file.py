@@ -11,6 +11,8 @@ The metadata becomes the ``config.json`` dict that transformers' own GGUF loader
 The tensors get their Hugging Face names (`HF_NAMES`), and the q/k rows of the Llama family get
 back the order the checkpoint had: llama.cpp's converter interleaves each head's two halves
 (its RoPE rotates neighbouring pairs); ours rotates halves, as transformers does (`unpermute_rows`).
+Llama 3.1's RoPE scaling arrives as a tensor of per-frequency divisors (``rope_freqs``), which
+becomes `RopeConfig.freq_factors`.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ _LAYER_NAMES = {  # blk.{i}.<name> -> model.layers.{i}.<name>
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+ROPE_FREQS = "rope_freqs.weight"
 _SPLIT = re.compile(r"-\d{5}-of-\d{5}\.gguf$")
 _FIX = "pass a .gguf file written by llama.cpp's convert_hf_to_gguf.py (or llama-quantize), or a directory holding one."
 
@@ -64,6 +67,7 @@ class GgufFile:
     path: Path
     metadata: dict[str, Any] = field(repr=False)
     tensors: dict[str, GgufTensor] = field(repr=False)
+    rope_freqs: tuple[float, ...] = ()    # Llama 3.1+: the divisors of RoPE's inverse frequencies
 
     @property
     def architecture(self) -> str:
@@ -123,13 +127,16 @@ def _open(name: str, size: int, mtime_ns: int) -> GgufFile:
     if arch not in ARCHITECTURES:
         raise UnsupportedModelError(f"GGUF architecture {arch!r} ({path.name}) is not supported; supported: "
                                     f"{', '.join(ARCHITECTURES)}.", fix=_FIX)
-    tensors = {}
+    tensors, rope_freqs = {}, ()
     for t in reader.tensors:
         format_of(t.tensor_type.name)       # an unsupported type is refused by name before anything loads
+        if t.name == ROPE_FREQS:            # not a weight: Llama 3.1's RoPE scaling (`RopeConfig.freq_factors`)
+            rope_freqs = tuple(float(v) for v in np.asarray(t.data, dtype=np.float32).reshape(-1))
+            continue
         name = hf_name(t.name)
         shape = tuple(int(n) for n in reversed(t.shape.tolist()))   # ggml lists ne0 (the row length) first
         tensors[name] = GgufTensor(name, t.name, t.tensor_type.name, shape, t.data)
-    return GgufFile(path, metadata, tensors)
+    return GgufFile(path, metadata, tensors, rope_freqs)
 
 
 def hf_name(gguf_name: str) -> str:
@@ -140,9 +147,7 @@ def hf_name(gguf_name: str) -> str:
         return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
     if base in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[base]}.{suffix}"
-    what = ("per-dimension RoPE frequency factors (Llama 3.1+ 'llama3' RoPE)" if base == "rope_freqs"
-            else "a tensor no supported architecture has")
-    raise UnsupportedModelError(f"GGUF tensor {gguf_name!r} is {what}; not supported yet.", fix=_FIX)
+    raise UnsupportedModelError(f"GGUF tensor {gguf_name!r} is a tensor no supported architecture has.", fix=_FIX)
 
 
 def hf_config(md: dict[str, Any], tensors: dict[str, GgufTensor]) -> dict[str, Any]:

@@ -44,6 +44,10 @@ class RopeConfig:
     truncate: bool = True
     interleaved: bool = False
     partial: float = 1.0
+    freq_factors: tuple[float, ...] = ()
+    """Per-frequency divisors of the inverse frequencies, as a GGUF file stores Llama 3.1's scaling
+    (``rope_freqs.weight``: llama.cpp's converter computes them from the ``llama3`` parameters, which
+    the file then omits); empty: none."""
 
     def rotary_dim(self, head_dim: int) -> int:
         """How many of a head's ``head_dim`` dims rotate (transformers: ``int(head_dim * partial)``)."""
@@ -110,6 +114,8 @@ def inv_freq(rope: RopeConfig, head_dim: int) -> tuple[np.ndarray, float]:
         inv = _llama3(inv, rope)
     elif rope.type == "yarn":
         inv, scale = _yarn(base, rope, dim)
+    if rope.freq_factors:    # one a frequency (`ModelConfig.validate`)
+        inv = inv / np.asarray(rope.freq_factors, dtype=np.float64)
     return inv.astype(np.float32), float(scale)
 
 
