@@ -119,7 +119,7 @@ class LinearPlan:
 def plan_linear(selection: Any, config: Any, model_config: Any) -> LinearPlan | None:
     """The plan for the selected ``linear`` kernel on ``model_config``'s layers (after
     `ModelConfig.keep_weights`), or None where it is not measured (named explicitly, or no
-    ``measure_key``): then it runs every shape."""
+    ``measure_key``: then it runs every shape; or the model has no float linear layer)."""
     spec = selection.ops["linear"]
     if "linear" not in selection.measured_ops or spec.measure_key is None:
         return None
@@ -127,6 +127,8 @@ def plan_linear(selection: Any, config: Any, model_config: Any) -> LinearPlan | 
     from fdplug.core.portable.ops import linear as portable
 
     shapes = linear_shapes(model_config, config.dtype)
+    if not shapes:    # every linear in another op's format (FP8 blocks, a GGUF file's): nothing to time
+        return None
     key = (f"{spec.name}|{config.dtype}|{spec.measure_key(config)}|rows {ROWS}, lm_head {LOGITS_ROWS}, {PAIRS} "
            f"pairs of {CALL_SECONDS} s")
     path = cache_dir() / "op_timings" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
