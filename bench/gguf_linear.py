@@ -21,9 +21,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 
 import numpy as np
+from gemm import seconds  # one timing: as many calls as fit in a budget
 
 ROWS = (1, 8, 64, 256)
 TYPES = ("Q4_1", "Q8_0", "Q6_K")
@@ -48,16 +48,6 @@ def blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
         else:
             raw[..., 0:4] = scales
         return raw.reshape(n, -1)
-
-
-def seconds(call, budget: float) -> float:
-    """One timing: as many calls as fit in ``budget`` seconds (at least 3), per call."""
-    call()
-    n, start = 0, time.perf_counter()
-    while n < 3 or time.perf_counter() - start < budget:
-        call()
-        n += 1
-    return (time.perf_counter() - start) / n
 
 
 def compare(calls: dict, rounds: int, budget: float) -> dict[str, float]:

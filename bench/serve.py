@@ -146,6 +146,10 @@ async def one_request(url: str, model: str, prompt: list[int], max_tokens: int, 
                 elif event.startswith(b'data: {"error"'):
                     result.error = event.decode(errors="replace")[:300]
                     return result
+                elif event.startswith(b"data: {") and b'"usage":{' in event:
+                    # a final chunk that carries the usage and no new text: llama-server's /v1/completions
+                    # (its keys start with "choices"; in stream mode the text went out in the chunks before)
+                    usage = json.loads(event[6:])["usage"]
                 elif event.startswith(b"data: {"):
                     times.append(now)
     except OSError as exc:
