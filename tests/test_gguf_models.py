@@ -116,7 +116,8 @@ def test_a_gguf_path_is_a_file_or_a_directory_with_one(tmp_path):
         gguf_path(tmp_path / "missing.gguf")
 
 
-def _rewrite(src, dst, *, arch: str | None = None, drop: str = "", extra=None, metadata=None):
+def _rewrite(src, dst, *, arch: str | None = None, drop: str = "", extra=None, metadata=None, drop_keys=(),
+             new_keys=None):
     """A copy of GGUF ``src`` with another architecture name, a tensor dropped, one added, or
     metadata changed."""
     import gguf
@@ -126,11 +127,13 @@ def _rewrite(src, dst, *, arch: str | None = None, drop: str = "", extra=None, m
     writer = gguf.GGUFWriter(str(dst), arch)
     old = reader.fields["general.architecture"].contents()
     for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
+        if key.startswith("GGUF.") or key == "general.architecture" or key in drop_keys:
             continue
         value = (metadata or {}).get(key, field.contents())
         name = key.replace(f"{old}.", f"{arch}.", 1)
         (writer.add_float32 if isinstance(value, float) else writer.add_uint32)(name, value)
+    for name, value in (new_keys or {}).items():
+        writer.add_uint32(name, value)
     for t in reader.tensors:
         if t.name != drop:
             writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
@@ -141,6 +144,16 @@ def _rewrite(src, dst, *, arch: str | None = None, drop: str = "", extra=None, m
     writer.write_tensors_to_file()
     writer.close()
     return dst
+
+
+def test_end_of_turn_ids_end_generation_as_eos_does(tmp_path):
+    """Llama 3 files name ``<|end_of_text|>`` as eos and ``<|eot_id|>`` as eot: a chat turn ends
+    with the latter, so both stop generation (as in llama.cpp); bos and pad come through too."""
+    src, _ = write_pair(tmp_path, "llama", types={})
+    ids = {"tokenizer.ggml.bos_token_id": 7, "tokenizer.ggml.eos_token_id": 9, "tokenizer.ggml.eot_token_id": 12,
+           "tokenizer.ggml.padding_token_id": 9}
+    cfg = ModelConfig.from_dir(_rewrite(src, tmp_path / "ids.gguf", new_keys=ids))
+    assert cfg.eos_token_ids == (9, 12) and cfg.bos_token_id == 7 and cfg.pad_token_id == 9
 
 
 def test_unsupported_files_are_refused_by_name(tmp_path):
@@ -170,6 +183,8 @@ def test_damaged_files_and_wrong_options_fail_with_a_fix(tmp_path):
     cut.write_bytes(src.read_bytes()[:5000])
     with pytest.raises(ModelLoadError, match="cannot read GGUF file"):
         ModelConfig.from_dir(cut)
+    with pytest.raises(ModelLoadError, match="llama.block_count is None; a number was expected"):
+        ModelConfig.from_dir(_rewrite(src, tmp_path / "text.gguf", drop_keys=("llama.block_count",)))
     wrong = _rewrite(src, tmp_path / "wrong.gguf", metadata={"llama.feed_forward_length": 384})
     with pytest.raises(WeightMismatchError, match="gate_proj"):
         Steps("wrong", 1, model_dir=wrong)

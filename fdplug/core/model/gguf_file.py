@@ -151,39 +151,44 @@ def hf_name(gguf_name: str) -> str:
 
 
 def hf_config(md: dict[str, Any], tensors: dict[str, GgufTensor]) -> dict[str, Any]:
-    """What transformers' GGUF loader makes of ``md``: the keys `ModelConfig.from_dict` reads."""
+    """What transformers' GGUF loader makes of ``md``: the keys `ModelConfig.from_dict` reads. The
+    end-of-turn and end-of-message ids (``eot``/``eom``, Llama 3's ``<|eot_id|>``) end generation
+    too, as llama.cpp has them do."""
     arch = str(md.get("general.architecture"))
-    def key(name: str, default: Any = None) -> Any:
-        value = md.get(f"{arch}.{name}", default)
-        if value is None:
-            raise ModelLoadError(f"GGUF metadata has no {arch}.{name}.", fix=_FIX)
-        return value
 
-    heads = int(key("attention.head_count"))
-    hidden = int(key("embedding_length"))
+    def key(name: str, kind: type, default: Any = None) -> Any:
+        value = md.get(f"{arch}.{name}", default)
+        if value is None or isinstance(value, (bool, list, str)) or not isinstance(value, (int, float)):
+            raise ModelLoadError(f"GGUF metadata {arch}.{name} is {value!r}; a number was expected.", fix=_FIX)
+        return kind(value)
+
+    heads, hidden = key("attention.head_count", int), key("embedding_length", int)
+    vocab = md.get(f"{arch}.vocab_size") or (tensors["model.embed_tokens.weight"].shape[0]
+                                             if "model.embed_tokens.weight" in tensors else None)
     raw: dict[str, Any] = {
         "architectures": [ARCHITECTURES[arch][0]], "model_type": arch, "hidden_act": "silu",
-        "hidden_size": hidden, "intermediate_size": int(key("feed_forward_length")),
-        "num_hidden_layers": int(key("block_count")), "num_attention_heads": heads,
-        "num_key_value_heads": int(key("attention.head_count_kv", heads)),
-        "head_dim": int(key("attention.key_length", hidden // heads)),
-        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(key("rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(key("context_length")),
-        "vocab_size": int(md.get(f"{arch}.vocab_size") or tensors["model.embed_tokens.weight"].shape[0]),
+        "hidden_size": hidden, "intermediate_size": key("feed_forward_length", int),
+        "num_hidden_layers": key("block_count", int), "num_attention_heads": heads,
+        "num_key_value_heads": key("attention.head_count_kv", int, heads),
+        "head_dim": key("attention.key_length", int, hidden // max(heads, 1)),
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon", float),
+        "rope_theta": key("rope.freq_base", float, 10000.0),
+        "max_position_embeddings": key("context_length", int),
+        "vocab_size": vocab if isinstance(vocab, int) else key("vocab_size", int),
         "tie_word_embeddings": "lm_head.weight" not in tensors,
         "attention_bias": "model.layers.0.self_attn.q_proj.bias" in tensors,
         "torch_dtype": "float32",
     }
-    for name, token in (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "padding")):
-        if isinstance(md.get(f"tokenizer.ggml.{token}_token_id"), int):
-            raw[name] = md[f"tokenizer.ggml.{token}_token_id"]
+    ids = {token: md.get(f"tokenizer.ggml.{token}_token_id") for token in ("bos", "eos", "eot", "eom", "padding")}
+    ids = {token: value for token, value in ids.items() if isinstance(value, int) and not isinstance(value, bool)}
+    raw |= {name: ids[token] for name, token in (("bos_token_id", "bos"), ("pad_token_id", "padding")) if token in ids}
+    raw["eos_token_id"] = list(dict.fromkeys(ids[token] for token in ("eos", "eot", "eom") if token in ids))
     scaling = md.get(f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
-        raw["rope_scaling"] = {"rope_type": scaling, "factor": float(key("rope.scaling.factor"))}
+        raw["rope_scaling"] = {"rope_type": scaling, "factor": key("rope.scaling.factor", float)}
         if md.get(f"{arch}.rope.scaling.original_context_length"):
-            raw["rope_scaling"]["original_max_position_embeddings"] = int(key("rope.scaling.original_context_length"))
-    rotary = int(key("rope.dimension_count", raw["head_dim"]))
+            raw["rope_scaling"]["original_max_position_embeddings"] = key("rope.scaling.original_context_length", int)
+    rotary = key("rope.dimension_count", int, raw["head_dim"])
     if rotary != raw["head_dim"]:
         raw["partial_rotary_factor"] = rotary / raw["head_dim"]
     return raw
