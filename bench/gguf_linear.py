@@ -90,7 +90,7 @@ def main() -> None:
     args = parser.parse_args()
     types = args.types.upper().split(",") if args.types else TYPES
     row_counts = [int(v) for v in args.rows.split(",")] if args.rows else ROWS
-    from fdplug.core.quant.gguf_blocks import format_of
+    from fdplug.plugin_api.gguf_formats import format_of
     from fdplug.plugins.cpu import device, isa
 
     device.setup()

@@ -30,7 +30,8 @@ explain`` prints every decision with its reason. Errors (`fdplug.errors`) carry 
 `ConfigError` from ``supports``/``configure``, `RequestStepError` from a runner that knows which
 requests broke a step. Helpers: `probe_accelerator` (a device probe of the usual shape),
 `import_paddle`, `ordered_map` (parallel downloads in order), `cache_dir`; `fp8` holds the FP8
-formats (block quantization, UE8M0, the SM100 scale layout) every FP8 kernel and the core share.
+formats (block quantization, UE8M0, the SM100 scale layout) every FP8 kernel and the core share;
+`gguf_formats` the GGML block types a ``gguf_linear`` kernel reads (a GGUF file's weights).
 
 The conformance kit (`fdplug.testing`, a pytest plugin) checks a plugin's components against the
 portable ones. Modules here import nothing from ``fdplug.core``, ``fdplug.server`` or
@@ -58,6 +59,7 @@ _EXPORTS = {
     "select_experts": "fdplug.plugin_api.moe",
     "OPS": "fdplug.plugin_api.ops", "Kernels": "fdplug.plugin_api.ops", "PreparedWeight": "fdplug.plugin_api.ops",
     "PREPARED_OPS": "fdplug.plugin_api.ops",
+    **dict.fromkeys(("BLOCK_FORMATS", "BlockFormat", "format_of", "row_bytes"), "fdplug.plugin_api.gguf_formats"),
     "import_paddle": "fdplug.plugin_api.paddle",
     "gather_blocks": "fdplug.plugin_api.kv_layout", "scatter_blocks": "fdplug.plugin_api.kv_layout",
     "layout_of": "fdplug.plugin_api.kv_layout",

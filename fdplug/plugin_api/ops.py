@@ -43,7 +43,7 @@ Contracts (``T`` tokens as rows; inputs are never modified; results in the input
     the sum (NeoX rotation; no fused multiply-add, so a kernel can match the portable op's bits).
 ``gguf_linear(x, weight, qtype, k) -> y``
     ``x [..., K]`` (``K == k``), ``weight [N, row_bytes]`` uint8: each row ``K`` weights in GGML's
-    blocks of type ``qtype`` (a name of `fdplug.core.quant.gguf_blocks.BLOCK_FORMATS`: ``Q4_1``,
+    blocks of type ``qtype`` (a name of `fdplug.plugin_api.gguf_formats.BLOCK_FORMATS`: ``Q4_1``,
     ``Q6_K``...; byte for byte as the GGUF file stores them) -> ``y [..., N] = x @ dequantize(weight)^T``
     in ``x``'s dtype and arithmetic (no bias). Every linear layer of a GGUF model whose weights are
     quantized (and the tied lm_head of a quantized embedding). A kernel reads the blocks in place or

@@ -163,7 +163,7 @@ def test_fp8_linear_kernel_matches_the_portable_one(fdplug_selection, fdplug_pla
 def _random_gguf_blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
     """``[n, row_bytes]`` random GGML blocks of ``qtype`` (every bit pattern of the packed integers)
     whose float16 scales (d, and m / dmin where the type has one) are finite, of either sign."""
-    from fdplug.core.quant.gguf_blocks import BLOCK_FORMATS
+    from fdplug.plugin_api.gguf_formats import BLOCK_FORMATS
 
     fmt = BLOCK_FORMATS[qtype]
     raw = rng.integers(0, 256, (n, k // fmt.block, fmt.nbytes), dtype=np.uint8)

@@ -118,7 +118,7 @@ class DecoderForCausalLM(nn.Layer):
         table_dtype = "bfloat16" if cfg.bf16_weights else dtype   # the embedding is the tied lm_head
         self.embed_type = cfg.quant.embedding_type if cfg.quant is not None and cfg.quant.format == "gguf" else None
         if self.embed_type is not None:   # a GGUF file's table stays in its blocks (`gguf_layers`)
-            from fdplug.core.quant.gguf_formats import row_bytes
+            from fdplug.plugin_api.gguf_formats import row_bytes
 
             self.gguf_kernel = kernels.gguf_linear
             self.embed_tokens = empty_parameter([cfg.vocab_size, row_bytes(self.embed_type, cfg.hidden_size)],

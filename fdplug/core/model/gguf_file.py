@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from fdplug.core.quant.gguf_formats import format_of
+from fdplug.plugin_api.gguf_formats import format_of
 from fdplug.errors import ModelLoadError, UnsupportedModelError
 
 SUFFIX = ".gguf"

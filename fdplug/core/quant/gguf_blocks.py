@@ -20,7 +20,7 @@ of a contiguous view (``raw[3:5]`` reinterprets the bytes of ``raw[0:2]``), so e
 through `_bytes_as`, which copies such a tensor first; and the CPU float32 -> float16 cast is wrong
 for tiny values (see `dequantize`).
 
-The table of formats (names, ids, sizes) is `gguf_formats`, importable without Paddle.
+The table of formats (names, ids, sizes) is the contract's `fdplug.plugin_api.gguf_formats`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import paddle
 
-from fdplug.core.quant.gguf_formats import (  # noqa: F401
+from fdplug.plugin_api.gguf_formats import (  # noqa: F401
     BLOCK_FORMATS,
     QK_K,
     BlockFormat,
@@ -41,7 +41,7 @@ from fdplug.core.quant.gguf_formats import (  # noqa: F401
     row_bytes,
 )
 
-# The table (no Paddle) lives in gguf_formats; imported here for the callers of this module.
+# The table is the contract's (no Paddle there); imported here for the callers of this module.
 # --- helpers ------------------------------------------------------------------------------------
 #
 # The packed integers are unpacked four bytes at a time: a field's bytes are viewed as int32 words

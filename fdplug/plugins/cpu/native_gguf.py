@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fdplug.core.quant.gguf_blocks import BLOCK_FORMATS
+from fdplug.plugin_api.gguf_formats import BLOCK_FORMATS
 from fdplug.plugin_api.ops import PreparedWeight
 from fdplug.plugins.cpu.kernels import _contiguous, _rows, load
 

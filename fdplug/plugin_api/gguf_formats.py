@@ -1,9 +1,12 @@
 """GGML's block formats, the tensor types of a GGUF file: their names, ids and sizes.
 
-The table only, without Paddle (`gguf_blocks` dequantizes them): the config and the file's index are
-read, and an unsupported type refused by name, before a device is chosen. ``ggml_type`` is the
-plain integer ggml uses (equal to the ``gguf.GGMLQuantizationType`` member of that name, an
-``IntEnum``); the tests check the table against ``gguf.GGML_QUANT_SIZES``.
+Part of the plugin contract: a ``gguf_linear`` kernel (`fdplug.plugin_api.ops`) is handed a layer's
+bytes with one of these names, and the weight format ``gguf`` lists them in
+``ModelTraits.weight_types``. The table only, without Paddle: the config and a file's index are read,
+and an unsupported type refused by name, before a device is chosen; the core dequantizes them
+(`fdplug.core.quant.gguf_blocks`, the numerics reference for kernels). ``ggml_type`` is the plain
+integer ggml uses (equal to the ``gguf.GGMLQuantizationType`` member of that name, an ``IntEnum``);
+the tests check the table against ``gguf.GGML_QUANT_SIZES``.
 """
 
 from __future__ import annotations
