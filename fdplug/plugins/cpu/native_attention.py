@@ -26,12 +26,11 @@ def prefill_attention(q: Any, key_cache: Any, value_cache: Any, q_rows: np.ndarr
                       table: np.ndarray, scale: float, threads: int) -> Any:
     """``[len(q_rows), heads, dim]``: row ``i`` attends keys ``[0, key_end[i])`` of the sequence with
     block table ``table`` (int32 arrays, checked by the caller like `paged_attention`'s)."""
-    import paddle
 
     q = kernels._contiguous(q)
     kernels._check_float32(q, key_cache, value_cache)
     heads, dim, (kv_heads, num_blocks, block_size, _) = q.shape[1], q.shape[2], key_cache.shape
-    out = paddle.empty([len(q_rows), heads, dim], dtype="float32")
+    out = kernels.empty_f32([len(q_rows), heads, dim])
     status = kernels.load().fdplug_prefill_attention(
         q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), q_rows.ctypes.data, key_end.ctypes.data,
         table.ctypes.data, out.data_ptr(), len(q_rows), heads, kv_heads, dim, num_blocks, block_size,

@@ -14,7 +14,13 @@ import numpy as np
 
 from fdplug.plugin_api.ops import PreparedWeight
 from fdplug.plugins.cpu import native_linear
-from fdplug.plugins.cpu.kernels import _check_float32, _contiguous, _rows, load
+from fdplug.plugins.cpu.kernels import (
+    _check_float32,
+    _contiguous,
+    _rows,
+    empty_f32,
+    load,
+)
 
 # Up to this many rows the weights are widened in registers; above, one dequantized copy of the
 # layer and paddle's GEMM catch up (the widening is repeated for every 8 rows). Measured on this
@@ -52,7 +58,7 @@ def _fp8_linear_packed(x: Any, weight: PreparedWeight, weight_scale: Any, block_
     rows = _rows(shape)
     x = _contiguous(x if len(shape) == 2 else x.reshape([rows, depth]))
     _check_float32(x, weight_scale)
-    out = paddle.empty([rows, cols], dtype="float32")
+    out = empty_f32([rows, cols])
     status = load().fdplug_linear_packed_fp8(x.data_ptr(), weight.data.data_ptr(), _contiguous(weight_scale).data_ptr(),
                                              native_linear.bias_pointer(weight), out.data_ptr(), rows, cols, depth,
                                              block_k, threads)
@@ -80,7 +86,7 @@ def fp8_linear(x: Any, weight: Any, weight_scale: Any, block_k: int, threads: in
     _check_float32(x, weight_scale)
     if weight.dtype != paddle.float8_e4m3fn:
         raise TypeError(f"fp8_linear needs a float8_e4m3fn weight, got {weight.dtype}")
-    out = paddle.empty([rows, cols], dtype="float32")
+    out = empty_f32([rows, cols])
     load().fdplug_fp8_linear(x.data_ptr(), _contiguous(weight).data_ptr(), _contiguous(weight_scale).data_ptr(),
                              out.data_ptr(), rows, cols, depth, block_k, threads)
     return out if len(shape) == 2 else out.reshape([*shape[:-1], cols])
@@ -96,7 +102,7 @@ def dequantize(weight: Any, weight_scale: Any, block_k: int, threads: int) -> An
         raise ValueError(f"dequantize: weight {list(weight.shape)} ({weight.dtype}) and weight_scale "
                          f"{list(weight_scale.shape)} do not match block_k={block_k}")
     _check_float32(weight_scale)
-    out = paddle.empty([cols, depth], dtype="float32")
+    out = empty_f32([cols, depth])
     load().fdplug_fp8_dequant(_contiguous(weight).data_ptr(), _contiguous(weight_scale).data_ptr(), out.data_ptr(),
                               cols, depth, block_k, threads)
     return out
@@ -130,7 +136,6 @@ def fp8_moe(x: Any, experts: Any, topk_ids: np.ndarray, topk_weights: np.ndarray
     for ``x [T, H]`` float32 and FP8 experts (`native_moe.Fp8Experts`), read in place: one call
     sorts the assignments by expert, runs both grouped GEMMs (every expert that got tokens shares
     the threads) and sums each token's rows in k order."""
-    import paddle
 
     x = _contiguous(x)
     _check_float32(x, experts.s13, experts.s2)
@@ -141,7 +146,7 @@ def fp8_moe(x: Any, experts: Any, topk_ids: np.ndarray, topk_weights: np.ndarray
     if list(x.shape) != [tokens, hidden] or ids.ndim != 2 or ids.shape[0] != tokens or weights.shape != ids.shape:
         raise ValueError(f"fp8_moe: x {list(x.shape)}, topk_ids {ids.shape} and topk_weights {weights.shape} "
                          f"do not fit experts of hidden size {hidden}")
-    out = paddle.empty([tokens, hidden], dtype="float32")
+    out = empty_f32([tokens, hidden])
     if tokens == 0:
         return out
     status = load().fdplug_fp8_moe(

@@ -41,7 +41,7 @@ from __future__ import annotations
 from typing import Any
 
 from fdplug.plugin_api.ops import PreparedWeight
-from fdplug.plugins.cpu.kernels import _contiguous, _rows, load
+from fdplug.plugins.cpu.kernels import _contiguous, _rows, empty_f32, load
 
 PANELS = "cpu_panels64"
 """The packed layout's name (`PreparedWeight.layout`): csrc/linear_packed.c's header describes it."""
@@ -111,7 +111,7 @@ def _linear_packed(x: Any, weight: PreparedWeight, threads: int, bf16_math: bool
         raise TypeError(f"the cpu kernels compute in float32, got {x.dtype}")
     kind = _F32 if weight.dtype == paddle.float32 else _BF16_MATH if bf16_math else _BF16
     rows, x = _rows(shape), _contiguous(x)
-    out = paddle.empty([rows, cols], dtype="float32")
+    out = empty_f32([rows, cols])
     status = load().fdplug_linear_packed(x.data_ptr(), weight.data.data_ptr(), kind, bias_pointer(weight),
                                          out.data_ptr(), rows, cols, depth, threads)
     if status != 0:
@@ -143,7 +143,7 @@ def linear(x: Any, weight: Any, threads: int, bf16_math: bool = False) -> Any:
         raise TypeError(f"the cpu kernels compute in float32, got {x.dtype}")
     rows, cols = _rows(shape), wshape[0]
     x, weight = _contiguous(x), _contiguous(weight)
-    out = paddle.empty([rows, cols], dtype="float32")
+    out = empty_f32([rows, cols])
     if bf16_math and wdtype == paddle.bfloat16:
         if load().fdplug_linear_bf16dot(x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, cols, depth,
                                         threads) != 0:

@@ -93,7 +93,6 @@ def pack_experts(gate: Any, up: Any, down: Any, threads: int = 1) -> PackedExper
 
     The result holds new tensors only (as many bytes as the inputs, which it does not keep).
     """
-    import paddle
 
     lib = kernels.load()
     gate, up, down = kernels._contiguous(gate), kernels._contiguous(up), kernels._contiguous(down)
@@ -105,8 +104,8 @@ def pack_experts(gate: Any, up: Any, down: Any, threads: int = 1) -> PackedExper
         raise ValueError(f"down must be [E, H, I] = {[experts, hidden, inter]}, got {list(down.shape)}")
     if min(experts, inter, hidden) <= 0 or 2 * inter * hidden >= 2**31:
         raise ValueError(f"unsupported expert shape E={experts} I={inter} H={hidden}")
-    gate_up = paddle.empty([experts, 2 * inter * hidden], dtype="float32")
-    packed_down = paddle.empty([experts, hidden * inter], dtype="float32")
+    gate_up = kernels.empty_f32([experts, 2 * inter * hidden])
+    packed_down = kernels.empty_f32([experts, hidden * inter])
     lib.fdplug_moe_pack(gate.data_ptr(), up.data_ptr(), down.data_ptr(), gate_up.data_ptr(), packed_down.data_ptr(),
                         experts, hidden, inter, max(1, threads))
     return PackedExperts(gate_up, packed_down, experts, hidden, inter)
@@ -120,7 +119,6 @@ def moe_experts(x: Any, packed: PackedExperts, topk_ids: np.ndarray, topk_weight
     same, bit for bit, whatever else is in the batch and however many threads run it. An id outside
     ``[0, E)`` is a ValueError (checked in C before anything is read through it).
     """
-    import paddle
 
     x = kernels._contiguous(x)
     kernels._check_float32(x)
@@ -134,7 +132,7 @@ def moe_experts(x: Any, packed: PackedExperts, topk_ids: np.ndarray, topk_weight
     tokens = int(x.shape[0])
     if ids.ndim != 2 or ids.shape[0] != tokens or weights.shape != ids.shape or ids.shape[1] < 1:
         raise ValueError(f"topk_ids and topk_weights must both be [{tokens}, K], got {ids.shape} and {weights.shape}")
-    out = paddle.empty([tokens, packed.hidden], dtype="float32")
+    out = kernels.empty_f32([tokens, packed.hidden])
     if tokens == 0:
         return out
     status = kernels.load().fdplug_moe_experts(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fdplug.plugins.cpu.kernels import _contiguous, _rows, load
+from fdplug.plugins.cpu.kernels import _contiguous, _rows, empty_f32, load
 
 # Below this many rows one thread does the norm: starting the others costs more than it saves.
 RMS_NORM_MIN_PARALLEL_ROWS = 64
@@ -36,7 +36,7 @@ def rms_norm(x: Any, weight: Any, eps: float, threads: int) -> Any:
         return portable(x, weight, eps)
     x = _contiguous(x)
     rows = _rows(shape)
-    out = paddle.empty(shape, dtype="float32")
+    out = empty_f32(shape)
     load().fdplug_rms_norm(x.data_ptr(), _contiguous(weight).data_ptr(), out.data_ptr(), rows, dim,
                            1 if len(wshape) == 1 else wshape[0], eps, _norm_threads(rows, threads))
     return out
@@ -56,7 +56,7 @@ def add_rms_norm(x: Any, residual: Any, weight: Any, eps: float, threads: int) -
         return portable(x, residual, weight, eps)
     x, residual = _contiguous(x), _contiguous(residual)
     rows = _rows(shape)
-    total, out = paddle.empty(shape, dtype="float32"), paddle.empty(shape, dtype="float32")
+    total, out = empty_f32(shape), empty_f32(shape)
     load().fdplug_add_rms_norm(x.data_ptr(), residual.data_ptr(), _contiguous(weight).data_ptr(), total.data_ptr(),
                                out.data_ptr(), rows, dim, eps, _norm_threads(rows, threads))
     return out, total
@@ -80,7 +80,7 @@ def rope(x: Any, cos: Any, sin: Any, threads: int) -> Any:
         return portable(x, cos, sin)
     x, cos, sin = _contiguous(x), _contiguous(cos), _contiguous(sin)
     rows = _rows(shape)
-    out = paddle.empty(shape, dtype="float32")
+    out = empty_f32(shape)
     load().fdplug_rope(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), rows, dim,
                        threads if rows >= ROPE_MIN_PARALLEL_ROWS else 1)
     return out
