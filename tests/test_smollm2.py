@@ -55,6 +55,19 @@ def test_the_selected_kernels_give_transformers_greedy_tokens(selected):
         assert _greedy(selected, case) == case["tokens"], case.get("prompt") or case["messages"]
 
 
+def test_batched_chunked_and_prefix_cached_runs_give_the_same_tokens(smollm2):
+    """All the fixture's prompts at once, prefills cut into 16-token chunks, then the chat prompt
+    again (a prefix-cache hit): each sequence's tokens are still transformers' (the GGUF kernel's
+    rows do not depend on their batch)."""
+    llm = LLM(smollm2, max_model_len=1024, max_num_batched_tokens=16, max_num_seqs=8)
+    for cases in (GOLDEN["greedy"] + GOLDEN["chat"], GOLDEN["chat"][:1]):     # the second: a cache hit
+        params = [SamplingParams(max_tokens=len(c["tokens"]), temperature=0, ignore_eos=True) for c in cases]
+        outs = llm.generate([{"prompt_token_ids": c["ids"]} for c in cases], params, use_tqdm=False)
+        for case, out in zip(cases, outs, strict=True):
+            assert list(out.outputs[0].token_ids) == case["tokens"], case.get("prompt") or case["messages"]
+    assert llm.engine.stats().prefix_cache_hits > 0
+
+
 def test_the_chat_template_and_answer_come_from_the_file(selected):
     chat = GOLDEN["chat"][0]
     prompt = selected.tokenizer.apply_chat_template(chat["messages"], add_generation_prompt=True)
