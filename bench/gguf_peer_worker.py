@@ -19,6 +19,10 @@ import os
 import sys
 import time
 
+from peer_worker import (
+    seconds,  # (stdlib only at import: it loads in llama.cpp's venv too)
+)
+
 
 def _fdplug(model: str):
     import fdplug
@@ -69,12 +73,6 @@ def _llama_cpp(model: str):
 
 
 ENGINES = {"fdplug": _fdplug, "llama.cpp": _llama_cpp}
-
-
-def seconds(generate, prompts, lengths) -> tuple[float, list]:
-    start = time.perf_counter()
-    tokens = generate(prompts, lengths)
-    return time.perf_counter() - start, tokens
 
 
 def main() -> None:
