@@ -68,6 +68,24 @@ def test_batched_chunked_and_prefix_cached_runs_give_the_same_tokens(smollm2):
     assert llm.engine.stats().prefix_cache_hits > 0
 
 
+def test_at_the_avx2_level_too(smollm2):
+    """The same token tests with the kernels built for x86-64-v3 (``FDPLUG_CPU_ISA=avx2``, a build
+    of its own): on an AVX-512 machine this is how CI runs the AVX2 tiles on a real model."""
+    import subprocess
+    import sys
+
+    from fdplug.plugins.cpu import isa
+    from tests.conftest import REPO, subprocess_env
+
+    if not isa.is_x86() or isa.detected_level() <= 3:
+        pytest.skip("this CPU has no level above x86-64-v3: the other tests already run its AVX2 tiles")
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+               "selected_kernels or batched"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO, check=False,
+                            env=subprocess_env(FDPLUG_CPU_ISA="avx2"))
+    assert result.returncode == 0 and "2 passed" in result.stdout, result.stdout[-3000:] + result.stderr[-2000:]
+
+
 def test_the_chat_template_and_answer_come_from_the_file(selected):
     chat = GOLDEN["chat"][0]
     prompt = selected.tokenizer.apply_chat_template(chat["messages"], add_generation_prompt=True)
