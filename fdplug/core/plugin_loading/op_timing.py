@@ -40,6 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from fdplug.core.file_lock import lock_within
 from fdplug.core.model.linear_shapes import LinearShape, linear_shapes
 from fdplug.plugin_api.settings import cache_dir
 
@@ -188,22 +189,14 @@ def _measured(path: Any, key: str, shapes: list[LinearShape],
 def _locked(lock: Any, path: Any) -> bool:
     """Take the lock within LOCK_TIMEOUT_S (False: still held elsewhere); where the file system has
     no locks, go on without."""
-    import fcntl
-
-    deadline = time.monotonic() + LOCK_TIMEOUT_S
-    while True:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            if time.monotonic() > deadline:
-                logger.warning("%s stayed locked for %.0f s: the linear kernel runs every shape, untimed",
-                               path.with_suffix(".lock"), LOCK_TIMEOUT_S)
-                return False
-            time.sleep(0.05)
-        except OSError as exc:
-            logger.warning("cannot lock %s (%s): timing without the lock", path.with_suffix(".lock"), exc)
-            return True
+    taken = lock_within(lock, LOCK_TIMEOUT_S)
+    if taken is False:
+        logger.warning("%s stayed locked for %.0f s: the linear kernel runs every shape, untimed",
+                       path.with_suffix(".lock"), LOCK_TIMEOUT_S)
+    elif taken is None:
+        logger.warning("cannot lock %s (the file system has no locks): timing without the lock",
+                       path.with_suffix(".lock"))
+    return taken is not False
 
 
 def _read(path: Any, key: str) -> dict[str, dict]:
