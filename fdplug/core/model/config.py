@@ -27,7 +27,6 @@ from fdplug.core.model.architectures import (
 )
 from fdplug.core.model.moe_config import MoEConfig, parse_moe
 from fdplug.core.model.quant_config import (
-    QuantConfig,
     fused_quant,
     parse_quant,
     with_quantization,
@@ -66,7 +65,7 @@ class ModelConfig:
     pad_token_id: int | None = None
     multimodal: MultimodalConfig | None = None   # placeholder tokens and mask policy, if the model takes features
     moe: MoEConfig | None = None                  # routed experts, if any layer is mixture-of-experts
-    quant: QuantConfig | None = None              # FP8 block-quantized linears, if the checkpoint has them
+    quant: Any = None             # FP8 blocks (`QuantConfig`) or a GGUF file's types (`GgufQuant`), if quantized
     mtp_layers: int = 0           # multi-token-prediction layers stored after the decoder's (weights ignored)
     bf16_weights: bool = False    # float linears, embedding, lm_head kept bf16 on a float32 device (`load_model`)
 
@@ -75,6 +74,11 @@ class ModelConfig:
         (`fdplug.core.engine.startup.compute_dtype`): bf16 weights on a float32 device. Returns self."""
         self.bf16_weights = weight_dtype == "bfloat16" and compute_dtype != "bfloat16"
         return self
+
+    @property
+    def gguf(self) -> Any:
+        """The GGUF file's block types (`gguf_weights.GgufQuant`) when the model is one, else None."""
+        return self.quant if self.quant is not None and self.quant.format == "gguf" else None
 
     @property
     def rope_theta(self) -> float:
@@ -197,7 +201,7 @@ class ModelConfig:
                            moe_weight_format=self.moe_weight_format(),
                            linear_weight_format=self.quant.format if self.quant else "none",
                            weight_block=self.quant.block if self.quant else (),
-                           weight_types=self.quant.weight_types() if self.quant and self.quant.format == "gguf" else (),
+                           weight_types=self.gguf.weight_types() if self.gguf else (),
                            mask_policy=self.multimodal.mask_policy if self.multimodal else "causal")
 
 

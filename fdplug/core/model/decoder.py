@@ -18,6 +18,7 @@ import paddle.nn.functional as F
 from paddle import nn
 
 from fdplug.core.model.config import ModelConfig
+from fdplug.core.model.gguf_layers import embedding_rows
 from fdplug.core.model.layers import (
     Linear,
     RMSNorm,
@@ -116,7 +117,7 @@ class DecoderForCausalLM(nn.Layer):
         self.dtype_name = dtype
         self.logits_kernel = kernels.linear       # the lm_head is a linear of [vocab, hidden] weights
         table_dtype = "bfloat16" if cfg.bf16_weights else dtype   # the embedding is the tied lm_head
-        self.embed_type = cfg.quant.embedding_type if cfg.quant is not None and cfg.quant.format == "gguf" else None
+        self.embed_type = cfg.gguf.embedding_type if cfg.gguf else None
         if self.embed_type is not None:   # a GGUF file's table stays in its blocks (`gguf_layers`)
             from fdplug.plugin_api.gguf_formats import row_bytes
 
@@ -139,8 +140,7 @@ class DecoderForCausalLM(nn.Layer):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
         # [vocab, hidden] like the embedding, so tying is sharing one tensor; untied, a Linear (its
         # kernel may lay the weights out its own way at load, `Linear.prepare`).
-        gguf = cfg.quant is not None and cfg.quant.format == "gguf"    # FP8 checkpoints keep a float lm_head
-        head_quant = fused_quant(cfg.quant, "", ("lm_head",)) if gguf else None
+        head_quant = fused_quant(cfg.gguf, "", ("lm_head",))    # FP8 checkpoints keep a float lm_head
         self.lm_head = (None if cfg.tie_word_embeddings
                         else make_linear(cfg.hidden_size, cfg.vocab_size, False, dtype, head_quant, kernels)
                         if head_quant is not None
@@ -152,8 +152,6 @@ class DecoderForCausalLM(nn.Layer):
     def embed(self, input_ids: Any) -> Any:
         """Token embeddings ``[T, hidden]``; multimodal code replaces rows before ``forward``."""
         if self.embed_type is not None:
-            from fdplug.core.model.gguf_layers import embedding_rows
-
             return embedding_rows(self.embed_tokens, self.embed_type, self.config.hidden_size, input_ids,
                                   self.dtype_name)
         h = F.embedding(input_ids, self.embed_tokens)

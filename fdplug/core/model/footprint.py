@@ -71,8 +71,8 @@ def weight_footprint(cfg: ModelConfig, dtype: str, expert_shards: int = 1) -> We
         expert_bytes = experts + len(cfg.moe.layers) * cfg.moe.num_experts * scales
     if expert_shards > 1:
         total, experts, expert_bytes = total - experts, 0, expert_bytes // expert_shards
-    if cfg.quant is not None and cfg.quant.format == "gguf":   # GGML blocks: the file's bytes
-        weights, held = cfg.quant.held
+    if cfg.gguf:   # GGML blocks: the file's bytes
+        weights, held = cfg.gguf.held
         return WeightFootprint((total - experts - weights) * dense_size + held + expert_bytes, expert_bytes)
     return WeightFootprint((total - experts) * dense_size + expert_bytes, expert_bytes)
 
@@ -94,7 +94,7 @@ def model_summary(cfg: ModelConfig, dtype: str, moe_backend: str, ops: Mapping[s
                      f"norms and biases in {dtype}{', routed experts in ' + dtype if cfg.moe else ''})")
     if cfg.quant is not None:
         experts = f"; routed experts: {moe_backend}" if cfg.moe is not None else ""
-        op = "gguf_linear" if cfg.quant.format == "gguf" else "fp8_linear"
+        op = "gguf_linear" if cfg.gguf else "fp8_linear"
         lines.append(f"quantization: {cfg.quant.describe()} (linear layers: {kernel(op)}{experts})")
     moe = cfg.moe
     if moe is None:

@@ -78,8 +78,8 @@ def linear_shapes(cfg: ModelConfig, dtype: str) -> list[LinearShape]:
 
 def _head_in_blocks(cfg: ModelConfig) -> bool:
     """A GGUF file's lm_head (or the embedding it is tied to) kept in GGML blocks: ``gguf_linear``'s."""
-    if cfg.quant is None or cfg.quant.format != "gguf":
+    if cfg.gguf is None:
         return False
     if cfg.tie_word_embeddings:
-        return cfg.quant.embedding_type is not None
-    return fused_quant(cfg.quant, "", ("lm_head",)) is not None
+        return cfg.gguf.embedding_type is not None
+    return fused_quant(cfg.gguf, "", ("lm_head",)) is not None

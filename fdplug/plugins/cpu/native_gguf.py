@@ -93,11 +93,9 @@ def gguf_linear(x: Any, weight: Any, qtype: str, k: int, threads: int) -> Any:
 def dequantize(weight: Any, qtype: str, k: int, threads: int) -> Any:
     """``weight [N, row_bytes]`` -> float32 ``[N, k]``: the values the kernel multiplies, widened by
     its own decoders (the tests hold them to `gguf_blocks.dequantize`'s bits)."""
-    import paddle
-
     type_id = _type_id(qtype)
     _check_weight(weight, qtype, k)
-    out = paddle.empty([weight.shape[0], k], dtype="float32")
+    out = empty_f32([weight.shape[0], k])
     status = load().fdplug_gguf_dequant(_contiguous(weight).data_ptr(), out.data_ptr(), weight.shape[0], k, type_id,
                                         threads)
     if status != 0:
