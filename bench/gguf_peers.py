@@ -190,25 +190,22 @@ def wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout: float = 600
     raise RuntimeError(f"server not ready in {timeout:.0f} s; see {log}")
 
 
-def start_llama_server(args, log: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [args.llama_server, "-m", args.gguf, "--parallel", str(args.streams), "-c", str(args.streams * args.ctx),
-           "--cont-batching", "-t", str(args.threads), "--host", "127.0.0.1", "--port", str(port), "--alias", "bench"]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=WORKER_ENV,
-                                cwd=log.parent)
-    url = f"http://127.0.0.1:{port}"
-    wait_ready(proc, url, log)
-    return proc, url
+def server_command(engine: str, args, port: int) -> list[str]:
+    """llama-server with parallel slots and continuous batching, or fdplug serve, on ``port``."""
+    if engine == "llama.cpp":
+        return [args.llama_server, "-m", args.gguf, "--parallel", str(args.streams), "-c", str(args.streams * args.ctx),
+                "--cont-batching", "-t", str(args.threads), "--host", "127.0.0.1", "--port", str(port),
+                "--alias", "bench"]
+    return [str(Path(args.fdplug_python).parent / "fdplug"), "serve", "--model", args.gguf, "--port", str(port),
+            "--served-model-name", "bench", "--max-num-seqs", str(args.streams), "--max-model-len", str(args.ctx)]
 
 
-def start_fdplug_server(args, log: Path, env: dict) -> tuple[subprocess.Popen, str]:
+def start_server(engine: str, args, log: Path, env: dict) -> tuple[subprocess.Popen, str]:
+    """The engine's server on a free loopback port, logging to ``log``, ready; ``(process, url)``."""
     port = free_port()
-    cmd = [str(Path(args.fdplug_python).parent / "fdplug"), "serve", "--model", args.gguf, "--port", str(port),
-           "--served-model-name", "bench", "--max-num-seqs", str(args.streams), "--max-model-len", str(args.ctx)]
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                cwd=log.parent)
+        proc = subprocess.Popen(server_command(engine, args, port), stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env=env, cwd=log.parent)
     url = f"http://127.0.0.1:{port}"
     wait_ready(proc, url, log)
     return proc, url
@@ -251,7 +248,7 @@ def load_with_serve_py(args, url: str, env: dict, cwd: Path) -> dict | None:
 def serve_round(args, engine: str, env: dict, tmp: Path) -> dict | None:
     log = tmp / f"{engine}-server.log"
     try:
-        proc, url = start_llama_server(args, log) if engine == "llama.cpp" else start_fdplug_server(args, log, env)
+        proc, url = start_server(engine, args, log, WORKER_ENV if engine == "llama.cpp" else env)
     except RuntimeError as exc:
         tail = log.read_text(errors="replace").strip().splitlines()[-6:] if log.exists() else []
         print(f"  {engine} server failed: {exc}: {tail}", flush=True)
