@@ -40,7 +40,10 @@ class GgufLinear(nn.Layer):
         for name, (qtype, rows) in zip(self.names, layout.groups, strict=True):
             setattr(self, name, empty_parameter([rows, row_bytes(qtype, in_features)], "uint8"))
         self.bias = empty_parameter([out_features], dtype) if bias else None
-        self.prepared: list[Any] | None = None
+        # what forward hands the kernel, per group: these parameters (the loader fills them in place),
+        # or what the kernel's prepare made of them; resolved once here, not on every call
+        self.kernel_weights: tuple[Any, ...] = tuple(getattr(self, name) for name in self.names)
+        self.prepared = False
 
     def group_of(self, row: int) -> tuple[str, int]:
         """The parameter holding output row ``row``, and the row's index in it."""
@@ -52,7 +55,7 @@ class GgufLinear(nn.Layer):
 
     def prepare(self, prepare: Callable[[Any, str], PreparedWeight | None]) -> None:
         """Hand each group to the kernel's ``prepare`` once (`OpSpec.prepare`); it keeps the bytes."""
-        if self.prepared is not None:
+        if self.prepared:
             return
         prepared = []
         for name, (qtype, _) in zip(self.names, self.layout.groups, strict=True):
@@ -62,12 +65,11 @@ class GgufLinear(nn.Layer):
                 raise ValueError(f"the kernel prepared a {qtype} weight of {weight.size} bytes as "
                                  f"{each.data.size} {each.data.dtype}: it must keep the bytes")
             prepared.append(weight if each is None else each)
-        self.prepared = prepared
+        self.kernel_weights, self.prepared = tuple(prepared), True
 
     def forward(self, x: Any) -> Any:
-        weights = self.prepared or [getattr(self, name) for name in self.names]
         outs = [self.kernel(x, w, qtype, self.in_features)
-                for w, (qtype, _) in zip(weights, self.layout.groups, strict=True)]
+                for w, (qtype, _) in zip(self.kernel_weights, self.layout.groups, strict=True)]
         out = outs[0] if len(outs) == 1 else paddle.concat(outs, axis=-1)
         return out if self.bias is None else out + self.bias
 
