@@ -64,11 +64,14 @@ def permute_rows(rows: int, heads: int) -> np.ndarray:
 
 def write_pair(out: Path, arch: str = "llama", *, types: dict[str, str], default: str = "Q8_0", hidden: int = 256,
                inter: int = 512, layers: int = 2, heads: int = 4, kv_heads: int = 2, vocab: int = 300,
-               tied: bool = True, seed: int = 0, llama3: dict | None = None) -> tuple[Path, Path]:
+               tied: bool = True, seed: int = 0, llama3: dict | None = None,
+               tokenizer: bool = False) -> tuple[Path, Path]:
     """``(gguf file, float HF dir)`` under ``out``. ``types``: GGML type by HF module name, with
     ``*`` for "any layer" (``model.layers.*.self_attn.v_proj``); others get ``default``. ``llama3``:
     Llama 3.1's RoPE scaling (``factor``, ``low_freq_factor``, ``high_freq_factor``,
-    ``original_max_position_embeddings``), in the file as llama.cpp's ``rope_freqs`` tensor."""
+    ``original_max_position_embeddings``), in the file as llama.cpp's ``rope_freqs`` tensor.
+    ``tokenizer``: the file gets a byte-level SentencePiece vocabulary (`byte_vocab`), so that
+    ``fdplug.LLM`` and ``fdplug serve`` take it (the float directory has none)."""
     import gguf
     from safetensors.numpy import save_file
 
@@ -80,6 +83,8 @@ def write_pair(out: Path, arch: str = "llama", *, types: dict[str, str], default
                        ("attention.head_count_kv", kv_heads), ("attention.key_length", d),
                        ("rope.freq_base", 10000.0), ("attention.layer_norm_rms_epsilon", 1e-6)):
         (writer.add_float32 if isinstance(value, float) else writer.add_uint32)(f"{arch}.{key}", value)
+    if tokenizer:
+        byte_vocab(writer, vocab)
     floats: dict[str, np.ndarray] = {}
     shapes = {"model.embed_tokens": (vocab, hidden), "model.norm": (hidden,)}
     if not tied:
@@ -130,6 +135,22 @@ def write_pair(out: Path, arch: str = "llama", *, types: dict[str, str], default
         config["rope_scaling"] = {"rope_type": "llama3", **llama3}
     (ref / "config.json").write_text(json.dumps(config))
     return out / f"tiny-{arch}.gguf", ref
+
+
+def byte_vocab(writer, vocab: int) -> None:
+    """A ``llama`` (SentencePiece) vocabulary of ``vocab`` tokens: <unk> <s> </s>, the 256 byte tokens,
+    then plain tokens ``t0``, ``t1``...: every text encodes (as bytes), every id decodes."""
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))]
+    types = [2, 3, 3] + [6] * 256               # UNKNOWN, CONTROL, BYTE
+    tokens += [f"t{i}" for i in range(vocab - len(tokens))]
+    types += [1] * (vocab - len(types))         # NORMAL
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * vocab)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
 
 
 def rope_freqs(llama3: dict, theta: float, head_dim: int) -> np.ndarray:

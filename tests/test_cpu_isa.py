@@ -25,7 +25,7 @@ V4 = V3 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_bf
 KERNEL_TESTS = ["tests/test_cpu_kernels.py", "tests/test_cpu_fused_ops.py", "tests/test_cpu_moe_kernel.py",
                 "tests/test_cpu_argmax.py", "tests/test_cpu_linear_kernel.py", "tests/test_cpu_packed_linear.py",
                 "tests/test_cpu_fp8_kernel.py", "tests/test_cpu_bf16_linear_kernel.py", "tests/test_op_timing.py",
-                "tests/test_cpu_gguf_kernel.py"]
+                "tests/test_cpu_gguf_kernel.py", "tests/test_cpu_decoder_stack.py"]
 
 
 def test_levels_from_flags(monkeypatch):

@@ -1,6 +1,6 @@
 """fdplug's plugin API: everything a plugin author imports, and nothing else.
 
-A plugin is a module with ``FDPLUG_API_VERSION = "3.11"`` and functions decorated with ``hookimpl``,
+A plugin is a module with ``FDPLUG_API_VERSION = "3.12"`` and functions decorated with ``hookimpl``,
 found through the ``fdplug`` entry-point group (``[project.entry-points.fdplug] mychip =
 "fdplug_mychip"``). Its hooks (`hookspecs`) each receive a ``register`` callback taking one spec
 (`specs`). The smallest useful plugin registers one `DeviceSpec`; the core's portable runner,
@@ -59,6 +59,7 @@ _EXPORTS = {
     "select_experts": "fdplug.plugin_api.moe",
     "OPS": "fdplug.plugin_api.ops", "Kernels": "fdplug.plugin_api.ops", "PreparedWeight": "fdplug.plugin_api.ops",
     "PREPARED_OPS": "fdplug.plugin_api.ops",
+    **dict.fromkeys(("DecoderStack", "StackLayer", "StackLinear"), "fdplug.plugin_api.decoder_stack"),
     **dict.fromkeys(("BLOCK_FORMATS", "BlockFormat", "format_of", "row_bytes"), "fdplug.plugin_api.gguf_formats"),
     "import_paddle": "fdplug.plugin_api.paddle",
     "gather_blocks": "fdplug.plugin_api.kv_layout", "scatter_blocks": "fdplug.plugin_api.kv_layout",

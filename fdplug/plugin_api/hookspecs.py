@@ -1,7 +1,7 @@
 """The hooks: what a plugin implements. Read with `fdplug.plugin_api.specs` (what it registers).
 
 A plugin is a module (or object) with functions decorated by ``fdplug.hookimpl`` whose names are
-the hooks below, and a module-level ``FDPLUG_API_VERSION = "3.11"`` naming the API it was written
+the hooks below, and a module-level ``FDPLUG_API_VERSION = "3.12"`` naming the API it was written
 for. Registration hooks are called once, when plugins load, with a ``register`` callback that
 accepts one spec object; the core validates what is registered, so a bad registration fails loudly
 and only that plugin is skipped.
@@ -30,7 +30,9 @@ instance without ``FDPLUG_PD_SECRET`` requires) and ``KVCaches.peers``. 3.10: ``
 (``linear``): a kernel timed against the portable op on the model's layer shapes, used only where it
 is not slower (`fdplug.core.plugin_loading.op_timing`); ``Selection.measured_ops``. 3.11: the
 ``gguf_linear`` op (a GGUF file's linears in GGML blocks, `fdplug.core.quant.gguf_blocks`), the ``gguf``
-weight format and ``ModelTraits.weight_types`` (a plugin written for 3.10 gets the portable op).
+weight format and ``ModelTraits.weight_types`` (a plugin written for 3.10 gets the portable op). 3.12:
+the ``decoder_stack`` op (every decoder layer of a step in one call of the plugin's own, handed a
+`fdplug.plugin_api.decoder_stack.DecoderStack` at load; the portable op runs the layers one by one).
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ if TYPE_CHECKING:
     from fdplug.plugin_api.selection import Selection
 
 PROJECT_NAME = "fdplug"
-API_VERSION = "3.11"
+API_VERSION = "3.12"
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)

@@ -65,7 +65,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 OPS: tuple[str, ...] = ("swiglu", "rms_norm", "fp8_linear", "linear", "add_rms_norm", "rope", "argmax",
-                        "gguf_linear")
+                        "gguf_linear", "decoder_stack")
 """Every op a plugin may override, in the order `Kernels` lists them."""
 PREPARED_OPS: tuple[str, ...] = ("linear", "fp8_linear", "gguf_linear")
 """The ops whose kernels may lay out the layers' weights once at load (`OpSpec.prepare`)."""
@@ -109,6 +109,7 @@ class Kernels:
     rope: Callable[[Any, Any, Any], Any]
     argmax: Callable[[Any], Any]
     gguf_linear: Callable[[Any, Any, str, int], Any]
+    decoder_stack: Callable[[Any], Callable[..., tuple[Any, Any] | None] | str]
     prepare_linear: Callable[[Any], PreparedWeight | None] | None = None
     prepare_fp8_linear: Callable[[Any], PreparedWeight | None] | None = None
     prepare_gguf_linear: Callable[[Any, str], PreparedWeight | None] | None = None

@@ -104,7 +104,12 @@ class DecoderForCausalLM(nn.Layer):
 
     Splitting the two lets the runner compute logits only for the rows it samples from (the last
     token of each sequence), which on a long prefill is most of the lm_head's cost saved.
+
+    ``fused_stack``: what the ``decoder_stack`` op made of the layers (`fused_stack.attach`), which
+    runs every layer of the steps it takes in one call; None: the layers run one by one.
     """
+
+    fused_stack: Any = None
 
     def __init__(self, cfg: ModelConfig, attn_backend: Any, dtype: str = "float32",
                  max_positions: int | None = None, kernels: Kernels = PORTABLE, moe_backend: Any | None = None,
@@ -174,6 +179,10 @@ class DecoderForCausalLM(nn.Layer):
         h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         residual = None
         cos, sin = self.rotary.lookup(positions)
+        if self.fused_stack is not None:
+            fused = self.fused_stack(h, cos, sin, kv_caches, attn_prepared)
+            if fused is not None:
+                return self.norm.add(*fused)[0]
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             h, residual = layer(h, residual, cos, sin, self.rotary, kv_cache, attn_prepared)
         return self.norm(h) if residual is None else self.norm.add(h, residual)[0]

@@ -92,6 +92,9 @@ def fdplug_register_ops(register):
                     description="x * cos + roll(x, D/2) * sin (four Paddle ops)"))
     register(OpSpec(name="paddle_argmax", op="argmax", devices=(ANY_DEVICE,), factory=_op_factory("argmax"),
                     description="paddle's argmax over each row, copied to the host"))
+    register(OpSpec(name="paddle_layer_by_layer", op="decoder_stack", devices=(ANY_DEVICE,),
+                    factory=_op_factory("decoder_stack"),
+                    description="no fused stack: each layer's ops run one by one through their selected kernels"))
     register(OpSpec(name=PORTABLE_LINEAR, op="linear", devices=(ANY_DEVICE,), factory=_op_factory("linear"),
                     description="one paddle matmul of the weights as stored (bf16 weights under float32 "
                                 "activations: cast first, a copy per call)"))

@@ -54,6 +54,12 @@ def argmax(logits: Any) -> Any:
     return logits.argmax(axis=1).numpy().astype("int64")
 
 
+def decoder_stack(stack: Any) -> str:
+    """The portable model runs its layers one by one, each op through its selected kernel."""
+    return "the layers run one by one (paddle_layer_by_layer)"
+
+
 PORTABLE = Kernels(swiglu=swiglu, rms_norm=rms_norm, fp8_linear=fp8_linear, linear=linear,
-                   add_rms_norm=add_rms_norm, rope=rope, argmax=argmax, gguf_linear=gguf_linear)
+                   add_rms_norm=add_rms_norm, rope=rope, argmax=argmax, gguf_linear=gguf_linear,
+                   decoder_stack=decoder_stack)
 """The table a model gets when nobody chose kernels for it (tests, tools)."""

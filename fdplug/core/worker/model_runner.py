@@ -95,6 +95,7 @@ class ModelRunner:
     def load_model(self) -> ModelInfo:
         from fdplug.core.model.config import ModelConfig
         from fdplug.core.model.footprint import model_summary
+        from fdplug.core.model.fused_stack import attach as attach_stack
         from fdplug.core.model.loader import load_model
         from fdplug.core.plugin_loading.op_timing import plan_linear
 
@@ -106,9 +107,8 @@ class ModelRunner:
         self.attn_backend = self.selection.attention.factory(self.config)
         self.moe_backend = self.selection.moe.factory(self.config) if cfg.moe is not None else None
         linear_plan = plan_linear(self.selection, self.config, cfg)
-        if linear_plan is not None:
-            for line in linear_plan.describe().splitlines():
-                logger.info(line)
+        for line in linear_plan.describe().splitlines() if linear_plan is not None else ():
+            logger.info(line)
         ops = self.selection.ops
         kernels = Kernels(**{op: spec.factory(self.config) for op, spec in ops.items()},
                           **{f"prepare_{op}": ops[op].prepare(self.config) for op in PREPARED_OPS if ops[op].prepare})
@@ -119,11 +119,11 @@ class ModelRunner:
                                                    weight_dtype=self.config.weight_dtype, expert_parallel=group,
                                                    linear_plan=linear_plan)
         self.model.eval()
+        logger.info(attach_stack(self.model, kernels, self.selection))
         # The routed experts live in the MoE backend's layout, not as parameters: count them as loaded.
         params = sum(int(np.prod(p.shape)) * p.element_size() for p in self.model.parameters())
         self.model_bytes = params + footprint.expert_bytes
-        for line in model_summary(cfg, self.config.dtype, self.selection.moe.name,
-                                  self.selection.ops).splitlines():
+        for line in model_summary(cfg, self.config.dtype, self.selection.moe.name, self.selection.ops).splitlines():
             logger.info(line)
         return ModelInfo(self.model_config.vocab_size, self.model_config.hidden_size, self.model_bytes)
 

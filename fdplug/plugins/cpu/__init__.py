@@ -153,6 +153,9 @@ def fdplug_register_ops(register):
            "the residual add and the norm in one compiled pass over each row (float32)")
     native("cpu_native_rope", "rope", ("native_norms", "rope"),
            "the NeoX rotation in one compiled call, bit-identical to paddle's four ops")
+    native("cpu_native_decoder_stack", "decoder_stack", ("native_stack", "decoder_stack"),
+           "a decode step's layers in one compiled call of the kernels above (GGUF linears, cpu_native "
+           "attention; bit-identical to running them layer by layer); other models and steps: layer by layer")
     native("cpu_native_argmax", "argmax", ("native_argmax", "argmax"),
            "greedy sampling's argmax, 16 lanes at a time, rows over the cores (compiled C)")
     native("cpu_native_linear", "linear", ("native_linear", "linear_or_portable"),

@@ -29,7 +29,7 @@
 #define HAVE_AVX2 1
 #endif
 
-int fdplug_kernels_abi(void) { return 9; }
+int fdplug_kernels_abi(void) { return 10; }
 
 /* ---------------------------------------------------------------------------------------------
  * Threads. A kernel call runs worker(job) on the calling thread and up to num_threads - 1 helpers
@@ -1192,3 +1192,4 @@ int fdplug_fp8_moe(const float *x, const uint8_t *w13, const float *s13, const u
 #include "prefill_attention.c" /* prefill attention, blocked with an online softmax */
 #include "rms_norm.c"
 #include "argmax.c" /* greedy sampling's argmax */
+#include "decoder_stack.c" /* a decode step's layers in one call, from the kernels above */

@@ -47,6 +47,7 @@ typedef struct {
     float *out;
     int rows, cols, depth, qtype, row_bytes, panel;
     int64_t cols_per_piece, next_piece;
+    int64_t ld; /* out's row stride: cols, or more where this layer's columns are part of a wider output */
 } gg_job;
 
 /* Weights and bytes of a block of QT (one of the types below: gg_known) */
@@ -222,11 +223,12 @@ static int64_t gg_piece_cols(int cols, int64_t most, int num_threads, int per_th
 }
 
 /* x [rows, depth] float32 times W [cols, depth] in GGML blocks of type qtype (ggml's id), the file's
- * bytes, rows of depth / block blocks -> out [rows, cols] float32, on up to num_threads threads.
+ * bytes, rows of depth / block blocks -> out [rows, cols] float32 at row stride ld (>= cols: a
+ * fused projection's groups write their columns side by side), on up to num_threads threads.
  * Returns 0, or -2 for a type not decoded here or a depth that is not a multiple of its block
  * (nothing written). */
-int fdplug_gguf_linear(const float *x, const uint8_t *w, float *out, int rows, int cols, int depth, int qtype,
-                       int num_threads) {
+static int gg_linear(const float *x, const uint8_t *w, float *out, int64_t ld, int rows, int cols, int depth,
+                     int qtype, int num_threads) {
     if (!gg_known(qtype) || depth <= 0 || depth % GG_QK(qtype) != 0) return -2;
     if (rows <= 0 || cols <= 0) return 0;
     const int row_bytes = depth / GG_QK(qtype) * GG_BYTES(qtype);
@@ -239,10 +241,15 @@ int fdplug_gguf_linear(const float *x, const uint8_t *w, float *out, int rows, i
      * layers); the register route: up to ~64 KiB of blocks */
     const int64_t per_piece = panel ? gg_piece_cols(cols, GG_PANEL_BYTES / ((int64_t)depth * 4), num_threads, 4)
                                     : gg_piece_cols(cols, (1 << 16) / row_bytes, num_threads, 1);
-    gg_job job = {x, w, out, rows, cols, depth, qtype, row_bytes, panel, per_piece, 0};
+    gg_job job = {x, w, out, rows, cols, depth, qtype, row_bytes, panel, per_piece, 0, ld};
     const int64_t pieces = (cols + per_piece - 1) / per_piece;
     run_workers(gg_worker, &job, num_threads < pieces ? num_threads : (int)pieces);
     return 0;
+}
+
+int fdplug_gguf_linear(const float *x, const uint8_t *w, float *out, int rows, int cols, int depth, int qtype,
+                       int num_threads) {
+    return gg_linear(x, w, out, cols, rows, cols, depth, qtype, num_threads);
 }
 
 /* W [cols, row bytes] in blocks of qtype -> out [cols, depth] float32 (the values gg_columns

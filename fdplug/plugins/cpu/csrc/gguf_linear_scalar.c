@@ -72,6 +72,6 @@ static void gg_columns(const gg_job *job, const uint8_t *src, int64_t stride, in
                 for (int i = 0; i < block; ++i) acc[r][i % 32] = fmaf(x[i], w[i], acc[r][i % 32]);
             }
         }
-        for (int r = 0; r < mr; ++r) job->out[(int64_t)(m0 + r) * job->cols + n] = gg_lanes_sum(acc[r]);
+        for (int r = 0; r < mr; ++r) job->out[(int64_t)(m0 + r) * job->ld + n] = gg_lanes_sum(acc[r]);
     }
 }

@@ -51,7 +51,7 @@ static inline __attribute__((always_inline)) void gg_tile(const gg_job *job, con
                     acc[r][v] = gg_vfma(gg_vload(xk + (int64_t)r * depth + GG_VL * v), w[v], acc[r][v]);
         }
     }
-    for (int r = 0; r < MR; ++r) job->out[(int64_t)(m0 + r) * job->cols + n] = gg_finish(acc[r]);
+    for (int r = 0; r < MR; ++r) job->out[(int64_t)(m0 + r) * job->ld + n] = gg_finish(acc[r]);
 }
 
 /* A row of blocks widened to floats: the panel route's, and fdplug_gguf_dequant's. */

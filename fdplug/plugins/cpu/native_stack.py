@@ -1,0 +1,182 @@
+"""``cpu_native_decoder_stack``: every decoder layer of a decode step in one compiled call.
+
+A one-token decode step of a small model spends more time between its kernels than in them: ~12
+ops a layer from Python, 10-20 us each. SmolLM2-135M (30 layers, Q4_1): 5.3 ms of 10.2 a token
+were that (this 2-core Zen 5, AVX-512). ``fdplug_decoder_stack`` (csrc/decoder_stack.c) runs the
+same kernels the cpu plugin's ops run, back to back in C, for steps whose every sequence has one
+query token (what ``cpu_native`` attention prepares as a single decode group); other steps
+(prefill, mixed) run layer by layer. The result is the layer-by-layer one bit for bit.
+
+It takes what its own ops compute: GGUF linears of the types csrc/gguf_linear.c decodes, float32
+activations and norms, ``cpu_native`` attention and the plugin's norm, RoPE, SwiGLU and GGUF
+kernels selected for those ops. Anything else (float or FP8 linears, a user's ``--op-kernel``
+choice of another kernel) it declines at load, with the reason, and the layers run one by one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import numpy as np
+
+from fdplug.core.portable.attention import _Prepared
+from fdplug.plugin_api.decoder_stack import DecoderStack, StackLinear
+from fdplug.plugin_api.ops import PreparedWeight
+from fdplug.plugins.cpu import kernels
+from fdplug.plugins.cpu.native_attention import _KernelGroup
+from fdplug.plugins.cpu.native_gguf import _IDS, SUPPORTED
+
+MAX_GROUPS = 4   # csrc/decoder_stack.c's DS_MAX_GROUPS
+OWN_OPS = {"rms_norm": "cpu_native_rms_norm", "add_rms_norm": "cpu_native_add_rms_norm", "rope": "cpu_native_rope",
+           "swiglu": "cpu_native_swiglu", "gguf_linear": "cpu_native_gguf_linear"}
+"""The kernels whose work the stack does: it runs only where these were selected."""
+
+_p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("weight", _p * MAX_GROUPS), ("bias", _p), ("qtype", _i * MAX_GROUPS), ("rows", _i * MAX_GROUPS),
+                ("groups", _i), ("depth", _i), ("cols", _i)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", _p), ("post_norm", _p), ("qk_norm", _p), ("qkv", _Linear), ("o", _Linear),
+                ("gate_up", _Linear), ("down", _Linear)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("layers", ctypes.POINTER(_Layer)), ("num_layers", _i), ("hidden", _i), ("inter", _i),
+                ("heads", _i), ("kv_heads", _i), ("head_dim", _i), ("eps", _f), ("scale", _f)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("embed", _p), ("cos", _p), ("sin", _p), ("key_caches", _p), ("value_caches", _p), ("slots", _p),
+                ("q_rows", _p), ("block_tables", _p), ("seq_of_token", _p), ("key_end", _p), ("x", _p),
+                ("residual", _p), ("scratch", _p), ("tokens", _i), ("num_blocks", _i), ("block_size", _i),
+                ("table_width", _i), ("max_key_end", _i), ("threads", _i)]
+
+
+def _float32_vector(t: Any, shape: list[int], what: str) -> str | None:
+    if str(t.dtype) != "paddle.float32" or list(t.shape) != shape or not t.is_contiguous():
+        return f"{what} is {t.dtype} {list(t.shape)}, not a contiguous float32 {shape}"
+    return None
+
+
+def _linear_reason(linear: StackLinear) -> str | None:
+    if linear.format != "gguf":
+        return f"{linear.format} linear layers (it runs GGUF blocks)"
+    if len(linear.groups) > MAX_GROUPS:
+        return f"a projection of {len(linear.groups)} block-type groups (at most {MAX_GROUPS})"
+    for weight, qtype in linear.groups:
+        if qtype not in _IDS:
+            return f"{qtype} weights (it decodes {', '.join(SUPPORTED)})"
+        if isinstance(weight, PreparedWeight) or not weight.is_contiguous():
+            return "GGUF weights laid out by another kernel"
+    return None
+
+
+def decline_reason(stack: DecoderStack) -> str | None:
+    """None if the stack runs these layers; else why not."""
+    other = [f"{op}={stack.ops.get(op)}" for op, name in OWN_OPS.items() if stack.ops.get(op) != name]
+    if other:
+        return "ops chosen that it does not run: " + ", ".join(other)
+    if stack.attention != "cpu_native":
+        return f"attention backend {stack.attention!r} (it runs cpu_native's)"
+    if stack.dtype != "float32":
+        return f"{stack.dtype} activations (it computes in float32)"
+    qk = [stack.num_heads + stack.num_kv_heads, stack.head_dim]
+    for i, layer in enumerate(stack.layers):
+        for linear in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            reason = _linear_reason(linear) or (linear.bias is not None and _float32_vector(
+                linear.bias, [linear.out_features], "a bias")) or None
+            if reason:
+                return f"layer {i}: {reason}"
+        for weight, shape in ((layer.input_norm, [stack.hidden_size]), (layer.post_norm, [stack.hidden_size]),
+                              (layer.qk_norm, qk)):
+            reason = weight is not None and _float32_vector(weight, shape, "a norm weight")
+            if reason:
+                return f"layer {i}: {reason}"
+    return None
+
+
+def _ptr(t: Any) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _c_linear(linear: StackLinear) -> _Linear:
+    rows = linear.group_rows()
+    return _Linear((_p * MAX_GROUPS)(*(w.data_ptr() for w, _ in linear.groups)), _ptr(linear.bias),
+                   (_i * MAX_GROUPS)(*(_IDS[q] for _, q in linear.groups)), (_i * MAX_GROUPS)(*rows),
+                   len(linear.groups), linear.in_features, linear.out_features)
+
+
+class CpuDecoderStack:
+    """The ``run`` the op returns: `__call__` runs a decode-only step, or returns None for another."""
+
+    def __init__(self, stack: DecoderStack, threads: int) -> None:
+        self.stack, self.threads = stack, threads     # (the stack holds the tensors the pointers point into)
+        self.lib = kernels.load()
+        layers = (_Layer * len(stack.layers))(*(
+            _Layer(_ptr(l.input_norm), _ptr(l.post_norm), _ptr(l.qk_norm), _c_linear(l.qkv), _c_linear(l.o),
+                   _c_linear(l.gate_up), _c_linear(l.down)) for l in stack.layers))
+        self.model = _Model(layers, len(stack.layers), stack.hidden_size, stack.intermediate_size, stack.num_heads,
+                            stack.num_kv_heads, stack.head_dim, stack.rms_norm_eps, stack.attention_scale)
+        self.layers = layers
+        self.caches: Any = None          # the kv_caches list the pointer arrays below were made from
+        self.cache_pointers: tuple[np.ndarray, np.ndarray] | None = None
+        self.cache_shape: list[int] = []
+        self.scratch = np.empty(0, dtype=np.float32)
+
+    def _bind_caches(self, kv_caches: list[tuple[Any, Any]]) -> None:
+        """Pointer arrays of every layer's caches, checked once for each list of caches."""
+        shape = list(kv_caches[0][0].shape)
+        if len(kv_caches) != len(self.stack.layers) or len(shape) != 4 or shape[0] != self.stack.num_kv_heads \
+                or shape[3] != self.stack.head_dim:
+            raise ValueError(f"decoder stack: {len(kv_caches)} caches of {shape} for {len(self.stack.layers)} "
+                             f"layers of {self.stack.num_kv_heads} kv heads x {self.stack.head_dim}")
+        for pair in kv_caches:
+            for cache in pair:
+                if list(cache.shape) != shape or str(cache.dtype) != "paddle.float32" or not cache.is_contiguous():
+                    raise ValueError(f"decoder stack: a cache of {cache.dtype} {list(cache.shape)}, not float32 {shape}")
+        self.cache_pointers = tuple(np.array([pair[i].data_ptr() for pair in kv_caches], dtype=np.uint64)
+                                    for i in (0, 1))
+        self.caches, self.cache_shape = kv_caches, shape
+
+    def __call__(self, hidden: Any, cos: Any, sin: Any, kv_caches: list[tuple[Any, Any]], prepared: Any) -> Any:
+        if not (isinstance(prepared, _Prepared) and len(prepared.groups) == 1
+                and isinstance(prepared.groups[0], _KernelGroup)) or prepared.token_order is not None:
+            return None
+        group = prepared.groups[0]
+        tokens = hidden.shape[0]
+        if kv_caches is not self.caches:
+            self._bind_caches(kv_caches)
+        _, num_blocks, block_size, _ = self.cache_shape
+        low, high = prepared.slot_range
+        if group.max_block >= num_blocks or (low <= high and (low < 0 or high >= num_blocks * block_size)):
+            raise ValueError(f"block {group.max_block} or slots {low}..{high} outside the KV cache "
+                             f"({num_blocks} blocks of {block_size})")
+        if len(group.q_rows) != tokens or len(prepared.slots) != tokens:
+            return None
+        hidden, cos, sin = (kernels._contiguous(t) for t in (hidden, cos, sin))
+        kernels._check_float32(hidden, cos, sin)
+        need = self.lib.fdplug_decoder_stack_scratch(ctypes.byref(self.model), tokens)
+        if self.scratch.size < need:
+            self.scratch = np.empty(need, dtype=np.float32)
+        x, residual = kernels.empty_f32([tokens, self.stack.hidden_size]), kernels.empty_f32(
+            [tokens, self.stack.hidden_size])
+        keys, values = self.cache_pointers
+        step = _Step(hidden.data_ptr(), cos.data_ptr(), sin.data_ptr(), keys.ctypes.data, values.ctypes.data,
+                     prepared.slots.ctypes.data, group.q_rows.ctypes.data, group.block_tables.ctypes.data,
+                     group.seq_of_token.ctypes.data, group.key_end.ctypes.data, x.data_ptr(), residual.data_ptr(),
+                     self.scratch.ctypes.data, tokens, num_blocks, block_size, group.block_tables.shape[1],
+                     group.max_key_end, self.threads)
+        status = self.lib.fdplug_decoder_stack(ctypes.byref(self.model), ctypes.byref(step))
+        if status != 0:
+            raise MemoryError(f"the cpu decoder stack failed ({status}): attention had no scratch memory or threads")
+        return x, residual
+
+
+def decoder_stack(stack: DecoderStack, threads: int) -> CpuDecoderStack | str:
+    """The ``decoder_stack`` op: a `CpuDecoderStack` for these layers, or why not."""
+    return decline_reason(stack) or CpuDecoderStack(stack, threads)

@@ -1,0 +1,93 @@
+"""The cpu plugin's ``decoder_stack`` op (`fdplug.plugins.cpu.native_stack`): a decode step's layers in
+one compiled call give what the layers one by one give, bit for bit (logprobs, tokens and the KV
+cache), on GGUF models of every architecture it runs (Qwen2's biases, Qwen3's q/k norm, projections
+mixing block types); other steps and other models run layer by layer, with the reason."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("paddle")
+
+from fdplug import LLM, SamplingParams
+from fdplug.core.model.fused_stack import describe
+from fdplug.plugins.cpu import kernels
+from tests.gguf_kit import write_pair
+
+if kernels.unavailable_reason() is not None:
+    pytest.skip(f"cpu kernels unavailable: {kernels.unavailable_reason()}", allow_module_level=True)
+
+LAYER_BY_LAYER = {"decoder_stack": "paddle_layer_by_layer"}
+CASES = {   # every type the stack decodes, fused projections of two or three types
+    "llama": {"model.layers.*.self_attn.v_proj": "Q6_K", "model.layers.*.mlp.up_proj": "Q4_K",
+              "model.layers.*.mlp.down_proj": "Q5_K", "model.layers.1.self_attn.q_proj": "Q4_1"},
+    "qwen2": {"model.layers.*.mlp.gate_proj": "Q5_0", "model.layers.*.self_attn.o_proj": "Q5_1"},
+    "qwen3": {"model.layers.*.self_attn.q_proj": "Q4_0", "model.layers.*.self_attn.k_proj": "Q4_1"},
+}
+PROMPTS = [[5, 17, 200, 3, 99], [7], [123, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 9], [42, 43]]
+
+
+class Counting:
+    """The model's fused stack, counting the steps it ran (not declined)."""
+
+    def __init__(self, run) -> None:
+        self.run, self.ran, self.declined = run, 0, 0
+
+    def __call__(self, *args):
+        out = self.run(*args)
+        self.ran, self.declined = self.ran + (out is not None), self.declined + (out is None)
+        return out
+
+
+def _run(llm: LLM) -> list:
+    params = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, logprobs=3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], [params] * len(PROMPTS), use_tqdm=False)
+    return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs]
+
+
+@pytest.mark.parametrize("arch", sorted(CASES))
+def test_decode_steps_through_the_stack_are_the_layers_bit_for_bit(tmp_path, arch):
+    gguf, _ = write_pair(tmp_path, arch, types=CASES[arch], tokenizer=True)
+    fused = LLM(str(gguf), max_model_len=64, num_kv_blocks=32, max_num_seqs=4)
+    layered = LLM(str(gguf), max_model_len=64, num_kv_blocks=32, max_num_seqs=4, op_kernels=LAYER_BY_LAYER)
+    assert layered.engine.runner.model.fused_stack is None
+    counting = fused.engine.runner.model.fused_stack = Counting(fused.engine.runner.model.fused_stack)
+    assert _run(fused) == _run(layered)          # tokens and every logprob value, exactly
+    assert counting.ran >= 8 and counting.declined >= 1     # the decode steps; the prefill ran layer by layer
+    for (k1, v1), (k2, v2) in zip(fused.engine.runner.kv_caches, layered.engine.runner.kv_caches, strict=True):
+        assert np.array_equal(k1.numpy(), k2.numpy()) and np.array_equal(v1.numpy(), v2.numpy())
+
+
+def _decline(llm: LLM, **changes: str) -> str | None:
+    """Why the stack declines ``llm``'s model, with the selection's ``changes`` (op or ``attention``)."""
+    from fdplug.plugins.cpu.native_stack import decline_reason
+
+    runner = llm.engine.runner
+    ops = {op: spec.name for op, spec in runner.selection.ops.items()} | changes
+    return decline_reason(describe(runner.model, ops, ops.pop("attention", runner.selection.attention.name)))
+
+
+def test_the_stack_declines_what_it_does_not_run_and_says_why(tmp_path, caplog):
+    """An F16 linear, another op's kernel chosen by the user, another attention backend."""
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    gguf, _ = write_pair(tmp_path / "a", "llama", types={"model.layers.1.self_attn.v_proj": "F16"}, tokenizer=True)
+    with caplog.at_level("INFO", logger="fdplug"):
+        f16 = LLM(str(gguf), max_model_len=64, num_kv_blocks=16)
+    assert f16.engine.runner.model.fused_stack is None
+    reason = "layer 1: F16 weights (it decodes Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)"
+    assert _decline(f16) == reason and f"decoder stack: layer by layer ({reason})" in caplog.text
+    gguf, _ = write_pair(tmp_path / "b", "llama", types={}, tokenizer=True)
+    other = LLM(str(gguf), max_model_len=64, num_kv_blocks=16, op_kernels={"rms_norm": "paddle_rms_norm"})
+    assert other.engine.runner.model.fused_stack is None
+    assert _decline(other) == "ops chosen that it does not run: rms_norm=paddle_rms_norm"
+    assert _decline(other, rms_norm="cpu_native_rms_norm") is None
+    assert _decline(other, rms_norm="cpu_native_rms_norm", attention="reference") == \
+        "attention backend 'reference' (it runs cpu_native's)"
+
+
+def test_a_float_model_runs_layer_by_layer(test_model_dir, caplog):
+    with caplog.at_level("INFO", logger="fdplug"):
+        llm = LLM(str(test_model_dir), max_model_len=64, num_kv_blocks=16)
+    assert llm.engine.runner.model.fused_stack is None
+    assert "decoder stack: layer by layer (layer 0: float linear layers (it runs GGUF blocks))" in caplog.text
