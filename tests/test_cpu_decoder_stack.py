@@ -19,11 +19,14 @@ if kernels.unavailable_reason() is not None:
     pytest.skip(f"cpu kernels unavailable: {kernels.unavailable_reason()}", allow_module_level=True)
 
 LAYER_BY_LAYER = {"decoder_stack": "paddle_layer_by_layer"}
-CASES = {   # every type the stack decodes, fused projections of two or three types
+CASES = {   # every type the stack decodes, fused projections of two or three types; embeddings it reads
+    # itself (Q8_0, Q6_K) and one the model embeds for it (F16)
     "llama": {"model.layers.*.self_attn.v_proj": "Q6_K", "model.layers.*.mlp.up_proj": "Q4_K",
               "model.layers.*.mlp.down_proj": "Q5_K", "model.layers.1.self_attn.q_proj": "Q4_1"},
-    "qwen2": {"model.layers.*.mlp.gate_proj": "Q5_0", "model.layers.*.self_attn.o_proj": "Q5_1"},
-    "qwen3": {"model.layers.*.self_attn.q_proj": "Q4_0", "model.layers.*.self_attn.k_proj": "Q4_1"},
+    "qwen2": {"model.layers.*.mlp.gate_proj": "Q5_0", "model.layers.*.self_attn.o_proj": "Q5_1",
+              "model.embed_tokens": "F16"},
+    "qwen3": {"model.layers.*.self_attn.q_proj": "Q4_0", "model.layers.*.self_attn.k_proj": "Q4_1",
+              "model.embed_tokens": "Q6_K"},
 }
 PROMPTS = [[5, 17, 200, 3, 99], [7], [123, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 9], [42, 43]]
 
@@ -32,7 +35,7 @@ class Counting:
     """The model's fused stack, counting the steps it ran (not declined)."""
 
     def __init__(self, run) -> None:
-        self.run, self.ran, self.declined = run, 0, 0
+        self.run, self.ran, self.declined, self.embeds = run, 0, 0, run.embeds
 
     def __call__(self, *args):
         out = self.run(*args)
@@ -53,6 +56,7 @@ def test_decode_steps_through_the_stack_are_the_layers_bit_for_bit(tmp_path, arc
     layered = LLM(str(gguf), max_model_len=64, num_kv_blocks=32, max_num_seqs=4, op_kernels=LAYER_BY_LAYER)
     assert layered.engine.runner.model.fused_stack is None
     counting = fused.engine.runner.model.fused_stack = Counting(fused.engine.runner.model.fused_stack)
+    assert counting.embeds == (CASES[arch].get("model.embed_tokens") != "F16")
     assert _run(fused) == _run(layered)          # tokens and every logprob value, exactly
     assert counting.ran >= 8 and counting.declined >= 1     # the decode steps; the prefill ran layer by layer
     for (k1, v1), (k2, v2) in zip(fused.engine.runner.kv_caches, layered.engine.runner.kv_caches, strict=True):
@@ -91,3 +95,26 @@ def test_a_float_model_runs_layer_by_layer(test_model_dir, caplog):
         llm = LLM(str(test_model_dir), max_model_len=64, num_kv_blocks=16)
     assert llm.engine.runner.model.fused_stack is None
     assert "decoder stack: layer by layer (layer 0: float linear layers (it runs GGUF blocks))" in caplog.text
+
+
+def test_token_ids_outside_the_vocabulary_never_reach_the_kernel(tmp_path):
+    """The stack reads embedding rows by id: an id outside the table is a ValueError before any write."""
+    import paddle
+
+    from fdplug.plugin_api.attention import AttentionMetadata
+
+    gguf, _ = write_pair(tmp_path, "llama", types={}, tokenizer=True)
+    llm = LLM(str(gguf), max_model_len=64, num_kv_blocks=16)
+    runner = llm.engine.runner
+    stack, vocab = runner.model.fused_stack, runner.model.config.vocab_size
+    one = np.array([0, 1])
+    meta = AttentionMetadata(one, np.array([1]), np.array([0]), np.array([1]), np.array([16]), np.array([[1]]), 16)
+    prepared = runner.attn_backend.prepare(meta)
+    cos, sin = runner.model.rotary.lookup(paddle.to_tensor(np.array([0])))
+    before = runner.kv_caches[0][0].numpy().copy()
+    for bad in (vocab, -1):
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            stack(paddle.to_tensor(np.array([bad])), None, cos, sin, runner.kv_caches, prepared)
+    assert np.array_equal(runner.kv_caches[0][0].numpy(), before)
+    x, residual = stack(paddle.to_tensor(np.array([vocab - 1])), None, cos, sin, runner.kv_caches, prepared)
+    assert list(x.shape) == [1, runner.model.config.hidden_size] and np.isfinite(x.numpy()).all()

@@ -76,3 +76,6 @@ class DecoderStack:
     dtype: str
     ops: Mapping[str, str]
     attention: str
+    embedding: StackLinear | None = None
+    """The token embedding table ``[vocab, hidden]`` as a "linear" of ``hidden`` inputs (a GGUF
+    file's blocks, or float rows): a stack that reads its rows itself says so (``run.embeds``)."""

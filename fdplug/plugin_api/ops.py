@@ -54,6 +54,20 @@ Contracts (``T`` tokens as rows; inputs are never modified; results in the input
     ``logits [T, V]`` float32 -> numpy int64 ``[T]``: each row's largest value's index, the lowest
     among equal values, NaN never chosen (a row of only NaN gives 0); greedy sampling. On the host:
     the sampler continues there.
+``decoder_stack(stack) -> run | reason``
+    Called once after load with a `fdplug.plugin_api.decoder_stack.DecoderStack` (every decoder layer of
+    a dense model: weights, shapes, the selected ops and attention backend). Returns a str saying
+    why it declines (logged; the model then runs layer by layer with the ops above, which is what
+    the portable op always does), or ``run(input_ids, hidden, cos, sin, kv_caches, prepared) -> (x,
+    residual) | None``: every layer of one step in one call, from the embeddings ``hidden [T,
+    hidden_size]`` (None where ``run.embeds`` is true and the step has no multimodal rows: the run
+    reads ``input_ids``' rows of ``stack.embedding`` itself), the RoPE tables ``[T, H + KV, D]``,
+    each layer's ``(key_cache, value_cache)`` and the attention backend's ``prepare`` of the step, to
+    the last layer's MLP output and residual stream (the model adds them in its final norm). ``run``
+    writes the cache as the layers would and returns what they return with the selected ops and
+    backend (a kernel fusing its own ops compares bits; the conformance tolerance is the ops'), or
+    None to decline that step (a step it does not run: prefill, another backend's metadata) before
+    writing anything.
 
 A kernel must agree with the portable implementation to float32 rounding (relative 1e-5); the
 conformance kit (`fdplug.testing`) checks every registered op against it.

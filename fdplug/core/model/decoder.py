@@ -176,13 +176,16 @@ class DecoderForCausalLM(nn.Layer):
 
     def _forward(self, input_ids: Any, positions: Any, kv_caches: list[tuple[Any, Any]], attn_prepared: Any,
                  inputs_embeds: Any | None) -> Any:
-        h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
-        residual = None
         cos, sin = self.rotary.lookup(positions)
+        h = inputs_embeds
         if self.fused_stack is not None:
-            fused = self.fused_stack(h, cos, sin, kv_caches, attn_prepared)
+            if h is None and not self.fused_stack.embeds:
+                h = self.embed(input_ids)
+            fused = self.fused_stack(input_ids, h, cos, sin, kv_caches, attn_prepared)
             if fused is not None:
                 return self.norm.add(*fused)[0]
+        h = self.embed(input_ids) if h is None else h
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             h, residual = layer(h, residual, cos, sin, self.rotary, kv_cache, attn_prepared)
         return self.norm(h) if residual is None else self.norm.add(h, residual)[0]

@@ -46,9 +46,14 @@ def describe(model: DecoderForCausalLM, ops: Mapping[str, str], attention: str) 
             return "FP8 linear layers are not described for a fused stack"
         layers.append(StackLayer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, *linears,
                                  qk_norm=None if attn.qk_norm is None else attn.qk_norm.weight))
+    table = model.embed_tokens
+    embedding = (StackLinear("gguf", ((table, model.embed_type),), cfg.hidden_size, cfg.vocab_size)
+                 if model.embed_type is not None else
+                 StackLinear("float", ((table, str(table.dtype).removeprefix("paddle.")),), cfg.hidden_size,
+                             cfg.vocab_size))
     return DecoderStack(tuple(layers), cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
                         cfg.head_dim, cfg.rms_norm_eps, model.layers[0].self_attn.scale, model.dtype_name,
-                        dict(ops), attention)
+                        dict(ops), attention, embedding)
 
 
 def attach(model: DecoderForCausalLM, kernels: Kernels, selection: Selection) -> str:

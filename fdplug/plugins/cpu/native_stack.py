@@ -22,6 +22,7 @@ import numpy as np
 
 from fdplug.core.portable.attention import _Prepared
 from fdplug.plugin_api.decoder_stack import DecoderStack, StackLinear
+from fdplug.plugin_api.gguf_formats import row_bytes
 from fdplug.plugin_api.ops import PreparedWeight
 from fdplug.plugins.cpu import kernels
 from fdplug.plugins.cpu.native_attention import _KernelGroup
@@ -46,12 +47,13 @@ class _Layer(ctypes.Structure):
 
 
 class _Model(ctypes.Structure):
-    _fields_ = [("layers", ctypes.POINTER(_Layer)), ("num_layers", _i), ("hidden", _i), ("inter", _i),
-                ("heads", _i), ("kv_heads", _i), ("head_dim", _i), ("eps", _f), ("scale", _f)]
+    _fields_ = [("layers", ctypes.POINTER(_Layer)), ("embed_table", _p), ("embed_row_bytes", ctypes.c_int64),
+                ("embed_qtype", _i), ("num_layers", _i), ("hidden", _i), ("inter", _i), ("heads", _i),
+                ("kv_heads", _i), ("head_dim", _i), ("eps", _f), ("scale", _f)]
 
 
 class _Step(ctypes.Structure):
-    _fields_ = [("embed", _p), ("cos", _p), ("sin", _p), ("key_caches", _p), ("value_caches", _p), ("slots", _p),
+    _fields_ = [("embed", _p), ("ids", _p), ("cos", _p), ("sin", _p), ("key_caches", _p), ("value_caches", _p), ("slots", _p),
                 ("q_rows", _p), ("block_tables", _p), ("seq_of_token", _p), ("key_end", _p), ("x", _p),
                 ("residual", _p), ("scratch", _p), ("tokens", _i), ("num_blocks", _i), ("block_size", _i),
                 ("table_width", _i), ("max_key_end", _i), ("threads", _i)]
@@ -120,8 +122,14 @@ class CpuDecoderStack:
         layers = (_Layer * len(stack.layers))(*(
             _Layer(_ptr(l.input_norm), _ptr(l.post_norm), _ptr(l.qk_norm), _c_linear(l.qkv), _c_linear(l.o),
                    _c_linear(l.gate_up), _c_linear(l.down)) for l in stack.layers))
-        self.model = _Model(layers, len(stack.layers), stack.hidden_size, stack.intermediate_size, stack.num_heads,
-                            stack.num_kv_heads, stack.head_dim, stack.rms_norm_eps, stack.attention_scale)
+        table = stack.embedding
+        self.embeds = table is not None and _linear_reason(table) is None     # GGUF rows it decodes itself
+        self.vocab = table.out_features if self.embeds else 0
+        embed_ptr, embed_type = (table.groups[0][0].data_ptr(), _IDS[table.groups[0][1]]) if self.embeds else (None, 0)
+        self.model = _Model(layers, embed_ptr, row_bytes(table.groups[0][1], stack.hidden_size) if self.embeds else 0,
+                            embed_type, len(stack.layers), stack.hidden_size, stack.intermediate_size,
+                            stack.num_heads, stack.num_kv_heads, stack.head_dim, stack.rms_norm_eps,
+                            stack.attention_scale)
         self.layers = layers
         self.caches: Any = None          # the kv_caches list the pointer arrays below were made from
         self.cache_pointers: tuple[np.ndarray, np.ndarray] | None = None
@@ -143,12 +151,13 @@ class CpuDecoderStack:
                                     for i in (0, 1))
         self.caches, self.cache_shape = kv_caches, shape
 
-    def __call__(self, hidden: Any, cos: Any, sin: Any, kv_caches: list[tuple[Any, Any]], prepared: Any) -> Any:
+    def __call__(self, input_ids: Any, hidden: Any, cos: Any, sin: Any, kv_caches: list[tuple[Any, Any]],
+                 prepared: Any) -> Any:
         if not (isinstance(prepared, _Prepared) and len(prepared.groups) == 1
                 and isinstance(prepared.groups[0], _KernelGroup)) or prepared.token_order is not None:
             return None
         group = prepared.groups[0]
-        tokens = hidden.shape[0]
+        tokens = cos.shape[0]
         if kv_caches is not self.caches:
             self._bind_caches(kv_caches)
         _, num_blocks, block_size, _ = self.cache_shape
@@ -158,15 +167,25 @@ class CpuDecoderStack:
                              f"({num_blocks} blocks of {block_size})")
         if len(group.q_rows) != tokens or len(prepared.slots) != tokens:
             return None
-        hidden, cos, sin = (kernels._contiguous(t) for t in (hidden, cos, sin))
-        kernels._check_float32(hidden, cos, sin)
+        ids = None
+        if hidden is None:   # (self.embeds) the table's rows of checked ids
+            ids = np.ascontiguousarray(input_ids.numpy(), dtype=np.int64)
+            if ids.shape != (tokens,) or (tokens and (ids.min() < 0 or ids.max() >= self.vocab)):
+                raise ValueError(f"decoder stack: token ids {ids.tolist()[:8]}... outside the vocabulary of {self.vocab}")
+        else:
+            hidden = kernels._contiguous(hidden)
+            if list(hidden.shape) != [tokens, self.stack.hidden_size]:
+                raise ValueError(f"decoder stack: hidden {list(hidden.shape)} for {tokens} tokens")
+        cos, sin = kernels._contiguous(cos), kernels._contiguous(sin)
+        kernels._check_float32(cos, sin, *(() if hidden is None else (hidden,)))
         need = self.lib.fdplug_decoder_stack_scratch(ctypes.byref(self.model), tokens)
         if self.scratch.size < need:
             self.scratch = np.empty(need, dtype=np.float32)
         x, residual = kernels.empty_f32([tokens, self.stack.hidden_size]), kernels.empty_f32(
             [tokens, self.stack.hidden_size])
         keys, values = self.cache_pointers
-        step = _Step(hidden.data_ptr(), cos.data_ptr(), sin.data_ptr(), keys.ctypes.data, values.ctypes.data,
+        step = _Step(None if hidden is None else hidden.data_ptr(), None if ids is None else ids.ctypes.data,
+                     cos.data_ptr(), sin.data_ptr(), keys.ctypes.data, values.ctypes.data,
                      prepared.slots.ctypes.data, group.q_rows.ctypes.data, group.block_tables.ctypes.data,
                      group.seq_of_token.ctypes.data, group.key_end.ctypes.data, x.data_ptr(), residual.data_ptr(),
                      self.scratch.ctypes.data, tokens, num_blocks, block_size, group.block_tables.shape[1],

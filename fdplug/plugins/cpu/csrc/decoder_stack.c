@@ -35,12 +35,15 @@ typedef struct {
 
 typedef struct {
     const ds_layer *layers;
-    int num_layers, hidden, inter, heads, kv_heads, head_dim;
+    const uint8_t *embed_table;            /* [vocab, embed_row_bytes] GGML blocks of embed_qtype, or NULL */
+    int64_t embed_row_bytes;
+    int embed_qtype, num_layers, hidden, inter, heads, kv_heads, head_dim;
     float eps, scale;
 } ds_model;
 
 typedef struct {                          /* one step's inputs, outputs and attention metadata */
-    const float *embed;                    /* [T, hidden]: the first layer's input */
+    const float *embed;                    /* [T, hidden]: the first layer's input; NULL: ids' table rows */
+    const int64_t *ids;                    /* [T] token ids (checked against the vocabulary by the caller) */
     const float *cos, *sin;                /* [T, H + KV, D]: RotaryEmbedding.lookup's tables */
     float *const *key_caches, *const *value_caches; /* [num_layers] */
     const int64_t *slots;                  /* [T] cache slot of each token */
@@ -55,7 +58,7 @@ static int64_t ds_qkv_width(const ds_model *m) { return (int64_t)(m->heads + 2 *
 /* The floats of scratch a step of `tokens` rows needs. */
 int64_t fdplug_decoder_stack_scratch(const ds_model *m, int tokens) {
     const int64_t qk = (int64_t)(m->heads + m->kv_heads) * m->head_dim;
-    return (int64_t)tokens * (2 * (int64_t)m->hidden + ds_qkv_width(m) + 2 * qk + (int64_t)m->heads * m->head_dim +
+    return (int64_t)tokens * (3 * (int64_t)m->hidden + ds_qkv_width(m) + 2 * qk + (int64_t)m->heads * m->head_dim +
                               3 * (int64_t)m->inter);
 }
 
@@ -114,14 +117,21 @@ int fdplug_decoder_stack(const ds_model *m, const ds_step *s) {
     float *h = s->scratch, *o = h + (int64_t)T * hidden, *qkv = o + (int64_t)T * hidden;
     float *qk_normed = qkv + T * ds_qkv_width(m), *q = qk_normed + T * qk, *k = q + T * attn;
     float *att = k + (int64_t)T * m->kv_heads * m->head_dim, *gate_up = att + T * attn;
-    float *act = gate_up + (int64_t)T * 2 * inter;
+    float *act = gate_up + (int64_t)T * 2 * inter, *rows = act + (int64_t)T * inter;
     const int norm_threads = ds_norm_threads(T, threads);
+    const float *embed = s->embed;
     int status;
+    if (embed == NULL) { /* the rows the portable op dequantizes (gguf_blocks.dequantize's bits) */
+        for (int t = 0; t < T; ++t)
+            gg_dequant_row(m->embed_table + s->ids[t] * m->embed_row_bytes, m->embed_qtype, hidden,
+                           rows + (int64_t)t * hidden);
+        embed = rows;
+    }
     for (int i = 0; i < m->num_layers; ++i) {
         const ds_layer *layer = &m->layers[i];
         if (i == 0) {
-            fdplug_rms_norm(s->embed, layer->input_norm, h, T, hidden, 1, m->eps, norm_threads);
-            memcpy(s->residual, s->embed, sizeof(float) * T * hidden);
+            fdplug_rms_norm(embed, layer->input_norm, h, T, hidden, 1, m->eps, norm_threads);
+            memcpy(s->residual, embed, sizeof(float) * T * hidden);
         } else {   /* (residual in place: each element is read before it is written) */
             fdplug_add_rms_norm(s->x, s->residual, layer->input_norm, s->residual, h, T, hidden, m->eps, norm_threads);
         }
