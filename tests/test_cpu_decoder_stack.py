@@ -116,5 +116,5 @@ def test_token_ids_outside_the_vocabulary_never_reach_the_kernel(tmp_path):
         with pytest.raises(ValueError, match="outside the vocabulary"):
             stack(paddle.to_tensor(np.array([bad])), None, cos, sin, runner.kv_caches, prepared)
     assert np.array_equal(runner.kv_caches[0][0].numpy(), before)
-    x, residual = stack(paddle.to_tensor(np.array([vocab - 1])), None, cos, sin, runner.kv_caches, prepared)
+    x, _ = stack(paddle.to_tensor(np.array([vocab - 1])), None, cos, sin, runner.kv_caches, prepared)
     assert list(x.shape) == [1, runner.model.config.hidden_size] and np.isfinite(x.numpy()).all()
