@@ -12,19 +12,23 @@ pytest.importorskip("paddle")
 
 from fdplug import LLM, SamplingParams
 from fdplug.core.model.fused_stack import describe
-from fdplug.plugins.cpu import kernels
+from fdplug.plugins.cpu import isa, kernels
 from tests.gguf_kit import write_pair
 
 if kernels.unavailable_reason() is not None:
     pytest.skip(f"cpu kernels unavailable: {kernels.unavailable_reason()}", allow_module_level=True)
+if isa.level_reason("cpu_native_gguf_linear", 3) is not None:   # (below x86-64-v3: the scalar level's run)
+    pytest.skip("the GGUF kernel the stack runs is chosen from x86-64-v3; below, the layers run one by one",
+                allow_module_level=True)
 
 LAYER_BY_LAYER = {"decoder_stack": "paddle_layer_by_layer"}
 CASES = {   # every type the stack decodes, fused projections of two or three types; embeddings it reads
-    # itself (Q8_0, Q6_K) and one the model embeds for it (F16)
+    # itself (Q8_0, Q6_K, F16) and one the model embeds for it (F32)
     "llama": {"model.layers.*.self_attn.v_proj": "Q6_K", "model.layers.*.mlp.up_proj": "Q4_K",
-              "model.layers.*.mlp.down_proj": "Q5_K", "model.layers.1.self_attn.q_proj": "Q4_1"},
+              "model.layers.*.mlp.down_proj": "Q5_K", "model.layers.1.self_attn.q_proj": "Q4_1",
+              "model.layers.0.self_attn.o_proj": "BF16", "model.embed_tokens": "F16"},
     "qwen2": {"model.layers.*.mlp.gate_proj": "Q5_0", "model.layers.*.self_attn.o_proj": "Q5_1",
-              "model.embed_tokens": "F16"},
+              "model.embed_tokens": "F32", "model.layers.1.mlp.up_proj": "F16"},
     "qwen3": {"model.layers.*.self_attn.q_proj": "Q4_0", "model.layers.*.self_attn.k_proj": "Q4_1",
               "model.embed_tokens": "Q6_K"},
 }
@@ -56,7 +60,7 @@ def test_decode_steps_through_the_stack_are_the_layers_bit_for_bit(tmp_path, arc
     layered = LLM(str(gguf), max_model_len=64, num_kv_blocks=32, max_num_seqs=4, op_kernels=LAYER_BY_LAYER)
     assert layered.engine.runner.model.fused_stack is None
     counting = fused.engine.runner.model.fused_stack = Counting(fused.engine.runner.model.fused_stack)
-    assert counting.embeds == (CASES[arch].get("model.embed_tokens") != "F16")
+    assert counting.embeds == (CASES[arch].get("model.embed_tokens") != "F32")
     assert _run(fused) == _run(layered)          # tokens and every logprob value, exactly
     assert counting.ran >= 8 and counting.declined >= 1     # the decode steps; the prefill ran layer by layer
     for (k1, v1), (k2, v2) in zip(fused.engine.runner.kv_caches, layered.engine.runner.kv_caches, strict=True):
@@ -73,14 +77,14 @@ def _decline(llm: LLM, **changes: str) -> str | None:
 
 
 def test_the_stack_declines_what_it_does_not_run_and_says_why(tmp_path, caplog):
-    """An F16 linear, another op's kernel chosen by the user, another attention backend."""
+    """An F32 group in a projection, another op's kernel chosen by the user, another attention backend."""
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
-    gguf, _ = write_pair(tmp_path / "a", "llama", types={"model.layers.1.self_attn.v_proj": "F16"}, tokenizer=True)
+    gguf, _ = write_pair(tmp_path / "a", "llama", types={"model.layers.1.self_attn.v_proj": "F32"}, tokenizer=True)
     with caplog.at_level("INFO", logger="fdplug"):
-        f16 = LLM(str(gguf), max_model_len=64, num_kv_blocks=16)
-    assert f16.engine.runner.model.fused_stack is None
-    reason = "layer 1: F16 weights (it decodes Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)"
-    assert _decline(f16) == reason and f"decoder stack: layer by layer ({reason})" in caplog.text
+        f32 = LLM(str(gguf), max_model_len=64, num_kv_blocks=16)
+    assert f32.engine.runner.model.fused_stack is None
+    reason = "layer 1: F32 rows of 256 weights (it decodes Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, F16, BF16)"
+    assert _decline(f32) == reason and f"decoder stack: layer by layer ({reason})" in caplog.text
     gguf, _ = write_pair(tmp_path / "b", "llama", types={}, tokenizer=True)
     other = LLM(str(gguf), max_model_len=64, num_kv_blocks=16, op_kernels={"rms_norm": "paddle_rms_norm"})
     assert other.engine.runner.model.fused_stack is None

@@ -154,7 +154,8 @@ def test_a_failing_compiler_falls_back_to_the_reference_and_says_why(fresh_kerne
     assert selection.moe.name == "reference"
     rejected = [d for d in selection.decisions if d.name.startswith("cpu_native")]
     assert {d.role for d in rejected} == {"op:swiglu", "op:rms_norm", "op:fp8_linear", "op:linear", "op:add_rms_norm",
-                                          "op:rope", "op:argmax", "op:gguf_linear", "attention", "moe"}
+                                          "op:rope", "op:argmax", "op:gguf_linear", "op:decoder_stack", "attention",
+                                          "moe"}
     assert all("false failed" in d.reason for d in rejected)
 
 
