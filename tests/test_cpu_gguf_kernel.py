@@ -33,8 +33,15 @@ def depths(qtype: str) -> tuple[int, ...]:
 
 
 def random_blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
-    """``[n, row_bytes]`` random bytes whose float16 fields are finite (either sign, 1e-4 to 1e-1)."""
+    """``[n, row_bytes]`` random bytes whose float16 fields are finite (either sign, 1e-4 to 1e-1);
+    F16/BF16: random bit patterns of values below 2 in magnitude (subnormals, both zeros included)."""
     fmt = BLOCK_FORMATS[qtype]
+    if qtype in ("F16", "BF16"):
+        bits = rng.integers(0, 1 << 16, (n, k), dtype=np.uint16)
+        top = 0x3F80 if qtype == "BF16" else 0x3C00          # exponents up to 1.x: products stay finite
+        exponent = bits & (0x7F80 if qtype == "BF16" else 0x7C00)
+        bits = np.where(exponent > top, bits & np.uint16(0x8000 | (top - 1)), bits).astype(np.uint16)
+        return bits.view(np.uint8).reshape(n, -1)
     raw = rng.integers(0, 256, (n, k // fmt.block, fmt.nbytes), dtype=np.uint8)
     at, count = (208, 2) if qtype == "Q6_K" else (0, _SCALES[qtype])
     size = (n, k // fmt.block, count // 2)
@@ -46,8 +53,9 @@ def random_blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> np.nd
 def quantized_blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray | None:
     """gguf's own blocks for weights of about 0.05, or None where it does not quantize the type."""
     try:
-        return gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.05,
+        made = gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.05,
                                     gguf.GGMLQuantizationType[qtype])
+        return np.ascontiguousarray(made).view(np.uint8).reshape(n, -1)   # (F16/BF16 come as halves)
     except NotImplementedError:
         return None
 
@@ -118,11 +126,15 @@ def test_the_op_wrapper_reshapes_falls_back_and_checks_shapes():
     expected = portable(x, w, "Q8_0", k).numpy()
     np.testing.assert_allclose(got.numpy(), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
     assert native_gguf.gguf_linear(x[:, :0], w, "Q8_0", k, threads=2).shape == [2, 0, 24]
-    f16 = paddle.to_tensor(np.random.default_rng(9).standard_normal((24, k)).astype(np.float16)).view(paddle.uint8)
-    np.testing.assert_array_equal(native_gguf.gguf_linear_or_portable(x, f16, "F16", k, threads=2).numpy(),
-                                  portable(x, f16, "F16", k).numpy())          # a type it lacks: the portable op
+    f32 = paddle.to_tensor(np.random.default_rng(9).standard_normal((24, k)).astype(np.float32)).view(paddle.uint8)
+    np.testing.assert_array_equal(native_gguf.gguf_linear_or_portable(x, f32, "F32", k, threads=2).numpy(),
+                                  portable(x, f32, "F32", k).numpy())          # a type it lacks: the portable op
     with pytest.raises(ValueError, match="decodes Q8_0"):
-        native_gguf.gguf_linear(x, f16, "F16", k, threads=2)
+        native_gguf.gguf_linear(x, f32, "F32", k, threads=2)
+    odd = paddle.to_tensor(np.random.default_rng(9).standard_normal((24, 40)).astype(np.float16)).view(paddle.uint8)
+    assert not native_gguf.takes("F16", 40)                  # F16 rows of 40: not in runs of 32, the portable op
+    np.testing.assert_array_equal(native_gguf.gguf_linear_or_portable(x[..., :40], odd, "F16", 40, threads=2).numpy(),
+                                  portable(x[..., :40], odd, "F16", 40).numpy())
     with pytest.raises(ValueError, match=r"uint8 \[N, 646\]"):
         native_gguf.gguf_linear(x, w, "Q8_0", 608, threads=2)
     with pytest.raises(ValueError, match="multiple of 256"):

@@ -21,8 +21,8 @@ from tests.gguf_kit import permute_rows, write_pair
 from tests.test_model_parity import Steps
 
 # Every supported block type somewhere, fused projections mixing types (q/k one type, v another;
-# gate/up two), a float (F16) projection among quantized ones, quantized and float embeddings,
-# tied and untied lm_heads.
+# gate/up two), F16 and BF16 tensors (kept 2 bytes a weight), a float (F32) projection among
+# quantized ones, quantized, F16 and float embeddings, tied and untied lm_heads.
 CASES = {
     "llama": (True, {"model.layers.*.self_attn.v_proj": "Q4_1", "model.layers.*.mlp.down_proj": "Q6_K",
                      "model.layers.*.mlp.up_proj": "Q4_K", "model.layers.1.self_attn.o_proj": "F16"}),
@@ -45,7 +45,7 @@ def test_a_gguf_model_computes_the_dequantized_float_model(tmp_path, arch):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max(), err_msg=arch)
     held = {type(layer).__name__ for layer in a.model.sublayers()}
     assert "GgufLinear" in held and a.model.config.quant.format == "gguf"
-    assert (a.model.embed_type is not None) == (types.get("model.embed_tokens", "Q8_0") not in ("F16", "F32"))
+    assert (a.model.embed_type is not None) == (types.get("model.embed_tokens", "Q8_0") != "F32")
 
 
 def test_llama_3_1_rope_scaling_comes_from_the_rope_freqs_tensor(tmp_path):

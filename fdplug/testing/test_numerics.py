@@ -166,6 +166,10 @@ def _random_gguf_blocks(qtype: str, n: int, k: int, rng: np.random.Generator) ->
     from fdplug.plugin_api.gguf_formats import BLOCK_FORMATS
 
     fmt = BLOCK_FORMATS[qtype]
+    if qtype in ("F16", "BF16"):   # values of either sign below 1 in magnitude, as bits of the type
+        values = rng.uniform(-1.0, 1.0, (n, k)).astype(np.float32)
+        return (values.astype(np.float16).view(np.uint8) if qtype == "F16"
+                else (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)).reshape(n, -1)
     raw = rng.integers(0, 256, (n, k // fmt.block, fmt.nbytes), dtype=np.uint8)
     at, count = (208, 1) if qtype == "Q6_K" else (0, 2 if qtype in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") else 1)
     shape = (n, k // fmt.block, count)
@@ -174,7 +178,7 @@ def _random_gguf_blocks(qtype: str, n: int, k: int, rng: np.random.Generator) ->
     return raw.reshape(n, -1)
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16"])
 def test_gguf_linear_kernel_matches_the_portable_one(fdplug_selection, fdplug_place, qtype):
     """The selected ``gguf_linear`` kernel against the portable dequantize-and-matmul, on random blocks
     of each GGML type (every packed bit pattern, scales of both signs): N = 70 (no multiple of a

@@ -3,7 +3,7 @@
 The same `weight_slots` as a Hugging Face checkpoint say where each tensor goes (the file's tensors
 have their HF names, `gguf_file.hf_name`). A weight whose projection keeps GGML blocks
 (`gguf_layers.GgufLinear`, the embedding table) is copied as the file's rows of bytes into the
-parameter of its block type; any other tensor (norms, biases, F16/F32 weights) is converted to the
+parameter of its block type; any other tensor (norms, biases, F32 weights; F16/BF16 ones fused with F32 ones) is converted to the
 parameter's dtype. Llama-family q/k rows are put back in transformers' order first
 (`gguf_file.unpermute_rows`): a row permutation, so quantized rows move as they are. Shapes are
 checked from the file's index before any data is read, as for safetensors.

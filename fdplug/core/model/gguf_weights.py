@@ -4,7 +4,7 @@ A GGUF file picks a block type per tensor (a ``Q4_K_M`` file mixes Q4_K and Q6_K
 Q5_0 or Q8_0 where a row is not a multiple of 256), so the format is known per HF module, not per
 model. The decoder asks `fused` for each (fused) projection: the row groups of one block type, in
 row order, that its `gguf_layers.GgufLinear` keeps; a projection whose tensors are all float
-(F32/F16/BF16) is a plain `layers.Linear`. No paddle here: the config is read before a device is.
+(F32) is a plain `layers.Linear`. No paddle here: the config is read before a device is.
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ from typing import Any
 
 from fdplug.errors import WeightMismatchError
 
-FLOAT_TYPES = ("F32", "F16", "BF16")
+FLOAT_TYPES = ("F32",)
+"""Types a plain float `layers.Linear` takes; F16 and BF16 stay as stored (2 bytes a weight), read by
+the ``gguf_linear`` op like the block types (widening them to float32 doubled their memory)."""
 GGUF = "gguf"   # the weight format name runners list in ``weight_formats``
 
 

@@ -31,8 +31,10 @@ from fdplug.plugin_api.gguf_formats import BLOCK_FORMATS
 from fdplug.plugin_api.ops import PreparedWeight
 from fdplug.plugins.cpu.kernels import _contiguous, _rows, empty_f32, load
 
-SUPPORTED: tuple[str, ...] = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
-"""The block types csrc/gguf_linear.c decodes."""
+SUPPORTED: tuple[str, ...] = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16")
+"""The block types csrc/gguf_linear.c decodes (float16 and bfloat16 rows in runs of 32 values)."""
+HALF_RUN = 32
+"""csrc/gguf_linear.c reads F16 and BF16 rows 32 values at a time: their rows' length is a multiple."""
 _IDS = {name: BLOCK_FORMATS[name].ggml_type for name in SUPPORTED}   # the C code takes ggml's ids
 
 
@@ -56,11 +58,17 @@ def _is(dtype: Any, wanted: Any) -> bool:
     return dtype is wanted or dtype == wanted
 
 
+def takes(qtype: str, k: int) -> bool:
+    """Whether the kernel reads rows of ``k`` weights of ``qtype`` (the others run the portable op)."""
+    return qtype in _IDS and (qtype not in ("F16", "BF16") or k % HALF_RUN == 0)
+
+
 def _check_weight(weight: Any, qtype: str, k: int) -> int:
     """The row bytes of ``weight [N, row_bytes]`` for ``k`` weights of ``qtype`` a row (raises if not)."""
     fmt = BLOCK_FORMATS[str(qtype).upper()]
-    if k <= 0 or k % fmt.block:
-        raise ValueError(f"a {fmt.name} row holds a positive multiple of {fmt.block} weights, not {k}")
+    block = HALF_RUN if fmt.name in ("F16", "BF16") else fmt.block
+    if k <= 0 or k % block:
+        raise ValueError(f"a {fmt.name} row holds a positive multiple of {block} weights here, not {k}")
     row_bytes = k // fmt.block * fmt.nbytes
     shape = weight.shape
     if not _is(weight.dtype, _dtypes()[1]) or len(shape) != 2 or shape[1] != row_bytes:
@@ -107,7 +115,7 @@ def gguf_linear_or_portable(x: Any, weight: Any, qtype: str, k: int, threads: in
     """The ``gguf_linear`` op: `gguf_linear` for float32 inputs and the types in `SUPPORTED` on the
     file's ``[N, row_bytes]`` bytes, at every row count (one summation order: a row's result does
     not depend on its batch); anything else the portable dequantize-and-matmul."""
-    if qtype in _IDS and _is(x.dtype, _dtypes()[0]) and not isinstance(weight, PreparedWeight):
+    if takes(qtype, k) and _is(x.dtype, _dtypes()[0]) and not isinstance(weight, PreparedWeight):
         return gguf_linear(x, weight, qtype, k, threads)
     from fdplug.core.portable.ops import gguf_linear as portable
 

@@ -26,7 +26,7 @@ from fdplug.plugin_api.gguf_formats import row_bytes
 from fdplug.plugin_api.ops import PreparedWeight
 from fdplug.plugins.cpu import kernels
 from fdplug.plugins.cpu.native_attention import _KernelGroup
-from fdplug.plugins.cpu.native_gguf import _IDS, SUPPORTED
+from fdplug.plugins.cpu.native_gguf import _IDS, SUPPORTED, takes
 
 MAX_GROUPS = 4   # csrc/decoder_stack.c's DS_MAX_GROUPS
 OWN_OPS = {"rms_norm": "cpu_native_rms_norm", "add_rms_norm": "cpu_native_add_rms_norm", "rope": "cpu_native_rope",
@@ -71,8 +71,8 @@ def _linear_reason(linear: StackLinear) -> str | None:
     if len(linear.groups) > MAX_GROUPS:
         return f"a projection of {len(linear.groups)} block-type groups (at most {MAX_GROUPS})"
     for weight, qtype in linear.groups:
-        if qtype not in _IDS:
-            return f"{qtype} weights (it decodes {', '.join(SUPPORTED)})"
+        if not takes(qtype, linear.in_features):
+            return f"{qtype} rows of {linear.in_features} weights (it decodes {', '.join(SUPPORTED)})"
         if isinstance(weight, PreparedWeight) or not weight.is_contiguous():
             return "GGUF weights laid out by another kernel"
     return None

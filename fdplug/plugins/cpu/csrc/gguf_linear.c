@@ -34,8 +34,8 @@
  * linear.c (its thread pool, lanes_sum).
  * ------------------------------------------------------------------------------------------- */
 
-enum { GG_F32 = 0, GG_Q4_0 = 2, GG_Q4_1 = 3, GG_Q5_0 = 6, GG_Q5_1 = 7, GG_Q8_0 = 8, GG_Q4_K = 12, GG_Q5_K = 13,
-       GG_Q6_K = 14 }; /* ggml's type ids; GG_F32: the panel buffer's widened rows */
+enum { GG_F32 = 0, GG_F16 = 1, GG_Q4_0 = 2, GG_Q4_1 = 3, GG_Q5_0 = 6, GG_Q5_1 = 7, GG_Q8_0 = 8, GG_Q4_K = 12,
+       GG_Q5_K = 13, GG_Q6_K = 14, GG_BF16 = 30 }; /* ggml's type ids; GG_F32: the panel buffer's widened rows */
 #ifndef GG_PANEL_ROWS
 #define GG_PANEL_ROWS 8             /* above this many rows the panel route */
 #endif
@@ -54,11 +54,13 @@ typedef struct {
 #define GG_QK(QT) ((QT) == GG_Q4_K || (QT) == GG_Q5_K || (QT) == GG_Q6_K ? 256 : 32)
 #define GG_BYTES(QT)                                                                                 \
     ((QT) == GG_Q8_0 ? 34 : (QT) == GG_Q4_0 ? 18 : (QT) == GG_Q4_1 ? 20 : (QT) == GG_Q5_0 ? 22 :       \
-     (QT) == GG_Q5_1 ? 24 : (QT) == GG_Q4_K ? 144 : (QT) == GG_Q5_K ? 176 : 210)
+     (QT) == GG_Q5_1 ? 24 : (QT) == GG_Q4_K ? 144 : (QT) == GG_Q5_K ? 176 :                            \
+     (QT) == GG_F16 || (QT) == GG_BF16 ? 64 : 210)
 
 static int gg_known(int qtype) {
     switch (qtype) {
     case GG_Q4_0: case GG_Q4_1: case GG_Q5_0: case GG_Q5_1: case GG_Q8_0: case GG_Q4_K: case GG_Q5_K: case GG_Q6_K:
+    case GG_F16: case GG_BF16: /* float16 and bfloat16 rows: 32 values a "block" of 64 bytes here */
         return 1;
     default:
         return 0;

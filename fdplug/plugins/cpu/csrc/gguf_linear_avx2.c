@@ -21,6 +21,11 @@ static inline __m256 gg_vload(const float *p) { return _mm256_loadu_ps(p); }
 static inline void gg_vstore(float *p, __m256 v) { _mm256_storeu_ps(p, v); }
 static inline __m256 gg_vzero(void) { return _mm256_setzero_ps(); }
 static inline __m256 gg_vfma(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
+/* 8 float16 (or bfloat16) values at p, widened exactly */
+static inline __m256 gg_vload_half(const uint8_t *p, int bf16) {
+    const __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)) : _mm256_cvtph_ps(h);
+}
 
 /* w[2h], w[2h + 1]: half h's 16 integers as 8 + 8 floats, q * d + o */
 static inline __attribute__((always_inline)) void gg_widen(const gg_pair *q, const int SIGNED, __m256 w[4]) {

@@ -17,6 +17,11 @@ static inline __m512 gg_vload(const float *p) { return _mm512_loadu_ps(p); }
 static inline void gg_vstore(float *p, __m512 v) { _mm512_storeu_ps(p, v); }
 static inline __m512 gg_vzero(void) { return _mm512_setzero_ps(); }
 static inline __m512 gg_vfma(__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); }
+/* 16 float16 (or bfloat16) values at p, widened exactly */
+static inline __m512 gg_vload_half(const uint8_t *p, int bf16) {
+    const __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)) : _mm512_cvtph_ps(h);
+}
 
 static inline __attribute__((always_inline)) void gg_widen(const gg_pair *q, const int SIGNED, __m512 w[2]) {
     for (int h = 0; h < 2; ++h) {

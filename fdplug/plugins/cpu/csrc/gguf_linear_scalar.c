@@ -10,7 +10,14 @@
 
 /* Block ``b`` of type qtype -> its GG_QK(qtype) floats, the portable op's values. */
 static void gg_dequant_block(const uint8_t *b, int qtype, float *out) {
-    if (qtype == GG_Q8_0) {
+    if (qtype == GG_F16 || qtype == GG_BF16) {
+        for (int i = 0; i < 32; ++i) {
+            uint32_t bits = (uint32_t)(b[2 * i] | b[2 * i + 1] << 8) << 16;
+            float f;
+            memcpy(&f, &bits, sizeof f);
+            out[i] = qtype == GG_F16 ? gg_f16(b + 2 * i) : f;
+        }
+    } else if (qtype == GG_Q8_0) {
         const float d = gg_f16(b);
         for (int i = 0; i < 32; ++i) out[i] = d * (float)(int8_t)b[2 + i];
     } else if (qtype == GG_Q4_0 || qtype == GG_Q4_1 || qtype == GG_Q5_0 || qtype == GG_Q5_1) {

@@ -23,6 +23,10 @@ static inline __attribute__((always_inline)) void gg_weights(const uint8_t *blk,
         for (int v = 0; v < GG_NV; ++v) w[v] = gg_vload((const float *)blk + 32 * j + GG_VL * v);
         return;
     }
+    if (QT == GG_F16 || QT == GG_BF16) { /* (j == 0: a 32-value "block") widened exactly */
+        for (int v = 0; v < GG_NV; ++v) w[v] = gg_vload_half(blk + 2 * GG_VL * v, QT == GG_BF16);
+        return;
+    }
     const gg_pair q = gg_pair_of(blk, j, QT, s);
     gg_widen(&q, gg_signed(QT), w);
 }
@@ -75,6 +79,8 @@ static void gg_dequant_row(const uint8_t *row, int qtype, int depth, float *out)
     case GG_Q8_0: GG_ROW(GG_Q8_0) break;
     case GG_Q4_K: GG_ROW(GG_Q4_K) break;
     case GG_Q5_K: GG_ROW(GG_Q5_K) break;
+    case GG_F16: GG_ROW(GG_F16) break;
+    case GG_BF16: GG_ROW(GG_BF16) break;
     default: GG_ROW(GG_Q6_K) break;
     }
 #undef GG_ROW
@@ -108,6 +114,8 @@ static void gg_columns(const gg_job *job, const uint8_t *src, int64_t stride, in
     case GG_Q8_0: GG_ROWS(GG_Q8_0) break;
     case GG_Q4_K: GG_ROWS(GG_Q4_K) break;
     case GG_Q5_K: GG_ROWS(GG_Q5_K) break;
+    case GG_F16: GG_ROWS(GG_F16) break;
+    case GG_BF16: GG_ROWS(GG_BF16) break;
     default: GG_ROWS(GG_Q6_K) break;
     }
 #undef GG_ROWS
