@@ -90,6 +90,13 @@ def test_the_stack_declines_what_it_does_not_run_and_says_why(tmp_path, caplog):
     assert other.engine.runner.model.fused_stack is None
     assert _decline(other) == "ops chosen that it does not run: rms_norm=paddle_rms_norm"
     assert _decline(other, rms_norm="cpu_native_rms_norm") is None
+    from dataclasses import replace
+
+    from fdplug.plugins.cpu.native_stack import decline_reason
+
+    ops = {op: spec.name for op, spec in other.engine.runner.selection.ops.items()} | {"rms_norm": "cpu_native_rms_norm"}
+    stack = describe(other.engine.runner.model, ops, "cpu_native")
+    assert "projection where the shapes make" in decline_reason(replace(stack, intermediate_size=544))
     assert _decline(other, rms_norm="cpu_native_rms_norm", attention="reference") == \
         "attention backend 'reference' (it runs cpu_native's)"
 

@@ -88,10 +88,16 @@ def decline_reason(stack: DecoderStack) -> str | None:
     if stack.dtype != "float32":
         return f"{stack.dtype} activations (it computes in float32)"
     qk = [stack.num_heads + stack.num_kv_heads, stack.head_dim]
+    hidden, inter, attn = stack.hidden_size, stack.intermediate_size, stack.num_heads * stack.head_dim
+    shapes = ((hidden, attn + 2 * stack.num_kv_heads * stack.head_dim), (attn, hidden), (hidden, 2 * inter),
+              (inter, hidden))   # (in, out) of qkv, o, gate_up, down: the C code's strides
     for i, layer in enumerate(stack.layers):
-        for linear in (layer.qkv, layer.o, layer.gate_up, layer.down):
+        for linear, shape in zip((layer.qkv, layer.o, layer.gate_up, layer.down), shapes, strict=True):
             reason = _linear_reason(linear) or (linear.bias is not None and _float32_vector(
                 linear.bias, [linear.out_features], "a bias")) or None
+            if not reason and ((linear.in_features, linear.out_features) != shape
+                               or sum(linear.group_rows()) != shape[1]):
+                reason = f"a {linear.in_features} x {linear.out_features} projection where the shapes make {shape}"
             if reason:
                 return f"layer {i}: {reason}"
         for weight, shape in ((layer.input_norm, [stack.hidden_size]), (layer.post_norm, [stack.hidden_size]),
