@@ -22,10 +22,14 @@ static inline __m128i gg_load16(const uint8_t *p) { return _mm_loadu_si128((cons
 
 /* byte i of the result: 16 where bit i of ``bits`` (i < 16) is set, else 0 (Q5_0/Q5_1's fifth bit) */
 static inline __m128i gg_bits16(uint32_t bits) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    return _mm_maskz_mov_epi8((__mmask16)bits, _mm_set1_epi8(16)); /* the mask register does the spreading */
+#else
     const __m128i spread = _mm_shuffle_epi8(_mm_cvtsi32_si128((int)bits),
                                             _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
     const __m128i select = _mm_set1_epi64x((long long)0x8040201008040201ULL);
     return _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(spread, select), select), _mm_set1_epi8(16));
+#endif
 }
 
 /* the low (shift 0) or high (shift 4) nibbles of 16 bytes */
