@@ -37,6 +37,13 @@ static inline __m128i gg_nibbles(__m128i v, int shift) {
     return _mm_and_si128(_mm_srl_epi16(v, _mm_cvtsi32_si128(shift)), _mm_set1_epi8(0x0F));
 }
 
+/* The float16 pair at b (d and m of Q4_1/Q5_1) in one conversion: [d, m] in the low two lanes. */
+static inline __m128 gg_f16x2(const uint8_t *b) {
+    uint32_t both;
+    memcpy(&both, b, sizeof both);
+    return _mm_cvtph_ps(_mm_cvtsi32_si128((int)both));
+}
+
 static inline void gg_same_scale(gg_pair *r, float d, float o) {
     r->d[0] = r->d[1] = d;
     r->o[0] = r->o[1] = o;
@@ -77,8 +84,9 @@ static inline __attribute__((always_inline)) gg_pair gg_pair_of(const uint8_t *b
         const __m128i v = gg_load16(b + (QT == GG_Q4_0 ? 2 : 4));
         r.q[0] = gg_nibbles(v, 0);
         r.q[1] = gg_nibbles(v, 4);
-        const float d = gg_f16(b);
-        gg_same_scale(&r, d, QT == GG_Q4_0 ? -8.0f * d : gg_f16(b + 2));
+        const __m128 dm = gg_f16x2(b);   /* (Q4_0: m's lane holds quants, unused) */
+        const float d = _mm_cvtss_f32(dm);
+        gg_same_scale(&r, d, QT == GG_Q4_0 ? -8.0f * d : _mm_cvtss_f32(_mm_movehdup_ps(dm)));
     } else if (QT == GG_Q5_0 || QT == GG_Q5_1) {   /* plus bit i of the uint32 qh as bit 4 */
         const int at = QT == GG_Q5_0 ? 2 : 4;
         uint32_t qh;
@@ -86,8 +94,9 @@ static inline __attribute__((always_inline)) gg_pair gg_pair_of(const uint8_t *b
         const __m128i v = gg_load16(b + at + 4);
         r.q[0] = _mm_or_si128(gg_nibbles(v, 0), gg_bits16(qh & 0xFFFF));
         r.q[1] = _mm_or_si128(gg_nibbles(v, 4), gg_bits16(qh >> 16));
-        const float d = gg_f16(b);
-        gg_same_scale(&r, d, QT == GG_Q5_0 ? -16.0f * d : gg_f16(b + 2));
+        const __m128 dm = gg_f16x2(b);   /* (Q5_0: m's lane holds qh, unused) */
+        const float d = _mm_cvtss_f32(dm);
+        gg_same_scale(&r, d, QT == GG_Q5_0 ? -16.0f * d : _mm_cvtss_f32(_mm_movehdup_ps(dm)));
     } else if (QT == GG_Q4_K || QT == GG_Q5_K) {   /* sub-block j: nibble j % 2 of qs chunk j / 2 */
         const uint8_t *qs = b + (QT == GG_Q4_K ? 16 : 48) + 32 * (j / 2);
         r.q[0] = gg_nibbles(gg_load16(qs), 4 * (j % 2));
