@@ -13,7 +13,7 @@ pytest.importorskip("paddle")
 from fdplug import LLM, SamplingParams
 from fdplug.core.model.fused_stack import describe
 from fdplug.plugins.cpu import isa, kernels
-from tests.gguf_kit import write_pair
+from fdplug.testing.gguf_kit import write_pair
 
 if kernels.unavailable_reason() is not None:
     pytest.skip(f"cpu kernels unavailable: {kernels.unavailable_reason()}", allow_module_level=True)

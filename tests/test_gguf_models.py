@@ -1,5 +1,5 @@
 """GGUF files as models: the same logits as the float model with their dequantized weights, and
-refusals by name (`fdplug.core.model.gguf_file`, `gguf_loader`; files from `tests.gguf_kit`)."""
+refusals by name (`fdplug.core.model.gguf_file`, `gguf_loader`; files from `fdplug.testing.gguf_kit`)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from fdplug.errors import (
     UnsupportedModelError,
     WeightMismatchError,
 )
-from tests.gguf_kit import permute_rows, write_pair
+from fdplug.testing.gguf_kit import permute_rows, write_pair
 from tests.test_model_parity import Steps
 
 # Every supported block type somewhere, fused projections mixing types (q/k one type, v another;
