@@ -454,7 +454,11 @@ def test_afterwards_every_instance_is_idle_and_kept_no_descriptor_or_memory(flee
         before_fds, before_rss = process.baseline
         pid = process.proc.pid
         wait_until(lambda p=pid: fds(p) <= before_fds + 4, 10, what=f"{name}'s descriptors back to {before_fds}")
-        assert rss_mb(pid) - before_rss < 150, (name, before_rss, rss_mb(pid))
+        # The plain instance's growth over this file's traffic, measured: 56-101 MB run alone (and 72-94 MB
+        # on b6584b3, before the decoder stack: the same), 152 and 176 MB in two full-suite runs: glibc
+        # keeps the freed output buffers of the clients that stopped reading. A leak of the requests
+        # themselves (hundreds in this file, with their outputs) would pass 250.
+        assert rss_mb(pid) - before_rss < 250, (name, before_rss, rss_mb(pid))
 
 
 def test_a_dead_data_parallel_engine_named_by_the_header_is_a_503(fleet):
