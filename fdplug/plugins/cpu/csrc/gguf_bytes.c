@@ -32,6 +32,22 @@ static inline __m128i gg_bits16(uint32_t bits) {
 #endif
 }
 
+/* gg_bits16 of the low and of the high 16 bits of ``bits``: with AVX2, both halves in one 256-bit pass */
+static inline void gg_bits32(uint32_t bits, __m128i *low, __m128i *high) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    *low = gg_bits16(bits & 0xFFFF);
+    *high = gg_bits16(bits >> 16);
+#else
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
+                                               _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                                2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    const __m256i select = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i r = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select), _mm256_set1_epi8(16));
+    *low = _mm256_castsi256_si128(r);
+    *high = _mm256_extracti128_si256(r, 1);
+#endif
+}
+
 /* the low (shift 0) or high (shift 4) nibbles of 16 bytes */
 static inline __m128i gg_nibbles(__m128i v, int shift) {
     return _mm_and_si128(_mm_srl_epi16(v, _mm_cvtsi32_si128(shift)), _mm_set1_epi8(0x0F));
@@ -92,8 +108,10 @@ static inline __attribute__((always_inline)) gg_pair gg_pair_of(const uint8_t *b
         uint32_t qh;
         memcpy(&qh, b + at, sizeof qh);
         const __m128i v = gg_load16(b + at + 4);
-        r.q[0] = _mm_or_si128(gg_nibbles(v, 0), gg_bits16(qh & 0xFFFF));
-        r.q[1] = _mm_or_si128(gg_nibbles(v, 4), gg_bits16(qh >> 16));
+        __m128i low, high;
+        gg_bits32(qh, &low, &high);
+        r.q[0] = _mm_or_si128(gg_nibbles(v, 0), low);
+        r.q[1] = _mm_or_si128(gg_nibbles(v, 4), high);
         const __m128 dm = gg_f16x2(b);   /* (Q5_0: m's lane holds qh, unused) */
         const float d = _mm_cvtss_f32(dm);
         gg_same_scale(&r, d, QT == GG_Q5_0 ? -16.0f * d : _mm_cvtss_f32(_mm_movehdup_ps(dm)));
