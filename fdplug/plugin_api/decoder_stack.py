@@ -30,7 +30,8 @@ class StackLinear:
     ``format`` ``"gguf"``: ``groups`` are ``(weight, qtype)`` row groups in output order, each
     ``uint8 [rows, row_bytes]`` in GGML blocks of ``qtype`` (the ``gguf_linear`` op's weights, or what
     its kernel's ``prepare`` made of them); ``"float"``: one group ``(weight, dtype)``, the ``linear``
-    op's weight ``[N, K]`` (or its `PreparedWeight`); ``"fp8"``: not described (the stack is None).
+    op's weight ``[N, K]`` (or its `PreparedWeight`). A model with FP8 linears is not described at
+    all (the core logs why and runs its layers one by one).
     """
 
     format: str
