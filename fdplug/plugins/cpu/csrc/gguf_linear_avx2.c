@@ -39,6 +39,20 @@ static inline __attribute__((always_inline)) void gg_widen(const gg_pair *q, con
     }
 }
 
+/* A Q4_0/Q4_1 block's 32 weights straight from its bytes (gguf_linear_avx512.c's gg_widen_q4): bytes 0-7
+ * widened give elements 0-7 (low nibbles) and 16-23 (high), bytes 8-15 elements 8-15 and 24-31. */
+static inline __attribute__((always_inline)) void gg_widen_q4(const uint8_t *blk, const int QT, __m256 w[4]) {
+    const __m128 dm = gg_f16x2(blk);
+    const float d = _mm_cvtss_f32(dm), o = QT == GG_Q4_0 ? -8.0f * d : _mm_cvtss_f32(_mm_movehdup_ps(dm));
+    const uint8_t *qs = blk + (QT == GG_Q4_0 ? 2 : 4);
+    const __m256 dv = _mm256_set1_ps(d), ov = _mm256_set1_ps(o);
+    for (int v = 0; v < 2; ++v) {
+        const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8 * v)));
+        w[v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(0x0F))), dv, ov);
+        w[2 + v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4)), dv, ov);
+    }
+}
+
 /* acc[v]: lanes 8v .. 8v + 7 of the AVX-512 tile's [chain 0 | chain 1] */
 static inline float gg_finish(const __m256 acc[4]) {
     return lanes_sum8(_mm256_add_ps(acc[0], acc[2]), _mm256_add_ps(acc[1], acc[3]));

@@ -30,6 +30,16 @@ static inline __attribute__((always_inline)) void gg_widen(const gg_pair *q, con
     }
 }
 
+/* A Q4_0/Q4_1 block's 32 weights straight from its bytes: element i < 16 is byte i's low nibble, i + 16
+ * its high one, so one widening load of the 16 bytes gives both halves (gg_pair_of + gg_widen's values). */
+static inline __attribute__((always_inline)) void gg_widen_q4(const uint8_t *blk, const int QT, __m512 w[2]) {
+    const __m128 dm = gg_f16x2(blk);
+    const float d = _mm_cvtss_f32(dm), o = QT == GG_Q4_0 ? -8.0f * d : _mm_cvtss_f32(_mm_movehdup_ps(dm));
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + (QT == GG_Q4_0 ? 2 : 4))));
+    const __m512i q[2] = {_mm512_and_si512(bytes, _mm512_set1_epi32(0x0F)), _mm512_srli_epi32(bytes, 4)};
+    for (int h = 0; h < 2; ++h) w[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q[h]), _mm512_set1_ps(d), _mm512_set1_ps(o));
+}
+
 static inline float gg_finish(const __m512 acc[2]) { return lanes_sum(_mm512_add_ps(acc[0], acc[1])); }
 
 #include "gguf_tiles.c"

@@ -27,6 +27,10 @@ static inline __attribute__((always_inline)) void gg_weights(const uint8_t *blk,
         for (int v = 0; v < GG_NV; ++v) w[v] = gg_vload_half(blk + 2 * GG_VL * v, QT == GG_BF16);
         return;
     }
+    if (QT == GG_Q4_0 || QT == GG_Q4_1) {
+        gg_widen_q4(blk, QT, w);
+        return;
+    }
     const gg_pair q = gg_pair_of(blk, j, QT, s);
     gg_widen(&q, gg_signed(QT), w);
 }
