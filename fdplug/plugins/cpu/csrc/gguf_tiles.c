@@ -62,6 +62,22 @@ static inline __attribute__((always_inline)) void gg_tile(const gg_job *job, con
     for (int r = 0; r < MR; ++r) job->out[(int64_t)(m0 + r) * job->ld + n] = gg_finish(acc[r]);
 }
 
+/* BODY(QT) with QT the block type ``qtype`` as a compile-time constant, so that each decoder and
+ * tile is specialised per type (Q6_K the default: gg_known has checked the type). */
+#define GG_SWITCH_TYPE(qtype, BODY)                                                                  \
+    switch (qtype) {                                                                                 \
+    case GG_Q4_0: BODY(GG_Q4_0) break;                                                               \
+    case GG_Q4_1: BODY(GG_Q4_1) break;                                                               \
+    case GG_Q5_0: BODY(GG_Q5_0) break;                                                               \
+    case GG_Q5_1: BODY(GG_Q5_1) break;                                                               \
+    case GG_Q8_0: BODY(GG_Q8_0) break;                                                               \
+    case GG_Q4_K: BODY(GG_Q4_K) break;                                                               \
+    case GG_Q5_K: BODY(GG_Q5_K) break;                                                               \
+    case GG_F16: BODY(GG_F16) break;                                                                 \
+    case GG_BF16: BODY(GG_BF16) break;                                                               \
+    default: BODY(GG_Q6_K) break;                                                                    \
+    }
+
 /* A row of blocks widened to floats: the panel route's, and fdplug_gguf_dequant's. */
 static void gg_dequant_row(const uint8_t *row, int qtype, int depth, float *out) {
 #define GG_ROW(QT)                                                                                   \
@@ -75,18 +91,7 @@ static void gg_dequant_row(const uint8_t *row, int qtype, int depth, float *out)
         }                                                                                            \
     }
     gg_scales s;
-    switch (qtype) {
-    case GG_Q4_0: GG_ROW(GG_Q4_0) break;
-    case GG_Q4_1: GG_ROW(GG_Q4_1) break;
-    case GG_Q5_0: GG_ROW(GG_Q5_0) break;
-    case GG_Q5_1: GG_ROW(GG_Q5_1) break;
-    case GG_Q8_0: GG_ROW(GG_Q8_0) break;
-    case GG_Q4_K: GG_ROW(GG_Q4_K) break;
-    case GG_Q5_K: GG_ROW(GG_Q5_K) break;
-    case GG_F16: GG_ROW(GG_F16) break;
-    case GG_BF16: GG_ROW(GG_BF16) break;
-    default: GG_ROW(GG_Q6_K) break;
-    }
+    GG_SWITCH_TYPE(qtype, GG_ROW)
 #undef GG_ROW
 }
 
@@ -94,36 +99,27 @@ static void gg_dequant_row(const uint8_t *row, int qtype, int depth, float *out)
 #define GG_COLS(QT, MR) \
     for (int n = begin; n < end; ++n) gg_tile(job, src + (n - begin) * stride, QT, m0, MR, n)
 
+/* GG_COLS for mr rows (1 .. MAX, MAX at most 8), mr a compile-time constant in each case */
+#define GG_CAP(MR, MAX) ((MR) < (MAX) ? (MR) : (MAX))
+#define GG_SWITCH_ROWS(mr, MAX, QT)                                                                  \
+    switch (mr) {                                                                                    \
+    case 1: GG_COLS(QT, 1); break;                                                                   \
+    case 2: GG_COLS(QT, GG_CAP(2, MAX)); break;                                                      \
+    case 3: GG_COLS(QT, GG_CAP(3, MAX)); break;                                                      \
+    case 4: GG_COLS(QT, GG_CAP(4, MAX)); break;                                                      \
+    case 5: GG_COLS(QT, GG_CAP(5, MAX)); break;                                                      \
+    case 6: GG_COLS(QT, GG_CAP(6, MAX)); break;                                                      \
+    case 7: GG_COLS(QT, GG_CAP(7, MAX)); break;                                                      \
+    default: GG_COLS(QT, GG_CAP(8, MAX)); break;                                                     \
+    }
+
 /* The register route: rows m0 .. m0 + mr - 1 (mr <= GG_MR) of columns [begin, end), column n's
  * blocks at src + (n - begin) * stride. */
 static void gg_columns(const gg_job *job, const uint8_t *src, int64_t stride, int qtype, int m0, int mr, int begin,
                        int end) {
-#define GG_M(MR) ((MR) < GG_MR ? (MR) : GG_MR)
-#define GG_ROWS(QT)                                                                                  \
-    switch (mr) {                                                                                    \
-    case 1: GG_COLS(QT, 1); break;                                                                   \
-    case 2: GG_COLS(QT, GG_M(2)); break;                                                             \
-    case 3: GG_COLS(QT, GG_M(3)); break;                                                             \
-    case 4: GG_COLS(QT, GG_M(4)); break;                                                             \
-    case 5: GG_COLS(QT, GG_M(5)); break;                                                             \
-    case 6: GG_COLS(QT, GG_M(6)); break;                                                             \
-    case 7: GG_COLS(QT, GG_M(7)); break;                                                             \
-    default: GG_COLS(QT, GG_M(8)); break;                                                            \
-    }
-    switch (qtype) {
-    case GG_Q4_0: GG_ROWS(GG_Q4_0) break;
-    case GG_Q4_1: GG_ROWS(GG_Q4_1) break;
-    case GG_Q5_0: GG_ROWS(GG_Q5_0) break;
-    case GG_Q5_1: GG_ROWS(GG_Q5_1) break;
-    case GG_Q8_0: GG_ROWS(GG_Q8_0) break;
-    case GG_Q4_K: GG_ROWS(GG_Q4_K) break;
-    case GG_Q5_K: GG_ROWS(GG_Q5_K) break;
-    case GG_F16: GG_ROWS(GG_F16) break;
-    case GG_BF16: GG_ROWS(GG_BF16) break;
-    default: GG_ROWS(GG_Q6_K) break;
-    }
+#define GG_ROWS(QT) GG_SWITCH_ROWS(mr, GG_MR, QT)
+    GG_SWITCH_TYPE(qtype, GG_ROWS)
 #undef GG_ROWS
-#undef GG_M
 }
 
 /* The panel route: rows m0 .. m0 + mr - 1 (mr <= GG_PMR) of columns [begin, end) over their
@@ -131,17 +127,8 @@ static void gg_columns(const gg_job *job, const uint8_t *src, int64_t stride, in
 static void gg_panel_columns(const gg_job *job, const float *panel, int m0, int mr, int begin, int end) {
     const uint8_t *src = (const uint8_t *)panel;
     const int64_t stride = (int64_t)job->depth * 4;
-#define GG_M(MR) ((MR) < GG_PMR ? (MR) : GG_PMR)
-    switch (mr) {
-    case 1: GG_COLS(GG_F32, 1); break;
-    case 2: GG_COLS(GG_F32, GG_M(2)); break;
-    case 3: GG_COLS(GG_F32, GG_M(3)); break;
-    case 4: GG_COLS(GG_F32, GG_M(4)); break;
-    case 5: GG_COLS(GG_F32, GG_M(5)); break;
-    case 6: GG_COLS(GG_F32, GG_M(6)); break;
-    case 7: GG_COLS(GG_F32, GG_M(7)); break;
-    default: GG_COLS(GG_F32, GG_M(8)); break;
-    }
-#undef GG_M
+    GG_SWITCH_ROWS(mr, GG_PMR, GG_F32)
 }
+#undef GG_SWITCH_ROWS
+#undef GG_CAP
 #undef GG_COLS
