@@ -28,6 +28,7 @@ import functools
 from typing import Any
 
 from fdplug.plugin_api.gguf_formats import BLOCK_FORMATS
+from fdplug.plugin_api.gguf_formats import row_bytes as gguf_row_bytes
 from fdplug.plugin_api.ops import PreparedWeight
 from fdplug.plugins.cpu.kernels import _contiguous, _rows, empty_f32, load
 
@@ -35,6 +36,7 @@ SUPPORTED: tuple[str, ...] = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q
 """The block types csrc/gguf_linear.c decodes (float16 and bfloat16 rows in runs of 32 values)."""
 HALF_RUN = 32
 """csrc/gguf_linear.c reads F16 and BF16 rows 32 values at a time: their rows' length is a multiple."""
+_HALVES = ("F16", "BF16")
 _IDS = {name: BLOCK_FORMATS[name].ggml_type for name in SUPPORTED}   # the C code takes ggml's ids
 
 
@@ -60,16 +62,15 @@ def _is(dtype: Any, wanted: Any) -> bool:
 
 def takes(qtype: str, k: int) -> bool:
     """Whether the kernel reads rows of ``k`` weights of ``qtype`` (the others run the portable op)."""
-    return qtype in _IDS and (qtype not in ("F16", "BF16") or k % HALF_RUN == 0)
+    return qtype in _IDS and (qtype not in _HALVES or k % HALF_RUN == 0)
 
 
 def _check_weight(weight: Any, qtype: str, k: int) -> int:
     """The row bytes of ``weight [N, row_bytes]`` for ``k`` weights of ``qtype`` a row (raises if not)."""
     fmt = BLOCK_FORMATS[str(qtype).upper()]
-    block = HALF_RUN if fmt.name in ("F16", "BF16") else fmt.block
-    if k <= 0 or k % block:
-        raise ValueError(f"a {fmt.name} row holds a positive multiple of {block} weights here, not {k}")
-    row_bytes = k // fmt.block * fmt.nbytes
+    if fmt.name in _HALVES and k % HALF_RUN:
+        raise ValueError(f"{fmt.name} rows are read in runs of {HALF_RUN} weights here, not {k}")
+    row_bytes = gguf_row_bytes(fmt, k)     # (raises for k not a positive multiple of the block)
     shape = weight.shape
     if not _is(weight.dtype, _dtypes()[1]) or len(shape) != 2 or shape[1] != row_bytes:
         raise ValueError(f"gguf_linear: {fmt.name} rows of {k} weights are uint8 [N, {row_bytes}]; got "
