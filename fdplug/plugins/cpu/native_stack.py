@@ -141,6 +141,7 @@ class CpuDecoderStack:
         self.cache_pointers: tuple[np.ndarray, np.ndarray] | None = None
         self.cache_shape: list[int] = []
         self.scratch = np.empty(0, dtype=np.float32)
+        self.scratch_per_token = self.lib.fdplug_decoder_stack_scratch(ctypes.byref(self.model), 1)   # (linear)
 
     def _bind_caches(self, kv_caches: list[tuple[Any, Any]]) -> None:
         """Pointer arrays of every layer's caches, checked once for each list of caches."""
@@ -184,7 +185,7 @@ class CpuDecoderStack:
                 raise ValueError(f"decoder stack: hidden {list(hidden.shape)} for {tokens} tokens")
         cos, sin = kernels._contiguous(cos), kernels._contiguous(sin)
         kernels._check_float32(cos, sin, *(() if hidden is None else (hidden,)))
-        need = self.lib.fdplug_decoder_stack_scratch(ctypes.byref(self.model), tokens)
+        need = self.scratch_per_token * tokens
         if self.scratch.size < need:
             self.scratch = np.empty(need, dtype=np.float32)
         x, residual = kernels.empty_f32([tokens, self.stack.hidden_size]), kernels.empty_f32(
