@@ -154,12 +154,14 @@ def test_the_op_runs_the_tiles_at_every_row_count_so_a_row_does_not_depend_on_it
 
 
 def test_selection_picks_the_kernel_where_the_tiles_are():
-    """Chosen for gguf_linear at x86-64-v3 and above; below, the portable op (its scalar loop, as
-    the linears' is refused there)."""
+    """Chosen for gguf_linear at x86-64-v3 and above (in bf16 math where the build has AVX512-BF16:
+    tests/test_cpu_gguf_bf16_kernel.py); below, the portable op (its scalar loop, as the linears' is
+    refused there)."""
     from fdplug.core.plugin_loading.selection import select_components
 
     chosen = select_components("cpu").ops["gguf_linear"].name
-    assert chosen == ("cpu_native_gguf_linear" if isa.level() >= 3 else "paddle_gguf_linear")
+    native = "cpu_native_gguf_bf16_linear" if native_gguf.bf16_math_available() else "cpu_native_gguf_linear"
+    assert chosen == (native if isa.level() >= 3 else "paddle_gguf_linear")
 
 
 _BITS_SCRIPT = r"""

@@ -1,7 +1,7 @@
 """The hooks: what a plugin implements. Read with `fdplug.plugin_api.specs` (what it registers).
 
 A plugin is a module (or object) with functions decorated by ``fdplug.hookimpl`` whose names are
-the hooks below, and a module-level ``FDPLUG_API_VERSION = "3.12"`` naming the API it was written
+the hooks below, and a module-level ``FDPLUG_API_VERSION = "3.13"`` naming the API it was written
 for. Registration hooks are called once, when plugins load, with a ``register`` callback that
 accepts one spec object; the core validates what is registered, so a bad registration fails loudly
 and only that plugin is skipped.
@@ -33,6 +33,7 @@ is not slower (`fdplug.core.plugin_loading.op_timing`); ``Selection.measured_ops
 weight format and ``ModelTraits.weight_types`` (a plugin written for 3.10 gets the portable op). 3.12:
 the ``decoder_stack`` op (every decoder layer of a step in one call of the plugin's own, handed a
 `fdplug.plugin_api.decoder_stack.DecoderStack` at load; the portable op runs the layers one by one).
+3.13: ``OpSpec.bf16_inputs`` for ``gguf_linear`` kernels too (bf16 math on the decoded weights).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ if TYPE_CHECKING:
     from fdplug.plugin_api.selection import Selection
 
 PROJECT_NAME = "fdplug"
-API_VERSION = "3.12"
+API_VERSION = "3.13"
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)

@@ -49,7 +49,9 @@ Contracts (``T`` tokens as rows; inputs are never modified; results in the input
     quantized (and the tied lm_head of a quantized embedding). A kernel reads the blocks in place or
     lays them out once at load (``OpSpec(prepare=...)``, the `PreparedWeight` keeping the same bytes);
     it must not requantize them. A kernel supports the types listed in ``ModelTraits.weight_types``
-    or objects in ``supports``.
+    or objects in ``supports``. One registered with ``OpSpec(bf16_inputs=True)`` rounds ``x`` and each
+    decoded weight to bf16 and sums the (exact) products in float32: the portable op's result on
+    ``bf16(x)`` and ``bf16(dequantize(weight))``.
 ``argmax(logits) -> ids``
     ``logits [T, V]`` float32 -> numpy int64 ``[T]``: each row's largest value's index, the lowest
     among equal values, NaN never chosen (a row of only NaN gives 0); greedy sampling. On the host:

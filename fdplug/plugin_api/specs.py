@@ -132,10 +132,12 @@ class OpSpec(ComponentSpec):
     ``factory(config)`` returns a callable with that op's contract. Selected per op, like the other
     components: the highest priority that runs on the device and whose ``supports`` does not object.
 
-    ``bf16_inputs`` (``linear`` only): with bf16 weights the kernel rounds ``x`` to bf16 and sums the
-    exact bf16 products in float32 (bf16 math, as vLLM and transformers compute a bf16 model);
-    float32 weights it computes as any other. The conformance kit compares it with the portable op
-    on the rounded ``x``; `fdplug explain` says which math a bf16 model gets.
+    ``bf16_inputs`` (``linear`` and ``gguf_linear`` only): bf16 math. ``linear``: with bf16 weights
+    the kernel rounds ``x`` to bf16 and sums the exact bf16 products in float32 (as vLLM and
+    transformers compute a bf16 model); float32 weights it computes as any other. ``gguf_linear``:
+    ``x`` and each decoded weight rounded to bf16, the products summed in float32 (the rounding is
+    far below the blocks' own; llama.cpp quantizes ``x`` to 8 bits). The conformance kit compares it
+    with the portable op on the rounded values; `fdplug explain` says which math a model gets.
 
     ``prepare`` (``linear``, ``fp8_linear`` and ``gguf_linear`` only), like ``factory`` called with
     the config: returns a function that the core calls once per such layer after load with its
@@ -224,8 +226,10 @@ def validate_spec(spec: Any, expected: type) -> None:
             _require_callable(spec, "supports")
     if isinstance(spec, OpSpec) and spec.op not in OPS:
         raise ValueError(f"op {spec.op!r} of {spec.name!r} is not one of {', '.join(OPS)}")
-    if isinstance(spec, OpSpec) and spec.bf16_inputs is not False and (spec.bf16_inputs is not True or spec.op != "linear"):
-        raise ValueError(f"bf16_inputs of {spec.name!r} must be a bool, and True only for the 'linear' op")
+    if isinstance(spec, OpSpec) and spec.bf16_inputs is not False and (
+            spec.bf16_inputs is not True or spec.op not in ("linear", "gguf_linear")):
+        raise ValueError(f"bf16_inputs of {spec.name!r} must be a bool, and True only for the 'linear' and "
+                         "'gguf_linear' ops")
     if isinstance(spec, OpSpec) and spec.measure_key is not None:
         _require_callable(spec, "measure_key")
         if spec.op != "linear":

@@ -183,13 +183,15 @@ def test_gguf_linear_kernel_matches_the_portable_one(fdplug_selection, fdplug_pl
     """The selected ``gguf_linear`` kernel against the portable dequantize-and-matmul, on random blocks
     of each GGML type (every packed bit pattern, scales of both signs): N = 70 (no multiple of a
     tile), depths of 1, 6 and 18 blocks (32-weight types: 32, 192, 576; K-quants: 256 to 4608), 1 to 300
-    rows; with ``prepare``, on the prepared weight too (same bytes, same element count)."""
+    rows; with ``prepare``, on the prepared weight too (same bytes, same element count). A kernel
+    with ``bf16_inputs`` against the same product on ``bf16(x)`` and each decoded weight's bf16."""
     import paddle
 
     from fdplug.core.portable import ops as portable
 
     spec = fdplug_selection.ops["gguf_linear"]
     kernel = spec.factory(EngineConfig())
+    rounded = (lambda t: t.astype("bfloat16").astype("float32")) if spec.bf16_inputs else (lambda t: t)
     prepare = spec.prepare(EngineConfig()) if spec.prepare is not None else None
     rng = np.random.default_rng(11)
     paddle.set_device(fdplug_place)
@@ -203,7 +205,11 @@ def test_gguf_linear_kernel_matches_the_portable_one(fdplug_selection, fdplug_pl
             weights.append(prepared)
         for rows in (1, 3, 8, 9, 300):
             x = paddle.to_tensor(rng.standard_normal((rows, k), dtype=np.float32))
-            expected = portable.gguf_linear(x, weight, qtype, k).numpy()
+            if spec.bf16_inputs:   # bf16 math: the definition on the rounded values
+                wanted = rounded(portable.gguf_linear(paddle.eye(k, dtype="float32"), weight, qtype, k))
+                expected = (rounded(x) @ wanted).numpy()
+            else:
+                expected = portable.gguf_linear(x, weight, qtype, k).numpy()
             scale = np.abs(expected).max()
             for each in weights:
                 got = kernel(x, each, qtype, k).numpy()

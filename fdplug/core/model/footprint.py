@@ -95,7 +95,9 @@ def model_summary(cfg: ModelConfig, dtype: str, moe_backend: str, ops: Mapping[s
     if cfg.quant is not None:
         experts = f"; routed experts: {moe_backend}" if cfg.moe is not None else ""
         op = "gguf_linear" if cfg.gguf else "fp8_linear"
-        lines.append(f"quantization: {cfg.quant.describe()} (linear layers: {kernel(op)}{experts})")
+        math = " in bf16 math (inputs and weights rounded to bf16, float32 sums)" if (
+            ops and op in ops and ops[op].bf16_inputs) else ""
+        lines.append(f"quantization: {cfg.quant.describe()} (linear layers{math}: {kernel(op)}{experts})")
     moe = cfg.moe
     if moe is None:
         lines.append("moe: unused (a dense model)")

@@ -41,7 +41,7 @@ logger = logging.getLogger("fdplug")
 CSRC = Path(__file__).parent / "csrc"
 SOURCE = CSRC / "cpu_kernels.c"    # it #includes the other files of CSRC
 FLAGS = ("-O3", "-fno-math-errno", "-fPIC", "-shared", "-pthread", "-std=c99")   # + the target (`isa.march`)
-ABI = 10
+ABI = 11
 BUILD_TIMEOUT_S = 120.0
 
 _c_int, _c_float, _ptr, _i64 = ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_int64
@@ -66,6 +66,8 @@ SIGNATURES = {   # (restype, argtypes) of every function the library exports (cs
     "fdplug_rope": (None, [_ptr] * 4 + [_i64, _c_int, _c_int]),
     "fdplug_argmax": (None, [_ptr, _ptr, _i64, _c_int, _c_int]),
     "fdplug_gguf_linear": (_c_int, [_ptr] * 3 + [_c_int] * 5),
+    "fdplug_gguf_linear_bf16": (_c_int, [_ptr] * 3 + [_c_int] * 5),
+    "fdplug_gguf_bf16_available": (_c_int, []),
     "fdplug_gguf_dequant": (_c_int, [_ptr] * 2 + [_c_int] * 4),
     "fdplug_decoder_stack": (_c_int, [_ptr] * 2),
     "fdplug_decoder_stack_scratch": (_i64, [_ptr, _c_int]),

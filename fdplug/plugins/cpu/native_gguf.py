@@ -78,10 +78,17 @@ def _check_weight(weight: Any, qtype: str, k: int) -> int:
     return row_bytes
 
 
-def gguf_linear(x: Any, weight: Any, qtype: str, k: int, threads: int) -> Any:
+def bf16_math_available() -> bool:
+    """Whether the build has the bf16-math tiles (csrc/gguf_linear_bf16.c: the CPU has AVX512-BF16,
+    the compiler knows it, and FDPLUG_CPU_ISA does not cap it away)."""
+    return bool(load().fdplug_gguf_bf16_available())
+
+
+def gguf_linear(x: Any, weight: Any, qtype: str, k: int, threads: int, bf16_math: bool = False) -> Any:
     """``x [..., K]`` float32 times ``weight [N, row_bytes]`` uint8 (rows of ``K == k`` weights in
     GGML blocks of ``qtype``, byte for byte as in the file) -> ``[..., N]`` float32: the
-    ``gguf_linear`` op's contract (`fdplug.plugin_api.ops`), for the types in `SUPPORTED` only."""
+    ``gguf_linear`` op's contract (`fdplug.plugin_api.ops`), for the types in `SUPPORTED` only.
+    ``bf16_math``: ``x`` and the decoded weights rounded to bf16, float32 sums (AVX512-BF16)."""
     type_id = _type_id(qtype)
     _check_weight(weight, qtype, k)
     shape = x.shape
@@ -92,8 +99,11 @@ def gguf_linear(x: Any, weight: Any, qtype: str, k: int, threads: int) -> Any:
     rows, cols = _rows(shape), weight.shape[0]
     x = _contiguous(x if len(shape) == 2 else x.reshape([rows, k]))
     out = empty_f32([rows, cols])
-    status = load().fdplug_gguf_linear(x.data_ptr(), _contiguous(weight).data_ptr(), out.data_ptr(), rows, cols, k,
-                                       type_id, threads)
+    lib = load()
+    run = lib.fdplug_gguf_linear_bf16 if bf16_math else lib.fdplug_gguf_linear
+    status = run(x.data_ptr(), _contiguous(weight).data_ptr(), out.data_ptr(), rows, cols, k, type_id, threads)
+    if status == -3:
+        raise MemoryError(f"gguf_linear: no memory for the bf16 copy of a [{rows}, {k}] input")
     if status != 0:
         raise ValueError(f"fdplug_gguf_linear refused {qtype} rows of {k} weights (status {status})")
     return out if len(shape) == 2 else out.reshape([*shape[:-1], cols])
@@ -112,12 +122,12 @@ def dequantize(weight: Any, qtype: str, k: int, threads: int) -> Any:
     return out
 
 
-def gguf_linear_or_portable(x: Any, weight: Any, qtype: str, k: int, threads: int) -> Any:
+def gguf_linear_or_portable(x: Any, weight: Any, qtype: str, k: int, threads: int, bf16_math: bool = False) -> Any:
     """The ``gguf_linear`` op: `gguf_linear` for float32 inputs and the types in `SUPPORTED` on the
     file's ``[N, row_bytes]`` bytes, at every row count (one summation order: a row's result does
     not depend on its batch); anything else the portable dequantize-and-matmul."""
     if takes(qtype, k) and _is(x.dtype, _dtypes()[0]) and not isinstance(weight, PreparedWeight):
-        return gguf_linear(x, weight, qtype, k, threads)
+        return gguf_linear(x, weight, qtype, k, threads, bf16_math)
     from fdplug.core.portable.ops import gguf_linear as portable
 
     return portable(x, weight, qtype, k)

@@ -40,6 +40,7 @@ enum { GG_F32 = 0, GG_F16 = 1, GG_Q4_0 = 2, GG_Q4_1 = 3, GG_Q5_0 = 6, GG_Q5_1 = 
 #define GG_PANEL_ROWS 8             /* above this many rows the panel route */
 #endif
 #define GG_PANEL_BYTES (128 << 10)  /* a thread's widened panel: stays in L2 while every row passes */
+#define GG_SMALL_X 8192             /* bf16 math: up to this many values of x rounded on the stack */
 
 typedef struct {
     const float *x;
@@ -48,6 +49,7 @@ typedef struct {
     int rows, cols, depth, qtype, row_bytes, panel;
     int64_t cols_per_piece, next_piece;
     int64_t ld; /* out's row stride: cols, or more where this layer's columns are part of a wider output */
+    const uint16_t *xb; /* bf16 math (gguf_linear_bf16.c): x rounded to bf16; NULL: float32 math */
 } gg_job;
 
 /* Weights and bytes of a block of QT (one of the types below: gg_known) */
@@ -124,6 +126,9 @@ static inline void gg_k_scales(const uint8_t *b, int qtype, gg_scales *s) {
 #include "gguf_bytes.c"
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include "gguf_linear_avx512.c"
+#ifdef __AVX512BF16__
+#include "gguf_linear_bf16.c"
+#endif
 #else
 #include "gguf_linear_avx2.c"
 #endif
@@ -131,6 +136,7 @@ static inline void gg_k_scales(const uint8_t *b, int qtype, gg_scales *s) {
 #else
 #include "gguf_linear_scalar.c"
 #endif
+#undef GG_SWITCH_ROWS
 
 #ifdef GG_HAVE_PANELS
 /* A thread's panel buffer, grown as needed and kept while the thread lives (the pool's threads
@@ -183,9 +189,30 @@ static float *gg_panel_buffer(int64_t floats) {
 #ifndef GG_X_L1_BYTES
 #define GG_X_L1_BYTES (32 << 10)
 #endif
-static int gg_panel_tile_rows(int depth) {
-    const int fit = GG_X_L1_BYTES / (4 * depth);
+static int gg_panel_tile_rows(int depth, int x_bytes) {
+    const int fit = GG_X_L1_BYTES / (x_bytes * depth);
     return fit < 1 ? 1 : fit < GG_PMR ? fit : GG_PMR;
+}
+#endif
+
+#ifdef GG_HAVE_BF16
+/* Columns [begin, end) in bf16 math: the panel route (the piece's weights decoded and rounded once,
+ * half a float panel's bytes) or the register route, as in float32 math */
+static void gg_bf16_piece(const gg_job *job, int begin, int end) {
+    const int64_t values = (int64_t)(end - begin) * job->depth;
+    uint16_t *panel = job->panel ? (uint16_t *)gg_panel_buffer((values + 1) / 2) : NULL;
+    if (panel != NULL) {
+        for (int n = begin; n < end; ++n)
+            gg_dequant_row_bf16(job->w + (int64_t)n * job->row_bytes, job->qtype, job->depth,
+                                panel + (int64_t)(n - begin) * job->depth);
+        const int step = gg_panel_tile_rows(job->depth, 2);
+        for (int m0 = 0; m0 < job->rows; m0 += step)
+            gg_panel_columns_bf16(job, panel, m0, job->rows - m0 < step ? job->rows - m0 : step, begin, end);
+        return;
+    }
+    for (int m0 = 0; m0 < job->rows; m0 += GG_BMR)
+        gg_columns_bf16(job, job->w + (int64_t)begin * job->row_bytes, job->row_bytes, job->qtype, m0,
+                        job->rows - m0 < GG_BMR ? job->rows - m0 : GG_BMR, begin, end);
 }
 #endif
 
@@ -196,12 +223,18 @@ static void *gg_worker(void *arg) {
         if (begin >= job->cols) return NULL;
         const int end = (int)(begin + job->cols_per_piece < job->cols ? begin + job->cols_per_piece : job->cols);
 #ifdef GG_HAVE_PANELS
+#ifdef GG_HAVE_BF16
+        if (job->xb != NULL) {
+            gg_bf16_piece(job, (int)begin, end);
+            continue;
+        }
+#endif
         float *panel = job->panel ? gg_panel_buffer((int64_t)(end - begin) * job->depth) : NULL;
         if (panel != NULL) { /* (no memory for it: the register route, the same bits) */
             for (int n = (int)begin; n < end; ++n)
                 gg_dequant_row(job->w + (int64_t)n * job->row_bytes, job->qtype, job->depth,
                                panel + (int64_t)(n - begin) * job->depth);
-            const int step = gg_panel_tile_rows(job->depth);
+            const int step = gg_panel_tile_rows(job->depth, 4);
             for (int m0 = 0; m0 < job->rows; m0 += step) /* the panel stays in L2 across row tiles */
                 gg_panel_columns(job, panel, m0, job->rows - m0 < step ? job->rows - m0 : step, (int)begin, end);
             continue;
@@ -230,8 +263,11 @@ static int64_t gg_piece_cols(int cols, int64_t most, int num_threads, int per_th
  * Returns 0, or -2 for a type not decoded here or a depth that is not a multiple of its block
  * (nothing written). */
 static int gg_linear(const float *x, const uint8_t *w, float *out, int64_t ld, int rows, int cols, int depth,
-                     int qtype, int num_threads) {
+                     int qtype, int bf16, int num_threads) {
     if (!gg_known(qtype) || depth <= 0 || depth % GG_QK(qtype) != 0) return -2;
+#ifndef GG_HAVE_BF16
+    if (bf16) return -4;
+#endif
     if (rows <= 0 || cols <= 0) return 0;
     const int row_bytes = depth / GG_QK(qtype) * GG_BYTES(qtype);
 #ifdef GG_HAVE_PANELS
@@ -241,17 +277,45 @@ static int gg_linear(const float *x, const uint8_t *w, float *out, int64_t ld, i
 #endif
     /* the panel route: a piece is a panel, 4 a thread at least (both cores busy on the smallest
      * layers); the register route: up to ~64 KiB of blocks */
-    const int64_t per_piece = panel ? gg_piece_cols(cols, GG_PANEL_BYTES / ((int64_t)depth * 4), num_threads, 4)
-                                    : gg_piece_cols(cols, (1 << 16) / row_bytes, num_threads, 1);
-    gg_job job = {x, w, out, rows, cols, depth, qtype, row_bytes, panel, per_piece, 0, ld};
+    const int panel_value_bytes = bf16 ? 2 : 4;
+    const int64_t per_piece =
+        panel ? gg_piece_cols(cols, GG_PANEL_BYTES / ((int64_t)depth * panel_value_bytes), num_threads, 4)
+              : gg_piece_cols(cols, (1 << 16) / row_bytes, num_threads, 1);
+    gg_job job = {x, w, out, rows, cols, depth, qtype, row_bytes, panel, per_piece, 0, ld, NULL};
+    uint16_t small[GG_SMALL_X], *xb = NULL;
+#ifdef GG_HAVE_BF16
+    if (bf16) { /* x rounded once a call: on the stack for a few rows, else on the heap */
+        const int64_t values = (int64_t)rows * depth;
+        xb = values <= GG_SMALL_X ? small : NULL;
+        if (xb == NULL && posix_memalign((void **)&xb, 64, sizeof(uint16_t) * (size_t)values) != 0) return -3;
+        gg_round_rows_bf16(x, xb, values);
+        job.xb = xb;
+    }
+#endif
     const int64_t pieces = (cols + per_piece - 1) / per_piece;
     run_workers(gg_worker, &job, num_threads < pieces ? num_threads : (int)pieces);
+    if (xb != small) free(xb);
     return 0;
 }
 
 int fdplug_gguf_linear(const float *x, const uint8_t *w, float *out, int rows, int cols, int depth, int qtype,
                        int num_threads) {
-    return gg_linear(x, w, out, cols, rows, cols, depth, qtype, num_threads);
+    return gg_linear(x, w, out, cols, rows, cols, depth, qtype, 0, num_threads);
+}
+
+/* fdplug_gguf_linear in bf16 math (gguf_linear_bf16.c): -4 where the build has no AVX512-BF16, -3
+ * where x's bf16 copy cannot be allocated (nothing written either way) */
+int fdplug_gguf_linear_bf16(const float *x, const uint8_t *w, float *out, int rows, int cols, int depth, int qtype,
+                            int num_threads) {
+    return gg_linear(x, w, out, cols, rows, cols, depth, qtype, 1, num_threads);
+}
+
+int fdplug_gguf_bf16_available(void) {
+#ifdef GG_HAVE_BF16
+    return 1;
+#else
+    return 0;
+#endif
 }
 
 /* W [cols, row bytes] in blocks of qtype -> out [cols, depth] float32 (the values gg_columns

@@ -129,6 +129,5 @@ static void gg_panel_columns(const gg_job *job, const float *panel, int m0, int 
     const int64_t stride = (int64_t)job->depth * 4;
     GG_SWITCH_ROWS(mr, GG_PMR, GG_F32)
 }
-#undef GG_SWITCH_ROWS
 #undef GG_CAP
 #undef GG_COLS
