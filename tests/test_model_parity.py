@@ -48,13 +48,15 @@ class Steps:
     interleave, so a wrong block table or slot mapping cannot go unnoticed.
     """
 
-    def __init__(self, name: str, num_seqs: int, max_len: int = 16, model_dir: Path | None = None) -> None:
-        """``model_dir``: load the model from there (a fresh load) instead of the golden fixture ``name``."""
+    def __init__(self, name: str, num_seqs: int, max_len: int = 16, model_dir: Path | None = None,
+                 moe_backend: object = None) -> None:
+        """``model_dir``: load the model from there (a fresh load) instead of the golden fixture ``name``,
+        its routed experts run by ``moe_backend`` (None: the reference)."""
         if model_dir is None:
             self.model, self.cfg, self.backend = loaded(name)
         else:
             self.backend = ReferenceAttention()
-            self.model, self.cfg = load_model(model_dir, self.backend, show_progress=False)
+            self.model, self.cfg = load_model(model_dir, self.backend, show_progress=False, moe_backend=moe_backend)
         self.blocks_per_seq = -(-max_len // BLOCK)
         self.tables = np.array([[1 + j * num_seqs + i for j in range(self.blocks_per_seq)] for i in range(num_seqs)])
         num_blocks = 1 + num_seqs * self.blocks_per_seq

@@ -210,7 +210,7 @@ def test_no_candidate_left_is_an_error_listing_every_reason():
     with pytest.raises(SelectionError) as err:
         select_components("cpu", config=config)
     assert "no moe can run on device 'cpu'" in str(err.value)
-    assert "reference: executes weight formats none, fp8_block, not the model's 'w4a8'" in str(err.value)
+    assert "reference: executes weight formats none, fp8_block, gguf, not the model's 'w4a8'" in str(err.value)
 
 
 def test_storages_are_chosen_per_scheme_by_priority_and_explicitly():

@@ -33,7 +33,8 @@ is not slower (`fdplug.core.plugin_loading.op_timing`); ``Selection.measured_ops
 weight format and ``ModelTraits.weight_types`` (a plugin written for 3.10 gets the portable op). 3.12:
 the ``decoder_stack`` op (every decoder layer of a step in one call of the plugin's own, handed a
 `fdplug.plugin_api.decoder_stack.DecoderStack` at load; the portable op runs the layers one by one).
-3.13: ``OpSpec.bf16_inputs`` for ``gguf_linear`` kernels too (bf16 math on the decoded weights).
+3.13: ``OpSpec.bf16_inputs`` for ``gguf_linear`` kernels too (bf16 math on the decoded weights); the
+``gguf`` expert weight format (a GGUF file's routed experts in GGML blocks, ``ExpertWeights.qtypes``).
 """
 
 from __future__ import annotations

@@ -143,6 +143,11 @@ class ExpertWeights:
     ``fp8_block``: e4m3 values and float32 scales *per row*, ``[E, rows, ceil(cols / block[1])]`` (a
     checkpoint's ``block[0]``-row tiles repeated over their rows), so ``W[e, i, j] = q[e, i, j] *
     scales[e, i, j // block[1]]``.
+    ``gguf`` (API 3.13; a GGUF file's experts, kept as stored): uint8 ``[E, rows, row_bytes]``, each row
+    the file's bytes of one weight row in GGML blocks, and ``qtypes`` the GGML type of each tensor keyed
+    ``gate``/``up``/``down`` (`fdplug.plugin_api.gguf_formats`: ``row_bytes(qtypes[name], cols)`` is the
+    last dim; one file mixes types, a Q4_K_M file has Q4_K gate/up and Q6_K down in some layers).
+    No scales: the blocks carry theirs. ``fdplug.core.quant.gguf_blocks.dequantize`` is the reference.
     """
 
     gate: Any
@@ -151,10 +156,24 @@ class ExpertWeights:
     format: str = "none"
     scales: dict[str, Any] = field(default_factory=dict)
     block: tuple[int, int] = (128, 128)
+    qtypes: dict[str, str] = field(default_factory=dict)    # gguf: GGML type by ``gate``/``up``/``down``
 
     @property
     def num_experts(self) -> int:
         return int(self.gate.shape[0])
+
+    def check_gguf(self) -> None:
+        """For the ``gguf`` format: each of gate/up/down is uint8 ``[E, rows, row_bytes(qtypes[name],
+        cols)]`` (``cols``: the hidden size for gate and up, the intermediate size for down); a
+        ValueError says which is not (a type outside `gguf_formats` is an UnsupportedModelError)."""
+        from fdplug.plugin_api.gguf_formats import row_bytes
+
+        inter, hidden = int(self.gate.shape[1]), int(self.down.shape[1])
+        for name, cols in (("gate", hidden), ("up", hidden), ("down", inter)):
+            t, qtype = getattr(self, name), self.qtypes.get(name)
+            if qtype is None or str(t.dtype) != "paddle.uint8" or int(t.shape[-1]) != row_bytes(qtype, cols):
+                raise ValueError(f"gguf experts: {name} must be uint8 [E, rows, row_bytes({qtype}, {cols})], got "
+                                 f"{t.dtype} {list(t.shape)}")
 
 
 @dataclass(slots=True)

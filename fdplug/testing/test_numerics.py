@@ -43,6 +43,42 @@ def test_moe_matches_cpu_reference(case, moe_backend_name, fdplug_plugin_set, fd
     np.testing.assert_allclose(got, expected, atol=fdplug_atol, rtol=fdplug_atol)
 
 
+def test_moe_gguf_experts_match_cpu_reference(moe_backend_name, fdplug_plugin_set, fdplug_place, fdplug_selection):
+    """A MoE backend that lists the ``gguf`` expert format, on a GGUF file's experts (random GGML
+    blocks, `ExpertWeights.qtypes` per projection: a Q4_K_M file's Q4_K gate/up and Q6_K down, and
+    Q8_0/Q4_1/Q5_0), 1 to 33 tokens, against the reference backend's dequantize-and-matmul."""
+    import paddle
+
+    from fdplug.plugin_api.moe import ExpertWeights
+
+    spec = fdplug_plugin_set.registry.get("moe", moe_backend_name).spec if moe_backend_name else None
+    if spec is None or "gguf" not in spec.weight_formats:
+        pytest.skip(f"{moe_backend_name} does not list the gguf expert format")
+    rng = np.random.default_rng(13)
+    e, h, i = 6, 256, 512
+    for qtypes in ({"gate": "Q4_K", "up": "Q4_K", "down": "Q6_K"}, {"gate": "Q8_0", "up": "Q4_1", "down": "Q5_0"}):
+        blocks = {name: _random_gguf_blocks(qtypes[name], e * rows, cols, rng).reshape(e, rows, -1)
+                  for name, rows, cols in (("gate", i, h), ("up", i, h), ("down", h, i))}
+        runs = []
+        for backend, place in ((spec.factory(EngineConfig()), fdplug_place), (_reference("moe"), "cpu")):
+            paddle.set_device(place)
+            layer = backend.load_weights(ExpertWeights(*(paddle.to_tensor(blocks[n]) for n in ("gate", "up", "down")),
+                                                       format="gguf", qtypes=dict(qtypes)))
+            runs.append((backend, layer))
+        for tokens in (1, 5, 33):
+            x = rng.standard_normal((tokens, h)).astype(np.float32)
+            ids = np.stack([rng.choice(e, 2, replace=False) for _ in range(tokens)]).astype(np.int64)
+            weights = rng.uniform(0.1, 1.0, (tokens, 2)).astype(np.float32)
+            outs = []
+            for (backend, layer), place in zip(runs, (fdplug_place, "cpu")):
+                paddle.set_device(place)
+                args = (paddle.to_tensor(a) for a in (x, weights, ids))
+                outs.append(backend.forward(*args, layer).astype("float32").numpy())
+            np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-5 * np.abs(outs[1]).max(),
+                                       err_msg=f"{qtypes}, {tokens} tokens")
+    paddle.set_device(fdplug_place)
+
+
 @pytest.mark.parametrize("op", ["swiglu", "rms_norm"])
 def test_op_kernels_match_the_portable_ones(op, fdplug_selection, fdplug_place):
     """The op kernel selected for the device (`fdplug.plugin_api.ops`) against the core's portable one."""

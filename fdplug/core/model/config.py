@@ -183,9 +183,12 @@ class ModelConfig:
                                  "match its head size: convert it again with llama.cpp.")
 
     def moe_weight_format(self) -> str:
-        """How the routed experts are stored: ``none`` (float), ``fp8_block``; a MoE backend must execute it."""
+        """How the routed experts are stored: ``none`` (float), ``fp8_block``, ``gguf`` (a GGUF file's
+        blocks, `gguf_weights.GgufQuant.expert_format`); a MoE backend must execute it."""
         if self.moe is None:
             return "none"
+        if self.gguf:
+            return self.gguf.expert_format
         quant = fused_quant(self.quant, f"model.layers.{self.moe.layers[0]}.mlp.experts.", ("gate_proj", "up_proj",
                                                                                             "down_proj"))
         return quant.format if quant else "none"

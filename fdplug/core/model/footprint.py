@@ -58,14 +58,16 @@ def parameter_counts(cfg: ModelConfig) -> tuple[int, int]:
 def weight_footprint(cfg: ModelConfig, dtype: str, expert_shards: int = 1) -> WeightFootprint:
     """Bytes of the weights as loaded (``expert_shards``: one rank's share of the routed experts
     under expert parallel); FP8 experts count 1 byte a weight plus their per-row scales
-    (`fp8_layers`). FP8 dense linears are counted as ``dtype``: an upper bound, fine for a fit check;
-    with `ModelConfig.bf16_weights` everything but the routed experts counts 2 bytes (the norms and
-    biases, kept in ``dtype``, are a rounding error)."""
+    (`fp8_layers`), a GGUF file's experts their bytes in the file. FP8 dense linears are counted as
+    ``dtype``: an upper bound, fine for a fit check; with `ModelConfig.bf16_weights` everything but
+    the routed experts counts 2 bytes (the norms and biases, kept in ``dtype``, are a rounding error)."""
     total, experts = parameter_counts(cfg)
     size = DTYPE_BYTES[dtype]
     expert_bytes = experts * size
     dense_size = DTYPE_BYTES["bfloat16"] if cfg.bf16_weights else size
-    if cfg.moe is not None and cfg.moe_weight_format() != "none":
+    if cfg.moe is not None and cfg.moe_weight_format() == "gguf":   # the file's blocks
+        expert_bytes = cfg.gguf.expert_bytes
+    elif cfg.moe is not None and cfg.moe_weight_format() != "none":
         h, i, bk = cfg.hidden_size, cfg.moe.intermediate_size, cfg.quant.block[1]
         scales = 4 * (2 * i * -(-h // bk) + h * -(-i // bk))
         expert_bytes = experts + len(cfg.moe.layers) * cfg.moe.num_experts * scales

@@ -13,6 +13,10 @@ back the order the checkpoint had: llama.cpp's converter interleaves each head's
 (its RoPE rotates neighbouring pairs); ours rotates halves, as transformers does (`unpermute_rows`).
 Llama 3.1's RoPE scaling arrives as a tensor of per-frequency divisors (``rope_freqs``), which
 becomes `RopeConfig.freq_factors`.
+
+MoE files (``qwen2moe``, ``qwen3moe``) stack each layer's routed experts into one 3-D tensor per
+projection (``ffn_gate_exps`` ``[E, I, H]``, ``ffn_up_exps``, ``ffn_down_exps`` ``[E, H, I]``), named
+here ``mlp.experts.gate_proj`` etc.: the modules `moe_block.SparseMoEBlock` keeps in their blocks.
 """
 
 from __future__ import annotations
@@ -26,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from fdplug.plugin_api.gguf_formats import format_of
 from fdplug.errors import ModelLoadError, UnsupportedModelError
+from fdplug.plugin_api.gguf_formats import format_of
 
 SUFFIX = ".gguf"
 # general.architecture -> (transformers architecture, whether llama.cpp's converter permuted q/k rows)
@@ -35,13 +39,23 @@ ARCHITECTURES: dict[str, tuple[str, bool]] = {
     "llama": ("LlamaForCausalLM", True),
     "qwen2": ("Qwen2ForCausalLM", False),
     "qwen3": ("Qwen3ForCausalLM", False),
+    "qwen2moe": ("Qwen2MoeForCausalLM", False),
+    "qwen3moe": ("Qwen3MoeForCausalLM", False),
 }
+# MoE architectures: whether llama.cpp renormalises the top-k routing weights (``build_moe_ffn``'s
+# ``norm_w``, fixed per architecture in src/models/qwen*moe.cpp, not read from the file)
+_NORM_TOPK = {"qwen2moe": False, "qwen3moe": True}
 _LAYER_NAMES = {  # blk.{i}.<name> -> model.layers.{i}.<name>
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+_SHARED_GATE = ".mlp.shared_expert_gate.weight"
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 ROPE_FREQS = "rope_freqs.weight"
 _SPLIT = re.compile(r"-\d{5}-of-\d{5}\.gguf$")
@@ -129,12 +143,17 @@ def _open(name: str, size: int, mtime_ns: int) -> GgufFile:
                                     f"{', '.join(ARCHITECTURES)}.", fix=_FIX)
     tensors, rope_freqs = {}, ()
     for t in reader.tensors:
-        format_of(t.tensor_type.name)       # an unsupported type is refused by name before anything loads
+        try:                                # an unsupported type is refused by name before anything loads
+            format_of(t.tensor_type.name)
+        except UnsupportedModelError as exc:
+            raise UnsupportedModelError(f"GGUF tensor {t.name!r}: {exc.message}", fix=exc.fix) from None
         if t.name == ROPE_FREQS:            # not a weight: Llama 3.1's RoPE scaling (`RopeConfig.freq_factors`)
             rope_freqs = tuple(float(v) for v in np.asarray(t.data, dtype=np.float32).reshape(-1))
             continue
         name = hf_name(t.name)
         shape = tuple(int(n) for n in reversed(t.shape.tolist()))   # ggml lists ne0 (the row length) first
+        if name.endswith(_SHARED_GATE) and len(shape) == 1:   # older converters squeezed HF's [1, H]
+            shape = (1, *shape)
         tensors[name] = GgufTensor(name, t.name, t.tensor_type.name, shape, t.data)
     return GgufFile(path, metadata, tensors, rope_freqs)
 
@@ -177,6 +196,7 @@ def hf_config(md: dict[str, Any], tensors: dict[str, GgufTensor]) -> dict[str, A
         "vocab_size": vocab if isinstance(vocab, int) else key("vocab_size", int),
         "tie_word_embeddings": "lm_head.weight" not in tensors,
         "attention_bias": "model.layers.0.self_attn.q_proj.bias" in tensors,
+        "qkv_bias": "model.layers.0.self_attn.q_proj.bias" in tensors,     # Qwen2-MoE's name for it
         "torch_dtype": "float32",
     }
     ids = {token: md.get(f"tokenizer.ggml.{token}_token_id") for token in ("bos", "eos", "eot", "eom", "padding")}
@@ -191,7 +211,25 @@ def hf_config(md: dict[str, Any], tensors: dict[str, GgufTensor]) -> dict[str, A
     rotary = key("rope.dimension_count", int, raw["head_dim"])
     if rotary != raw["head_dim"]:
         raw["partial_rotary_factor"] = rotary / raw["head_dim"]
+    if arch in _NORM_TOPK:
+        raw |= _moe_config(arch, key, raw["intermediate_size"])
     return raw
+
+
+def _moe_config(arch: str, key: Any, ffn: int) -> dict[str, Any]:
+    """The config.json keys of a Qwen MoE file (`moe_config._qwen_moe` reads them), with llama.cpp's
+    defaults for absent ones (src/models/qwen*moe.cpp): an expert's width is ``feed_forward_length /
+    expert_used_count``, the shared expert's ``feed_forward_length`` (Qwen2-MoE; Qwen3-MoE has none).
+    Every layer is MoE (llama.cpp reads no ``mlp_only_layers``). ``norm_topk_prob`` is llama.cpp's,
+    fixed per architecture: Qwen2-MoE weighs the top-k softmax scores as they are (transformers'
+    default too), Qwen3-MoE renormalises them to sum 1 (its checkpoints' ``norm_topk_prob: true``)."""
+    used = key("expert_used_count", int)
+    out = {"num_experts": key("expert_count", int), "num_experts_per_tok": used,
+           "moe_intermediate_size": key("expert_feed_forward_length", int, ffn // max(used, 1)),
+           "norm_topk_prob": _NORM_TOPK[arch], "decoder_sparse_step": 1, "mlp_only_layers": []}
+    if arch == "qwen2moe":
+        out["shared_expert_intermediate_size"] = key("expert_shared_feed_forward_length", int, ffn)
+    return out
 
 
 def qk_permuted(arch: str) -> bool:

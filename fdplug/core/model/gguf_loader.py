@@ -2,9 +2,11 @@
 
 The same `weight_slots` as a Hugging Face checkpoint say where each tensor goes (the file's tensors
 have their HF names, `gguf_file.hf_name`). A weight whose projection keeps GGML blocks
-(`gguf_layers.GgufLinear`, the embedding table) is copied as the file's rows of bytes into the
-parameter of its block type; any other tensor (norms, biases, F32 weights; F16/BF16 ones fused with F32 ones) is converted to the
-parameter's dtype. Llama-family q/k rows are put back in transformers' order first
+(`gguf_layers.GgufLinear`, the embedding table, a MoE layer's stacked experts) is copied as the
+file's rows of bytes into the parameter of its block type; any other tensor (norms, biases, F32
+weights; F16/BF16 ones fused with F32 ones; the MoE router) is converted to the parameter's dtype.
+A MoE layer's experts go to its backend once their three stacks are in
+(`moe_block.SparseMoEBlock.load_experts`). Llama-family q/k rows are put back in transformers' order first
 (`gguf_file.unpermute_rows`): a row permutation, so quantized rows move as they are. Shapes are
 checked from the file's index before any data is read, as for safetensors.
 """
@@ -37,7 +39,7 @@ def load_gguf_weights(model: DecoderForCausalLM, cfg: ModelConfig, gguf: GgufFil
     """Fill every parameter of ``model`` from ``gguf``; any mismatch is a WeightMismatchError."""
     from tqdm.auto import tqdm
 
-    from fdplug.core.model.loader import _assign
+    from fdplug.core.model.loader import _assign, _experts_complete
 
     slots = weight_slots(cfg)
     params = dict(model.named_parameters())
@@ -63,6 +65,7 @@ def load_gguf_weights(model: DecoderForCausalLM, cfg: ModelConfig, gguf: GgufFil
         pending[param] -= 1
         if pending[param] == 0:
             _assign(params[param], pieces.pop(param))
+            _experts_complete(model, param, pending)     # a MoE layer's experts go to its backend
     if slots:
         missing = sorted(slots)
         raise WeightMismatchError(f"{len(missing)} tensor(s) missing from the GGUF file, first {missing[0]!r}.",

@@ -94,6 +94,7 @@ def load_model(model_dir: str | Path, attn_backend: Any, dtype: str = "float32",
                 time.perf_counter() - started)
     if gguf is not None:
         held = sum(int(p.numel()) * p.element_size() for p in model.parameters())
+        held += sum(getattr(layer, "expert_bytes", 0) for layer in model.sublayers())   # the MoE backend's
         logger.info("%s; %.1f MB of weights held (the file: %.1f MB)", cfg.quant.describe(), held / 1e6,
                     gguf.stat().st_size / 1e6)
     return model, cfg

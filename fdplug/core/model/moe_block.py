@@ -9,7 +9,11 @@ The routed experts arrive from the checkpoint as two stacked parameters in Huggi
 ``experts_gate_up [E, 2I, H]`` (each expert's gate rows, then its up rows) and ``experts_down
 [E, H, I]``. When the loader has filled both, `load_experts` hands them to the backend, which
 converts them to its own layout once, and the parameters are dropped: the backend's copy is the
-only one that stays.
+only one that stays. A GGUF file stacks gate and up apart, each in its own GGML type (a Q4_K_M file
+has Q4_K gate/up and Q6_K down), so its experts are three parameters, ``experts_gate``,
+``experts_up`` ``[E, I, row_bytes]`` and ``experts_down`` ``[E, H, row_bytes]``, uint8, the file's
+bytes: the backend gets them as the ``gguf`` weight format (`ExpertWeights.qtypes`), still quantized
+(as float ``[E, I, H]`` and ``[E, H, I]`` where every expert tensor of the file is F32).
 
 Expert parallel (``expert_parallel``, a `lockstep.LockstepGroup`): the backend gets only this
 rank's slice of the experts, and the routed step is ``expert_round``: the group's exchange
@@ -21,6 +25,7 @@ whose tokens it served fail their pass rather than go on without those rows).
 
 from __future__ import annotations
 
+from math import prod
 from typing import Any
 
 import paddle
@@ -28,6 +33,7 @@ import paddle.nn.functional as F
 from paddle import nn
 
 from fdplug.core.model.fp8_layers import FP8_DTYPE
+from fdplug.core.model.gguf_weights import GGUF
 from fdplug.core.model.layers import SwiGLU, empty_parameter
 from fdplug.core.model.moe_config import MoEConfig
 from fdplug.core.model.quant_config import (
@@ -36,10 +42,13 @@ from fdplug.core.model.quant_config import (
     mlp_quant,
     shared_expert_prefix,
 )
+from fdplug.plugin_api.gguf_formats import row_bytes
 from fdplug.plugin_api.moe import ExpertsFailedError, ExpertWeights, select_experts
 from fdplug.plugin_api.ops import Kernels
 
-EXPERT_PARAMS = ("experts_gate_up", "experts_down", "experts_gate_up_scale", "experts_down_scale")  # scales: FP8
+# scales: FP8; gate and up apart: a GGUF file's
+EXPERT_PARAMS = ("experts_gate_up", "experts_down", "experts_gate_up_scale", "experts_down_scale", "experts_gate",
+                 "experts_up")
 
 
 class SparseMoEBlock(nn.Layer):
@@ -60,15 +69,27 @@ class SparseMoEBlock(nn.Layer):
         e, inter = moe.num_experts, moe.intermediate_size
         self.router = empty_parameter([hidden, e], self.router_dtype)          # HF mlp.gate.weight, transposed
         self.e_score_correction_bias = empty_parameter([1, e], "float32") if moe.routing.bias else None
-        self.quant = fused_quant(quant, prefix + "mlp.experts.", ("gate_proj", "up_proj", "down_proj"))
+        gguf = quant if getattr(quant, "format", None) == GGUF else None   # a GGUF file (`GgufQuant`)
+        self.split = gguf is not None      # gate and up as two parameters (a GGUF file's stacks)
+        self.gguf_types = (gguf.expert_types(prefix + "mlp.experts.") if gguf is not None and
+                           gguf.expert_format == GGUF else {})
+        self.quant = None if gguf is not None else fused_quant(quant, prefix + "mlp.experts.",
+                                                               ("gate_proj", "up_proj", "down_proj"))
         expert_dtype = FP8_DTYPE if self.quant else dtype
-        self.experts_gate_up = empty_parameter([e, 2 * inter, hidden], expert_dtype)
-        self.experts_down = empty_parameter([e, hidden, inter], expert_dtype)
+        if self.split:
+            for name, rows, cols in (("gate", inter, hidden), ("up", inter, hidden), ("down", hidden, inter)):
+                qtype = self.gguf_types.get(name)
+                shape = [e, rows, row_bytes(qtype, cols)] if qtype else [e, rows, cols]
+                setattr(self, f"experts_{name}", empty_parameter(shape, "uint8" if qtype else dtype))
+        else:
+            self.experts_gate_up = empty_parameter([e, 2 * inter, hidden], expert_dtype)
+            self.experts_down = empty_parameter([e, hidden, inter], expert_dtype)
         if self.quant:
             bk = self.quant.block[1]
             self.experts_gate_up_scale = empty_parameter([e, 2 * inter, -(-hidden // bk)], "float32")
             self.experts_down_scale = empty_parameter([e, hidden, -(-inter // bk)], "float32")
         self.experts: Any = None    # the backend's layer, once loaded
+        self.expert_bytes = 0       # what the backend was handed (the parameters are dropped)
         shared = shared_expert_prefix(prefix, moe.shared_gate) if moe.shared_intermediate_size else ""
         self.shared_expert = (SwiGLU(hidden, moe.shared_intermediate_size, False, dtype, kernels,
                                      mlp_quant(quant, shared), bf16)
@@ -77,22 +98,30 @@ class SparseMoEBlock(nn.Layer):
 
     def load_experts(self) -> None:
         """Hand the filled expert parameters to the backend and drop them (called by the loader)."""
-        inter = self.experts_gate_up.shape[1] // 2
         shard = self.expert_parallel.shard if self.expert_parallel is not None else None
 
         def mine(t: Any) -> Any:   # this rank's experts, copied (the full tensors are freed); alone: a view
             return t if shard is None else t[shard.first:shard.first + shard.count].clone()
 
-        gate_up = mine(self.experts_gate_up)
-        weights = ExpertWeights(gate_up[:, :inter], gate_up[:, inter:], mine(self.experts_down))
+        if self.split:
+            weights = ExpertWeights(mine(self.experts_gate), mine(self.experts_up), mine(self.experts_down))
+            if self.gguf_types:
+                weights.format, weights.qtypes = GGUF, dict(self.gguf_types)
+            self.experts_gate = self.experts_up = None
+        else:
+            inter = self.experts_gate_up.shape[1] // 2
+            gate_up = mine(self.experts_gate_up)
+            weights = ExpertWeights(gate_up[:, :inter], gate_up[:, inter:], mine(self.experts_down))
+            self.experts_gate_up = None
         if self.quant:
             scales = mine(self.experts_gate_up_scale)
             weights.format, weights.block = self.quant.format, self.quant.block
             weights.scales = {"gate": scales[:, :inter], "up": scales[:, inter:],
                               "down": mine(self.experts_down_scale)}
             self.experts_gate_up_scale = self.experts_down_scale = None
+        self.expert_bytes = sum(prod(t.shape) * t.element_size()     # (paddle's CPU numel() refuses FP8)
+                                for t in (weights.gate, weights.up, weights.down, *weights.scales.values()))
         self.experts = self.backend.load_weights(weights)
-        self.experts_gate_up = None
         self.experts_down = None
 
     def forward(self, x: Any) -> Any:

@@ -111,7 +111,8 @@ def swiglu_slots(src: str, dst: str, hid: int, inter: int, bias: bool,
 
 def moe_slots(cfg: ModelConfig, src: str, dst: str, fused_experts: bool) -> dict[str, Slot]:
     """A MoE MLP into a `moe_block.SparseMoEBlock`: router, selection bias, shared expert and routed
-    experts, the latter per expert (``experts.E.gate_proj.weight``...) or fused (``experts.gate_up_proj``)."""
+    experts, the latter per expert (``experts.E.gate_proj.weight``...), fused (``experts.gate_up_proj``)
+    or, from a GGUF file, stacked per projection (``experts.gate_proj.weight`` ``[E, I, H]``)."""
     moe, hid = cfg.moe, cfg.hidden_size
     e, inter = moe.num_experts, moe.intermediate_size
     slots = {src + "gate.weight": Slot(dst + "router", (e, hid), "linear", 0, e)}
@@ -125,6 +126,10 @@ def moe_slots(cfg: ModelConfig, src: str, dst: str, fused_experts: bool) -> dict
                               moe.shared_intermediate_size, False, cfg.quant)
     if moe.shared_gate:
         slots[src + "shared_expert_gate.weight"] = Slot(dst + "shared_expert_gate", (1, hid), "linear", 0, 1)
+    if cfg.gguf:   # a GGUF file's stacks [E, rows, cols], gate and up apart (`moe_block.SparseMoEBlock`)
+        for name, shape in (("gate", (e, inter, hid)), ("up", (e, inter, hid)), ("down", (e, hid, inter))):
+            slots[src + f"experts.{name}_proj.weight"] = Slot(dst + f"experts_{name}", shape, "stack", 0, e)
+        return slots
     quant = fused_quant(cfg.quant, src + "experts.", ("gate_proj", "up_proj", "down_proj"))
     if fused_experts:   # FP8: transformers' FP8 experts name the scale grids ``<weight>_scale_inv``
         for name, param, (n, k) in (("gate_up_proj", "experts_gate_up", (2 * inter, hid)),

@@ -69,9 +69,9 @@ def fdplug_register_attention_backends(register):
 @hookimpl
 def fdplug_register_moe_backends(register):
     register(MoEBackendSpec(name="reference", devices=(ANY_DEVICE,), factory=_moe_factory, priority=0,
-                            weight_formats=("none", "fp8_block"),
-                            description="a Paddle loop over the experts that got tokens (fp8_block: each dequantized "
-                                        "when it runs)"))
+                            weight_formats=("none", "fp8_block", "gguf"),
+                            description="a Paddle loop over the experts that got tokens (fp8_block, gguf: each "
+                                        "dequantized when it runs)"))
 
 
 @hookimpl

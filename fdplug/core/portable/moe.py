@@ -1,7 +1,9 @@
 """Reference MoE: a loop over the experts that received tokens (routing is the core's `select_experts`).
 
 Plain Paddle ops, so it runs on every device; it is the numerics reference the conformance kit
-checks other MoE backends against, not a fast path.
+checks other MoE backends against, not a fast path. Quantized experts stay as stored and an expert
+is dequantized only when a step routes tokens to it (``fp8_block`` by `fp8_layers.dequant_rows`,
+``gguf`` by `gguf_blocks.dequantize`, ggml's own numbers), the copy dropped after its matmuls.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import paddle
 import paddle.nn.functional as F
 
 from fdplug.core.model.fp8_layers import dequant_rows
+from fdplug.core.quant.gguf_blocks import dequantize
 from fdplug.errors import ConfigError
 from fdplug.plugin_api.moe import ExpertWeights
 
@@ -37,6 +40,32 @@ class _Layer:
         return paddle.matmul(h, down, transpose_y=True)
 
 
+@dataclass(slots=True)
+class _GgufLayer:
+    """A GGUF file's experts as stored: uint8 ``[E, rows, row_bytes]`` of the GGML types ``qtypes``."""
+
+    gate: Any
+    up: Any
+    down: Any
+    qtypes: dict[str, str]
+
+    @classmethod
+    def from_weights(cls, weights: ExpertWeights) -> _GgufLayer:
+        """Checked once (`ExpertWeights.check_gguf`): a wrong type or row size fails at load."""
+        weights.check_gguf()
+        return cls(weights.gate, weights.up, weights.down, dict(weights.qtypes))
+
+    def run(self, e: int, x: Any) -> Any:
+        """Expert ``e`` on rows ``x [n, H]``, its three tensors widened to ``x``'s dtype for the call."""
+        dtype = str(x.dtype).removeprefix("paddle.")
+        hidden, inter = int(self.down.shape[1]), int(self.gate.shape[1])
+        gate, up, down = (dequantize(w[e], self.qtypes[name], k, dtype)
+                          for name, w, k in (("gate", self.gate, hidden), ("up", self.up, hidden),
+                                             ("down", self.down, inter)))
+        h = F.silu(paddle.matmul(x, gate, transpose_y=True)) * paddle.matmul(x, up, transpose_y=True)
+        return paddle.matmul(h, down, transpose_y=True)
+
+
 def _as(t: Any, dtype: Any) -> Any:
     return t if t.dtype == dtype else t.astype(dtype)
 
@@ -44,16 +73,19 @@ def _as(t: Any, dtype: Any) -> Any:
 class ReferenceMoE:
     name = "reference"
 
-    def load_weights(self, weights: ExpertWeights) -> _Layer:
+    def load_weights(self, weights: ExpertWeights) -> _Layer | _GgufLayer:
         if weights.format == "fp8_block":      # kept e4m3: dequantized one expert at a time, when used
             return _Layer(weights.gate, weights.up, weights.down, dict(weights.scales), weights.block[1])
+        if weights.format == "gguf":           # kept in GGML blocks, likewise
+            return _GgufLayer.from_weights(weights)
         if weights.format != "none":
-            raise ConfigError(f"the reference MoE backend runs float and fp8_block experts, not {weights.format!r}.",
+            raise ConfigError(f"the reference MoE backend runs float, fp8_block and gguf experts, not "
+                              f"{weights.format!r}.",
                               fix="select a MoE backend that executes this format (`fdplug explain --moe ...`).")
         return _Layer(weights.gate.transpose([0, 2, 1]), weights.up.transpose([0, 2, 1]),
                       weights.down.transpose([0, 2, 1]))
 
-    def forward(self, hidden: Any, topk_weights: Any, topk_ids: Any, layer: _Layer) -> Any:
+    def forward(self, hidden: Any, topk_weights: Any, topk_ids: Any, layer: _Layer | _GgufLayer) -> Any:
         top_k = int(topk_ids.shape[1])
         flat_ids = topk_ids.numpy().reshape(-1)
         order = np.argsort(flat_ids, kind="stable")            # assignments grouped by expert

@@ -131,10 +131,11 @@ def fdplug_register_attention_backends(register):
 @hookimpl
 def fdplug_register_moe_backends(register):
     register(MoEBackendSpec(name="cpu_native", devices=("cpu",), factory=_native_moe_factory, priority=10,
-                            weight_formats=("none", "fp8_block"), supports=_native_kernels_supports,
+                            weight_formats=("none", "fp8_block", "gguf"), supports=_native_kernels_supports,
                             description="float experts: every expert of a layer in one compiled call (grouped "
                                         "GEMMs, SwiGLU fused, all cores); fp8_block: two compiled FP8 linears per "
-                                        "expert, weights read in place; FDPLUG_CPU_KERNELS"))
+                                        "expert, weights read in place; gguf: the compiled GGUF linear on each "
+                                        "expert's blocks in place, expert by expert; FDPLUG_CPU_KERNELS"))
 
 
 @hookimpl

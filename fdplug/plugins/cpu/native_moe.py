@@ -9,6 +9,11 @@ are repacked once at load time (`pack_experts`).
 FP8 block experts (``fp8_block``) stay one byte a weight: a layer is one compiled call that runs
 both grouped FP8 GEMMs over the experts that got tokens (`Fp8Experts`), no dequantized copy of any.
 
+A GGUF file's experts (``gguf``) stay in their GGML blocks too (`GgufExperts`): each expert that got
+tokens runs its gate, up and down through the cpu ``gguf_linear`` kernel, which reads the blocks in
+place (`native_gguf`), in the reference backend's loop over experts (one Python step per expert, not
+one compiled call a layer: a later speedup).
+
 Routing is the core's (`fdplug.plugin_api.moe.select_experts`); this backend only gets the chosen
 ids and weights, so it cannot route differently from any other backend.
 """
@@ -20,9 +25,10 @@ from typing import Any
 
 import numpy as np
 
+from fdplug.core.portable.moe import ReferenceMoE
 from fdplug.errors import ConfigError
 from fdplug.plugin_api.moe import ExpertWeights
-from fdplug.plugins.cpu import kernels, native_fp8
+from fdplug.plugins.cpu import kernels, native_fp8, native_gguf
 
 
 class NativeCpuMoE:
@@ -35,14 +41,19 @@ class NativeCpuMoE:
     def load_weights(self, weights: ExpertWeights) -> Any:
         if weights.format == "fp8_block":
             return Fp8Experts.from_weights(weights)
+        if weights.format == "gguf":
+            return GgufExperts.from_weights(weights, self.threads)
         if weights.format != "none":
-            raise ConfigError(f"the cpu_native MoE backend runs float and fp8_block experts, not {weights.format!r}.",
+            raise ConfigError(f"the cpu_native MoE backend runs float, fp8_block and gguf experts, not "
+                              f"{weights.format!r}.",
                               fix="select a MoE backend that executes this format (`fdplug explain --moe ...`).")
         return pack_experts(weights.gate, weights.up, weights.down)
 
     def forward(self, hidden: Any, topk_weights: Any, topk_ids: Any, layer: Any) -> Any:
         if isinstance(layer, Fp8Experts):
             return layer.forward(hidden, topk_weights, topk_ids, self.threads)
+        if isinstance(layer, GgufExperts):     # the reference's loop over experts, each run by `GgufExperts.run`
+            return _LOOP.forward(hidden, topk_weights, topk_ids, layer)
         ids = np.ascontiguousarray(topk_ids.numpy(), dtype=np.int32)
         weights = np.ascontiguousarray(topk_weights.numpy(), dtype=np.float32)
         return moe_experts(hidden, layer, ids, weights, self.threads)
@@ -70,6 +81,38 @@ class Fp8Experts:
 
     def forward(self, hidden: Any, topk_weights: Any, topk_ids: Any, threads: int) -> Any:
         return native_fp8.fp8_moe(hidden, self, topk_ids.numpy(), topk_weights.numpy(), threads)
+
+
+@dataclass(slots=True)
+class GgufExperts:
+    """A layer's experts as a GGUF file stores them: uint8 ``[E, rows, row_bytes]`` of the GGML types
+    ``qtypes`` (`ExpertWeights`), read in place by `native_gguf.gguf_linear_or_portable` (a type the
+    kernel lacks, such as F32, runs the portable op: the same numbers)."""
+
+    gate: Any
+    up: Any
+    down: Any
+    qtypes: dict[str, str]
+    threads: int
+
+    @classmethod
+    def from_weights(cls, weights: ExpertWeights, threads: int) -> GgufExperts:
+        weights.check_gguf()
+        return cls(weights.gate, weights.up, weights.down, dict(weights.qtypes), threads)
+
+    def run(self, e: int, x: Any) -> Any:
+        """Expert ``e`` on rows ``x [n, H]`` float32: ``down(silu(gate(x)) * up(x))``, each a view of
+        its ``[rows, row_bytes]`` blocks handed to the kernel (no copy)."""
+        import paddle.nn.functional as F
+
+        hidden, inter = int(self.down.shape[1]), int(self.gate.shape[1])
+        gate, up = (native_gguf.gguf_linear_or_portable(x, w[e], self.qtypes[name], hidden, self.threads)
+                    for name, w in (("gate", self.gate), ("up", self.up)))
+        return native_gguf.gguf_linear_or_portable(F.silu(gate) * up, self.down[e], self.qtypes["down"], inter,
+                                                   self.threads)
+
+
+_LOOP = ReferenceMoE()
 
 
 @dataclass(frozen=True, slots=True)
