@@ -31,6 +31,9 @@ def engine_options(fn: Callable) -> Callable:
         click.option("--no-prefix-caching", is_flag=True, help="Turn prefix caching off."),
         click.option("--no-chunked-prefill", is_flag=True, help="Turn chunked prefill off."),
         click.option("--dtype", default="auto", show_default=True, help="auto, float32, bfloat16, float16."),
+        click.option("--kv-cache-dtype", default="auto", show_default=True,
+                     help="KV cache element type: auto (the compute dtype), float32, float16, bfloat16 (half the "
+                          "bytes; attention still computes in the compute dtype)."),
         click.option("--quantization", default=None, type=click.Choice(["fp8"]),
                      help="Quantize a float checkpoint's linear layers to FP8 128x128 blocks at load."),
         click.option("--allowed-feature-path", "allowed_feature_paths", multiple=True,
@@ -62,7 +65,7 @@ def engine_kwargs(kw: dict[str, Any]) -> dict[str, Any]:
             "enable_prefix_caching": not kw.pop("no_prefix_caching"),
             "enable_chunked_prefill": not kw.pop("no_chunked_prefill")}
     for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory",
-                 "num_kv_blocks", "dtype", "quantization", "encoder_cache_rows"):
+                 "num_kv_blocks", "dtype", "kv_cache_dtype", "quantization", "encoder_cache_rows"):
         value = kw.pop(name)
         if value is not None:
             args[name] = value

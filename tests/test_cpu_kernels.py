@@ -78,6 +78,43 @@ def test_prefill_chunks_over_shuffled_blocks(heads, kv_heads, dim, block):
         np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("heads,kv_heads,dim,block", [(9, 3, 64, 16), (8, 2, 128, 4), (4, 2, 40, 16)])
+def test_two_byte_caches_read_what_the_reference_reads(kv_dtype, heads, kv_heads, dim, block):
+    """--kv-cache-dtype float16/bfloat16: decode (the C kernel's widening loads), prefill chunks
+    (the keys transposed and the values widened once a call) and the cache write (rounded to nearest
+    even, as paddle's astype) against the reference on caches of the same dtype: the same rounded
+    values, float32 math, so float32's tolerance. Head dim 40: the kernels' scalar paths."""
+    seqs = [SeqCase(0, 300), SeqCase(37, 45, spans=[(50, 70)]), SeqCase(100, 3), SeqCase(0, 1)]
+    seqs += [SeqCase(context, 1) for context in (1, 17, 63, 200)]
+    case = AttentionCase(heads, kv_heads, dim, block, seqs, seed=heads + dim + len(kv_dtype))
+    got = run_attention(NativeCpuAttention(3), case, kv_dtype=kv_dtype)
+    want = run_attention(ReferenceAttention(), case, kv_dtype=kv_dtype)
+    exact = run_attention(ReferenceAttention(), case)
+    for a, b, c in zip(got, want, exact, strict=True):
+        np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-5)
+        assert not np.allclose(b, c, atol=1e-7, rtol=1e-7)       # the rounding is there to see
+        np.testing.assert_allclose(b, c, atol=0.05, rtol=0.05)   # and no bigger than a 2-byte value's
+
+
+@pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16"])
+def test_write_kv_rounds_as_paddle_rounds(kv_dtype):
+    """The cache write into a 2-byte cache: the bits paddle's astype gives, for values across the
+    type's range (float16: subnormals, the largest finite, past it to infinity)."""
+    rng = np.random.default_rng(5)
+    shape = (3, 9, 4, 16)
+    slots = rng.permutation(36)[:11].astype(np.int64)
+    scale = np.exp(rng.uniform(-20, 12, (11, 3, 16))).astype(np.float32)
+    key, value = (paddle.to_tensor(rng.standard_normal((11, 3, 16), dtype=np.float32) * scale) for _ in range(2))
+    caches = {name: [paddle.zeros(shape, dtype=kv_dtype), paddle.zeros(shape, dtype=kv_dtype)]
+              for name in ("native", "reference")}
+    prepared = ReferenceAttention().prepare(_decode_meta(slots))
+    NativeCpuAttention(1).write_cache(key, value, *caches["native"], prepared)
+    ReferenceAttention().write_cache(key, value, *caches["reference"], prepared)
+    for native, reference in zip(caches["native"], caches["reference"]):
+        np.testing.assert_array_equal(native.numpy().view(np.uint16), reference.numpy().view(np.uint16))
+
+
 def test_rms_norm_rows_are_independent_and_other_shapes_fall_back():
     rng = np.random.default_rng(12)
     x = rng.standard_normal((130, 37), dtype=np.float32) * 10
@@ -187,6 +224,33 @@ def test_native_is_the_cpu_default_and_generates_what_the_reference_generates(te
                                                          use_tqdm=False)]
     assert set(outputs) == {("cpu_native_swiglu", "cpu_native"), ("paddle_swiglu", "reference")}
     assert outputs["cpu_native_swiglu", "cpu_native"] == outputs["paddle_swiglu", "reference"]
+
+
+def test_a_float16_kv_cache_generates_what_the_reference_generates_on_one(test_model_dir):
+    """``kv_cache_dtype="float16"``: half the cache's bytes (the plan says so), and the compiled
+    attention and the reference, each on its own float16 cache, give the same tokens."""
+    prompts = [[5, 9, 3] * 11, [7], list(range(40, 90))]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    tokens, plans = {}, {}
+    for attention, kv in (("cpu_native", "float16"), ("reference", "float16"), ("cpu_native", "auto")):
+        llm = LLM(str(test_model_dir), attention_backend=attention, num_kv_blocks=64, max_model_len=256,
+                  kv_cache_dtype=kv)
+        assert str(llm.engine.runner.kv_caches[0][0].dtype) == ("paddle.float16" if kv == "float16" else "paddle.float32")
+        plans[attention, kv] = llm.engine.kv_plan
+        tokens[attention, kv] = [o.outputs[0].token_ids for o in llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    assert tokens["cpu_native", "float16"] == tokens["reference", "float16"]
+    half, full = plans["cpu_native", "float16"], plans["cpu_native", "auto"]
+    assert half.bytes_per_block * 2 == full.bytes_per_block and half.describe().endswith("of float16")
+
+
+def test_an_unknown_kv_cache_dtype_is_refused_with_the_choices():
+    from fdplug.core.config import EngineConfig
+
+    with pytest.raises(ConfigError, match="kv_cache_dtype must be one of auto, float32, bfloat16, float16"):
+        EngineConfig(kv_cache_dtype="fp8")
+    assert EngineConfig(dtype="float32", kv_cache_dtype="float16").kv_dtype() == "float16"
+    assert EngineConfig(dtype="float32").kv_dtype() == "float32"
 
 
 # Row counts on both sides of the threshold (one thread below SWIGLU_MIN_PARALLEL, then all threads

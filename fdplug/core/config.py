@@ -63,6 +63,7 @@ class EngineConfig:
     kv_cache_memory: float | None = None
     max_waiting_requests: int = 1024
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"      # the KV cache's element type; auto: the compute dtype (`kv_dtype`)
     quantization: str | None = None
     weight_dtype: str | None = None   # derived with dtype: bfloat16 where a float32 device keeps bf16 weights
     seed: int = 0
@@ -79,6 +80,11 @@ class EngineConfig:
     DEFAULT_MAX_MODEL_LEN = 8192
     DEFAULT_KV_CACHE_GIB = 2.0
     DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+    def kv_dtype(self) -> str:
+        """The KV cache's element type: ``kv_cache_dtype``, or the compute dtype for ``auto`` (after
+        selection has resolved ``dtype``). Attention computes in the compute dtype whatever the cache's."""
+        return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks",
@@ -106,6 +112,10 @@ class EngineConfig:
         if self.dtype not in self.DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(self.DTYPES)}, got {self.dtype!r}.",
                               fix="use auto (the device's compute dtype) or name one.")
+        if self.kv_cache_dtype not in self.DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {', '.join(self.DTYPES)}, got {self.kv_cache_dtype!r}.",
+                              fix="use auto (the compute dtype) or float16 / bfloat16 (half the cache's bytes, "
+                                  "as llama.cpp's default float16 cache).")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)} or unset, "
                               f"got {self.quantization!r}.",

@@ -34,7 +34,9 @@ weight format and ``ModelTraits.weight_types`` (a plugin written for 3.10 gets t
 the ``decoder_stack`` op (every decoder layer of a step in one call of the plugin's own, handed a
 `fdplug.plugin_api.decoder_stack.DecoderStack` at load; the portable op runs the layers one by one).
 3.13: ``OpSpec.bf16_inputs`` for ``gguf_linear`` kernels too (bf16 math on the decoded weights); the
-``gguf`` expert weight format (a GGUF file's routed experts in GGML blocks, ``ExpertWeights.qtypes``).
+``gguf`` expert weight format (a GGUF file's routed experts in GGML blocks, ``ExpertWeights.qtypes``);
+``EngineConfig.kv_cache_dtype`` (the cache's element type, ``KVCachePlan.dtype``; a backend that cannot
+read another than the compute dtype refuses it in ``supports``).
 """
 
 from __future__ import annotations

@@ -42,6 +42,7 @@ class KVCachePlan:
     num_blocks: int
     block_size: int
     bytes_per_block: int
+    dtype: str = ""            # the element type (--kv-cache-dtype; "": not said, API 3.13)
 
     @property
     def num_tokens(self) -> int:
@@ -53,7 +54,7 @@ class KVCachePlan:
 
     def describe(self) -> str:
         return (f"{self.num_blocks - 1} blocks x {self.block_size} tokens = {self.num_tokens} tokens, "
-                f"{format_bytes(self.total_bytes)}")
+                f"{format_bytes(self.total_bytes)}" + (f" of {self.dtype}" if self.dtype else ""))
 
 
 def format_bytes(n: float) -> str:

@@ -119,8 +119,10 @@ def case_tensors(case: AttentionCase, num_tokens: int, step: int) -> tuple[np.nd
     return q, k, v
 
 
-def run_attention(backend, case: AttentionCase, place: str = "cpu", dtype: str = "float32") -> list[np.ndarray]:
-    """Play a case through ``backend`` on ``place``; returns each step's output as float32 numpy."""
+def run_attention(backend, case: AttentionCase, place: str = "cpu", dtype: str = "float32",
+                  kv_dtype: str | None = None) -> list[np.ndarray]:
+    """Play a case through ``backend`` on ``place`` (computing in ``dtype``, the caches in ``kv_dtype``,
+    default ``dtype``); returns each step's output as float32 numpy."""
     import paddle
 
     num_blocks, steps = case_steps(case)
@@ -128,8 +130,8 @@ def run_attention(backend, case: AttentionCase, place: str = "cpu", dtype: str =
     previous = paddle.get_device()
     paddle.set_device(place)
     try:
-        key_cache = paddle.zeros(shape, dtype=dtype)
-        value_cache = paddle.zeros(shape, dtype=dtype)
+        key_cache = paddle.zeros(shape, dtype=kv_dtype or dtype)
+        value_cache = paddle.zeros(shape, dtype=kv_dtype or dtype)
         outputs = []
         for i, meta in enumerate(steps):
             meta.validate()

@@ -104,8 +104,8 @@ class ReferenceAttention:
         # [batch, queries, kv, group, dim] -> [kv, batch, group*queries, dim]
         queries = rows.reshape([g.batch, g.queries, kv_heads, group_size, head_dim]).transpose([2, 0, 3, 1, 4])
         queries = queries.reshape([kv_heads, g.batch, group_size * g.queries, head_dim])
-        keys = paddle.gather(key_cache, g.block_ids, axis=1).reshape([kv_heads, g.batch, g.keys, head_dim])
-        values = paddle.gather(value_cache, g.block_ids, axis=1).reshape([kv_heads, g.batch, g.keys, head_dim])
+        keys = _gather_blocks(key_cache, g.block_ids).reshape([kv_heads, g.batch, g.keys, head_dim])
+        values = _gather_blocks(value_cache, g.block_ids).reshape([kv_heads, g.batch, g.keys, head_dim])
         scores = paddle.matmul(queries, _as(keys, q.dtype), transpose_y=True)
         scores = scores.reshape([kv_heads, g.batch, group_size, g.queries, g.keys])
         if g.mask.shape != scores.shape:  # expanded once per step, for every layer (see _Group.mask)
@@ -133,6 +133,14 @@ def _write(cache: Any, new: Any, slot_mapping: Any) -> None:
     flat = cache.reshape([kv_heads, num_blocks * block_size, head_dim])
     heads = paddle.arange(kv_heads).unsqueeze(1)
     paddle.index_put_(flat, (heads, slot_mapping.unsqueeze(0)), _as(new.transpose([1, 0, 2]), cache.dtype))
+
+
+def _gather_blocks(cache: Any, block_ids: Any) -> Any:
+    """``cache``'s blocks ``block_ids`` (axis 1). A 2-byte cache (``--kv-cache-dtype float16`` or
+    ``bfloat16``) is gathered as its int16 bits: paddle's CPU build has no float16 gather."""
+    if cache.element_size() == 2 and cache.dtype != paddle.int16:
+        return paddle.gather(cache.view(paddle.int16), block_ids, axis=1).view(cache.dtype)
+    return paddle.gather(cache, block_ids, axis=1)
 
 
 def _as(x: Any, dtype: Any) -> Any:

@@ -30,7 +30,7 @@ def plan_kv_cache(config: EngineConfig, per_block: int, max_model_len: int, free
     else:
         budget = (config.kv_cache_memory or config.DEFAULT_KV_CACHE_GIB) * GIB
         blocks = min(int(budget // per_block), config.max_num_seqs * blocks_per_seq + 1)
-    plan = KVCachePlan(blocks, config.block_size, per_block)
+    plan = KVCachePlan(blocks, config.block_size, per_block, config.kv_dtype())
     if blocks < blocks_per_seq + 1:
         raise ConfigError(
             f"a KV cache of {plan.describe()} cannot hold one request of max_model_len={max_model_len} "

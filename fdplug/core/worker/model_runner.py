@@ -129,11 +129,11 @@ class ModelRunner:
 
     def initialize_kv_cache(self) -> KVCachePlan:
         cfg, config = self.model_config, self.config
-        per_block = bytes_per_block(cfg.num_layers, config.block_size, cfg.num_kv_heads, cfg.head_dim, config.dtype)
+        per_block = bytes_per_block(cfg.num_layers, config.block_size, cfg.num_kv_heads, cfg.head_dim, config.kv_dtype())
         free = self.selection.device.free_memory(0) if self.selection.device.free_memory else None
         plan = plan_kv_cache(config, per_block, config.max_model_len, free, self.model_bytes)
         self.kv_caches = allocate_kv_caches(self.attn_backend, plan, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                                            config.dtype)
+                                            config.kv_dtype())
         self.batch = self._new_batch()
         self.sampler = Sampler(seed=config.seed, argmax=self.argmax)
         return plan

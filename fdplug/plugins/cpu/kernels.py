@@ -41,13 +41,13 @@ logger = logging.getLogger("fdplug")
 CSRC = Path(__file__).parent / "csrc"
 SOURCE = CSRC / "cpu_kernels.c"    # it #includes the other files of CSRC
 FLAGS = ("-O3", "-fno-math-errno", "-fPIC", "-shared", "-pthread", "-std=c99")   # + the target (`isa.march`)
-ABI = 11
+ABI = 12
 BUILD_TIMEOUT_S = 120.0
 
 _c_int, _c_float, _ptr, _i64 = ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_int64
 SIGNATURES = {   # (restype, argtypes) of every function the library exports (csrc/)
-    "fdplug_paged_attention": (_c_int, [_ptr] * 8 + [_c_int] * 8 + [_c_float, _c_int]),
-    "fdplug_write_kv": (None, [_ptr] * 5 + [_c_int] * 3 + [_i64]),
+    "fdplug_paged_attention": (_c_int, [_ptr] * 8 + [_c_int] * 8 + [_c_float, _c_int, _c_int]),
+    "fdplug_write_kv": (None, [_ptr] * 5 + [_c_int] * 3 + [_i64, _c_int]),
     "fdplug_swiglu": (None, [_ptr, _ptr, _i64, _c_int, _c_int]),
     "fdplug_moe_pack": (None, [_ptr] * 5 + [_c_int] * 4),
     "fdplug_moe_experts": (_c_int, [_ptr] * 6 + [_c_int] * 6),
@@ -59,7 +59,7 @@ SIGNATURES = {   # (restype, argtypes) of every function the library exports (cs
     "fdplug_linear_bf16dot_available": (_c_int, []),
     "fdplug_linear_packed": (_c_int, [_ptr, _ptr, _c_int, _ptr, _ptr] + [_c_int] * 4),
     "fdplug_linear_packed_fp8": (_c_int, [_ptr] * 5 + [_c_int] * 5),
-    "fdplug_prefill_attention": (_c_int, [_ptr] * 7 + [_c_int] * 7 + [_c_float, _c_int]),
+    "fdplug_prefill_attention": (_c_int, [_ptr] * 7 + [_c_int] * 7 + [_c_float, _c_int, _c_int]),
     "fdplug_prefill_attention_available": (_c_int, []),
     "fdplug_rms_norm": (None, [_ptr] * 3 + [_i64, _c_int, _c_int, _c_float, _c_int]),
     "fdplug_add_rms_norm": (None, [_ptr] * 5 + [_i64, _c_int, _c_float, _c_int]),
@@ -182,6 +182,19 @@ def _check_float32(*tensors: Any) -> None:
             raise TypeError(f"the cpu kernels compute in float32, got {t.dtype}")
 
 
+KV_TYPES = ("float32", "float16", "bfloat16")
+"""The KV cache's element types the kernels read and write (csrc/kv_elements.c's ids, in order)."""
+
+
+def kv_type(key_cache: Any, value_cache: Any) -> int:
+    """csrc/kv_elements.c's id of the caches' element type (both the same, one of `KV_TYPES`)."""
+    name = str(key_cache.dtype).removeprefix("paddle.")
+    if name not in KV_TYPES or value_cache.dtype != key_cache.dtype:
+        raise TypeError(f"the cpu kernels read KV caches of {', '.join(KV_TYPES)}, got {key_cache.dtype} and "
+                        f"{value_cache.dtype}")
+    return KV_TYPES.index(name)
+
+
 @functools.cache
 def _float32_and_place() -> tuple[Any, Any]:
     import paddle
@@ -223,14 +236,15 @@ def paged_attention(q: Any, key_cache: Any, value_cache: Any, q_rows: np.ndarray
 
     lib = load()
     q = _contiguous(q)
-    _check_float32(q, key_cache, value_cache)
+    _check_float32(q)
+    kt = kv_type(key_cache, value_cache)
     num_tokens, heads, dim = q_rows.shape[0], q.shape[1], q.shape[2]
     kv_heads, num_blocks, block_size, _ = key_cache.shape
     out = empty_f32([num_tokens, heads, dim])
     status = lib.fdplug_paged_attention(
         q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), q_rows.ctypes.data, block_tables.ctypes.data,
         seq_of_token.ctypes.data, key_end.ctypes.data, out.data_ptr(), num_tokens, heads, kv_heads, dim,
-        num_blocks, block_size, block_tables.shape[1], max_key_end if num_tokens else 1, scale, threads)
+        num_blocks, block_size, block_tables.shape[1], max_key_end if num_tokens else 1, scale, threads, kt)
     if status != 0:
         raise MemoryError("cpu paged attention could not allocate its scratch memory or start its threads")
     return out
@@ -239,10 +253,11 @@ def paged_attention(q: Any, key_cache: Any, value_cache: Any, q_rows: np.ndarray
 def write_kv(key: Any, value: Any, key_cache: Any, value_cache: Any, slots: np.ndarray) -> None:
     """``cache[h, slot] = new[t, h]`` for both caches; ``slots`` int64, checked by the caller."""
     key, value = _contiguous(key), _contiguous(value)
-    _check_float32(key, value, key_cache, value_cache)
+    _check_float32(key, value)
+    kt = kv_type(key_cache, value_cache)
     kv_heads, num_blocks, block_size, dim = key_cache.shape
     load().fdplug_write_kv(key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
-                           slots.ctypes.data, slots.shape[0], kv_heads, dim, num_blocks * block_size)
+                           slots.ctypes.data, slots.shape[0], kv_heads, dim, num_blocks * block_size, kt)
 
 
 # Below this many outputs one thread is faster than starting another (a decode step's few rows).

@@ -28,13 +28,14 @@ def prefill_attention(q: Any, key_cache: Any, value_cache: Any, q_rows: np.ndarr
     block table ``table`` (int32 arrays, checked by the caller like `paged_attention`'s)."""
 
     q = kernels._contiguous(q)
-    kernels._check_float32(q, key_cache, value_cache)
+    kernels._check_float32(q)
+    kt = kernels.kv_type(key_cache, value_cache)
     heads, dim, (kv_heads, num_blocks, block_size, _) = q.shape[1], q.shape[2], key_cache.shape
     out = kernels.empty_f32([len(q_rows), heads, dim])
     status = kernels.load().fdplug_prefill_attention(
         q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), q_rows.ctypes.data, key_end.ctypes.data,
         table.ctypes.data, out.data_ptr(), len(q_rows), heads, kv_heads, dim, num_blocks, block_size,
-        int(key_end.max()), scale, threads)
+        int(key_end.max()), scale, threads, kt)
     if status != 0:
         raise MemoryError(f"cpu prefill attention failed ({status}): no scratch memory, or built without AVX2 and FMA")
     return out

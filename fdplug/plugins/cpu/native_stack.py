@@ -59,7 +59,7 @@ class _Step(ctypes.Structure):
     _fields_ = [("embed", _p), ("ids", _p), ("cos", _p), ("sin", _p), ("key_caches", _p), ("value_caches", _p), ("slots", _p),
                 ("q_rows", _p), ("block_tables", _p), ("seq_of_token", _p), ("key_end", _p), ("x", _p),
                 ("residual", _p), ("scratch", _p), ("tokens", _i), ("num_blocks", _i), ("block_size", _i),
-                ("table_width", _i), ("max_key_end", _i), ("threads", _i)]
+                ("table_width", _i), ("max_key_end", _i), ("threads", _i), ("kv_type", _i)]
 
 
 def _float32_vector(t: Any, shape: list[int], what: str) -> str | None:
@@ -143,6 +143,7 @@ class CpuDecoderStack:
         self.caches: Any = None          # the kv_caches list the pointer arrays below were made from
         self.cache_pointers: tuple[np.ndarray, np.ndarray] | None = None
         self.cache_shape: list[int] = []
+        self.kv_type = 0                 # the caches' element type (kernels.kv_type), with the caches
         self.scratch = np.empty(0, dtype=np.float32)
         self.scratch_per_token = self.lib.fdplug_decoder_stack_scratch(ctypes.byref(self.model), 1)   # (linear)
 
@@ -153,10 +154,12 @@ class CpuDecoderStack:
                 or shape[3] != self.stack.head_dim:
             raise ValueError(f"decoder stack: {len(kv_caches)} caches of {shape} for {len(self.stack.layers)} "
                              f"layers of {self.stack.num_kv_heads} kv heads x {self.stack.head_dim}")
+        dtype = kv_caches[0][0].dtype
         for pair in kv_caches:
             for cache in pair:
-                if list(cache.shape) != shape or str(cache.dtype) != "paddle.float32" or not cache.is_contiguous():
-                    raise ValueError(f"decoder stack: a cache of {cache.dtype} {list(cache.shape)}, not float32 {shape}")
+                if list(cache.shape) != shape or cache.dtype != dtype or not cache.is_contiguous():
+                    raise ValueError(f"decoder stack: a cache of {cache.dtype} {list(cache.shape)}, not {dtype} {shape}")
+        self.kv_type = kernels.kv_type(*kv_caches[0])
         self.cache_pointers = tuple(np.array([pair[i].data_ptr() for pair in kv_caches], dtype=np.uint64)
                                     for i in (0, 1))
         self.caches, self.cache_shape = kv_caches, shape
@@ -199,7 +202,7 @@ class CpuDecoderStack:
                      prepared.slots.ctypes.data, group.q_rows.ctypes.data, group.block_tables.ctypes.data,
                      group.seq_of_token.ctypes.data, group.key_end.ctypes.data, x.data_ptr(), residual.data_ptr(),
                      self.scratch.ctypes.data, tokens, num_blocks, block_size, group.block_tables.shape[1],
-                     group.max_key_end, self.threads)
+                     group.max_key_end, self.threads, self.kv_type)
         status = self.lib.fdplug_decoder_stack(ctypes.byref(self.model), ctypes.byref(step))
         if status != 0:
             raise MemoryError(f"the cpu decoder stack failed ({status}): attention had no scratch memory or threads")

@@ -28,8 +28,9 @@
 #include <immintrin.h>
 #define HAVE_AVX2 1
 #endif
+#include "kv_elements.c" /* the KV cache's element types: float32, float16, bfloat16 */
 
-int fdplug_kernels_abi(void) { return 11; }
+int fdplug_kernels_abi(void) { return 12; }
 
 /* ---------------------------------------------------------------------------------------------
  * Threads. A kernel call runs worker(job) on the calling thread and up to num_threads - 1 helpers
@@ -240,20 +241,21 @@ static inline __m256 exp8(__m256 x) {
 }
 #endif
 
-/* scores[j] = q . keys[j] for n keys of `dim` floats each (rows `dim` apart). */
-static void score_keys(const float *q, const float *keys, int n, int dim, float *scores) {
+/* scores[j] = q . keys[j] for n keys of `dim` elements of type kt each (rows `dim` apart). */
+static inline __attribute__((always_inline)) void score_keys(const float *q, const void *keys, int n, int dim,
+                                                             float *scores, const int kt) {
     int j = 0;
 #ifdef HAVE_AVX2
     if (dim % 8 == 0) {
         /* Eight keys at a time: eight independent FMA chains (one chain would wait on FMA latency),
          * then one horizontal reduction tree for all eight. */
         for (; j + 8 <= n; j += 8) {
-            const float *k = keys + (int64_t)j * dim;
+            const int64_t k = (int64_t)j * dim;
             __m256 a[8];
             for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
             for (int d = 0; d < dim; d += 8) {
                 const __m256 qv = _mm256_loadu_ps(q + d);
-                for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + i * dim + d), a[i]);
+                for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qv, kv_load8(keys, k + i * dim + d, kt), a[i]);
             }
             const __m256 lo = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
             const __m256 hi = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
@@ -263,12 +265,12 @@ static void score_keys(const float *q, const float *keys, int n, int dim, float 
     }
 #endif
     for (; j < n; ++j) {
-        const float *k = keys + (int64_t)j * dim;
+        const void *k = kv_at(keys, (int64_t)j * dim, kt);
         float acc[8] = {0}, total = 0.0f;
         int d = 0;
         for (; d + 8 <= dim; d += 8)
-            for (int l = 0; l < 8; ++l) acc[l] += q[d + l] * k[d + l];
-        for (; d < dim; ++d) total += q[d] * k[d];
+            for (int l = 0; l < 8; ++l) acc[l] += q[d + l] * kv_get(k, d + l, kt);
+        for (; d < dim; ++d) total += q[d] * kv_get(k, d, kt);
         for (int l = 0; l < 8; ++l) total += acc[l];
         scores[j] = total;
     }
@@ -278,7 +280,8 @@ static void score_keys(const float *q, const float *keys, int n, int dim, float 
  * accumulators (independent FMA chains: four waited on the FMA latency, measured), then slices of
  * 32 with four, stream the block's rows, in L1 after the first slice. Each output sums over j in
  * order whatever the slice: the same bits. */
-static void weigh_values(const float *probs, const float *values, int n, int dim, float *acc) {
+static inline __attribute__((always_inline)) void weigh_values(const float *probs, const void *values, int n, int dim,
+                                                               float *acc, const int kt) {
     int d = 0;
 #ifdef HAVE_AVX2
     for (; d + 64 <= dim; d += 64) {
@@ -286,8 +289,8 @@ static void weigh_values(const float *probs, const float *values, int n, int dim
         for (int i = 0; i < 8; ++i) s[i] = _mm256_loadu_ps(acc + d + 8 * i);
         for (int j = 0; j < n; ++j) {
             const __m256 p = _mm256_set1_ps(probs[j]);
-            const float *v = values + (int64_t)j * dim + d;
-            for (int i = 0; i < 8; ++i) s[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * i), s[i]);
+            const int64_t v = (int64_t)j * dim + d;
+            for (int i = 0; i < 8; ++i) s[i] = _mm256_fmadd_ps(p, kv_load8(values, v + 8 * i, kt), s[i]);
         }
         for (int i = 0; i < 8; ++i) _mm256_storeu_ps(acc + d + 8 * i, s[i]);
     }
@@ -296,11 +299,11 @@ static void weigh_values(const float *probs, const float *values, int n, int dim
         __m256 s2 = _mm256_loadu_ps(acc + d + 16), s3 = _mm256_loadu_ps(acc + d + 24);
         for (int j = 0; j < n; ++j) {
             const __m256 p = _mm256_set1_ps(probs[j]);
-            const float *v = values + (int64_t)j * dim + d;
-            s0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v), s0);
-            s1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8), s1);
-            s2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 16), s2);
-            s3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 24), s3);
+            const int64_t v = (int64_t)j * dim + d;
+            s0 = _mm256_fmadd_ps(p, kv_load8(values, v, kt), s0);
+            s1 = _mm256_fmadd_ps(p, kv_load8(values, v + 8, kt), s1);
+            s2 = _mm256_fmadd_ps(p, kv_load8(values, v + 16, kt), s2);
+            s3 = _mm256_fmadd_ps(p, kv_load8(values, v + 24, kt), s3);
         }
         _mm256_storeu_ps(acc + d, s0);
         _mm256_storeu_ps(acc + d + 8, s1);
@@ -309,14 +312,15 @@ static void weigh_values(const float *probs, const float *values, int n, int dim
     }
 #endif
     for (int j = 0; j < n; ++j)
-        for (int e = d; e < dim; ++e) acc[e] += probs[j] * values[(int64_t)j * dim + e];
+        for (int e = d; e < dim; ++e) acc[e] += probs[j] * kv_get(values, (int64_t)j * dim + e, kt);
 }
 
 typedef struct {
-    const float *q, *key_cache, *value_cache;
+    const float *q;
+    const void *key_cache, *value_cache; /* elements of type kv_type (kv_elements.c) */
     const int32_t *q_rows, *block_tables, *seq_of_token, *key_end;
     float *out;
-    int num_tokens, heads, kv_heads, head_dim, num_blocks, block_size, table_width, max_keys;
+    int num_tokens, heads, kv_heads, head_dim, num_blocks, block_size, table_width, max_keys, kv_type;
     float scale;
     int next_unit; /* work queue: unit = token * kv_heads + kv_head, taken with an atomic add */
     int failed;
@@ -327,17 +331,19 @@ typedef struct {
 static void attend_unit(const attention_job *job, int unit, float *scores, float *queries, float *acc) {
     const int token = unit / job->kv_heads, kvh = unit % job->kv_heads;
     const int group = job->heads / job->kv_heads, dim = job->head_dim, bs = job->block_size;
-    const int keys = job->key_end[token];
+    const int keys = job->key_end[token], kt = job->kv_type;
     const int32_t *table = job->block_tables + (int64_t)job->seq_of_token[token] * job->table_width;
     const int64_t head_stride = (int64_t)job->num_blocks * bs * dim;
     const float *qsrc = job->q + ((int64_t)job->q_rows[token] * job->heads + (int64_t)kvh * group) * dim;
     for (int i = 0; i < group * dim; ++i) queries[i] = qsrc[i] * job->scale;
 
     for (int j0 = 0; j0 < keys; j0 += bs) {
-        const float *kblock = job->key_cache + kvh * head_stride + (int64_t)table[j0 / bs] * bs * dim;
+        const void *kblock = kv_at(job->key_cache, kvh * head_stride + (int64_t)table[j0 / bs] * bs * dim, kt);
         const int n = keys - j0 < bs ? keys - j0 : bs;
-        for (int g = 0; g < group; ++g)
-            score_keys(queries + g * dim, kblock, n, dim, scores + (int64_t)g * job->max_keys + j0);
+        float *at = scores + j0;
+#define SCORE(KT) for (int g = 0; g < group; ++g) score_keys(queries + g * dim, kblock, n, dim, at + (int64_t)g * job->max_keys, KT)
+        KV_SWITCH(kt, SCORE)
+#undef SCORE
     }
     for (int g = 0; g < group; ++g) {
         float *s = scores + (int64_t)g * job->max_keys, peak = -INFINITY, total = 0.0f;
@@ -371,10 +377,12 @@ static void attend_unit(const attention_job *job, int unit, float *scores, float
     }
     memset(acc, 0, sizeof(float) * group * dim);
     for (int j0 = 0; j0 < keys; j0 += bs) {
-        const float *vblock = job->value_cache + kvh * head_stride + (int64_t)table[j0 / bs] * bs * dim;
+        const void *vblock = kv_at(job->value_cache, kvh * head_stride + (int64_t)table[j0 / bs] * bs * dim, kt);
         const int n = keys - j0 < bs ? keys - j0 : bs;
-        for (int g = 0; g < group; ++g)
-            weigh_values(scores + (int64_t)g * job->max_keys + j0, vblock, n, dim, acc + g * dim);
+        const float *probs = scores + j0;
+#define WEIGH(KT) for (int g = 0; g < group; ++g) weigh_values(probs + (int64_t)g * job->max_keys, vblock, n, dim, acc + g * dim, KT)
+        KV_SWITCH(kt, WEIGH)
+#undef WEIGH
     }
     float *dst = job->out + ((int64_t)token * job->heads + (int64_t)kvh * group) * dim;
     memcpy(dst, acc, sizeof(float) * group * dim);
@@ -398,29 +406,30 @@ static void *attention_worker(void *arg) {
 
 /* out[i] = attention of query row q_rows[i] over keys [0, key_end[i]) of block table row
  * seq_of_token[i]. Returns 0, or -1 if memory or a thread could not be had (out is then undefined). */
-int fdplug_paged_attention(const float *q, const float *key_cache, const float *value_cache,
+int fdplug_paged_attention(const float *q, const void *key_cache, const void *value_cache,
                            const int32_t *q_rows, const int32_t *block_tables, const int32_t *seq_of_token,
                            const int32_t *key_end, float *out, int num_tokens, int heads, int kv_heads,
                            int head_dim, int num_blocks, int block_size, int table_width, int max_keys,
-                           float scale, int num_threads) {
+                           float scale, int num_threads, int kv_type) {
     attention_job job = {q, key_cache, value_cache, q_rows, block_tables, seq_of_token, key_end, out,
                          num_tokens, heads, kv_heads, head_dim, num_blocks, block_size, table_width,
-                         max_keys, scale, 0, 0};
+                         max_keys, kv_type, scale, 0, 0};
     const int units = num_tokens * kv_heads;
     run_workers(attention_worker, &job, num_threads < units ? num_threads : units);
     return job.failed ? -1 : 0;
 }
 
-/* key_cache[h, slot] = key[t, h] and value_cache[h, slot] = value[t, h] for slot = slots[t]. */
-void fdplug_write_kv(const float *key, const float *value, float *key_cache, float *value_cache,
-                     const int64_t *slots, int num_tokens, int kv_heads, int head_dim, int64_t slots_per_head) {
-    const size_t row = sizeof(float) * head_dim;
+/* key_cache[h, slot] = key[t, h] and value_cache[h, slot] = value[t, h] for slot = slots[t], rounded
+ * to the caches' element type kv_type. */
+void fdplug_write_kv(const float *key, const float *value, void *key_cache, void *value_cache,
+                     const int64_t *slots, int num_tokens, int kv_heads, int head_dim, int64_t slots_per_head,
+                     int kv_type) {
     for (int t = 0; t < num_tokens; ++t)
         for (int h = 0; h < kv_heads; ++h) {
             const int64_t src = ((int64_t)t * kv_heads + h) * head_dim;
             const int64_t dst = ((int64_t)h * slots_per_head + slots[t]) * head_dim;
-            memcpy(key_cache + dst, key + src, row);
-            memcpy(value_cache + dst, value + src, row);
+            kv_put_row(key + src, (void *)kv_at(key_cache, dst, kv_type), head_dim, kv_type);
+            kv_put_row(value + src, (void *)kv_at(value_cache, dst, kv_type), head_dim, kv_type);
         }
 }
 

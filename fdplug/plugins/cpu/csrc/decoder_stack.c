@@ -46,12 +46,13 @@ typedef struct {                          /* one step's inputs, outputs and atte
     const float *embed;                    /* [T, hidden]: the first layer's input; NULL: ids' table rows */
     const int64_t *ids;                    /* [T] token ids (checked against the vocabulary by the caller) */
     const float *cos, *sin;                /* [T, H + KV, D]: RotaryEmbedding.lookup's tables */
-    float *const *key_caches, *const *value_caches; /* [num_layers] */
+    void *const *key_caches, *const *value_caches; /* [num_layers], elements of type kv_type */
     const int64_t *slots;                  /* [T] cache slot of each token */
     const int32_t *q_rows, *block_tables, *seq_of_token, *key_end; /* paged attention's */
     float *x, *residual;                   /* out [T, hidden]: the last layer's MLP output and stream */
     float *scratch;                        /* fdplug_decoder_stack_scratch floats */
     int tokens, num_blocks, block_size, table_width, max_key_end, threads;
+    int kv_type;                           /* the caches' element type (kv_elements.c) */
 } ds_step;
 
 static int64_t ds_qkv_width(const ds_model *m) { return (int64_t)(m->heads + 2 * m->kv_heads) * m->head_dim; }
@@ -101,12 +102,13 @@ static void ds_rotate_and_cache(const ds_model *m, const ds_layer *layer, const 
                     k + (int64_t)t * KV * D, KV, D, 1);
     }
     const int64_t per_head = (int64_t)s->num_blocks * s->block_size;
-    float *key_cache = s->key_caches[index], *value_cache = s->value_caches[index];
+    void *key_cache = s->key_caches[index], *value_cache = s->value_caches[index];
     for (int t = 0; t < T; ++t)
         for (int h = 0; h < KV; ++h) {
             const int64_t dst = ((int64_t)h * per_head + s->slots[t]) * D;
-            memcpy(key_cache + dst, k + ((int64_t)t * KV + h) * D, sizeof(float) * D);
-            memcpy(value_cache + dst, qkv + t * width + (int64_t)(H + KV + h) * D, sizeof(float) * D);
+            kv_put_row(k + ((int64_t)t * KV + h) * D, (void *)kv_at(key_cache, dst, s->kv_type), D, s->kv_type);
+            kv_put_row(qkv + t * width + (int64_t)(H + KV + h) * D, (void *)kv_at(value_cache, dst, s->kv_type), D,
+                       s->kv_type);
         }
 }
 
@@ -141,7 +143,7 @@ int fdplug_decoder_stack(const ds_model *m, const ds_step *s) {
         if (fdplug_paged_attention(q, s->key_caches[i], s->value_caches[i], s->q_rows, s->block_tables,
                                    s->seq_of_token, s->key_end, att, T, m->heads, m->kv_heads, m->head_dim,
                                    s->num_blocks, s->block_size, s->table_width, s->max_key_end, m->scale,
-                                   threads) != 0)
+                                   threads, s->kv_type) != 0)
             return -1;
         if ((status = ds_linear_run(&layer->o, att, o, T, m->bf16_math, threads)) != 0) return status;
         fdplug_add_rms_norm(o, s->residual, layer->post_norm, s->residual, h, T, hidden, m->eps, norm_threads);

@@ -27,7 +27,8 @@
 #define PF_IN_REGISTER(v) __asm__("" : "+v"(v))
 
 typedef struct {
-    const float *q, *key_cache, *value_cache;
+    const float *q;
+    const void *key_cache, *value_cache; /* elements of type kv_type (kv_elements.c) */
     const int32_t *q_rows, *key_end, *table;
     float *out;
     int rows, heads, kv_heads, dim, num_blocks, block_size, max_keys;
@@ -36,15 +37,17 @@ typedef struct {
     float *kt;           /* [kv_heads][key_tiles][dim][16]: the transposed keys */
     const float **value_rows; /* [kv_heads][key_tiles * 16]: where each key's value row is (NULL past max_keys) */
     int key_tiles;       /* an even count: a score tile is two of them */
+    int kv_type;
+    float *values;       /* a 2-byte cache: [kv_heads][key_tiles * 16][dim], the value rows widened once */
 } prefill_job;
 
 #ifdef HAVE_AVX2
 int fdplug_prefill_attention_available(void) { return 1; }
 
-static inline const float *key_row(const prefill_job *job, const float *cache, int kvh, int j) {
+static inline const void *key_row(const prefill_job *job, const void *cache, int kvh, int j) {
     const int64_t head_stride = (int64_t)job->num_blocks * job->block_size * job->dim;
     const int64_t block = job->table[j / job->block_size];
-    return cache + kvh * head_stride + (block * job->block_size + j % job->block_size) * job->dim;
+    return kv_at(cache, kvh * head_stride + (block * job->block_size + j % job->block_size) * job->dim, job->kv_type);
 }
 
 /* Key tiles [tile0, tile1) of kv head kvh into job->kt (zeros past max_keys). */
@@ -54,10 +57,15 @@ static void transpose_keys(const prefill_job *job, int kvh, int tile0, int tile1
         float *tile = job->kt + ((int64_t)kvh * job->key_tiles + tile_index) * dim * 16;
         const int j0 = tile_index * 16;
         for (int t = 0; t < 16; ++t) {
-            const float *k = j0 + t < keys ? key_row(job, job->key_cache, kvh, j0 + t) : NULL;
-            for (int d = 0; d < dim; ++d) tile[d * 16 + t] = k ? k[d] : 0.0f;
-            job->value_rows[(int64_t)kvh * job->key_tiles * 16 + j0 + t] =
-                k ? key_row(job, job->value_cache, kvh, j0 + t) : NULL;
+            const void *k = j0 + t < keys ? key_row(job, job->key_cache, kvh, j0 + t) : NULL;
+            for (int d = 0; d < dim; ++d) tile[d * 16 + t] = k ? kv_get(k, d, job->kv_type) : 0.0f;
+            const int64_t at = (int64_t)kvh * job->key_tiles * 16 + j0 + t;
+            const void *value = k ? key_row(job, job->value_cache, kvh, j0 + t) : NULL;
+            if (value != NULL && job->values != NULL) { /* a 2-byte cache: the row widened once */
+                kv_get_row(value, job->values + at * dim, dim, job->kv_type);
+                value = job->values + at * dim;
+            }
+            job->value_rows[at] = value;
         }
     }
 }
@@ -204,19 +212,21 @@ static void *prefill_worker(void *arg) {
 /* Rows i of out [rows, heads, dim] from q rows q_rows[i], keys [0, key_end[i]) of the sequence whose
  * block table is `table`. dim: a multiple of 16 up to PF_MAX_DIM (the caller checks). Returns 0, or -1
  * if scratch memory could not be had (out undefined). */
-int fdplug_prefill_attention(const float *q, const float *key_cache, const float *value_cache,
+int fdplug_prefill_attention(const float *q, const void *key_cache, const void *value_cache,
                              const int32_t *q_rows, const int32_t *key_end, const int32_t *table, float *out,
                              int rows, int heads, int kv_heads, int dim, int num_blocks, int block_size,
-                             int max_keys, float scale, int num_threads) {
+                             int max_keys, float scale, int num_threads, int kv_type) {
     const int units = ((rows + PF_CHUNK - 1) / PF_CHUNK) * kv_heads;
     if (units <= 0) return 0;
     prefill_job job = {q, key_cache, value_cache, q_rows, key_end, table, out, rows, heads, kv_heads, dim,
-                       num_blocks, block_size, max_keys, scale, 0, NULL, NULL, (max_keys + 31) / 32 * 2};
-    const size_t keys = (size_t)kv_heads * job.key_tiles * 16;
+                       num_blocks, block_size, max_keys, scale, 0, NULL, NULL, (max_keys + 31) / 32 * 2,
+                       kv_type, NULL};
+    const size_t keys = (size_t)kv_heads * job.key_tiles * 16, widened = kv_type == KV_F32 ? 0 : keys * dim;
     void *memory = NULL;
-    if (posix_memalign(&memory, 64, sizeof(float) * keys * dim + sizeof(float *) * keys) != 0) return -1;
+    if (posix_memalign(&memory, 64, sizeof(float) * (keys * dim + widened) + sizeof(float *) * keys) != 0) return -1;
     job.kt = memory;
-    job.value_rows = (const float **)(job.kt + keys * dim);
+    job.values = widened ? job.kt + keys * dim : NULL;
+    job.value_rows = (const float **)(job.kt + keys * dim + widened);
     const int transpose_units = kv_heads * ((job.key_tiles + PF_KEYS_A_UNIT / 16 - 1) / (PF_KEYS_A_UNIT / 16));
     run_workers(transpose_worker, &job, num_threads < transpose_units ? num_threads : transpose_units);
     job.next_unit = 0;
@@ -227,10 +237,11 @@ int fdplug_prefill_attention(const float *q, const float *key_cache, const float
 #else
 int fdplug_prefill_attention_available(void) { return 0; }
 
-int fdplug_prefill_attention(const float *q, const float *key_cache, const float *value_cache,
+int fdplug_prefill_attention(const float *q, const void *key_cache, const void *value_cache,
                              const int32_t *q_rows, const int32_t *key_end, const int32_t *table, float *out,
                              int rows, int heads, int kv_heads, int dim, int num_blocks, int block_size,
-                             int max_keys, float scale, int num_threads) {
+                             int max_keys, float scale, int num_threads, int kv_type) {
+    (void)kv_type;
     return -2; /* built without AVX2 and FMA: the caller keeps the reference path */
 }
 #endif
