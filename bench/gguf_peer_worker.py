@@ -24,11 +24,11 @@ from peer_worker import (
 )
 
 
-def _fdplug(model: str):
+def _fdplug(model: str, kv_cache_dtype: str = "auto"):
     import fdplug
     from fdplug.plugins.cpu import isa
 
-    llm = fdplug.LLM(model, max_model_len=2048)
+    llm = fdplug.LLM(model, max_model_len=2048, kv_cache_dtype=kv_cache_dtype)
 
     def generate(prompts, lengths):
         params = [fdplug.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
@@ -80,7 +80,8 @@ def main() -> None:
     with open(job_path) as f:
         job = json.load(f)
     start = time.perf_counter()
-    generate, info = ENGINES[engine](job["model"])
+    generate, info = (_fdplug(job["model"], job.get("kv_cache_dtype", "auto")) if engine == "fdplug"
+                      else ENGINES[engine](job["model"]))
     info["load_s"] = time.perf_counter() - start
     for prompt in job["warmup"]:      # steady state: a long prefill and a decode before anything is timed
         generate([prompt], [8])

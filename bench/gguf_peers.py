@@ -13,12 +13,13 @@ machine's cores (fdplug: its default; llama.cpp: ``n_threads=2``/``-t 2``, or ``
 Offline, each engine in its own interpreter (bench/gguf_peer_worker.py), built and warmed up, then
 timed on: TTFT of fresh 1,024-token prompts of random token ids (median of 3); single-stream greedy
 decode of 256 tokens after a 64-token prompt, prefill excluded (median of 2). fdplug:
-``fdplug.LLM(path, max_model_len=2048)``; llama.cpp: ``llama_cpp.Llama(path, n_ctx=2048,
+``fdplug.LLM(path, max_model_len=2048, kv_cache_dtype="float16")`` (``--kv-cache-dtype``: float16 by
+default, llama.cpp's default cache type); llama.cpp: ``llama_cpp.Llama(path, n_ctx=2048,
 n_threads=2, n_batch=512)``, ``eval`` of the prompt then greedy ``llama_sampler_sample`` / ``eval`` one
 token at a time, KV cleared before each prompt.
 
 Serving: ``llama-server -m PATH --parallel 64 -c 64*2048 --cont-batching -t 2`` and ``fdplug serve
---model PATH --max-num-seqs 64 --max-model-len 2048``, one at a time, each loaded with
+--model PATH --max-num-seqs 64 --max-model-len 2048 --kv-cache-dtype float16``, one at a time, each loaded with
 bench/serve.py ``--url`` (64 streamed requests of random token-id prompts at once, input 128 /
 output 128 tokens +-50%, ``ignore_eos``, one warm-up pass of the whole workload on other prompts),
 output tokens/s at saturation. llama-server takes token-id prompts in ``/v1/completions`` and
@@ -139,13 +140,13 @@ def load(since: list[int]) -> str:
 # -- offline: TTFT and single-stream decode ----------------------------------------------------------
 
 
-def job(model: str, vocab: int, quick: bool) -> dict:
+def job(model: str, vocab: int, quick: bool, kv_cache_dtype: str = "auto") -> dict:
     rng = np.random.default_rng(1)
 
     def fresh(n: int) -> list[int]:
         return rng.integers(0, vocab, size=n).tolist()
 
-    return {"model": model, "warmup": [fresh(1024), fresh(64)] if quick else [fresh(1024), fresh(1024), fresh(64)],
+    return {"model": model, "kv_cache_dtype": kv_cache_dtype, "warmup": [fresh(1024), fresh(64)] if quick else [fresh(1024), fresh(1024), fresh(64)],
             "ttft_prompts": [fresh(1024) for _ in range(3)],
             "decode_prompts": [(fresh(64), fresh(64)) for _ in range(2)], "decode_tokens": 64 if quick else 256,
             "agreement_prompts": [fresh(32) for _ in range(4)], "agreement_tokens": 16}
@@ -197,7 +198,8 @@ def server_command(engine: str, args, port: int) -> list[str]:
                 "--cont-batching", "-t", str(args.threads), "--host", "127.0.0.1", "--port", str(port),
                 "--alias", "bench"]
     return [str(Path(args.fdplug_python).parent / "fdplug"), "serve", "--model", args.gguf, "--port", str(port),
-            "--served-model-name", "bench", "--max-num-seqs", str(args.streams), "--max-model-len", str(args.ctx)]
+            "--served-model-name", "bench", "--max-num-seqs", str(args.streams), "--max-model-len", str(args.ctx),
+            "--kv-cache-dtype", args.kv_cache_dtype]
 
 
 def start_server(engine: str, args, log: Path, env: dict) -> tuple[subprocess.Popen, str]:
@@ -332,6 +334,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--parts", default="offline,serve", help="offline (TTFT, decode), serve (64 streams), or both")
     parser.add_argument("--streams", type=int, default=64)
+    parser.add_argument("--kv-cache-dtype", default="float16",
+                        help="fdplug's KV cache (default float16: llama.cpp's default cache type, so both engines "
+                             "read the same bytes a key)")
     parser.add_argument("--ctx", type=int, default=2048, help="context per sequence (llama-server: -c streams*ctx)")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
@@ -351,6 +356,7 @@ def main() -> int:
     ftype, vocab, mix = describe_gguf(args.gguf)
     print(f"{args.gguf}: {ftype}, vocab {vocab}; tensors {mix}")
     print(cpu_line(), flush=True)
+    print(f"KV cache: fdplug {args.kv_cache_dtype} (--kv-cache-dtype), llama.cpp f16 (its default)", flush=True)
     pythons = {"fdplug": args.fdplug_python, "llama.cpp": args.llama_python}
     envs = {"fdplug": fd_env, "llama.cpp": WORKER_ENV}
     engines = ["fdplug", "llama.cpp"]
@@ -359,7 +365,7 @@ def main() -> int:
     serving: dict[str, list[dict]] = {e: [] for e in engines}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        spec = job(args.gguf, vocab, args.quick)
+        spec = job(args.gguf, vocab, args.quick, args.kv_cache_dtype)
         for r in range(args.rounds):
             order = engines if r % 2 == 0 else engines[::-1]
             if "offline" in parts:

@@ -93,23 +93,17 @@ def _measure_key(config) -> str:
             f"{packed} | {device.cpu_threads()} threads | paddle {paddle.__version__}")
 
 
-def _bf16_math_supports(config) -> str | None:
-    from fdplug.plugins.cpu import native_linear
+def _bf16_math_supports(name: str, module: str, otherwise: str):
+    """`OpSpec.supports` of a bf16-math kernel: the tiles' level, and AVX512-BF16 in the build
+    (``module.bf16_math_available``); without it, ``otherwise`` runs (said in the reason)."""
+    def supports(config) -> str | None:
+        import importlib
 
-    reason = _tiles_supports("cpu_native_bf16_linear")(config)
-    if reason is None and not native_linear.bf16_math_available():
-        reason = "the CPU (or the C compiler) has no AVX512-BF16: bf16 weights run as cpu_native_linear's float32 math"
-    return reason
-
-
-def _gguf_bf16_supports(config) -> str | None:
-    from fdplug.plugins.cpu import native_gguf
-
-    reason = _tiles_supports("cpu_native_gguf_bf16_linear")(config)
-    if reason is None and not native_gguf.bf16_math_available():
-        reason = ("the CPU (or the C compiler, or FDPLUG_CPU_ISA) has no AVX512-BF16: GGUF linears run as "
-                  "cpu_native_gguf_linear's float32 math")
-    return reason
+        reason = _tiles_supports(name)(config)
+        if reason is None and not importlib.import_module(f"fdplug.plugins.cpu.{module}").bf16_math_available():
+            reason = f"the CPU (or the C compiler, or FDPLUG_CPU_ISA) has no AVX512-BF16: {otherwise}"
+        return reason
+    return supports
 
 
 @hookimpl
@@ -162,7 +156,8 @@ def fdplug_register_ops(register):
            "cpu_native_gguf_linear's tiles in bf16 math (AVX512-BF16 dot products: inputs and decoded weights "
            "rounded to bf16, float32 sums; 1.3-1.9x from 64 rows, even at one). --op-kernel "
            "gguf_linear=cpu_native_gguf_linear keeps float32 math", bound={"bf16_math": True}, priority=20,
-           supports=_gguf_bf16_supports, bf16_inputs=True)
+           supports=_bf16_math_supports("cpu_native_gguf_bf16_linear", "native_gguf",
+                                        "GGUF linears run as cpu_native_gguf_linear's float32 math"), bf16_inputs=True)
     native("cpu_native_rms_norm", "rms_norm", ("native_norms", "rms_norm"),
            "one compiled call instead of paddle's five ops (float32; the q/k norm's per-head weights too)")
     native("cpu_native_add_rms_norm", "add_rms_norm", ("native_norms", "add_rms_norm"),
@@ -183,8 +178,10 @@ def fdplug_register_ops(register):
            "bf16 weights in bf16 math (AVX512-BF16 dot products: inputs rounded to bf16, float32 sums; ~2x "
            "cpu_native_linear where compute-bound); float32 weights as cpu_native_linear. --op-kernel "
            "linear=cpu_native_linear keeps float32 math",
-           bound={"bf16_math": True}, priority=20, supports=_bf16_math_supports, bf16_inputs=True,
-           prepare=_linear_prepare_factory, measure_key=_measure_key)
+           bound={"bf16_math": True}, priority=20, bf16_inputs=True, prepare=_linear_prepare_factory,
+           supports=_bf16_math_supports("cpu_native_bf16_linear", "native_linear",
+                                        "bf16 weights run as cpu_native_linear's float32 math"),
+           measure_key=_measure_key)
 
 
 @hookimpl
