@@ -154,7 +154,7 @@ def fdplug_register_ops(register):
            "non-float32 inputs: the portable op", supports=_tiles_supports("cpu_native_gguf_linear"))
     native("cpu_native_gguf_bf16_linear", "gguf_linear", ("native_gguf", "gguf_linear_or_portable"),
            "cpu_native_gguf_linear's tiles in bf16 math (AVX512-BF16 dot products: inputs and decoded weights "
-           "rounded to bf16, float32 sums; 1.3-1.9x from 64 rows, even at one). --op-kernel "
+           "rounded to bf16, float32 sums; 1.4-1.9x from 64 rows, ~0.92x at one). --op-kernel "
            "gguf_linear=cpu_native_gguf_linear keeps float32 math", bound={"bf16_math": True}, priority=20,
            supports=_bf16_math_supports("cpu_native_gguf_bf16_linear", "native_gguf",
                                         "GGUF linears run as cpu_native_gguf_linear's float32 math"), bf16_inputs=True)

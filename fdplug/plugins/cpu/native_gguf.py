@@ -17,6 +17,13 @@ ymm, 3 rows a tile) and run 57-63 GFLOP/s from 64 rows, where widening the layer
 matmul (MKL) reached 100-123: a prefill cost accepted so that a row's result never depends on
 whether its batch had more than some number of rows (a decode step and a recompute agree).
 
+``cpu_native_gguf_bf16_linear`` (``bf16_math=True``, where the build has AVX512-BF16) runs the same
+tiles in bf16 math (csrc/gguf_linear_bf16.c): x and each decoded weight rounded to bf16, the exact
+products summed in float32 by ``vdpbf16ps``, one summation order for every row count again. Measured
+on this Zen 5 (AVX-512, 2 threads, ``bench/gguf_linear.py``): 1.4-1.9x the float32 tiles from 64
+rows, 0.92-0.93x at one row (the rounding of each decoded weight costs a conversion there): prefill
+and batched decode gain, single-stream decode pays ~8%.
+
 Types: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K (`SUPPORTED`). The op gets its block type per
 call, and one GGUF file mixes types (Q4_K_M: Q4_K, Q6_K, Q8_0...), so another type (F16, BF16,
 F32, or one gguf_blocks may learn later) does not refuse the kernel for the whole model at
