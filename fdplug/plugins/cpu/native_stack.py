@@ -205,7 +205,8 @@ class CpuDecoderStack:
                      group.max_key_end, self.threads, self.kv_type)
         status = self.lib.fdplug_decoder_stack(ctypes.byref(self.model), ctypes.byref(step))
         if status != 0:
-            raise MemoryError(f"the cpu decoder stack failed ({status}): attention had no scratch memory or threads")
+            raise MemoryError(f"the cpu decoder stack failed ({status}): no scratch memory (attention's, or bf16 math's "
+                              "copy of a layer's input) or threads")
         return x, residual
 
 

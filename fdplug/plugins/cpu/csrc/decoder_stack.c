@@ -113,7 +113,8 @@ static void ds_rotate_and_cache(const ds_model *m, const ds_layer *layer, const 
 }
 
 /* Every layer of one step. Returns 0; -1 if attention had no scratch memory or threads; -2 if a
- * linear's block type is not decoded here (the caller checked them all at prepare). */
+ * linear's block type is not decoded here (the caller checked them all at prepare); -3 if bf16
+ * math had no memory for its copy of a linear's input. */
 int fdplug_decoder_stack(const ds_model *m, const ds_step *s) {
     const int T = s->tokens, hidden = m->hidden, inter = m->inter, threads = s->threads;
     const int64_t qk = (int64_t)(m->heads + m->kv_heads) * m->head_dim, attn = (int64_t)m->heads * m->head_dim;

@@ -260,8 +260,9 @@ static int64_t gg_piece_cols(int cols, int64_t most, int num_threads, int per_th
 /* x [rows, depth] float32 times W [cols, depth] in GGML blocks of type qtype (ggml's id), the file's
  * bytes, rows of depth / block blocks -> out [rows, cols] float32 at row stride ld (>= cols: a
  * fused projection's groups write their columns side by side), on up to num_threads threads.
- * Returns 0, or -2 for a type not decoded here or a depth that is not a multiple of its block
- * (nothing written). */
+ * bf16: in bf16 math (gguf_linear_bf16.c). Returns 0, or -2 for a type not decoded here or a depth
+ * that is not a multiple of its block, -3 where bf16 math's copy of x cannot be allocated, -4 for
+ * bf16 math in a build without AVX512-BF16 (nothing written). */
 static int gg_linear(const float *x, const uint8_t *w, float *out, int64_t ld, int rows, int cols, int depth,
                      int qtype, int bf16, int num_threads) {
     if (!gg_known(qtype) || depth <= 0 || depth % GG_QK(qtype) != 0) return -2;
