@@ -104,7 +104,7 @@ def test_perplexity_of_a_fixed_text_is_transformers_within_one_percent(selected)
     logz = np.log(np.exp(logits - logits.max(axis=1, keepdims=True)).sum(axis=1)) + logits.max(axis=1)
     nll = float(np.mean(logz - logits[np.arange(len(logits)), ref["ids"][1:]]))
     assert math.exp(nll) == pytest.approx(ref["ppl"], rel=0.01)
-    assert nll == pytest.approx(ref["nll"], rel=1e-3)   # the float32 kernels: far tighter than 1% in fact
+    assert nll == pytest.approx(ref["nll"], rel=1e-3)   # float32 math: 4e-8 in fact; bf16 math: 4e-4
 
 
 def test_fdplug_serve_answers_the_openai_client_from_the_gguf_file(smollm2, tmp_path):
