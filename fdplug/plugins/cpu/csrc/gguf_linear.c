@@ -70,27 +70,7 @@ static int gg_known(int qtype) {
 }
 
 /* The little-endian float16 at p, as float32 (exact). */
-static inline float gg_f16(const uint8_t *p) {
-    const uint16_t h = (uint16_t)(p[0] | p[1] << 8);
-#if defined(HAVE_AVX2) && defined(__F16C__)
-    return _cvtsh_ss(h);
-#else
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
-    uint32_t bits;
-    if (exponent == 0x1F) {
-        bits = sign | 0x7F800000u | mantissa << 13;  /* inf, NaN */
-    } else if (exponent != 0) {
-        bits = sign | (exponent + 112) << 23 | mantissa << 13;
-    } else {                                          /* zero and subnormals: mantissa * 2^-24, exact */
-        const float f = (float)mantissa * 0x1p-24f;
-        memcpy(&bits, &f, sizeof bits);
-        bits |= sign;
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-#endif
-}
+static inline float gg_f16(const uint8_t *p) { return half_to_float((uint16_t)(p[0] | p[1] << 8)); }
 
 /* A K-quant super-block's per-sub-block factors: Q4_K/Q5_K d * sc and dmin * m for its 8 sub-blocks
  * of 32 (ggml's get_scale_min_k4: 6-bit fields, the top 2 bits of scales/mins 4-7 in bytes 0-7);

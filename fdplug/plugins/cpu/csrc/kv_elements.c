@@ -9,7 +9,7 @@
  * Included by cpu_kernels.c before the attention kernels.
  * ------------------------------------------------------------------------------------------- */
 
-enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 }; /* native_attention.KV_TYPES */
+enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 }; /* kernels.KV_TYPES, in order */
 
 /* BODY(KT) with KT the element type kt as a compile-time constant (the inner loops specialised) */
 #define KV_SWITCH(kt, BODY)                                                                          \
@@ -24,8 +24,10 @@ static inline int64_t kv_size(int kt) { return kt == KV_F32 ? 4 : 2; }
 /* base + i elements of type kt */
 static inline const void *kv_at(const void *base, int64_t i, int kt) { return (const char *)base + i * kv_size(kt); }
 
-static inline float kv_half_to_float(uint16_t h) {
-#if defined(__F16C__)
+/* The 2-byte float types' scalar conversions (also the GGUF decoders' float16 scales, gg_f16, and
+ * the bf16 linear's tail, linear.c): exact widening; rounding to nearest even. */
+static inline float half_to_float(uint16_t h) {
+#if defined(HAVE_AVX2) && defined(__F16C__)
     return _cvtsh_ss(h);
 #else
     const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
@@ -45,8 +47,8 @@ static inline float kv_half_to_float(uint16_t h) {
 #endif
 }
 
-static inline uint16_t kv_float_to_half(float f) {
-#if defined(__F16C__)
+static inline uint16_t float_to_half(float f) {
+#if defined(HAVE_AVX2) && defined(__F16C__)
     return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
 #else
     uint32_t x;
@@ -65,14 +67,14 @@ static inline uint16_t kv_float_to_half(float f) {
 #endif
 }
 
-static inline float kv_bf16_to_float(uint16_t h) {
+static inline float bf16_to_float(uint16_t h) {
     const uint32_t bits = (uint32_t)h << 16;
     float f;
     memcpy(&f, &bits, sizeof f);
     return f;
 }
 
-static inline uint16_t kv_float_to_bf16(float f) {
+static inline uint16_t float_to_bf16(float f) {
     uint32_t x;
     memcpy(&x, &f, sizeof x);
     if ((x & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((x >> 16) | 0x40); /* NaN stays a (quiet) NaN */
@@ -83,7 +85,7 @@ static inline uint16_t kv_float_to_bf16(float f) {
 static inline float kv_get(const void *row, int64_t i, int kt) {
     if (kt == KV_F32) return ((const float *)row)[i];
     const uint16_t h = ((const uint16_t *)row)[i];
-    return kt == KV_F16 ? kv_half_to_float(h) : kv_bf16_to_float(h);
+    return kt == KV_F16 ? half_to_float(h) : bf16_to_float(h);
 }
 
 /* dim floats of src into a row of type kt at dst */
@@ -99,7 +101,7 @@ static void kv_put_row(const float *src, void *dst, int dim, int kt) {
         for (; d + 8 <= dim; d += 8)
             _mm_storeu_si128((__m128i *)(out + d), _mm256_cvtps_ph(_mm256_loadu_ps(src + d), _MM_FROUND_TO_NEAREST_INT));
 #endif
-    for (; d < dim; ++d) out[d] = kt == KV_F16 ? kv_float_to_half(src[d]) : kv_float_to_bf16(src[d]);
+    for (; d < dim; ++d) out[d] = kt == KV_F16 ? float_to_half(src[d]) : float_to_bf16(src[d]);
 }
 
 /* A row of type kt widened into dim floats */
@@ -121,7 +123,7 @@ static inline __attribute__((always_inline)) __m256 kv_load8(const void *base, i
 #else
     if (kt == KV_F16) {
         float f[8];
-        for (int l = 0; l < 8; ++l) f[l] = kv_half_to_float(((const uint16_t *)base)[i + l]);
+        for (int l = 0; l < 8; ++l) f[l] = half_to_float(((const uint16_t *)base)[i + l]);
         return _mm256_loadu_ps(f);
     }
 #endif

@@ -43,12 +43,7 @@ typedef struct {
     int64_t pieces, rows_per_block; /* work item i: row block i / pieces times piece i % pieces */
 } linear_job;
 
-static inline float bf16_to_float(uint16_t b) {
-    const uint32_t bits = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
+/* bf16_to_float: kv_elements.c's */
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 static inline __m512 bf16_widen(__m256i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)); }
