@@ -25,7 +25,10 @@ from pathlib import Path
 
 import numpy as np
 
-LLAMA_NAMES = {  # HF module in a layer -> llama.cpp's
+# HF module in a layer -> llama.cpp's. Written out from llama.cpp's tensor_mapping.py on purpose, not
+# derived from `gguf_file._LAYER_NAMES` (its inverse): a writer that took the reader's table would
+# hide a wrong name in it.
+LLAMA_NAMES = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
