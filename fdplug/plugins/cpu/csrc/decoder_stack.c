@@ -128,7 +128,7 @@ int fdplug_decoder_stack(const ds_model *m, const ds_step *s) {
     if (embed == NULL) { /* the rows the portable op dequantizes (gguf_blocks.dequantize's bits) */
         for (int t = 0; t < T; ++t)
             gg_dequant_row(m->embed_table + s->ids[t] * m->embed_row_bytes, m->embed_qtype, hidden,
-                           rows + (int64_t)t * hidden);
+                           rows + (int64_t)t * hidden, 0);
         embed = rows;
     }
     for (int i = 0; i < m->num_layers; ++i) {

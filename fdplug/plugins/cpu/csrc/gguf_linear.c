@@ -113,6 +113,11 @@ static inline void gg_k_scales(const uint8_t *b, int qtype, gg_scales *s) {
 #include "gguf_linear_avx2.c"
 #endif
 #define GG_HAVE_PANELS 1
+#ifdef GG_CHAIN_PANEL
+#define GG_CHAINS 1 /* the panel in gg_dequant_row's chain layout */
+#else
+#define GG_CHAINS 0
+#endif
 #else
 #include "gguf_linear_scalar.c"
 #endif
@@ -213,7 +218,7 @@ static void *gg_worker(void *arg) {
         if (panel != NULL) { /* (no memory for it: the register route, the same bits) */
             for (int n = (int)begin; n < end; ++n)
                 gg_dequant_row(job->w + (int64_t)n * job->row_bytes, job->qtype, job->depth,
-                               panel + (int64_t)(n - begin) * job->depth);
+                               panel + (int64_t)(n - begin) * job->depth, GG_CHAINS);
             const int step = gg_panel_tile_rows(job->depth, 4);
             for (int m0 = 0; m0 < job->rows; m0 += step) /* the panel stays in L2 across row tiles */
                 gg_panel_columns(job, panel, m0, job->rows - m0 < step ? job->rows - m0 : step, (int)begin, end);
@@ -312,7 +317,7 @@ static void *gg_dequant_worker(void *arg) {
     for (;;) {
         const int n = __atomic_fetch_add(&job->next_col, 1, __ATOMIC_RELAXED);
         if (n >= job->cols) return NULL;
-        gg_dequant_row(job->w + (int64_t)n * job->row_bytes, job->qtype, job->depth, job->out + (int64_t)n * job->depth);
+        gg_dequant_row(job->w + (int64_t)n * job->row_bytes, job->qtype, job->depth, job->out + (int64_t)n * job->depth, 0);
     }
 }
 

@@ -16,6 +16,10 @@
 #define GG_MR 3
 #define GG_PMR 3
 #endif
+#define GG_CHAIN_PANEL 1  /* the panel route a chain at a time: 3 rows x 4 columns a tile */
+#ifndef GG_CHAIN_NC
+#define GG_CHAIN_NC 4
+#endif
 
 static inline __m256 gg_vload(const float *p) { return _mm256_loadu_ps(p); }
 static inline void gg_vstore(float *p, __m256 v) { _mm256_storeu_ps(p, v); }

@@ -52,7 +52,9 @@ static void gg_dequant_block(const uint8_t *b, int qtype, float *out) {
     }
 }
 
-static void gg_dequant_row(const uint8_t *row, int qtype, int depth, float *out) {
+/* (chains: always 0 here, the panel layout of gguf_tiles.c's levels) */
+static void gg_dequant_row(const uint8_t *row, int qtype, int depth, float *out, int chains) {
+    (void)chains;
     const int block = GG_QK(qtype), bytes = GG_BYTES(qtype);
     for (int b = 0; b < depth / block; ++b) gg_dequant_block(row + (int64_t)b * bytes, qtype, out + b * block);
 }

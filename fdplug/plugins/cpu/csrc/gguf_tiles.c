@@ -15,6 +15,7 @@
  * ------------------------------------------------------------------------------------------- */
 
 #define GG_MAX_MR 8
+#define GG_UNROLL _Pragma("GCC unroll 16") /* (else gcc may keep a tile's accumulators on the stack) */
 
 /* Weights [32j, 32j + 32) of the block at ``blk``: QT's bytes, or (GG_F32) floats. */
 static inline __attribute__((always_inline)) void gg_weights(const uint8_t *blk, const int j, const int QT,
@@ -78,16 +79,20 @@ static inline __attribute__((always_inline)) void gg_tile(const gg_job *job, con
     default: BODY(GG_Q6_K) break;                                                                    \
     }
 
-/* A row of blocks widened to floats: the panel route's, and fdplug_gguf_dequant's. */
-static void gg_dequant_row(const uint8_t *row, int qtype, int depth, float *out) {
+/* A row of blocks widened to floats: in k order (fdplug_gguf_dequant's, and the panel route's), or
+ * (chains: GG_CHAIN_PANEL's panel route) vector v of 32-weight piece p at v * depth / GG_NV +
+ * p * GG_VL, each chain's values one after the other. */
+static void gg_dequant_row(const uint8_t *row, int qtype, int depth, float *out, int chains) {
 #define GG_ROW(QT)                                                                                   \
     for (int b = 0; b < depth / GG_QK(QT); ++b) {                                                   \
         const uint8_t *blk = row + (int64_t)b * GG_BYTES(QT);                                        \
-        if (GG_QK(QT) == 256) gg_k_scales_sse(blk, QT, &s);                                              \
+        if (GG_QK(QT) == 256) gg_k_scales_sse(blk, QT, &s);                                          \
         for (int j = 0; j < GG_QK(QT) / 32; ++j) {                                                   \
             GG_V w[GG_NV];                                                                           \
             gg_weights(blk, j, QT, &s, w);                                                           \
-            for (int v = 0; v < GG_NV; ++v) gg_vstore(out + b * GG_QK(QT) + 32 * j + GG_VL * v, w[v]); \
+            const int piece = b * (GG_QK(QT) / 32) + j;                                              \
+            for (int v = 0; v < GG_NV; ++v)                                                          \
+                gg_vstore(out + (chains ? v * (depth / GG_NV) + piece * GG_VL : 32 * piece + GG_VL * v), w[v]); \
         }                                                                                            \
     }
     gg_scales s;
@@ -122,6 +127,64 @@ static void gg_columns(const gg_job *job, const uint8_t *src, int64_t stride, in
 #undef GG_ROWS
 }
 
+#ifdef GG_CHAIN_PANEL
+/* The panel route, one chain at a time (GG_CHAIN_PANEL: the level's tiles hold GG_NV accumulators
+ * an output, too many for enough outputs a tile): rows m0 .. m0 + MR - 1 of columns n .. n + NC - 1
+ * over the panel in gg_dequant_row's chain layout (column n's at panel + (n - first) * depth).
+ * Chain v of every output of the tile runs over k in order, MR x NC accumulators, each x vector
+ * loaded once for the NC columns and each weight vector once for the MR rows; the chains are then
+ * summed as gg_finish sums them. The same FMAs in the same order as gg_tile's: the same bits. */
+static inline __attribute__((always_inline)) void gg_chain_tile(const gg_job *job, const float *panel, int first,
+                                                                int m0, const int MR, int n, const int NC) {
+    const int depth = job->depth, pieces = depth / 32, chain = depth / GG_NV;
+    const float *x = job->x + (int64_t)m0 * depth, *w = panel + (int64_t)(n - first) * depth;
+    GG_V done[GG_MAX_MR][GG_CHAIN_NC][GG_NV];
+    for (int v = 0; v < GG_NV; ++v) {
+        GG_V acc[GG_MAX_MR][GG_CHAIN_NC];
+        GG_UNROLL
+        for (int r = 0; r < MR; ++r)
+            GG_UNROLL
+            for (int c = 0; c < NC; ++c) acc[r][c] = gg_vzero();
+        for (int p = 0; p < pieces; ++p) {
+            GG_V xv[GG_MAX_MR];
+            GG_UNROLL
+            for (int r = 0; r < MR; ++r) xv[r] = gg_vload(x + (int64_t)r * depth + 32 * p + GG_VL * v);
+            GG_UNROLL
+            for (int c = 0; c < NC; ++c) {
+                const GG_V wv = gg_vload(w + (int64_t)c * depth + v * chain + GG_VL * p);
+                GG_UNROLL
+                for (int r = 0; r < MR; ++r) acc[r][c] = gg_vfma(xv[r], wv, acc[r][c]);
+            }
+        }
+        GG_UNROLL
+        for (int r = 0; r < MR; ++r)
+            GG_UNROLL
+            for (int c = 0; c < NC; ++c) done[r][c][v] = acc[r][c];
+    }
+    for (int r = 0; r < MR; ++r)
+        for (int c = 0; c < NC; ++c) job->out[(int64_t)(m0 + r) * job->ld + n + c] = gg_finish(done[r][c]);
+}
+
+#define GG_CHAIN_COLS(MR)                                                                            \
+    for (int n = begin; n < end;) {                                                                  \
+        if (end - n >= GG_CHAIN_NC) {                                                                \
+            gg_chain_tile(job, panel, begin, m0, MR, n, GG_CHAIN_NC);                                \
+            n += GG_CHAIN_NC;                                                                        \
+        } else {                                                                                     \
+            gg_chain_tile(job, panel, begin, m0, MR, n, 1);                                          \
+            ++n;                                                                                     \
+        }                                                                                            \
+    }
+
+static void gg_panel_columns(const gg_job *job, const float *panel, int m0, int mr, int begin, int end) {
+    switch (mr) {
+    case 1: GG_CHAIN_COLS(1); break;
+    case 2: GG_CHAIN_COLS(2); break;
+    default: GG_CHAIN_COLS(3); break;
+    }
+}
+#undef GG_CHAIN_COLS
+#else
 /* The panel route: rows m0 .. m0 + mr - 1 (mr <= GG_PMR) of columns [begin, end) over their
  * widened floats, column n's at panel + (n - begin) * depth. */
 static void gg_panel_columns(const gg_job *job, const float *panel, int m0, int mr, int begin, int end) {
@@ -129,5 +192,6 @@ static void gg_panel_columns(const gg_job *job, const float *panel, int m0, int 
     const int64_t stride = (int64_t)job->depth * 4;
     GG_SWITCH_ROWS(mr, GG_PMR, GG_F32)
 }
+#endif
 #undef GG_CAP
 #undef GG_COLS
