@@ -26,6 +26,8 @@
  *    decoding, ~10 vector ops per 16 weights, is then paid once a call instead of once per GG_MR
  *    rows. Measured on this Zen 5 (one thread): the register route 1.2-2.6x the panel's at 2-6 rows,
  *    about even at 8, the panel's 1.2-1.8x ahead from 16 rows.
+ *    At AVX2 the panel is laid out chain by chain and its tiles run one chain at a time (the same
+ *    FMAs in the same order: gguf_tiles.c's gg_chain_tile).
  * Work items are pieces of output columns taken from one counter (as the FP8 GEMV's).
  *
  * The block decoders (gguf_bytes.c) are 128-bit SSE4.1/SSSE3 code shared by the AVX-512 tiles
