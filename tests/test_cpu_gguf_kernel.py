@@ -101,6 +101,9 @@ def test_the_same_bits_whatever_the_batch_the_route_or_the_threads(qtype):
         alone = native_gguf.gguf_linear(x[r:r + 1], w, qtype, k, threads=1).numpy()
         np.testing.assert_array_equal(alone[0], batch[r], err_msg=f"row {r}")
     np.testing.assert_array_equal(native_gguf.gguf_linear(x[:9], w, qtype, k, threads=1).numpy(), batch[:9])
+    # a last row tile of 2 and of 1 (the AVX2 panel tiles take 3 rows x 4 columns)
+    for rows in (299, 298):
+        np.testing.assert_array_equal(native_gguf.gguf_linear(x[:rows], w, qtype, k, threads=2).numpy(), batch[:rows])
 
 
 def test_calls_from_two_threads_at_once():
