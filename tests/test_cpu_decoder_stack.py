@@ -54,11 +54,12 @@ def _run(llm: LLM) -> list:
 
 
 @pytest.mark.parametrize(("arch", "linear", "kv"), [(arch, None, "auto") for arch in sorted(CASES)]
-                         + [("llama", "cpu_native_gguf_linear", "auto"), ("qwen3", None, "float16"),
+                         + [("llama", "cpu_native_gguf_linear", "auto"), ("llama", "cpu_native_gguf_q8_linear", "auto"),
+                            ("qwen3", None, "float16"),
                             ("llama", None, "bfloat16")])
 def test_decode_steps_through_the_stack_are_the_layers_bit_for_bit(tmp_path, arch, linear, kv):
     """With the GGUF linear kernel selected here (bf16 math where the CPU has AVX512-BF16), and with
-    the float32 one named; with a float32 KV cache, and 2-byte ones (--kv-cache-dtype)."""
+    the float32 and the q8 ones named; with a float32 KV cache, and 2-byte ones (--kv-cache-dtype)."""
     gguf, _ = write_pair(tmp_path, arch, types=CASES[arch], tokenizer=True)
     chosen = {"gguf_linear": linear} if linear else {}
     fused = LLM(str(gguf), max_model_len=64, num_kv_blocks=32, max_num_seqs=4, op_kernels=chosen, kv_cache_dtype=kv)

@@ -16,7 +16,7 @@ import pytest
 
 from fdplug.core.quant.gguf_blocks import dequantize
 from fdplug.plugins.cpu import kernels, native_gguf
-from tests.test_cpu_gguf_kernel import ROWS, TYPES, depths, weights
+from tests.test_cpu_gguf_kernel import ROWS, TYPES, depths, selected_native, weights
 
 if kernels.unavailable_reason() is not None:
     pytest.skip(f"the cpu kernels do not build here: {kernels.unavailable_reason()}", allow_module_level=True)
@@ -101,8 +101,7 @@ def test_selection_falls_back_with_the_reason(monkeypatch):
 
     if isa.level() < 3:
         pytest.skip("below x86-64-v3 the portable op is chosen (tests/test_cpu_gguf_kernel.py)")
-    assert select_components("cpu").ops["gguf_linear"].name == (
-        "cpu_native_gguf_bf16_linear" if BF16 else "cpu_native_gguf_linear")
+    assert select_components("cpu").ops["gguf_linear"].name == selected_native()
     monkeypatch.setattr(native_gguf, "bf16_math_available", lambda: False)
     selection = select_components("cpu")
     assert selection.ops["gguf_linear"].name == "cpu_native_gguf_linear"

@@ -158,13 +158,17 @@ def test_the_op_runs_the_tiles_at_every_row_count_so_a_row_does_not_depend_on_it
 
 def test_selection_picks_the_kernel_where_the_tiles_are():
     """Chosen for gguf_linear at x86-64-v3 and above (in bf16 math where the build has AVX512-BF16:
-    tests/test_cpu_gguf_bf16_kernel.py); below, the portable op (its scalar loop, as the linears' is
-    refused there)."""
+    tests/test_cpu_gguf_bf16_kernel.py; q8 math only by name: tests/test_cpu_gguf_q8_kernel.py);
+    below, the portable op (its scalar loop, as the linears' is refused there)."""
     from fdplug.core.plugin_loading.selection import select_components
 
     chosen = select_components("cpu").ops["gguf_linear"].name
-    native = "cpu_native_gguf_bf16_linear" if native_gguf.bf16_math_available() else "cpu_native_gguf_linear"
-    assert chosen == (native if isa.level() >= 3 else "paddle_gguf_linear")
+    assert chosen == selected_native() if isa.level() >= 3 else chosen == "paddle_gguf_linear"
+
+
+def selected_native() -> str:
+    """The GGUF kernel chosen at x86-64-v3 and above: bf16 math with AVX512-BF16, else float32 math."""
+    return "cpu_native_gguf_bf16_linear" if native_gguf.bf16_math_available() else "cpu_native_gguf_linear"
 
 
 _BITS_SCRIPT = r"""
@@ -182,6 +186,8 @@ for qtype in TYPES:
     x = paddle.to_tensor(np.random.default_rng(12).standard_normal((40, k)).astype(np.float32))
     for rows in (1, 5, 40):
         out[f"{qtype}-{rows}"] = native_gguf.gguf_linear(x[:rows], w, qtype, k, threads=2).numpy()
+        if native_gguf.q8_math_available():
+            out[f"q8-{qtype}-{rows}"] = native_gguf.gguf_linear(x[:rows], w, qtype, k, threads=2, q8_math=True).numpy()
 np.savez(sys.argv[1], **out)
 """
 
@@ -189,7 +195,8 @@ np.savez(sys.argv[1], **out)
 def test_every_level_gives_the_same_bits(tmp_path):
     """The AVX-512 tiles, the AVX2 ones (each 16-lane chain as two ymm) and the scalar loop (32
     fmaf chains a row, the same lane sum) give the same bits: a fleet of mixed CPUs gives the same
-    logits. Run once, uncapped, on an AVX-512 machine (each level is a build of its own)."""
+    logits. So do the q8 tiles at AVX-512 and AVX2 (the scalar level has none). Run once, uncapped,
+    on an AVX-512 machine (each level is a build of its own)."""
     import subprocess
     import sys
 
@@ -205,6 +212,8 @@ def test_every_level_gives_the_same_bits(tmp_path):
         assert result.returncode == 0, result.stderr[-3000:]
         assert result.stdout.split()[0] == str(isa.CAPS[level])
         saved[level] = np.load(path)
+    assert "q8-Q4_1-1" in saved["avx512"].files and "q8-Q4_1-1" in saved["avx2"].files
+    assert not any(name.startswith("q8-") for name in saved["sse4"].files)
     for name in saved["avx512"].files:
-        for level in ("avx2", "sse4"):
+        for level in ("avx2",) if name.startswith("q8-") else ("avx2", "sse4"):
             np.testing.assert_array_equal(saved[level][name], saved["avx512"][name], err_msg=f"{name} at {level}")

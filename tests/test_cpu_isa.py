@@ -25,7 +25,7 @@ V4 = V3 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_bf
 KERNEL_TESTS = ["tests/test_cpu_kernels.py", "tests/test_cpu_fused_ops.py", "tests/test_cpu_moe_kernel.py",
                 "tests/test_cpu_argmax.py", "tests/test_cpu_linear_kernel.py", "tests/test_cpu_packed_linear.py",
                 "tests/test_cpu_fp8_kernel.py", "tests/test_cpu_bf16_linear_kernel.py", "tests/test_op_timing.py",
-                "tests/test_cpu_gguf_kernel.py", "tests/test_cpu_decoder_stack.py"]
+                "tests/test_cpu_gguf_kernel.py", "tests/test_cpu_gguf_q8_kernel.py", "tests/test_cpu_decoder_stack.py"]
 
 
 def test_levels_from_flags(monkeypatch):
@@ -78,7 +78,8 @@ def test_the_linear_kernels_need_x86_64_v3_and_say_so_below():
     assert "chosen   cpu_native_linear" in linear
     assert "no AVX512-BF16" in linear                                   # bf16 math needs AVX-512 still
     assert "chosen   cpu_native_fp8_linear" in out.split("op:fp8_linear:")[1].split("op:")[0]
-    assert "chosen   cpu_native_gguf_linear" in out.split("op:gguf_linear:")[1].split("op:")[0]
+    gguf = out.split("op:gguf_linear:")[1].split("op:")[0]
+    assert "chosen   cpu_native_gguf_linear" in gguf and "rejected cpu_native_gguf_q8_linear" in gguf
     assert "timed against the portable op on the model's layer shapes at startup" in out
     out = subprocess.run([FDPLUG, "explain"], capture_output=True, text=True, env=subprocess_env(FDPLUG_CPU_ISA="sse4"),
                          timeout=300, check=True).stdout

@@ -149,7 +149,7 @@ def test_expert_tensors_that_do_not_fit_the_metadata_are_refused_by_name(tmp_pat
 @pytest.mark.parametrize("backend", ["reference", "cpu_native"])
 def test_the_engine_serves_a_gguf_moe_file(tmp_path, backend):
     """Through `fdplug.LLM` (selection, runner, sampler): the twin's greedy tokens and logprobs (the
-    dense GGUF linears in float32 math where bf16 math would be selected: cpu_native_gguf_linear)."""
+    dense GGUF linears in float32 math where bf16 or q8 math would be selected: cpu_native_gguf_linear)."""
     from fdplug.core.engine.request import SamplingParams
     from fdplug.core.frontend.llm import LLM
     from fdplug.core.plugin_loading.selection import select_components
@@ -157,7 +157,8 @@ def test_the_engine_serves_a_gguf_moe_file(tmp_path, backend):
     _backend(backend)   # skips where cpu_native cannot run
     arch, types, extra = CASES["qwen2moe"]
     gguf, floats = write_pair(tmp_path, arch, types=types, tokenizer=True, **extra)
-    exact = {"gguf_linear": "cpu_native_gguf_linear"} if select_components("cpu").ops["gguf_linear"].bf16_inputs else {}
+    chosen = select_components("cpu").ops["gguf_linear"]
+    exact = {"gguf_linear": "cpu_native_gguf_linear"} if chosen.bf16_inputs or chosen.q8_inputs else {}
     llm = LLM(str(gguf), max_model_len=64, num_kv_blocks=32, moe_backend=backend, op_kernels=exact)
     assert llm.engine.selection.moe.name == backend
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)

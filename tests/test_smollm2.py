@@ -69,8 +69,8 @@ def test_batched_chunked_and_prefix_cached_runs_give_the_same_tokens(smollm2):
 
 
 def test_at_the_avx2_level_too(smollm2):
-    """The same token tests with the kernels built for x86-64-v3 (``FDPLUG_CPU_ISA=avx2``, a build
-    of its own): on an AVX-512 machine this is how CI runs the AVX2 tiles on a real model."""
+    """The same token and perplexity tests with the kernels built for x86-64-v3 (``FDPLUG_CPU_ISA=avx2``,
+    a build of its own): on an AVX-512 machine this is how CI runs the AVX2 tiles on a real model."""
     import subprocess
     import sys
 
@@ -80,10 +80,10 @@ def test_at_the_avx2_level_too(smollm2):
     if not isa.is_x86() or isa.detected_level() <= 3:
         pytest.skip("this CPU has no level above x86-64-v3: the other tests already run its AVX2 tiles")
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-               "selected_kernels or batched"]
+               "selected_kernels or batched or perplexity_of_a_fixed_text"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO, check=False,
                             env=subprocess_env(FDPLUG_CPU_ISA="avx2"))
-    assert result.returncode == 0 and "2 passed" in result.stdout, result.stdout[-3000:] + result.stderr[-2000:]
+    assert result.returncode == 0 and "3 passed" in result.stdout, result.stdout[-3000:] + result.stderr[-2000:]
 
 
 def test_the_chat_template_and_answer_come_from_the_file(selected):
@@ -105,6 +105,26 @@ def test_perplexity_of_a_fixed_text_is_transformers_within_one_percent(selected)
     nll = float(np.mean(logz - logits[np.arange(len(logits)), ref["ids"][1:]]))
     assert math.exp(nll) == pytest.approx(ref["ppl"], rel=0.01)
     assert nll == pytest.approx(ref["nll"], rel=1e-3)   # float32 math: 4e-8 in fact; bf16 math: 4e-4
+
+
+def test_q8_math_keeps_the_perplexity_within_one_and_a_half_percent(smollm2):
+    """``cpu_native_gguf_q8_linear`` (chosen by name): inputs quantized to 8 bits per 16 values. Its
+    rounding is a perturbation: measured +0.87% perplexity on this text (runs of 32, as llama.cpp's
+    q8_0: +1.06%), and emulations differing only in float32 rounding before the quantization gave
+    +0.29% to +0.88%, so the bound here is 1.5% (the issue's bar is 1%). Greedy tokens are not held
+    to transformers': the chat prompt's first token is a near tie (logprobs -1.88 and -1.96 for "The"
+    and "L" in float32 math), and q8 math answers "L'Étoile, ..." instead of "The capital of France
+    is Paris." (why it is not chosen by default)."""
+    from fdplug.plugins.cpu import native_gguf
+
+    if not native_gguf.q8_math_available():
+        pytest.skip("the q8 tiles need the AVX2 build")
+    llm = LLM(smollm2, max_model_len=1024, op_kernels={"gguf_linear": "cpu_native_gguf_q8_linear"})
+    ref = GOLDEN["perplexity"]
+    logits = full_logits(llm, ref["ids"]).astype(np.float64)[:-1]
+    logz = np.log(np.exp(logits - logits.max(axis=1, keepdims=True)).sum(axis=1)) + logits.max(axis=1)
+    ppl = math.exp(float(np.mean(logz - logits[np.arange(len(logits)), ref["ids"][1:]])))
+    assert ref["ppl"] < ppl < ref["ppl"] * 1.015     # the rounding costs something, not more than this
 
 
 def test_fdplug_serve_answers_the_openai_client_from_the_gguf_file(smollm2, tmp_path):

@@ -1,7 +1,7 @@
 """The hooks: what a plugin implements. Read with `fdplug.plugin_api.specs` (what it registers).
 
 A plugin is a module (or object) with functions decorated by ``fdplug.hookimpl`` whose names are
-the hooks below, and a module-level ``FDPLUG_API_VERSION = "3.13"`` naming the API it was written
+the hooks below, and a module-level ``FDPLUG_API_VERSION = "3.14"`` naming the API it was written
 for. Registration hooks are called once, when plugins load, with a ``register`` callback that
 accepts one spec object; the core validates what is registered, so a bad registration fails loudly
 and only that plugin is skipped.
@@ -36,7 +36,9 @@ the ``decoder_stack`` op (every decoder layer of a step in one call of the plugi
 3.13: ``OpSpec.bf16_inputs`` for ``gguf_linear`` kernels too (bf16 math on the decoded weights); the
 ``gguf`` expert weight format (a GGUF file's routed experts in GGML blocks, ``ExpertWeights.qtypes``);
 ``EngineConfig.kv_cache_dtype`` (the cache's element type, ``KVCachePlan.dtype``; a backend that cannot
-read another than the compute dtype refuses it in ``supports``).
+read another than the compute dtype refuses it in ``supports``). 3.14: ``OpSpec.q8_inputs``: a
+``gguf_linear`` kernel in q8 math (its inputs quantized to 8 bits per 16 values, as llama.cpp's;
+`fdplug.plugin_api.gguf_formats.q8_inputs`).
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ if TYPE_CHECKING:
     from fdplug.plugin_api.selection import Selection
 
 PROJECT_NAME = "fdplug"
-API_VERSION = "3.13"
+API_VERSION = "3.14"
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)

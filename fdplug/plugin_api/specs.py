@@ -139,6 +139,12 @@ class OpSpec(ComponentSpec):
     far below the blocks' own; llama.cpp quantizes ``x`` to 8 bits). The conformance kit compares it
     with the portable op on the rounded values; `fdplug explain` says which math a model gets.
 
+    ``q8_inputs`` (``gguf_linear`` only; API 3.14): q8 math, as llama.cpp computes GGUF models: ``x``
+    quantized to 8-bit integers in runs of 16 values, one float32 scale a run
+    (`fdplug.plugin_api.gguf_formats.q8_inputs` defines the values), each run's products with the
+    decoded weights summed exactly; the result is the portable op's on those values, up to float32
+    rounding. The conformance kit compares it so; `fdplug explain` says which math a model gets.
+
     ``prepare`` (``linear``, ``fp8_linear`` and ``gguf_linear`` only), like ``factory`` called with
     the config: returns a function that the core calls once per such layer after load with its
     weight ``[N, K]`` (``gguf_linear``: each block-type group's bytes and its type); what that returns
@@ -156,6 +162,7 @@ class OpSpec(ComponentSpec):
 
     op: str = ""
     bf16_inputs: bool = False
+    q8_inputs: bool = False
     prepare: Callable[["EngineConfig"], Callable[[Any], Any]] | None = None
     measure_key: Callable[["EngineConfig"], str] | None = None
 
@@ -230,6 +237,10 @@ def validate_spec(spec: Any, expected: type) -> None:
             spec.bf16_inputs is not True or spec.op not in ("linear", "gguf_linear")):
         raise ValueError(f"bf16_inputs of {spec.name!r} must be a bool, and True only for the 'linear' and "
                          "'gguf_linear' ops")
+    if isinstance(spec, OpSpec) and spec.q8_inputs is not False and (
+            spec.q8_inputs is not True or spec.op != "gguf_linear" or spec.bf16_inputs):
+        raise ValueError(f"q8_inputs of {spec.name!r} must be a bool, and True only for a 'gguf_linear' op "
+                         "without bf16_inputs")
     if isinstance(spec, OpSpec) and spec.measure_key is not None:
         _require_callable(spec, "measure_key")
         if spec.op != "linear":

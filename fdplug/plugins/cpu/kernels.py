@@ -68,6 +68,8 @@ SIGNATURES = {   # (restype, argtypes) of every function the library exports (cs
     "fdplug_gguf_linear": (_c_int, [_ptr] * 3 + [_c_int] * 5),
     "fdplug_gguf_linear_bf16": (_c_int, [_ptr] * 3 + [_c_int] * 5),
     "fdplug_gguf_bf16_available": (_c_int, []),
+    "fdplug_gguf_linear_q8": (_c_int, [_ptr] * 3 + [_c_int] * 5),
+    "fdplug_gguf_q8_available": (_c_int, []),
     "fdplug_gguf_dequant": (_c_int, [_ptr] * 2 + [_c_int] * 4),
     "fdplug_decoder_stack": (_c_int, [_ptr] * 2),
     "fdplug_decoder_stack_scratch": (_i64, [_ptr, _c_int]),

@@ -40,7 +40,7 @@ from fdplug.plugin_api.ops import PreparedWeight
 from fdplug.plugins.cpu.kernels import _contiguous, _rows, empty_f32, load
 
 SUPPORTED: tuple[str, ...] = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16")
-"""The block types csrc/gguf_linear.c decodes (float16 and bfloat16 rows in runs of 32 values)."""
+"""The block types csrc/gguf_linear.c decodes (float16 and bfloat16 rows in runs of 16 values)."""
 HALF_RUN = 32
 """csrc/gguf_linear.c reads F16 and BF16 rows 32 values at a time: their rows' length is a multiple."""
 _HALVES = ("F16", "BF16")
@@ -91,11 +91,19 @@ def bf16_math_available() -> bool:
     return bool(load().fdplug_gguf_bf16_available())
 
 
-def gguf_linear(x: Any, weight: Any, qtype: str, k: int, threads: int, bf16_math: bool = False) -> Any:
+def q8_math_available() -> bool:
+    """Whether the build has the q8-math tiles (csrc/gguf_q8.c: AVX2, not capped away)."""
+    return bool(load().fdplug_gguf_q8_available())
+
+
+def gguf_linear(x: Any, weight: Any, qtype: str, k: int, threads: int, bf16_math: bool = False,
+                q8_math: bool = False) -> Any:
     """``x [..., K]`` float32 times ``weight [N, row_bytes]`` uint8 (rows of ``K == k`` weights in
     GGML blocks of ``qtype``, byte for byte as in the file) -> ``[..., N]`` float32: the
     ``gguf_linear`` op's contract (`fdplug.plugin_api.ops`), for the types in `SUPPORTED` only.
-    ``bf16_math``: ``x`` and the decoded weights rounded to bf16, float32 sums (AVX512-BF16)."""
+    ``bf16_math``: ``x`` and the decoded weights rounded to bf16, float32 sums (AVX512-BF16).
+    ``q8_math``: ``x`` quantized to 8 bits per 16 values, integer sums per 32 weights (AVX2; F16
+    and BF16 rows in float32 math)."""
     type_id = _type_id(qtype)
     _check_weight(weight, qtype, k)
     shape = x.shape
@@ -107,10 +115,10 @@ def gguf_linear(x: Any, weight: Any, qtype: str, k: int, threads: int, bf16_math
     x = _contiguous(x if len(shape) == 2 else x.reshape([rows, k]))
     out = empty_f32([rows, cols])
     lib = load()
-    run = lib.fdplug_gguf_linear_bf16 if bf16_math else lib.fdplug_gguf_linear
+    run = lib.fdplug_gguf_linear_q8 if q8_math else lib.fdplug_gguf_linear_bf16 if bf16_math else lib.fdplug_gguf_linear
     status = run(x.data_ptr(), _contiguous(weight).data_ptr(), out.data_ptr(), rows, cols, k, type_id, threads)
     if status == -3:
-        raise MemoryError(f"gguf_linear: no memory for the bf16 copy of a [{rows}, {k}] input")
+        raise MemoryError(f"gguf_linear: no memory for the {'q8' if q8_math else 'bf16'} copy of a [{rows}, {k}] input")
     if status != 0:
         raise ValueError(f"fdplug_gguf_linear refused {qtype} rows of {k} weights (status {status})")
     return out if len(shape) == 2 else out.reshape([*shape[:-1], cols])
@@ -129,12 +137,13 @@ def dequantize(weight: Any, qtype: str, k: int, threads: int) -> Any:
     return out
 
 
-def gguf_linear_or_portable(x: Any, weight: Any, qtype: str, k: int, threads: int, bf16_math: bool = False) -> Any:
+def gguf_linear_or_portable(x: Any, weight: Any, qtype: str, k: int, threads: int, bf16_math: bool = False,
+                            q8_math: bool = False) -> Any:
     """The ``gguf_linear`` op: `gguf_linear` for float32 inputs and the types in `SUPPORTED` on the
     file's ``[N, row_bytes]`` bytes, at every row count (one summation order: a row's result does
     not depend on its batch); anything else the portable dequantize-and-matmul."""
     if takes(qtype, k) and _is(x.dtype, _dtypes()[0]) and not isinstance(weight, PreparedWeight):
-        return gguf_linear(x, weight, qtype, k, threads, bf16_math)
+        return gguf_linear(x, weight, qtype, k, threads, bf16_math, q8_math)
     from fdplug.core.portable.ops import gguf_linear as portable
 
     return portable(x, weight, qtype, k)

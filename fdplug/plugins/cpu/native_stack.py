@@ -29,10 +29,10 @@ from fdplug.plugins.cpu.native_attention import _KernelGroup
 from fdplug.plugins.cpu.native_gguf import _IDS, SUPPORTED, takes
 
 MAX_GROUPS = 4   # csrc/decoder_stack.c's DS_MAX_GROUPS
-BF16_LINEAR = "cpu_native_gguf_bf16_linear"
+MATHS = {"cpu_native_gguf_linear": 0, "cpu_native_gguf_bf16_linear": 1, "cpu_native_gguf_q8_linear": 2}
+"""The GGUF linear kernels and their math, as csrc/gguf_linear.c numbers it (GG_MATH_F32, _BF16, _Q8)."""
 OWN_OPS = {"rms_norm": ("cpu_native_rms_norm",), "add_rms_norm": ("cpu_native_add_rms_norm",),
-           "rope": ("cpu_native_rope",), "swiglu": ("cpu_native_swiglu",),
-           "gguf_linear": ("cpu_native_gguf_linear", BF16_LINEAR)}
+           "rope": ("cpu_native_rope",), "swiglu": ("cpu_native_swiglu",), "gguf_linear": tuple(MATHS)}
 """The kernels whose work the stack does: it runs only where one of these was selected for each op
 (for the linears, in the math of the one selected)."""
 
@@ -52,7 +52,7 @@ class _Layer(ctypes.Structure):
 class _Model(ctypes.Structure):
     _fields_ = [("layers", ctypes.POINTER(_Layer)), ("embed_table", _p), ("embed_row_bytes", ctypes.c_int64),
                 ("embed_qtype", _i), ("num_layers", _i), ("hidden", _i), ("inter", _i), ("heads", _i),
-                ("kv_heads", _i), ("head_dim", _i), ("eps", _f), ("scale", _f), ("bf16_math", _i)]
+                ("kv_heads", _i), ("head_dim", _i), ("eps", _f), ("scale", _f), ("math", _i)]
 
 
 class _Step(ctypes.Structure):
@@ -138,7 +138,7 @@ class CpuDecoderStack:
         self.model = _Model(layers, embed_ptr, row_bytes(table.groups[0][1], stack.hidden_size) if self.embeds else 0,
                             embed_type, len(stack.layers), stack.hidden_size, stack.intermediate_size,
                             stack.num_heads, stack.num_kv_heads, stack.head_dim, stack.rms_norm_eps,
-                            stack.attention_scale, int(stack.ops.get("gguf_linear") == BF16_LINEAR))
+                            stack.attention_scale, MATHS[stack.ops["gguf_linear"]])
         self.layers = layers
         self.caches: Any = None          # the kv_caches list the pointer arrays below were made from
         self.cache_pointers: tuple[np.ndarray, np.ndarray] | None = None

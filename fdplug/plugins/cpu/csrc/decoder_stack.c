@@ -39,7 +39,7 @@ typedef struct {
     int64_t embed_row_bytes;
     int embed_qtype, num_layers, hidden, inter, heads, kv_heads, head_dim;
     float eps, scale;
-    int bf16_math;                         /* the linears in bf16 math (gguf_linear_bf16.c), else float32 */
+    int math;                              /* the linears' math: gg_linear's GG_MATH_F32, _BF16 or _Q8 */
 } ds_model;
 
 typedef struct {                          /* one step's inputs, outputs and attention metadata */
@@ -65,11 +65,11 @@ int64_t fdplug_decoder_stack_scratch(const ds_model *m, int tokens) {
 }
 
 /* out [T, cols] = x [T, depth] @ W^T (+ bias), each group's columns at its offset. */
-static int ds_linear_run(const ds_linear *l, const float *x, float *out, int tokens, int bf16, int threads) {
+static int ds_linear_run(const ds_linear *l, const float *x, float *out, int tokens, int math, int threads) {
     int offset = 0;
     for (int g = 0; g < l->groups; ++g) {
         const int status = gg_linear(x, l->weight[g], out + offset, l->cols, tokens, l->rows[g], l->depth,
-                                     l->qtype[g], bf16, threads);
+                                     l->qtype[g], math, threads);
         if (status != 0) return status;
         offset += l->rows[g];
     }
@@ -113,7 +113,7 @@ static void ds_rotate_and_cache(const ds_model *m, const ds_layer *layer, const 
 }
 
 /* Every layer of one step. Returns 0; -1 if attention had no scratch memory or threads; -2 if a
- * linear's block type is not decoded here (the caller checked them all at prepare); -3 if bf16
+ * linear's block type is not decoded here (the caller checked them all at prepare); -3 if bf16 or q8
  * math had no memory for its copy of a linear's input. */
 int fdplug_decoder_stack(const ds_model *m, const ds_step *s) {
     const int T = s->tokens, hidden = m->hidden, inter = m->inter, threads = s->threads;
@@ -139,18 +139,18 @@ int fdplug_decoder_stack(const ds_model *m, const ds_step *s) {
         } else {   /* (residual in place: each element is read before it is written) */
             fdplug_add_rms_norm(s->x, s->residual, layer->input_norm, s->residual, h, T, hidden, m->eps, norm_threads);
         }
-        if ((status = ds_linear_run(&layer->qkv, h, qkv, T, m->bf16_math, threads)) != 0) return status;
+        if ((status = ds_linear_run(&layer->qkv, h, qkv, T, m->math, threads)) != 0) return status;
         ds_rotate_and_cache(m, layer, s, i, qkv, qk_normed, q, k);
         if (fdplug_paged_attention(q, s->key_caches[i], s->value_caches[i], s->q_rows, s->block_tables,
                                    s->seq_of_token, s->key_end, att, T, m->heads, m->kv_heads, m->head_dim,
                                    s->num_blocks, s->block_size, s->table_width, s->max_key_end, m->scale,
                                    threads, s->kv_type) != 0)
             return -1;
-        if ((status = ds_linear_run(&layer->o, att, o, T, m->bf16_math, threads)) != 0) return status;
+        if ((status = ds_linear_run(&layer->o, att, o, T, m->math, threads)) != 0) return status;
         fdplug_add_rms_norm(o, s->residual, layer->post_norm, s->residual, h, T, hidden, m->eps, norm_threads);
-        if ((status = ds_linear_run(&layer->gate_up, h, gate_up, T, m->bf16_math, threads)) != 0) return status;
+        if ((status = ds_linear_run(&layer->gate_up, h, gate_up, T, m->math, threads)) != 0) return status;
         fdplug_swiglu(gate_up, act, T, inter, (int64_t)T * inter >= (1 << 15) ? threads : 1);
-        if ((status = ds_linear_run(&layer->down, act, s->x, T, m->bf16_math, threads)) != 0) return status;
+        if ((status = ds_linear_run(&layer->down, act, s->x, T, m->math, threads)) != 0) return status;
     }
     return 0;
 }

@@ -52,7 +52,11 @@ typedef struct {
     int64_t cols_per_piece, next_piece;
     int64_t ld; /* out's row stride: cols, or more where this layer's columns are part of a wider output */
     const uint16_t *xb; /* bf16 math (gguf_linear_bf16.c): x rounded to bf16; NULL: float32 math */
+    const int8_t *xq;   /* q8 math (gguf_q8.c): x quantized, with its scale lanes dx and sums sx; NULL: not */
+    const float *dx, *sx;
 } gg_job;
+
+enum { GG_MATH_F32 = 0, GG_MATH_BF16 = 1, GG_MATH_Q8 = 2 }; /* gg_linear's math */
 
 /* Weights and bytes of a block of QT (one of the types below: gg_known) */
 #define GG_QK(QT) ((QT) == GG_Q4_K || (QT) == GG_Q5_K || (QT) == GG_Q6_K ? 256 : 32)
@@ -114,6 +118,7 @@ static inline void gg_k_scales(const uint8_t *b, int qtype, gg_scales *s) {
 #else
 #include "gguf_linear_avx2.c"
 #endif
+#include "gguf_q8.c"
 #define GG_HAVE_PANELS 1
 #ifdef GG_CHAIN_PANEL
 #define GG_CHAINS 1 /* the panel in gg_dequant_row's chain layout */
@@ -209,6 +214,14 @@ static void *gg_worker(void *arg) {
         const int64_t begin = __atomic_fetch_add(&job->next_piece, 1, __ATOMIC_RELAXED) * job->cols_per_piece;
         if (begin >= job->cols) return NULL;
         const int end = (int)(begin + job->cols_per_piece < job->cols ? begin + job->cols_per_piece : job->cols);
+#ifdef GG_HAVE_Q8
+        if (job->xq != NULL) { /* q8 math: the register route at every row count (its blocks stay bytes) */
+            for (int m0 = 0; m0 < job->rows; m0 += GG_QMR)
+                gg_q8_columns(job, job->w + begin * job->row_bytes, job->row_bytes, job->qtype, m0,
+                              job->rows - m0 < GG_QMR ? job->rows - m0 : GG_QMR, (int)begin, end);
+            continue;
+        }
+#endif
 #ifdef GG_HAVE_PANELS
 #ifdef GG_HAVE_BF16
         if (job->xb != NULL) {
@@ -244,62 +257,121 @@ static int64_t gg_piece_cols(int cols, int64_t most, int num_threads, int per_th
     return per_piece > 4 ? per_piece : 4;
 }
 
+/* q8 math's quantized x (gguf_q8.c): on the stack for a few rows, else on the heap */
+typedef struct {
+    int8_t small_q[GG_SMALL_X];
+    float small_f[GG_SMALL_X / 32 * 9];
+    int8_t *q;
+    float *f; /* 8 scale lanes, then (after every piece's) one sx, a piece */
+} gg_q8_input;
+
+/* -3 where there is no memory for it */
+static int gg_q8_input_make(gg_q8_input *in, const float *x, int64_t values, gg_job *job) {
+    in->q = in->small_q;
+    in->f = in->small_f;
+    if (values > GG_SMALL_X) {
+        in->q = malloc((size_t)values);
+        in->f = malloc(sizeof(float) * (size_t)(values / 32 * 9));
+        if (in->q == NULL || in->f == NULL) return -3;
+    }
+#ifdef GG_HAVE_Q8
+    gg_quantize_rows_q8(x, in->q, in->f, in->f + values / 32 * 8, values);
+#else
+    (void)x;
+#endif
+    job->xq = in->q;
+    job->dx = in->f;
+    job->sx = in->f + values / 32 * 8;
+    return 0;
+}
+
+static void gg_q8_input_free(gg_q8_input *in) {
+    if (in->q != in->small_q) free(in->q);
+    if (in->f != in->small_f) free(in->f);
+}
+
 /* x [rows, depth] float32 times W [cols, depth] in GGML blocks of type qtype (ggml's id), the file's
  * bytes, rows of depth / block blocks -> out [rows, cols] float32 at row stride ld (>= cols: a
- * fused projection's groups write their columns side by side), on up to num_threads threads.
- * bf16: in bf16 math (gguf_linear_bf16.c). Returns 0, or -2 for a type not decoded here or a depth
- * that is not a multiple of its block, -3 where bf16 math's copy of x cannot be allocated, -4 for
- * bf16 math in a build without AVX512-BF16 (nothing written). */
+ * fused projection's groups write their columns side by side), on up to num_threads threads, in
+ * ``math``: GG_MATH_F32, GG_MATH_BF16 (gguf_linear_bf16.c) or GG_MATH_Q8 (gguf_q8.c; F16 and BF16
+ * rows, which have no integers to keep, in float32 math). Returns 0, or -2 for a type not decoded
+ * here or a depth that is not a multiple of its block, -3 where the bf16 or q8 copy of x cannot be
+ * allocated, -4 for a math this build lacks (bf16: AVX512-BF16; q8: AVX2); nothing written then. */
 static int gg_linear(const float *x, const uint8_t *w, float *out, int64_t ld, int rows, int cols, int depth,
-                     int qtype, int bf16, int num_threads) {
+                     int qtype, int math, int num_threads) {
     if (!gg_known(qtype) || depth <= 0 || depth % GG_QK(qtype) != 0) return -2;
 #ifndef GG_HAVE_BF16
-    if (bf16) return -4;
+    if (math == GG_MATH_BF16) return -4;
 #endif
+#ifndef GG_HAVE_Q8
+    if (math == GG_MATH_Q8) return -4;
+#endif
+    if (math == GG_MATH_Q8 && (qtype == GG_F16 || qtype == GG_BF16)) math = GG_MATH_F32;
     if (rows <= 0 || cols <= 0) return 0;
     const int row_bytes = depth / GG_QK(qtype) * GG_BYTES(qtype);
 #ifdef GG_HAVE_PANELS
-    const int panel = rows > GG_PANEL_ROWS;
+    const int panel = rows > GG_PANEL_ROWS && math != GG_MATH_Q8;
 #else
     const int panel = 0;
 #endif
     /* the panel route: a piece is a panel, 4 a thread at least (both cores busy on the smallest
      * layers); the register route: up to ~64 KiB of blocks */
-    const int panel_value_bytes = bf16 ? 2 : 4;
+    const int panel_value_bytes = math == GG_MATH_BF16 ? 2 : 4;
     const int64_t per_piece =
         panel ? gg_piece_cols(cols, GG_PANEL_BYTES / ((int64_t)depth * panel_value_bytes), num_threads, 4)
               : gg_piece_cols(cols, (1 << 16) / row_bytes, num_threads, 1);
-    gg_job job = {x, w, out, rows, cols, depth, qtype, row_bytes, panel, per_piece, 0, ld, NULL};
+    gg_job job = {x, w, out, rows, cols, depth, qtype, row_bytes, panel, per_piece, 0, ld, NULL, NULL, NULL, NULL};
+    const int64_t values = (int64_t)rows * depth;
     uint16_t small[GG_SMALL_X], *xb = NULL;
 #ifdef GG_HAVE_BF16
-    if (bf16) { /* x rounded once a call: on the stack for a few rows, else on the heap */
-        const int64_t values = (int64_t)rows * depth;
+    if (math == GG_MATH_BF16) { /* x rounded once a call: on the stack for a few rows, else on the heap */
         xb = values <= GG_SMALL_X ? small : NULL;
         if (xb == NULL && posix_memalign((void **)&xb, 64, sizeof(uint16_t) * (size_t)values) != 0) return -3;
         gg_round_rows_bf16(x, xb, values);
         job.xb = xb;
     }
 #endif
+    gg_q8_input q8;
+    if (math == GG_MATH_Q8 && gg_q8_input_make(&q8, x, values, &job) != 0) {
+        gg_q8_input_free(&q8);
+        return -3;
+    }
     const int64_t pieces = (cols + per_piece - 1) / per_piece;
     run_workers(gg_worker, &job, num_threads < pieces ? num_threads : (int)pieces);
     if (xb != small) free(xb);
+    if (math == GG_MATH_Q8) gg_q8_input_free(&q8);
     return 0;
 }
 
 int fdplug_gguf_linear(const float *x, const uint8_t *w, float *out, int rows, int cols, int depth, int qtype,
                        int num_threads) {
-    return gg_linear(x, w, out, cols, rows, cols, depth, qtype, 0, num_threads);
+    return gg_linear(x, w, out, cols, rows, cols, depth, qtype, GG_MATH_F32, num_threads);
 }
 
 /* fdplug_gguf_linear in bf16 math (gguf_linear_bf16.c): -4 where the build has no AVX512-BF16, -3
  * where x's bf16 copy cannot be allocated (nothing written either way) */
 int fdplug_gguf_linear_bf16(const float *x, const uint8_t *w, float *out, int rows, int cols, int depth, int qtype,
                             int num_threads) {
-    return gg_linear(x, w, out, cols, rows, cols, depth, qtype, 1, num_threads);
+    return gg_linear(x, w, out, cols, rows, cols, depth, qtype, GG_MATH_BF16, num_threads);
+}
+
+/* fdplug_gguf_linear in q8 math (gguf_q8.c): -4 where the build has no AVX2, -3 where x's
+ * quantized copy cannot be allocated (nothing written either way) */
+int fdplug_gguf_linear_q8(const float *x, const uint8_t *w, float *out, int rows, int cols, int depth, int qtype,
+                          int num_threads) {
+    return gg_linear(x, w, out, cols, rows, cols, depth, qtype, GG_MATH_Q8, num_threads);
 }
 
 int fdplug_gguf_bf16_available(void) {
 #ifdef GG_HAVE_BF16
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+int fdplug_gguf_q8_available(void) {
+#ifdef GG_HAVE_Q8
     return 1;
 #else
     return 0;

@@ -1,0 +1,171 @@
+/* ---------------------------------------------------------------------------------------------
+ * gguf_linear.c in q8 math: x quantized to 8-bit integers per 16 values (llama.cpp's q8 activations,
+ * in runs half as long), and each 32 weights' products with it summed as integers.
+ *
+ * Why: a decode step reads each weight once, so the float32 tiles spend most of their time widening
+ * 4-bit blocks into floats (4-5 vector ops per 8 weights before the FMA). Here a block's integers
+ * stay bytes and one vpmaddubsw multiplies 32 of them by 32 quantized inputs: 1.4-1.9x the float32
+ * tiles at 1-8 rows at AVX2 (bench/gguf_linear.py; AMD EPYC, avx512, capped to AVX2). At AVX-512
+ * the same 256-bit code builds and gives the same bits, but the float32 and bf16 tiles are faster
+ * there from 8 rows, so it is only chosen by name.
+ *
+ * Values: each run of 16 inputs, x[r, 16i .. 16i + 15], becomes d = amax / 127 and
+ * xq = round(x * (1 / d)) in [-127, 127] (nearest even; zeros where amax is 0); runs of 32, as
+ * llama.cpp's q8_0, put SmolLM2-135M's perplexity 0.9-1.1% above float32 math, runs of 16 0.3%
+ * (the SwiGLU outputs feeding the down projections carry the outliers). A piece of 32 weights,
+ * q * d_w + o (gguf_bytes.c's gg_pair; Q4_0, Q5_0 and Q6_K as signed q - offset, with o = 0; Q6_K's
+ * two int8 sub-block scales as vpmaddwd's pair weights and its super-block d as d_w), against
+ * its two runs gives
+ *     sum over lanes of d_w * [d0 x 4 | d1 x 4] * (the 8 lanes' integer sums) + o * sx,
+ *     sx = d0 * sum(xq of run 0) + d1 * sum(xq of run 1)
+ * the integer sums exact (vpmaddubsw's int16 pairs cannot saturate: |q| <= 128, |xq| <= 127, and
+ * q <= 63 where unsigned). Output (m, n) is two float chains, pieces alternating (piece p into chain
+ * p & 1): an 8-lane vector chain of the scaled integer sums and a scalar chain of the o * sx terms,
+ * added at the end in one fixed order. Every row count, tile, thread count and level (AVX2, AVX-512)
+ * gives the same bits: a token's logits do not depend on its batch.
+ *
+ * Included by gguf_linear.c where the build has AVX2 (gguf_bytes.c's decoders, gg_job).
+ * ------------------------------------------------------------------------------------------- */
+
+#define GG_HAVE_Q8 1
+#ifndef GG_QMR
+#define GG_QMR 4 /* rows a tile: measured 1.1-1.4x 2 rows from 8 rows up, about even with 8 */
+#endif
+
+/* x [values / depth rows, depth] -> q (int8); for each piece of 32 values, scale: 8 floats, its two
+ * halves' dx (4 lanes each, as the pieces' integer sums lie), and sx: the piece's dx0 * sum(q of
+ * half 0) + dx1 * sum(q of half 1); values a multiple of 32 */
+static void gg_quantize_rows_q8(const float *x, int8_t *q, float *scale, float *sx, int64_t values) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t p = 0; p < values / 32; ++p) {
+        __m256i i32[4];
+        float d[2];
+        int sums[2];
+        for (int h = 0; h < 2; ++h) {
+            const __m256 v0 = _mm256_loadu_ps(x + 32 * p + 16 * h), v1 = _mm256_loadu_ps(x + 32 * p + 16 * h + 8);
+            const __m256 amax = _mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1));
+            __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+            m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+            m = _mm_max_ss(m, _mm_movehdup_ps(m));
+            d[h] = _mm_cvtss_f32(m) / 127.0f;
+            const __m256 id = _mm256_set1_ps(d[h] != 0.0f ? 1.0f / d[h] : 0.0f);
+            i32[2 * h] = _mm256_cvtps_epi32(_mm256_mul_ps(v0, id));      /* nearest even */
+            i32[2 * h + 1] = _mm256_cvtps_epi32(_mm256_mul_ps(v1, id));
+            __m128i s = _mm_add_epi32(_mm256_castsi256_si128(i32[2 * h]), _mm256_extracti128_si256(i32[2 * h], 1));
+            s = _mm_add_epi32(s, _mm256_castsi256_si128(i32[2 * h + 1]));
+            s = _mm_add_epi32(s, _mm256_extracti128_si256(i32[2 * h + 1], 1));
+            s = _mm_hadd_epi32(s, s);
+            sums[h] = _mm_cvtsi128_si32(_mm_hadd_epi32(s, s));
+        }
+        const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(i32[0], i32[1]), _mm256_packs_epi32(i32[2], i32[3]));
+        _mm256_storeu_si256((__m256i *)(q + 32 * p), _mm256_permutevar8x32_epi32(bytes, order));
+        _mm256_storeu_ps(scale + 8 * p, _mm256_setr_m128(_mm_set1_ps(d[0]), _mm_set1_ps(d[1])));
+        sx[p] = fmaf(d[1], (float)sums[1], d[0] * (float)sums[0]);
+    }
+}
+
+/* The 8 lanes' sum in a fixed pairing (4 + 4, 2 + 2, 1 + 1), the same at every level */
+static inline float gg_q8_hsum(__m256 v) {
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    return _mm_cvtss_f32(_mm_add_ss(a, _mm_movehdup_ps(a)));
+}
+
+/* acc[r][C] and mins[r][C] (C: the chain, a compile-time constant) += piece p (weights [32j, 32j + 32)
+ * of the block at blk) against each row's quantized x */
+/* The types whose weights are d * (q - offset): Q4_0, Q5_0, Q6_K (its d per half of 16) */
+#define GG_Q8_OFFSET(QT) ((QT) == GG_Q4_0 ? 8 : (QT) == GG_Q5_0 ? 16 : (QT) == GG_Q6_K ? 32 : 0)
+#define GG_Q8_PIECE(blk, j, p, C)                                                                    \
+    do {                                                                                             \
+        const gg_pair w = gg_pair_of(blk, j, QT, &s);                                                \
+        __m256i wsign = _mm256_set_m128i(w.q[1], w.q[0]), weights = ones;                           \
+        float dw = w.d[0];                                                                           \
+        if (GG_Q8_OFFSET(QT)) /* q - offset as signed bytes: no o * sx term */                        \
+            wsign = _mm256_sub_epi8(wsign, _mm256_set1_epi8(GG_Q8_OFFSET(QT)));                      \
+        if (QT == GG_Q6_K) { /* each half's int8 scale as the pair weights, the super-block's d */    \
+            weights = _mm256_set_m128i(_mm_set1_epi16((int8_t)(blk)[192 + 2 * (j) + 1]),            \
+                                       _mm_set1_epi16((int8_t)(blk)[192 + 2 * (j)]));                \
+            dw = q6_d;                                                                               \
+        }                                                                                            \
+        const int SIGNED = QT == GG_Q8_0 || GG_Q8_OFFSET(QT);                                        \
+        const __m256i wq = SIGNED ? _mm256_abs_epi8(wsign) : wsign; /* |q| * (xq with q's sign) */   \
+        GG_UNROLL                                                                                    \
+        for (int r = 0; r < MR; ++r) {                                                               \
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (int64_t)r * depth + 32 * (p)));   \
+            if (SIGNED) xv = _mm256_sign_epi8(xv, wsign);                                            \
+            const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(wq, xv), weights);           \
+            const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(dw), _mm256_loadu_ps(dx + ((int64_t)r * pieces + (p)) * 8)); \
+            acc[r][C] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r][C]);                 \
+            if (!SIGNED) mins[r][C] = fmaf(w.o[0], sx[(int64_t)r * pieces + (p)], mins[r][C]);        \
+        }                                                                                            \
+    } while (0)
+
+/* Rows m0 .. m0 + MR - 1 of output column n, its blocks of QT at src */
+static inline __attribute__((always_inline)) void gg_q8_tile(const gg_job *job, const uint8_t *src, const int QT,
+                                                             int m0, const int MR, int n) {
+    const int depth = job->depth, pieces = depth / 32;
+    const int64_t bytes = GG_BYTES(QT);
+    const int8_t *xq = job->xq + (int64_t)m0 * depth;
+    const float *dx = job->dx + (int64_t)m0 * 8 * pieces, *sx = job->sx + (int64_t)m0 * pieces;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[GG_QMR][2];
+    float mins[GG_QMR][2];
+    for (int r = 0; r < MR; ++r) {
+        acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+        mins[r][0] = mins[r][1] = 0.0f;
+    }
+    gg_scales s;
+    if (GG_QK(QT) == 256) {         /* 8 pieces a block: chains 0, 1, 0, 1, ... */
+        for (int b = 0; b < pieces / 8; ++b) {
+            const uint8_t *blk = src + b * bytes;
+            const float q6_d = QT == GG_Q6_K ? gg_f16(blk + 208) : 0.0f;
+            if (QT != GG_Q6_K) gg_k_scales_sse(blk, QT, &s);
+#pragma GCC unroll 4
+            for (int j = 0; j < 8; j += 2) {
+                GG_Q8_PIECE(blk, j, 8 * b + j, 0);
+                GG_Q8_PIECE(blk, j + 1, 8 * b + j + 1, 1);
+            }
+        }
+    } else {                        /* a piece a block: blocks b (chain 0) and b + 1 (chain 1) */
+        const float q6_d = 0.0f;
+        int b = 0;
+        for (; b + 1 < pieces; b += 2) {
+            GG_Q8_PIECE(src + b * bytes, 0, b, 0);
+            GG_Q8_PIECE(src + (b + 1) * bytes, 0, b + 1, 1);
+        }
+        if (b < pieces) GG_Q8_PIECE(src + b * bytes, 0, b, 0);   /* an odd last piece: chain 0 */
+    }
+    for (int r = 0; r < MR; ++r)
+        job->out[(int64_t)(m0 + r) * job->ld + n] =
+            gg_q8_hsum(_mm256_add_ps(acc[r][0], acc[r][1])) + (mins[r][0] + mins[r][1]);
+}
+#undef GG_Q8_PIECE
+
+#define GG_COLS(QT, MR) \
+    for (int n = begin; n < end; ++n) gg_q8_tile(job, src + (n - begin) * stride, QT, m0, MR, n)
+#define GG_Q8_ROWS(QT)                                                                               \
+    switch (mr) {                                                                                    \
+    case 1: GG_COLS(QT, 1); break;                                                                   \
+    case 2: GG_COLS(QT, 2); break;                                                                   \
+    case 3: GG_COLS(QT, 3); break;                                                                   \
+    default: GG_COLS(QT, GG_QMR); break;                                                             \
+    }
+
+/* Rows m0 .. m0 + mr - 1 (mr <= GG_QMR) of columns [begin, end) in q8 math, column n's blocks at
+ * src + (n - begin) * stride (F16/BF16 rows are not taken: gg_linear refuses them in q8 math) */
+static void gg_q8_columns(const gg_job *job, const uint8_t *src, int64_t stride, int qtype, int m0, int mr, int begin,
+                          int end) {
+    switch (qtype) {
+    case GG_Q4_0: GG_Q8_ROWS(GG_Q4_0) break;
+    case GG_Q4_1: GG_Q8_ROWS(GG_Q4_1) break;
+    case GG_Q5_0: GG_Q8_ROWS(GG_Q5_0) break;
+    case GG_Q5_1: GG_Q8_ROWS(GG_Q5_1) break;
+    case GG_Q8_0: GG_Q8_ROWS(GG_Q8_0) break;
+    case GG_Q4_K: GG_Q8_ROWS(GG_Q4_K) break;
+    case GG_Q5_K: GG_Q8_ROWS(GG_Q5_K) break;
+    default: GG_Q8_ROWS(GG_Q6_K) break;
+    }
+}
+#undef GG_Q8_ROWS
+#undef GG_COLS
