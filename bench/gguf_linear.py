@@ -14,7 +14,8 @@ than 16 rows: the layer widened in C, then paddle's matmul) that route too, as `
 and 512x1536; the tied lm_head (49152x576, Q8_0) at one row. The variants alternate (ABAB...) and
 the median of each is kept: this machine is shared and drifts, so only the ratios within a line
 mean much. Where the build has AVX512-BF16, the bf16-math tiles (``cpu_native_gguf_bf16_linear``)
-too, as ``bf16 math``, with their speed against the float32 kernel. The first line names the CPU and the level the kernels were built for.
+too, as ``bf16 math``, with their speed against the float32 kernel; where it has AVX2, the q8-math
+tiles (``cpu_native_gguf_q8_linear``) as ``q8 math``. The first line names the CPU and the level the kernels were built for.
 """
 
 from __future__ import annotations
@@ -74,6 +75,8 @@ def line(qtype: str, n: int, k: int, rows: int, rounds: int, budget: float, thre
              "portable": lambda: portable(x, w, qtype, k)}
     if native_gguf.bf16_math_available():   # cpu_native_gguf_bf16_linear: the same tiles in bf16 math
         calls["bf16 math"] = lambda: native_gguf.gguf_linear(x, w, qtype, k, threads, bf16_math=True)
+    if native_gguf.q8_math_available():     # cpu_native_gguf_q8_linear: inputs quantized, integer sums
+        calls["q8 math"] = lambda: native_gguf.gguf_linear(x, w, qtype, k, threads, q8_math=True)
     if rows > 8:   # the route the kernel declined for its batch invariance: widened in C, paddle's matmul
         calls["widen+matmul"] = lambda: paddle.matmul(x, native_gguf.dequantize(w, qtype, k, threads),
                                                       transpose_y=True)
@@ -82,7 +85,8 @@ def line(qtype: str, n: int, k: int, rows: int, rounds: int, budget: float, thre
     return (f"{qtype:5s} [{n:5d}, {k:4d}] {rows:4d} rows | "
             + " | ".join(f"{name} {v * 1e6:9.1f} us {flops / v / 1e9:6.1f} GFLOP/s" for name, v in t.items())
             + f" | kernel {t['portable'] / t['kernel']:6.1f}x portable"
-            + (f", bf16 math {t['kernel'] / t['bf16 math']:5.2f}x kernel" if "bf16 math" in t else ""))
+            + (f", bf16 math {t['kernel'] / t['bf16 math']:5.2f}x kernel" if "bf16 math" in t else "")
+            + (f", q8 math {t['kernel'] / t['q8 math']:5.2f}x kernel" if "q8 math" in t else ""))
 
 
 def main() -> None:

@@ -24,11 +24,11 @@ from peer_worker import (
 )
 
 
-def _fdplug(model: str, kv_cache_dtype: str = "auto"):
+def _fdplug(model: str, kv_cache_dtype: str = "auto", op_kernels: dict | None = None):
     import fdplug
     from fdplug.plugins.cpu import isa
 
-    llm = fdplug.LLM(model, max_model_len=2048, kv_cache_dtype=kv_cache_dtype)
+    llm = fdplug.LLM(model, max_model_len=2048, kv_cache_dtype=kv_cache_dtype, op_kernels=op_kernels or None)
 
     def generate(prompts, lengths):
         params = [fdplug.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
@@ -80,7 +80,7 @@ def main() -> None:
     with open(job_path) as f:
         job = json.load(f)
     start = time.perf_counter()
-    generate, info = (_fdplug(job["model"], job.get("kv_cache_dtype", "auto")) if engine == "fdplug"
+    generate, info = (_fdplug(job["model"], job.get("kv_cache_dtype", "auto"), job.get("op_kernels")) if engine == "fdplug"
                       else ENGINES[engine](job["model"]))
     info["load_s"] = time.perf_counter() - start
     for prompt in job["warmup"]:      # steady state: a long prefill and a decode before anything is timed

@@ -140,13 +140,13 @@ def load(since: list[int]) -> str:
 # -- offline: TTFT and single-stream decode ----------------------------------------------------------
 
 
-def job(model: str, vocab: int, quick: bool, kv_cache_dtype: str = "auto") -> dict:
+def job(model: str, vocab: int, quick: bool, kv_cache_dtype: str = "auto", op_kernels: dict | None = None) -> dict:
     rng = np.random.default_rng(1)
 
     def fresh(n: int) -> list[int]:
         return rng.integers(0, vocab, size=n).tolist()
 
-    return {"model": model, "kv_cache_dtype": kv_cache_dtype, "warmup": [fresh(1024), fresh(64)] if quick else [fresh(1024), fresh(1024), fresh(64)],
+    return {"model": model, "kv_cache_dtype": kv_cache_dtype, "op_kernels": op_kernels or {}, "warmup": [fresh(1024), fresh(64)] if quick else [fresh(1024), fresh(1024), fresh(64)],
             "ttft_prompts": [fresh(1024) for _ in range(3)],
             "decode_prompts": [(fresh(64), fresh(64)) for _ in range(2)], "decode_tokens": 64 if quick else 256,
             "agreement_prompts": [fresh(32) for _ in range(4)], "agreement_tokens": 16}
@@ -199,7 +199,7 @@ def server_command(engine: str, args, port: int) -> list[str]:
                 "--alias", "bench"]
     return [str(Path(args.fdplug_python).parent / "fdplug"), "serve", "--model", args.gguf, "--port", str(port),
             "--served-model-name", "bench", "--max-num-seqs", str(args.streams), "--max-model-len", str(args.ctx),
-            "--kv-cache-dtype", args.kv_cache_dtype]
+            "--kv-cache-dtype", args.kv_cache_dtype, *(f"--op-kernel={pair}" for pair in args.op_kernel)]
 
 
 def start_server(engine: str, args, log: Path, env: dict) -> tuple[subprocess.Popen, str]:
@@ -337,6 +337,8 @@ def main() -> int:
     parser.add_argument("--kv-cache-dtype", default="float16",
                         help="fdplug's KV cache (default float16: llama.cpp's default cache type, so both engines "
                              "read the same bytes a key)")
+    parser.add_argument("--op-kernel", action="append", default=[], metavar="OP=NAME",
+                        help="fdplug's --op-kernel (e.g. gguf_linear=cpu_native_gguf_q8_linear: q8 math, as llama.cpp)")
     parser.add_argument("--ctx", type=int, default=2048, help="context per sequence (llama-server: -c streams*ctx)")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
@@ -356,7 +358,8 @@ def main() -> int:
     ftype, vocab, mix = describe_gguf(args.gguf)
     print(f"{args.gguf}: {ftype}, vocab {vocab}; tensors {mix}")
     print(cpu_line(), flush=True)
-    print(f"KV cache: fdplug {args.kv_cache_dtype} (--kv-cache-dtype), llama.cpp f16 (its default)", flush=True)
+    print(f"KV cache: fdplug {args.kv_cache_dtype} (--kv-cache-dtype), llama.cpp f16 (its default)"
+          + "".join(f"; fdplug --op-kernel {pair}" for pair in args.op_kernel), flush=True)
     pythons = {"fdplug": args.fdplug_python, "llama.cpp": args.llama_python}
     envs = {"fdplug": fd_env, "llama.cpp": WORKER_ENV}
     engines = ["fdplug", "llama.cpp"]
@@ -365,7 +368,7 @@ def main() -> int:
     serving: dict[str, list[dict]] = {e: [] for e in engines}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        spec = job(args.gguf, vocab, args.quick, args.kv_cache_dtype)
+        spec = job(args.gguf, vocab, args.quick, args.kv_cache_dtype, dict(p.split("=", 1) for p in args.op_kernel))
         for r in range(args.rounds):
             order = engines if r % 2 == 0 else engines[::-1]
             if "offline" in parts:

@@ -61,13 +61,13 @@ def test_the_quantized_inputs_are_llama_cpp_q8_in_runs_of_16():
     assert np.abs(steps).max() <= 127.0 + 1e-4
 
 
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q6_K", "Q8_0", "Q5_0"])
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K", "Q6_K", "Q8_0", "Q5_0"])
 def test_the_same_bits_whatever_the_batch_or_the_threads(qtype):
     k = depths(qtype)[-1]
     w = weights(qtype, 45, k, seed=34)[0]
     x = np.random.default_rng(35).standard_normal((301, k)).astype(np.float32)
     batch = q8(x, w, qtype, k)
-    for r in (0, 3, 4, 150, 300):     # row tiles of 4 and the tails of 1 (301 = 75 x 4 + 1)
+    for r in (0, 3, 4, 150, 299, 300):   # row tiles of 8 (of 6: Q4_1, Q4_K) and tails (301 = 37 x 8 + 5 = 50 x 6 + 1)
         np.testing.assert_array_equal(q8(x[r:r + 1], w, qtype, k, threads=1)[0], batch[r], err_msg=f"row {r}")
     np.testing.assert_array_equal(q8(x[:7], w, qtype, k, threads=1), batch[:7])
 

@@ -30,6 +30,10 @@
  *    FMAs in the same order: gguf_tiles.c's gg_chain_tile).
  * Work items are pieces of output columns taken from one counter (as the FP8 GEMV's).
  *
+ * Two other maths, each with one summation order of its own: bf16 (gguf_linear_bf16.c, AVX512-BF16)
+ * and q8 (gguf_q8.c: x quantized to 8 bits per 16 values, integer sums; the register route at
+ * every row count).
+ *
  * The block decoders (gguf_bytes.c) are 128-bit SSE4.1/SSSE3 code shared by the AVX-512 tiles
  * (gguf_linear_avx512.c) and the AVX2 + FMA ones (gguf_linear_avx2.c); elsewhere (other x86 levels,
  * ARM) a plain C loop over blocks widened to floats one at a time. Included by cpu_kernels.c after
@@ -216,9 +220,10 @@ static void *gg_worker(void *arg) {
         const int end = (int)(begin + job->cols_per_piece < job->cols ? begin + job->cols_per_piece : job->cols);
 #ifdef GG_HAVE_Q8
         if (job->xq != NULL) { /* q8 math: the register route at every row count (its blocks stay bytes) */
-            for (int m0 = 0; m0 < job->rows; m0 += GG_QMR)
+            const int step = gg_q8_rows(job->qtype);
+            for (int m0 = 0; m0 < job->rows; m0 += step)
                 gg_q8_columns(job, job->w + begin * job->row_bytes, job->row_bytes, job->qtype, m0,
-                              job->rows - m0 < GG_QMR ? job->rows - m0 : GG_QMR, (int)begin, end);
+                              job->rows - m0 < step ? job->rows - m0 : step, (int)begin, end);
             continue;
         }
 #endif

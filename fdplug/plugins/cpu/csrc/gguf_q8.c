@@ -28,9 +28,15 @@
  * ------------------------------------------------------------------------------------------- */
 
 #define GG_HAVE_Q8 1
+#define GG_CAP(MR, MAX) ((MR) < (MAX) ? (MR) : (MAX))
 #ifndef GG_QMR
-#define GG_QMR 4 /* rows a tile: measured 1.1-1.4x 2 rows from 8 rows up, about even with 8 */
+#define GG_QMR 8 /* rows a tile at most */
 #endif
+/* Rows a tile for QT (a tile's result does not depend on it): 8, or 6 for Q4_1, Q4_K and Q5_K,
+ * whose scalar o * sx chains then crowd the registers. Measured at 8 and 64 rows against 4 and the
+ * other (AVX2, 2 threads): 8 rows 1.05-1.2x 6 for Q4_0, Q5_0, Q5_1, Q6_K; 6 rows 1.05-1.1x 8 for
+ * those three; 4 rows 0.85-1.0x the better one throughout. */
+#define GG_Q8_MR(QT) ((QT) == GG_Q4_1 || (QT) == GG_Q4_K || (QT) == GG_Q5_K ? GG_CAP(6, GG_QMR) : GG_QMR)
 
 /* x [values / depth rows, depth] -> q (int8); for each piece of 32 values, scale: 8 floats, its two
  * halves' dx (4 lanes each, as the pieces' integer sums lie), and sx: the piece's dx0 * sum(q of
@@ -144,15 +150,14 @@ static inline __attribute__((always_inline)) void gg_q8_tile(const gg_job *job, 
 
 #define GG_COLS(QT, MR) \
     for (int n = begin; n < end; ++n) gg_q8_tile(job, src + (n - begin) * stride, QT, m0, MR, n)
-#define GG_Q8_ROWS(QT)                                                                               \
-    switch (mr) {                                                                                    \
-    case 1: GG_COLS(QT, 1); break;                                                                   \
-    case 2: GG_COLS(QT, 2); break;                                                                   \
-    case 3: GG_COLS(QT, 3); break;                                                                   \
-    default: GG_COLS(QT, GG_QMR); break;                                                             \
-    }
+#define GG_Q8_ROWS(QT) GG_SWITCH_ROWS(mr, GG_Q8_MR(QT), QT)
+/* GG_Q8_MR of a run-time type */
+static int gg_q8_rows(int qtype) {
+    return qtype == GG_Q4_1 ? GG_Q8_MR(GG_Q4_1) : qtype == GG_Q4_K ? GG_Q8_MR(GG_Q4_K)
+         : qtype == GG_Q5_K ? GG_Q8_MR(GG_Q5_K) : GG_QMR;
+}
 
-/* Rows m0 .. m0 + mr - 1 (mr <= GG_QMR) of columns [begin, end) in q8 math, column n's blocks at
+/* Rows m0 .. m0 + mr - 1 (mr <= gg_q8_rows(qtype)) of columns [begin, end) in q8 math, column n's blocks at
  * src + (n - begin) * stride (F16/BF16 rows are not taken: gg_linear refuses them in q8 math) */
 static void gg_q8_columns(const gg_job *job, const uint8_t *src, int64_t stride, int qtype, int m0, int mr, int begin,
                           int end) {
@@ -168,4 +173,5 @@ static void gg_q8_columns(const gg_job *job, const uint8_t *src, int64_t stride,
     }
 }
 #undef GG_Q8_ROWS
+#undef GG_CAP
 #undef GG_COLS
