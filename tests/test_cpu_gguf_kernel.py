@@ -195,8 +195,9 @@ np.savez(sys.argv[1], **out)
 def test_every_level_gives_the_same_bits(tmp_path):
     """The AVX-512 tiles, the AVX2 ones (each 16-lane chain as two ymm) and the scalar loop (32
     fmaf chains a row, the same lane sum) give the same bits: a fleet of mixed CPUs gives the same
-    logits. So do the q8 tiles at AVX-512 and AVX2 (the scalar level has none). Run once, uncapped,
-    on an AVX-512 machine (each level is a build of its own)."""
+    logits. So do the q8 tiles at AVX-512 (vpdpbusd), AVX2 (vpmaddubsw) and, where the CPU has it,
+    AVX2 + AVX-VNNI (vpdpbusd again); the scalar level has none. Run once, uncapped, on an AVX-512
+    machine (each level is a build of its own)."""
     import subprocess
     import sys
 
@@ -204,16 +205,21 @@ def test_every_level_gives_the_same_bits(tmp_path):
 
     if not isa.is_x86() or isa.detected_level() < 4 or isa.cap() is not None:
         pytest.skip("needs an AVX-512 CPU, uncapped, to compare the levels below with it")
+    builds = {"avx512": {}, "avx2": {}, "sse4": {}}
+    if "avx_vnni" in isa.cpu_flags():     # x86-64-v3 with AVX-VNNI (Alder Lake, Zen 4 without AVX-512): q8's vpdpbusd
+        builds["avx2+vnni"] = {"CC": " ".join([*kernels.compiler(), "-mavxvnni"])}
     saved = {}
-    for level in ("avx512", "avx2", "sse4"):
-        path = tmp_path / f"{level}.npz"
+    for build, extra in builds.items():
+        level = build.split("+")[0]
+        path = tmp_path / f"{build}.npz"
         result = subprocess.run([sys.executable, "-c", _BITS_SCRIPT, str(path)], capture_output=True, text=True,
-                                env=subprocess_env(FDPLUG_CPU_ISA=level), cwd=REPO, timeout=600, check=False)
+                                env=subprocess_env(FDPLUG_CPU_ISA=level, **extra), cwd=REPO, timeout=600, check=False)
         assert result.returncode == 0, result.stderr[-3000:]
         assert result.stdout.split()[0] == str(isa.CAPS[level])
-        saved[level] = np.load(path)
+        saved[build] = np.load(path)
     assert "q8-Q4_1-1" in saved["avx512"].files and "q8-Q4_1-1" in saved["avx2"].files
     assert not any(name.startswith("q8-") for name in saved["sse4"].files)
     for name in saved["avx512"].files:
-        for level in ("avx2",) if name.startswith("q8-") else ("avx2", "sse4"):
-            np.testing.assert_array_equal(saved[level][name], saved["avx512"][name], err_msg=f"{name} at {level}")
+        for build in saved:
+            if build != "avx512" and not (build == "sse4" and name.startswith("q8-")):
+                np.testing.assert_array_equal(saved[build][name], saved["avx512"][name], err_msg=f"{name} at {build}")

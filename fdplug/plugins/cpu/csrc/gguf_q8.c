@@ -71,6 +71,19 @@ static void gg_quantize_rows_q8(const float *x, int8_t *q, float *scale, float *
     }
 }
 
+/* The 8 int32 lanes of 32 byte products u[i] * s[i] (u unsigned, s signed), lane l the sum of bytes
+ * 4l .. 4l + 3: one vpdpbusd where the build has VNNI, else vpmaddubsw then vpmaddwd by ones. The
+ * same integers either way (vpmaddubsw's int16 pair sums cannot saturate here: gg_q8_tile). */
+static inline __m256i gg_dot4(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
 /* The 8 lanes' sum in a fixed pairing (4 + 4, 2 + 2, 1 + 1), the same at every level */
 static inline float gg_q8_hsum(__m256 v) {
     __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -85,7 +98,7 @@ static inline float gg_q8_hsum(__m256 v) {
 #define GG_Q8_PIECE(blk, j, p, C)                                                                    \
     do {                                                                                             \
         const gg_pair w = gg_pair_of(blk, j, QT, &s);                                                \
-        __m256i wsign = _mm256_set_m128i(w.q[1], w.q[0]), weights = ones;                           \
+        __m256i wsign = _mm256_set_m128i(w.q[1], w.q[0]), weights = _mm256_set1_epi16(1);           \
         float dw = w.d[0];                                                                           \
         if (GG_Q8_OFFSET(QT)) /* q - offset as signed bytes: no o * sx term */                        \
             wsign = _mm256_sub_epi8(wsign, _mm256_set1_epi8(GG_Q8_OFFSET(QT)));                      \
@@ -100,7 +113,8 @@ static inline float gg_q8_hsum(__m256 v) {
         for (int r = 0; r < MR; ++r) {                                                               \
             __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (int64_t)r * depth + 32 * (p)));   \
             if (SIGNED) xv = _mm256_sign_epi8(xv, wsign);                                            \
-            const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(wq, xv), weights);           \
+            const __m256i sums = QT == GG_Q6_K ? _mm256_madd_epi16(_mm256_maddubs_epi16(wq, xv), weights) \
+                                               : gg_dot4(wq, xv);                                    \
             const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(dw), _mm256_loadu_ps(dx + ((int64_t)r * pieces + (p)) * 8)); \
             acc[r][C] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r][C]);                 \
             if (!SIGNED) mins[r][C] = fmaf(w.o[0], sx[(int64_t)r * pieces + (p)], mins[r][C]);        \
@@ -114,7 +128,6 @@ static inline __attribute__((always_inline)) void gg_q8_tile(const gg_job *job, 
     const int64_t bytes = GG_BYTES(QT);
     const int8_t *xq = job->xq + (int64_t)m0 * depth;
     const float *dx = job->dx + (int64_t)m0 * 8 * pieces, *sx = job->sx + (int64_t)m0 * pieces;
-    const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[GG_QMR][2];
     float mins[GG_QMR][2];
     for (int r = 0; r < MR; ++r) {
