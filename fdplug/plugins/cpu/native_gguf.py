@@ -28,7 +28,9 @@ and batched decode gain, single-stream decode pays ~8%.
 q8 math (csrc/gguf_q8.c), as llama.cpp does: ``x`` quantized to 8 bits per 16 values
 (`fdplug.plugin_api.gguf_formats.q8_inputs`), each 32 weights' products summed as integers with
 ``vpmaddubsw``, the blocks never widened to floats; one summation order again. Measured at AVX2
-(AMD EPYC, avx512, capped; 2 threads): 1.4-1.9x the float32 tiles at 1-8 rows, 0.8-1.3x from 64.
+(AMD EPYC, avx512, capped; 2 threads): 1.4-1.9x the float32 tiles at 1-8 rows, 0.8-1.3x from 64; at
+AVX-512 (two pieces a 512-bit register, the same bits) 1.2-1.5x the bf16 tiles at one row, 0.55-0.7x
+from 64.
 Not chosen by default: its rounding moved SmolLM2-135M's perplexity +0.9% and flipped a near tie
 in the chat answer (tests/test_smollm2.py).
 
