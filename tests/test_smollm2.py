@@ -114,7 +114,8 @@ def test_q8_math_keeps_the_perplexity_within_one_and_a_half_percent(smollm2):
     +0.29% to +0.88%, so the bound here is 1.5% (the issue's bar is 1%). Greedy tokens are not held
     to transformers': the chat prompt's first token is a near tie (logprobs -1.88 and -1.96 for "The"
     and "L" in float32 math), and q8 math answers "L'Étoile, ..." instead of "The capital of France
-    is Paris." (why it is not chosen by default)."""
+    is Paris." (why it is not chosen by default). llama.cpp on this file does the same: +0.38% to
+    +0.77% perplexity (its AVX2 and AVX-512 builds) and "L'Étoile, ..." for that prompt."""
     from fdplug.plugins.cpu import native_gguf
 
     if not native_gguf.q8_math_available():
