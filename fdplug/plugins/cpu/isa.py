@@ -84,9 +84,12 @@ def level(flags: frozenset[str] | None = None, x86: bool | None = None) -> int:
 
 
 def extensions(flags: frozenset[str] | None = None, x86: bool | None = None) -> list[str]:
-    """The extensions the CPU has that the (capped) level allows, by name."""
+    """The extensions the kernels are built with, by name: the CPU's, where they are built for the CPU
+    itself (``-march=native``); none under a cap below it (``-march=x86-64-vN`` enables none)."""
     flags = cpu_flags() if flags is None else flags
     allowed = level(flags, x86)
+    if allowed != detected_level(flags, x86):
+        return []
     return [name for flag, (name, needs) in EXTENSIONS.items() if flag in flags and allowed >= needs]
 
 
