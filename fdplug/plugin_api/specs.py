@@ -143,7 +143,8 @@ class OpSpec(ComponentSpec):
     quantized to 8-bit integers in runs of 16 values, one float32 scale a run
     (`fdplug.plugin_api.gguf_formats.q8_inputs` defines the values), each run's products with the
     decoded weights summed exactly; the result is the portable op's on those values, up to float32
-    rounding. The conformance kit compares it so; `fdplug explain` says which math a model gets.
+    rounding. Rows of F16 and BF16 (no integers to keep) are computed as without it. The conformance
+    kit compares it so; `fdplug explain` says which math a model gets.
 
     ``prepare`` (``linear``, ``fp8_linear`` and ``gguf_linear`` only), like ``factory`` called with
     the config: returns a function that the core calls once per such layer after load with its
