@@ -1,6 +1,6 @@
 """The cpu plugin's GGUF linear kernel in q8 math (``cpu_native_gguf_q8_linear``) against its definition.
 
-The definition: ``q8_inputs(x) @ dequantize(W)^T``, ``x`` quantized to 8 bits per 16 values as
+The definition: ``q8_inputs(x) @ dequantize(W)^T``, ``x`` quantized to 8 bits per 4 values as
 `fdplug.plugin_api.gguf_formats.q8_inputs` says (llama.cpp's q8_0 activations), the weights decoded to
 the portable op's exact float32, the products summed in float64 here; the kernel sums each 32
 products as integers (exact) and the scaled sums in float32, so the two agree to float32 rounding.
@@ -49,14 +49,15 @@ def test_kernel_is_q8_math_on_the_decoded_weights(qtype):
                                            err_msg=f"{qtype} K={k} {rows} rows")
 
 
-def test_the_quantized_inputs_are_llama_cpp_q8_in_runs_of_16():
-    """Each run of 16: scale amax / 127, values rounded to the nearest even integer in [-127, 127]."""
-    x = np.array([[127.0, -63.5, 0.5, 1.5, 2.5] + [0.0] * 27, [0.0] * 32], dtype=np.float32)
+def test_the_quantized_inputs_are_llama_cpp_q8_in_runs_of_4():
+    """Each run of 4: scale amax / 127, values rounded to the nearest even integer in [-127, 127]."""
+    x = np.array([[127.0, -63.5, 0.5, 1.5, 2.5, 0.0, 0.0, 0.0] + [0.0] * 24, [0.0] * 32], dtype=np.float32)
     got = q8_inputs(x)
-    np.testing.assert_array_equal(got[0, :5], [127.0, -64.0, 0.0, 2.0, 2.0])   # d = 1: ties to even
+    np.testing.assert_array_equal(got[0, :4], [127.0, -64.0, 0.0, 2.0])        # d = 1: ties to even
+    assert got[0, 4] == pytest.approx(2.5, rel=1e-7) and not got[0, 5:].any()   # a run of its own: 127 x 2.5/127
     assert not got[1].any()
     x = np.random.default_rng(33).standard_normal((4, 64)).astype(np.float32) * 1e3
-    steps = q8_inputs(x).reshape(4, 4, 16) / (np.abs(x).reshape(4, 4, 16).max(-1, keepdims=True) / 127)
+    steps = q8_inputs(x).reshape(4, 16, 4) / (np.abs(x).reshape(4, 16, 4).max(-1, keepdims=True) / 127)
     np.testing.assert_allclose(steps, np.rint(steps), atol=1e-4)
     assert np.abs(steps).max() <= 127.0 + 1e-4
 
@@ -74,13 +75,13 @@ def test_the_same_bits_whatever_the_batch_or_the_threads(qtype):
 
 def test_the_error_against_float32_math_is_the_inputs_rounding():
     """q8 math differs from float32 math (the rounding shows) by no more than the quantization step
-    allows: half a step (amax / 254 of each run of 16) times the |weights| it multiplies, summed."""
+    allows: half a step (amax / 254 of each run of 4) times the |weights| it multiplies, summed."""
     k, rng = 576, np.random.default_rng(36)
     w = weights("Q4_1", 64, k, seed=37)[1]           # gguf's own blocks
     x = rng.standard_normal((16, k)).astype(np.float32)
     exact = native_gguf.gguf_linear(paddle.to_tensor(x), w, "Q4_1", k, threads=2).numpy()
     got = q8(x, w, "Q4_1", k)
-    step = np.repeat(np.abs(x).reshape(16, -1, 16).max(-1) / 254, 16, axis=1)     # [rows, k]
+    step = np.repeat(np.abs(x).reshape(16, -1, 4).max(-1) / 254, 4, axis=1)     # [rows, k]
     bound = step @ np.abs(decoded(w, "Q4_1", k)).T
     error = np.abs(got.astype(np.float64) - exact)
     assert error.max() > 0

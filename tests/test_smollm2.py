@@ -107,15 +107,14 @@ def test_perplexity_of_a_fixed_text_is_transformers_within_one_percent(selected)
     assert nll == pytest.approx(ref["nll"], rel=1e-3)   # float32 math: 4e-8 in fact; bf16 math: 4e-4
 
 
-def test_q8_math_keeps_the_perplexity_within_one_and_a_half_percent(smollm2):
-    """``cpu_native_gguf_q8_linear`` (chosen by name): inputs quantized to 8 bits per 16 values. Its
-    rounding is a perturbation: measured +0.87% perplexity on this text (runs of 32, as llama.cpp's
-    q8_0: +1.06%), and emulations differing only in float32 rounding before the quantization gave
-    +0.29% to +0.88%, so the bound here is 1.5% (the issue's bar is 1%). Greedy tokens are not held
-    to transformers': the chat prompt's first token is a near tie (logprobs -1.88 and -1.96 for "The"
-    and "L" in float32 math), and q8 math answers "L'Étoile, ..." instead of "The capital of France
-    is Paris." (why it is not chosen by default). llama.cpp on this file does the same: +0.38% to
-    +0.77% perplexity (its AVX2 and AVX-512 builds) and "L'Étoile, ..." for that prompt."""
+def test_q8_math_keeps_the_perplexity_within_one_percent(smollm2):
+    """``cpu_native_gguf_q8_linear`` (chosen by name): inputs quantized to 8 bits, a scale per 4
+    values. Measured +0.09% (bf16 math: +0.11%); runs of 16 gave +0.87% and runs of 32 (llama.cpp's
+    q8_0 size) +1.06%, and llama.cpp itself +0.38% to +0.77% on this file (its AVX2 and AVX-512
+    builds). The rounding is a perturbation that moves the result either way, so the bound is the
+    issue's 1% on both sides. The chat answer stays "The capital of France is Paris." (a near tie:
+    logprobs -1.88 "The", -1.96 "L" in float32 math; runs of 16 or 32, and llama.cpp, answer
+    "L'Étoile, ...")."""
     from fdplug.plugins.cpu import native_gguf
 
     if not native_gguf.q8_math_available():
@@ -125,7 +124,8 @@ def test_q8_math_keeps_the_perplexity_within_one_and_a_half_percent(smollm2):
     logits = full_logits(llm, ref["ids"]).astype(np.float64)[:-1]
     logz = np.log(np.exp(logits - logits.max(axis=1, keepdims=True)).sum(axis=1)) + logits.max(axis=1)
     ppl = math.exp(float(np.mean(logz - logits[np.arange(len(logits)), ref["ids"][1:]])))
-    assert ref["ppl"] < ppl < ref["ppl"] * 1.015     # the rounding costs something, not more than this
+    assert ppl != ref["ppl"] and ppl == pytest.approx(ref["ppl"], rel=0.01)   # the rounding shows, within 1%
+    assert _greedy(llm, GOLDEN["chat"][0]) == GOLDEN["chat"][0]["tokens"]
 
 
 def test_fdplug_serve_answers_the_openai_client_from_the_gguf_file(smollm2, tmp_path):

@@ -37,7 +37,7 @@ the ``decoder_stack`` op (every decoder layer of a step in one call of the plugi
 ``gguf`` expert weight format (a GGUF file's routed experts in GGML blocks, ``ExpertWeights.qtypes``);
 ``EngineConfig.kv_cache_dtype`` (the cache's element type, ``KVCachePlan.dtype``; a backend that cannot
 read another than the compute dtype refuses it in ``supports``). 3.14: ``OpSpec.q8_inputs``: a
-``gguf_linear`` kernel in q8 math (its inputs quantized to 8 bits per 16 values, as llama.cpp's;
+``gguf_linear`` kernel in q8 math (its inputs quantized to 8 bits per 4 values, as llama.cpp's;
 `fdplug.plugin_api.gguf_formats.q8_inputs`).
 """
 

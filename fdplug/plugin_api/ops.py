@@ -52,7 +52,7 @@ Contracts (``T`` tokens as rows; inputs are never modified; results in the input
     or objects in ``supports``. One registered with ``OpSpec(bf16_inputs=True)`` rounds ``x`` and each
     decoded weight to bf16 and sums the (exact) products in float32: the portable op's result on
     ``bf16(x)`` and ``bf16(dequantize(weight))``. One registered with ``OpSpec(q8_inputs=True)``
-    quantizes ``x`` to 8 bits per 16 values (`fdplug.plugin_api.gguf_formats.q8_inputs`) for the
+    quantizes ``x`` to 8 bits per 4 values (`fdplug.plugin_api.gguf_formats.q8_inputs`) for the
     quantized block types: the portable op's result on those values, up to float32 rounding (F16 and
     BF16 rows as without it).
 ``argmax(logits) -> ids``

@@ -140,7 +140,7 @@ class OpSpec(ComponentSpec):
     with the portable op on the rounded values; `fdplug explain` says which math a model gets.
 
     ``q8_inputs`` (``gguf_linear`` only; API 3.14): q8 math, as llama.cpp computes GGUF models: ``x``
-    quantized to 8-bit integers in runs of 16 values, one float32 scale a run
+    quantized to 8-bit integers in runs of 4 values, one float32 scale a run
     (`fdplug.plugin_api.gguf_formats.q8_inputs` defines the values), each run's products with the
     decoded weights summed exactly; the result is the portable op's on those values, up to float32
     rounding. Rows of F16 and BF16 (no integers to keep) are computed as without it. The conformance

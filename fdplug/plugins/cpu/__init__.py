@@ -169,11 +169,11 @@ def fdplug_register_ops(register):
            supports=_bf16_math_supports("cpu_native_gguf_bf16_linear", "native_gguf",
                                         "GGUF linears run as cpu_native_gguf_linear's float32 math"), bf16_inputs=True)
     native("cpu_native_gguf_q8_linear", "gguf_linear", ("native_gguf", "gguf_linear_or_portable"),
-           "cpu_native_gguf_linear in q8 math, as llama.cpp: inputs quantized to 8 bits per 16 values, each "
+           "cpu_native_gguf_linear in q8 math, as llama.cpp: inputs quantized to 8 bits per 4 values, each "
            "32 weights' products summed as integers (vpmaddubsw; 1.4-1.9x the float32 tiles at 1-8 rows, "
            "0.8-1.3x from 64, at AVX2; at AVX-512 1.2-1.5x the bf16 tiles at one row, 0.55-0.7x from 64). Chosen by "
-           "name only (--op-kernel gguf_linear=cpu_native_gguf_q8_linear): its rounding moved SmolLM2-135M's "
-           "perplexity 0.3-0.9% and one fixture prompt's first greedy token",
+           "name only (--op-kernel gguf_linear=cpu_native_gguf_q8_linear); SmolLM2-135M's perplexity +0.09% "
+           "(bf16 math +0.11%), two of five greedy fixture continuations leave transformers' tokens",
            bound={"q8_math": True}, priority=5, supports=_q8_math_supports, q8_inputs=True)
     native("cpu_native_rms_norm", "rms_norm", ("native_norms", "rms_norm"),
            "one compiled call instead of paddle's five ops (float32; the q/k norm's per-head weights too)")

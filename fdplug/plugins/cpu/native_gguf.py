@@ -25,14 +25,14 @@ rows, 0.92-0.93x at one row (the rounding of each decoded weight costs a convers
 and batched decode gain, single-stream decode pays ~8%.
 
 ``cpu_native_gguf_q8_linear`` (``q8_math=True``, where the build has AVX2; chosen by name) runs in
-q8 math (csrc/gguf_q8.c), as llama.cpp does: ``x`` quantized to 8 bits per 16 values
+q8 math (csrc/gguf_q8.c), as llama.cpp does: ``x`` quantized to 8 bits per 4 values
 (`fdplug.plugin_api.gguf_formats.q8_inputs`), each 32 weights' products summed as integers with
 ``vpmaddubsw``, the blocks never widened to floats; one summation order again. Measured at AVX2
 (AMD EPYC, avx512, capped; 2 threads): 1.4-1.9x the float32 tiles at 1-8 rows, 0.8-1.3x from 64; at
 AVX-512 (two pieces a 512-bit register, the same bits) 1.2-1.5x the bf16 tiles at one row, 0.55-0.7x
 from 64.
-Not chosen by default: its rounding moved SmolLM2-135M's perplexity +0.9% and flipped a near tie
-in the chat answer (tests/test_smollm2.py).
+Chosen by name: SmolLM2-135M's perplexity +0.09% (bf16 math +0.11%), but two of the fixture's
+five greedy continuations leave transformers' tokens (tests/test_smollm2.py).
 
 Types: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K (`SUPPORTED`). The op gets its block type per
 call, and one GGUF file mixes types (Q4_K_M: Q4_K, Q6_K, Q8_0...), so another type (F16, BF16,
@@ -50,7 +50,7 @@ from fdplug.plugin_api.ops import PreparedWeight
 from fdplug.plugins.cpu.kernels import _contiguous, _rows, empty_f32, load
 
 SUPPORTED: tuple[str, ...] = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16")
-"""The block types csrc/gguf_linear.c decodes (float16 and bfloat16 rows in runs of 16 values)."""
+"""The block types csrc/gguf_linear.c decodes (float16 and bfloat16 rows in runs of 4 values)."""
 HALF_RUN = 32
 """csrc/gguf_linear.c reads F16 and BF16 rows 32 values at a time: their rows' length is a multiple."""
 _HALVES = ("F16", "BF16")
@@ -112,7 +112,7 @@ def gguf_linear(x: Any, weight: Any, qtype: str, k: int, threads: int, bf16_math
     GGML blocks of ``qtype``, byte for byte as in the file) -> ``[..., N]`` float32: the
     ``gguf_linear`` op's contract (`fdplug.plugin_api.ops`), for the types in `SUPPORTED` only.
     ``bf16_math``: ``x`` and the decoded weights rounded to bf16, float32 sums (AVX512-BF16).
-    ``q8_math``: ``x`` quantized to 8 bits per 16 values, integer sums per 32 weights (AVX2; F16
+    ``q8_math``: ``x`` quantized to 8 bits per 4 values, integer sums per 32 weights (AVX2; F16
     and BF16 rows in float32 math)."""
     type_id = _type_id(qtype)
     _check_weight(weight, qtype, k)

@@ -31,7 +31,7 @@
  * Work items are pieces of output columns taken from one counter (as the FP8 GEMV's).
  *
  * Two other maths, each with one summation order of its own: bf16 (gguf_linear_bf16.c, AVX512-BF16)
- * and q8 (gguf_q8.c: x quantized to 8 bits per 16 values, integer sums; the register route at
+ * and q8 (gguf_q8.c: x quantized to 8 bits per 4 values, integer sums; the register route at
  * every row count).
  *
  * The block decoders (gguf_bytes.c) are 128-bit SSE4.1/SSSE3 code shared by the AVX-512 tiles

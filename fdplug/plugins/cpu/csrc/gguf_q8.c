@@ -1,24 +1,25 @@
 /* ---------------------------------------------------------------------------------------------
- * gguf_linear.c in q8 math: x quantized to 8-bit integers per 16 values (llama.cpp's q8 activations,
- * in runs half as long), and each 32 weights' products with it summed as integers.
+ * gguf_linear.c in q8 math: x quantized to 8-bit integers with a scale per run of 4 values, and
+ * each 32 weights' products with it summed as integers, as llama.cpp computes (its runs are 32).
  *
  * Why: a decode step reads each weight once, so the float32 tiles spend most of their time widening
  * 4-bit blocks into floats (4-5 vector ops per 8 weights before the FMA). Here a block's integers
- * stay bytes and one vpmaddubsw multiplies 32 of them by 32 quantized inputs: 1.4-1.9x the float32
- * tiles at 1-8 rows at AVX2 (bench/gguf_linear.py; AMD EPYC, avx512, capped to AVX2). With AVX-512
+ * stay bytes and one vpmaddubsw (or vpdpbusd) multiplies 32 of them by 32 quantized inputs: 1.4-1.9x
+ * the float32 tiles at 1-8 rows at AVX2 (bench/gguf_linear.py; AMD EPYC, avx512, capped to AVX2). With AVX-512
  * two pieces go through one 512-bit register (GG_Q8_PAIR: per lane the same operations, the same
  * bits): 1.2-1.5x the bf16 tiles at one row, 0.55-0.7x from 64 rows (AMD EPYC, avx512).
  *
- * Values: each run of 16 inputs, x[r, 16i .. 16i + 15], becomes d = amax / 127 and
- * xq = round(x * (1 / d)) in [-127, 127] (nearest even; zeros where amax is 0); runs of 32, as
- * llama.cpp's q8_0, put SmolLM2-135M's perplexity 0.9-1.1% above float32 math, runs of 16 0.3%
- * (the SwiGLU outputs feeding the down projections carry the outliers). A piece of 32 weights,
- * q * d_w + o (gguf_bytes.c's gg_pair; Q4_0, Q5_0 and Q6_K as signed q - offset, with o = 0; Q6_K's
- * two int8 sub-block scales as vpmaddwd's pair weights and its super-block d as d_w), against
- * its two runs gives
- *     sum over lanes of d_w * [d0 x 4 | d1 x 4] * (the 8 lanes' integer sums) + o * sx,
- *     sx = d0 * sum(xq of run 0) + d1 * sum(xq of run 1)
- * the integer sums exact (vpmaddubsw's int16 pairs cannot saturate: |q| <= 128, |xq| <= 127, and
+ * Values: each run of 4 inputs, x[r, 4i .. 4i + 3], becomes d = amax / 127 and
+ * xq = round(x * (1 / d)) in [-127, 127] (nearest even; zeros where amax is 0). A run is exactly one
+ * lane of the integer sums (vpmaddwd / vpdpbusd add 4 byte products a lane), so its scale costs the
+ * tiles nothing more than a run of 32's: the per-lane scale vector is loaded either way. Measured on
+ * SmolLM2-135M (fixed text, tests/test_smollm2.py): perplexity +0.09% over float32 math with runs
+ * of 4 (bf16 math: +0.11%), +0.87% with 16, +1.06% with 32 (llama.cpp's q8_0 size; llama.cpp itself
+ * +0.38-0.77% on this file). A piece of 32 weights, q * d_w + o (gguf_bytes.c's gg_pair; Q4_0, Q5_0
+ * and Q6_K as signed q - offset, with o = 0; Q6_K's two int8 sub-block scales as vpmaddwd's pair
+ * weights and its super-block d as d_w), against its 8 runs gives
+ *     sum over lanes l of d_w * d_l * (lane l's integer sum) + o * sx,   sx = sum over l of d_l * sum(xq of run l)
+ * the integer sums exact (vpmaddubsw's int16 pair sums cannot saturate: |q| <= 128, |xq| <= 127, and
  * q <= 63 where unsigned). Output (m, n) is two float chains, pieces alternating (piece p into chain
  * p & 1): an 8-lane vector chain of the scaled integer sums and a scalar chain of the o * sx terms,
  * added at the end in one fixed order. Every row count, tile, thread count and level (AVX2, AVX-512)
@@ -38,36 +39,41 @@
  * those three; 4 rows 0.85-1.0x the better one throughout. */
 #define GG_Q8_MR(QT) ((QT) == GG_Q4_1 || (QT) == GG_Q4_K || (QT) == GG_Q5_K ? GG_CAP(6, GG_QMR) : GG_QMR)
 
-/* x [values / depth rows, depth] -> q (int8); for each piece of 32 values, scale: 8 floats, its two
- * halves' dx (4 lanes each, as the pieces' integer sums lie), and sx: the piece's dx0 * sum(q of
- * half 0) + dx1 * sum(q of half 1); values a multiple of 32 */
+/* The 8 lanes' sum in a fixed pairing (4 + 4, 2 + 2, 1 + 1), the same at every level */
+static inline float gg_q8_hsum(__m256 v) {
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    return _mm_cvtss_f32(_mm_add_ss(a, _mm_movehdup_ps(a)));
+}
+
+/* x [values / depth rows, depth] -> q (int8); for each piece of 32 values, scale: its 8 runs' d (a
+ * run of 4 values is one lane of the piece's integer sums), and sx: sum over the runs of d * sum(q
+ * of the run), in gg_q8_hsum's order; values a multiple of 32 */
 static void gg_quantize_rows_q8(const float *x, int8_t *q, float *scale, float *sx, int64_t values) {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256 sign = _mm256_set1_ps(-0.0f), zero = _mm256_setzero_ps();
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int64_t p = 0; p < values / 32; ++p) {
         __m256i i32[4];
-        float d[2];
-        int sums[2];
-        for (int h = 0; h < 2; ++h) {
-            const __m256 v0 = _mm256_loadu_ps(x + 32 * p + 16 * h), v1 = _mm256_loadu_ps(x + 32 * p + 16 * h + 8);
-            const __m256 amax = _mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1));
-            __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-            m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-            m = _mm_max_ss(m, _mm_movehdup_ps(m));
-            d[h] = _mm_cvtss_f32(m) / 127.0f;
-            const __m256 id = _mm256_set1_ps(d[h] != 0.0f ? 1.0f / d[h] : 0.0f);
-            i32[2 * h] = _mm256_cvtps_epi32(_mm256_mul_ps(v0, id));      /* nearest even */
-            i32[2 * h + 1] = _mm256_cvtps_epi32(_mm256_mul_ps(v1, id));
-            __m128i s = _mm_add_epi32(_mm256_castsi256_si128(i32[2 * h]), _mm256_extracti128_si256(i32[2 * h], 1));
-            s = _mm_add_epi32(s, _mm256_castsi256_si128(i32[2 * h + 1]));
-            s = _mm_add_epi32(s, _mm256_extracti128_si256(i32[2 * h + 1], 1));
-            s = _mm_hadd_epi32(s, s);
-            sums[h] = _mm_cvtsi128_si32(_mm_hadd_epi32(s, s));
+        __m256 d[4];
+        for (int i = 0; i < 4; ++i) {   /* runs 2i (lanes 0-3) and 2i + 1 (lanes 4-7) */
+            const __m256 v = _mm256_loadu_ps(x + 32 * p + 8 * i), a = _mm256_andnot_ps(sign, v);
+            __m256 m = _mm256_max_ps(a, _mm256_permute_ps(a, _MM_SHUFFLE(2, 3, 0, 1)));
+            m = _mm256_max_ps(m, _mm256_permute_ps(m, _MM_SHUFFLE(1, 0, 3, 2)));   /* each lane: its run's amax */
+            d[i] = _mm256_div_ps(m, _mm256_set1_ps(127.0f));
+            const __m256 id = _mm256_and_ps(_mm256_div_ps(_mm256_set1_ps(1.0f), d[i]), _mm256_cmp_ps(d[i], zero, _CMP_NEQ_OQ));
+            i32[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v, id));   /* nearest even */
         }
         const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(i32[0], i32[1]), _mm256_packs_epi32(i32[2], i32[3]));
         _mm256_storeu_si256((__m256i *)(q + 32 * p), _mm256_permutevar8x32_epi32(bytes, order));
-        _mm256_storeu_ps(scale + 8 * p, _mm256_setr_m128(_mm_set1_ps(d[0]), _mm_set1_ps(d[1])));
-        sx[p] = fmaf(d[1], (float)sums[1], d[0] * (float)sums[0]);
+        /* d[i] lanes 0 and 4 are runs 2i and 2i + 1: [d0 d2 d4 d6 | d1 d3 d5 d7] in order */
+        const __m256 runs = _mm256_permutevar8x32_ps(
+            _mm256_shuffle_ps(_mm256_shuffle_ps(d[0], d[1], _MM_SHUFFLE(0, 0, 0, 0)),
+                              _mm256_shuffle_ps(d[2], d[3], _MM_SHUFFLE(0, 0, 0, 0)), _MM_SHUFFLE(2, 0, 2, 0)),
+            order);
+        _mm256_storeu_ps(scale + 8 * p, runs);
+        const __m256i sums = _mm256_permutevar8x32_epi32(
+            _mm256_hadd_epi32(_mm256_hadd_epi32(i32[0], i32[1]), _mm256_hadd_epi32(i32[2], i32[3])), order);
+        sx[p] = gg_q8_hsum(_mm256_mul_ps(runs, _mm256_cvtepi32_ps(sums)));
     }
 }
 
@@ -84,12 +90,6 @@ static inline __m256i gg_dot4(__m256i u, __m256i s) {
 #endif
 }
 
-/* The 8 lanes' sum in a fixed pairing (4 + 4, 2 + 2, 1 + 1), the same at every level */
-static inline float gg_q8_hsum(__m256 v) {
-    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
-    return _mm_cvtss_f32(_mm_add_ss(a, _mm_movehdup_ps(a)));
-}
 
 /* byte i of the result: 16 where bit i of ``bits`` is set, else 0 (Q5_0/Q5_1's fifth bits, all 32) */
 static inline __m256i gg_bits256(uint32_t bits) {
