@@ -95,7 +95,8 @@ def test_an_odd_number_of_pieces_and_the_op_wrapper():
 
 
 def test_selection_falls_back_with_the_reason(monkeypatch):
-    """Chosen where the build has AVX512-BF16; elsewhere the float32 kernel, and explain says why."""
+    """Chosen where the build has AVX512-BF16; elsewhere the next kernel (q8 math at x86-64-v3,
+    float32 math at AVX-512), and explain says why."""
     from fdplug.core.plugin_loading.selection import select_components
     from fdplug.plugins.cpu import isa
 
@@ -104,6 +105,6 @@ def test_selection_falls_back_with_the_reason(monkeypatch):
     assert select_components("cpu").ops["gguf_linear"].name == selected_native()
     monkeypatch.setattr(native_gguf, "bf16_math_available", lambda: False)
     selection = select_components("cpu")
-    assert selection.ops["gguf_linear"].name == "cpu_native_gguf_linear"
+    assert selection.ops["gguf_linear"].name == selected_native()
     rejected = [d for d in selection.decisions if d.name == "cpu_native_gguf_bf16_linear"]
     assert len(rejected) == 1 and not rejected[0].chosen and "no AVX512-BF16" in rejected[0].reason

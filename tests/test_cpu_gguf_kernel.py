@@ -158,7 +158,7 @@ def test_the_op_runs_the_tiles_at_every_row_count_so_a_row_does_not_depend_on_it
 
 def test_selection_picks_the_kernel_where_the_tiles_are():
     """Chosen for gguf_linear at x86-64-v3 and above (in bf16 math where the build has AVX512-BF16:
-    tests/test_cpu_gguf_bf16_kernel.py; q8 math only by name: tests/test_cpu_gguf_q8_kernel.py);
+    tests/test_cpu_gguf_bf16_kernel.py; in q8 math at x86-64-v3: tests/test_cpu_gguf_q8_kernel.py);
     below, the portable op (its scalar loop, as the linears' is refused there)."""
     from fdplug.core.plugin_loading.selection import select_components
 
@@ -167,8 +167,11 @@ def test_selection_picks_the_kernel_where_the_tiles_are():
 
 
 def selected_native() -> str:
-    """The GGUF kernel chosen at x86-64-v3 and above: bf16 math with AVX512-BF16, else float32 math."""
-    return "cpu_native_gguf_bf16_linear" if native_gguf.bf16_math_available() else "cpu_native_gguf_linear"
+    """The GGUF kernel chosen at x86-64-v3 and above: bf16 math with AVX512-BF16, else q8 math at
+    x86-64-v3 and float32 math at AVX-512."""
+    if native_gguf.bf16_math_available():
+        return "cpu_native_gguf_bf16_linear"
+    return "cpu_native_gguf_q8_linear" if isa.level() == 3 else "cpu_native_gguf_linear"
 
 
 _BITS_SCRIPT = r"""

@@ -38,9 +38,39 @@ def selected(smollm2):
     return LLM(smollm2, max_model_len=1024)
 
 
+NEAR_TIE = 0.1
+"""nats: in q8 math (inputs quantized to 8 bits, a scale per 4 values) a greedy continuation may leave
+transformers' where transformers' token is this run's second choice within this much. Measured:
+the two fixture continuations that leave do so at margins of 0.016 and 0.073; the others agree."""
+
+
 def _greedy(llm: LLM, case: dict) -> list[int]:
     params = SamplingParams(max_tokens=len(case["tokens"]), temperature=0, ignore_eos=True)
     return list(llm.generate({"prompt_token_ids": case["ids"]}, params)[0].outputs[0].token_ids)
+
+
+def _near_tie(llm: LLM) -> float:
+    """How far the selected GGUF kernel may decide near ties otherwise: 0 but in q8 math."""
+    return NEAR_TIE if llm.engine.selection.ops["gguf_linear"].q8_inputs else 0.0
+
+
+def _check_tokens(out, case: dict, near_tie: float) -> None:
+    """``out`` (a completion with top-2 logprobs) gives transformers' tokens, or leaves them at a
+    position where transformers' token is its second choice within ``near_tie`` nats."""
+    got, want = list(out.token_ids), case["tokens"]
+    at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+    if at is None:
+        assert len(got) == len(want)
+        return
+    chosen, wanted = out.logprobs[at].get(got[at]), out.logprobs[at].get(want[at])
+    assert near_tie > 0 and wanted is not None and chosen.logprob - wanted.logprob <= near_tie, (
+        f"{case.get('prompt') or case['messages']}: token {at} is {got[at]}, transformers' {want[at]} "
+        f"({out.logprobs[at]})")
+
+
+def _greedy_with_logprobs(llm: LLM, cases: list[dict]) -> list:
+    params = [SamplingParams(max_tokens=len(c["tokens"]), temperature=0, ignore_eos=True, logprobs=2) for c in cases]
+    return [o.outputs[0] for o in llm.generate([{"prompt_token_ids": c["ids"]} for c in cases], params, use_tqdm=False)]
 
 
 def test_the_portable_path_gives_transformers_greedy_tokens(smollm2):
@@ -50,22 +80,28 @@ def test_the_portable_path_gives_transformers_greedy_tokens(smollm2):
 
 
 def test_the_selected_kernels_give_transformers_greedy_tokens(selected):
+    """Exactly transformers' tokens in float32 and bf16 math; in q8 math (chosen at x86-64-v3) up to a
+    near tie it decides otherwise (`NEAR_TIE`), and the chat answers exactly."""
     assert selected.model_config.quant.format == "gguf"
     for case in GOLDEN["greedy"] + GOLDEN["chat"]:
-        assert _greedy(selected, case) == case["tokens"], case.get("prompt") or case["messages"]
+        _check_tokens(_greedy_with_logprobs(selected, [case])[0], case, _near_tie(selected))
+    for case in GOLDEN["chat"]:
+        assert _greedy(selected, case) == case["tokens"], case["messages"]
 
 
 def test_batched_chunked_and_prefix_cached_runs_give_the_same_tokens(smollm2):
     """All the fixture's prompts at once, prefills cut into 16-token chunks, then the chat prompt
-    again (a prefix-cache hit): each sequence's tokens are still transformers' (the GGUF kernel's
-    rows do not depend on their batch)."""
+    again (a prefix-cache hit): each sequence's tokens are what it gets alone (the GGUF kernel's
+    rows do not depend on their batch), and transformers' as the test above holds them."""
     llm = LLM(smollm2, max_model_len=1024, max_num_batched_tokens=16, max_num_seqs=8)
-    for cases in (GOLDEN["greedy"] + GOLDEN["chat"], GOLDEN["chat"][:1]):     # the second: a cache hit
-        params = [SamplingParams(max_tokens=len(c["tokens"]), temperature=0, ignore_eos=True) for c in cases]
-        outs = llm.generate([{"prompt_token_ids": c["ids"]} for c in cases], params, use_tqdm=False)
-        for case, out in zip(cases, outs, strict=True):
-            assert list(out.outputs[0].token_ids) == case["tokens"], case.get("prompt") or case["messages"]
+    runs = [(cases, _greedy_with_logprobs(llm, cases))                     # the second: a cache hit
+            for cases in (GOLDEN["greedy"] + GOLDEN["chat"], GOLDEN["chat"][:1])]
     assert llm.engine.stats().prefix_cache_hits > 0
+    for cases, outs in runs:
+        for case, out in zip(cases, outs, strict=True):
+            alone = _greedy_with_logprobs(llm, [case])[0]
+            assert list(out.token_ids) == list(alone.token_ids), case.get("prompt") or case["messages"]
+            _check_tokens(out, case, _near_tie(llm))
 
 
 def test_at_the_avx2_level_too(smollm2):
@@ -104,7 +140,8 @@ def test_perplexity_of_a_fixed_text_is_transformers_within_one_percent(selected)
     logz = np.log(np.exp(logits - logits.max(axis=1, keepdims=True)).sum(axis=1)) + logits.max(axis=1)
     nll = float(np.mean(logz - logits[np.arange(len(logits)), ref["ids"][1:]]))
     assert math.exp(nll) == pytest.approx(ref["ppl"], rel=0.01)
-    assert nll == pytest.approx(ref["nll"], rel=1e-3)   # float32 math: 4e-8 in fact; bf16 math: 4e-4
+    q8 = selected.engine.selection.ops["gguf_linear"].q8_inputs     # (chosen at x86-64-v3)
+    assert nll == pytest.approx(ref["nll"], rel=2e-3 if q8 else 1e-3)   # float32 math: 4e-8 in fact; bf16: 4e-4; q8: 1e-3
 
 
 def test_q8_math_keeps_the_perplexity_within_one_percent(smollm2):

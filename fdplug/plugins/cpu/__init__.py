@@ -116,6 +116,16 @@ def _q8_math_supports(config) -> str | None:
     return reason
 
 
+def _q8_math_priority() -> int:
+    """Chosen first at x86-64-v3, where there is no bf16 math: there q8 math ran 1.4-1.6x the float32
+    tiles at one row and 0.75-1.4x from 64 rows (AMD EPYC, avx512, capped to AVX2), with SmolLM2's
+    perplexity +0.09% (bf16 math, chosen first where the CPU has it: +0.11%). Below the float32 tiles
+    at AVX-512 (0.5-0.8x them from 8 rows there): chosen by name."""
+    from fdplug.plugins.cpu import isa
+
+    return 15 if isa.level() == 3 else 5
+
+
 @hookimpl
 def fdplug_register_devices(register):
     register(DeviceSpec(name="cpu", probe=device.probe, paddle_device="cpu", priority=0, setup=device.setup,
@@ -171,10 +181,10 @@ def fdplug_register_ops(register):
     native("cpu_native_gguf_q8_linear", "gguf_linear", ("native_gguf", "gguf_linear_or_portable"),
            "cpu_native_gguf_linear in q8 math, as llama.cpp: inputs quantized to 8 bits per 4 values, each "
            "32 weights' products summed as integers (vpmaddubsw; 1.4-1.9x the float32 tiles at 1-8 rows, "
-           "0.8-1.3x from 64, at AVX2; at AVX-512 1.2-1.5x the bf16 tiles at one row, 0.55-0.7x from 64). Chosen by "
-           "name only (--op-kernel gguf_linear=cpu_native_gguf_q8_linear); SmolLM2-135M's perplexity +0.09% "
-           "(bf16 math +0.11%), two of five greedy fixture continuations leave transformers' tokens",
-           bound={"q8_math": True}, priority=5, supports=_q8_math_supports, q8_inputs=True)
+           "0.8-1.3x from 64, at AVX2; at AVX-512 1.2-1.5x the bf16 tiles at one row, 0.55-0.7x from 64). Chosen "
+           "first at x86-64-v3, by name at AVX-512; SmolLM2-135M's perplexity +0.09% (bf16 math +0.11%). "
+           "--op-kernel gguf_linear=cpu_native_gguf_linear keeps float32 math",
+           bound={"q8_math": True}, priority=_q8_math_priority(), supports=_q8_math_supports, q8_inputs=True)
     native("cpu_native_rms_norm", "rms_norm", ("native_norms", "rms_norm"),
            "one compiled call instead of paddle's five ops (float32; the q/k norm's per-head weights too)")
     native("cpu_native_add_rms_norm", "add_rms_norm", ("native_norms", "add_rms_norm"),

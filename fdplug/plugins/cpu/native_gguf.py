@@ -24,15 +24,16 @@ on this Zen 5 (AVX-512, 2 threads, ``bench/gguf_linear.py``): 1.4-1.9x the float
 rows, 0.92-0.93x at one row (the rounding of each decoded weight costs a conversion there): prefill
 and batched decode gain, single-stream decode pays ~8%.
 
-``cpu_native_gguf_q8_linear`` (``q8_math=True``, where the build has AVX2; chosen by name) runs in
+``cpu_native_gguf_q8_linear`` (``q8_math=True``, where the build has AVX2; chosen first at x86-64-v3) runs in
 q8 math (csrc/gguf_q8.c), as llama.cpp does: ``x`` quantized to 8 bits per 4 values
 (`fdplug.plugin_api.gguf_formats.q8_inputs`), each 32 weights' products summed as integers with
 ``vpmaddubsw``, the blocks never widened to floats; one summation order again. Measured at AVX2
 (AMD EPYC, avx512, capped; 2 threads): 1.4-1.9x the float32 tiles at 1-8 rows, 0.8-1.3x from 64; at
 AVX-512 (two pieces a 512-bit register, the same bits) 1.2-1.5x the bf16 tiles at one row, 0.55-0.7x
 from 64.
-Chosen by name: SmolLM2-135M's perplexity +0.09% (bf16 math +0.11%), but two of the fixture's
-five greedy continuations leave transformers' tokens (tests/test_smollm2.py).
+SmolLM2-135M's perplexity +0.09% (bf16 math +0.11%); two of the fixture's five greedy
+continuations leave transformers' tokens at near ties (tests/test_smollm2.py). At AVX-512, where bf16
+math is faster from a few rows, it runs where it is named.
 
 Types: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K (`SUPPORTED`). The op gets its block type per
 call, and one GGUF file mixes types (Q4_K_M: Q4_K, Q6_K, Q8_0...), so another type (F16, BF16,
