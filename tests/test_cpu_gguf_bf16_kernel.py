@@ -16,7 +16,13 @@ import pytest
 
 from fdplug.core.quant.gguf_blocks import dequantize
 from fdplug.plugins.cpu import kernels, native_gguf
-from tests.test_cpu_gguf_kernel import ROWS, TYPES, depths, selected_native, weights
+from tests.test_cpu_gguf_kernel import (
+    TYPES,
+    depths,
+    row_cases,
+    selected_native,
+    weights,
+)
 
 if kernels.unavailable_reason() is not None:
     pytest.skip(f"the cpu kernels do not build here: {kernels.unavailable_reason()}", allow_module_level=True)
@@ -39,15 +45,11 @@ def definition(x: np.ndarray, w: paddle.Tensor, qtype: str, k: int) -> np.ndarra
 @needs_bf16
 @pytest.mark.parametrize("qtype", TYPES)
 def test_kernel_is_bf16_math_on_the_decoded_weights(qtype):
-    rng = np.random.default_rng(21)
-    for k in depths(qtype):
-        for w in weights(qtype, 37, k, seed=22):
-            for rows in ROWS:
-                x = rng.standard_normal((rows, k)).astype(np.float32)
-                got = native_gguf.gguf_linear(paddle.to_tensor(x), w, qtype, k, threads=2, bf16_math=True).numpy()
-                want = definition(x, w, qtype, k)
-                scale = np.abs(want).max()
-                np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6 * scale, err_msg=f"{qtype} K={k} {rows} rows")
+    for k, w, x in row_cases(qtype, 37, seed=22, rng=np.random.default_rng(21)):
+        got = native_gguf.gguf_linear(paddle.to_tensor(x), w, qtype, k, threads=2, bf16_math=True).numpy()
+        want = definition(x, w, qtype, k)
+        scale = np.abs(want).max()
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6 * scale, err_msg=f"{qtype} K={k} {len(x)} rows")
 
 
 @needs_bf16

@@ -66,6 +66,15 @@ def weights(qtype: str, n: int, k: int, seed: int) -> list[paddle.Tensor]:
     return [paddle.to_tensor(np.ascontiguousarray(w)) for w in made if w is not None]
 
 
+def row_cases(qtype: str, n: int, seed: int, rng: np.random.Generator):
+    """``(k, w, x)`` for each depth of `depths`, each kind of `weights` blocks and each row count of
+    `ROWS`: ``x [rows, k]`` float32 drawn from ``rng`` (the math tests' loop)."""
+    for k in depths(qtype):
+        for w in weights(qtype, n, k, seed=seed):
+            for rows in ROWS:
+                yield k, w, rng.standard_normal((rows, k)).astype(np.float32)
+
+
 @pytest.mark.parametrize("qtype", TYPES)
 def test_the_decoders_give_the_portable_bits(qtype):
     """Every weight decoded to the float32 the portable dequantization (ggml's arithmetic) gives."""

@@ -19,7 +19,7 @@ import pytest
 from fdplug.core.quant.gguf_blocks import dequantize
 from fdplug.plugin_api.gguf_formats import q8_inputs
 from fdplug.plugins.cpu import isa, kernels, native_gguf
-from tests.test_cpu_gguf_kernel import ROWS, TYPES, depths, weights
+from tests.test_cpu_gguf_kernel import TYPES, depths, row_cases, weights
 
 if kernels.unavailable_reason() is not None:
     pytest.skip(f"the cpu kernels do not build here: {kernels.unavailable_reason()}", allow_module_level=True)
@@ -38,15 +38,11 @@ def decoded(w: paddle.Tensor, qtype: str, k: int) -> np.ndarray:
 
 @pytest.mark.parametrize("qtype", QUANTIZED)
 def test_kernel_is_q8_math_on_the_decoded_weights(qtype):
-    rng = np.random.default_rng(31)
-    for k in depths(qtype):
-        for w in weights(qtype, 37, k, seed=32):
-            for rows in ROWS:
-                x = rng.standard_normal((rows, k)).astype(np.float32)
-                x[0, :32] = 0.0                      # an all-zero run: scale 0, no division by it
-                want = q8_inputs(x) @ decoded(w, qtype, k).T
-                np.testing.assert_allclose(q8(x, w, qtype, k), want, rtol=1e-5, atol=2e-6 * np.abs(want).max(),
-                                           err_msg=f"{qtype} K={k} {rows} rows")
+    for k, w, x in row_cases(qtype, 37, seed=32, rng=np.random.default_rng(31)):
+        x[0, :32] = 0.0                      # an all-zero run: scale 0, no division by it
+        want = q8_inputs(x) @ decoded(w, qtype, k).T
+        np.testing.assert_allclose(q8(x, w, qtype, k), want, rtol=1e-5, atol=2e-6 * np.abs(want).max(),
+                                   err_msg=f"{qtype} K={k} {len(x)} rows")
 
 
 def test_the_quantized_inputs_are_llama_cpp_q8_in_runs_of_4():

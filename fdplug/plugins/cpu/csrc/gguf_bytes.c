@@ -20,32 +20,24 @@ static inline int gg_signed(int qtype) { return qtype == GG_Q8_0; }
 
 static inline __m128i gg_load16(const uint8_t *p) { return _mm_loadu_si128((const __m128i *)p); }
 
-/* byte i of the result: 16 where bit i of ``bits`` (i < 16) is set, else 0 (Q5_0/Q5_1's fifth bit) */
-static inline __m128i gg_bits16(uint32_t bits) {
+/* byte i of the result: 16 where bit i of ``bits`` is set, else 0 (Q5_0/Q5_1's fifth bits, all 32) */
+static inline __m256i gg_bits256(uint32_t bits) {
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
-    return _mm_maskz_mov_epi8((__mmask16)bits, _mm_set1_epi8(16)); /* the mask register does the spreading */
-#else
-    const __m128i spread = _mm_shuffle_epi8(_mm_cvtsi32_si128((int)bits),
-                                            _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
-    const __m128i select = _mm_set1_epi64x((long long)0x8040201008040201ULL);
-    return _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(spread, select), select), _mm_set1_epi8(16));
-#endif
-}
-
-/* gg_bits16 of the low and of the high 16 bits of ``bits``: with AVX2, both halves in one 256-bit pass */
-static inline void gg_bits32(uint32_t bits, __m128i *low, __m128i *high) {
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
-    *low = gg_bits16(bits & 0xFFFF);
-    *high = gg_bits16(bits >> 16);
+    return _mm256_maskz_mov_epi8((__mmask32)bits, _mm256_set1_epi8(16)); /* the mask register does the spreading */
 #else
     const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
                                                _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
                                                                 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
     const __m256i select = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-    const __m256i r = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select), _mm256_set1_epi8(16));
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select), _mm256_set1_epi8(16));
+#endif
+}
+
+/* gg_bits256's two halves: bytes for bits 0-15 and 16-31 */
+static inline void gg_bits32(uint32_t bits, __m128i *low, __m128i *high) {
+    const __m256i r = gg_bits256(bits);
     *low = _mm256_castsi256_si128(r);
     *high = _mm256_extracti128_si256(r, 1);
-#endif
 }
 
 /* the low (shift 0) or high (shift 4) nibbles of 16 bytes */

@@ -91,19 +91,6 @@ static inline __m256i gg_dot4(__m256i u, __m256i s) {
 }
 
 
-/* byte i of the result: 16 where bit i of ``bits`` is set, else 0 (Q5_0/Q5_1's fifth bits, all 32) */
-static inline __m256i gg_bits256(uint32_t bits) {
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
-    return _mm256_maskz_mov_epi8((__mmask32)bits, _mm256_set1_epi8(16));
-#else
-    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
-                                               _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                                                2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
-    const __m256i select = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select), _mm256_set1_epi8(16));
-#endif
-}
-
 /* Piece j of the block at blk as 32 byte integers (gg_pair's q: elements 0-15, then 16-31), with
  * its d and o (gg_pair's d[0], o[0]). The 32-weight types are read in 256-bit steps here (the low
  * and high nibbles of the 16 bytes side by side, the fifth bits spread in one pass): at one row
@@ -131,6 +118,11 @@ static inline __attribute__((always_inline)) __m256i gg_q8_weights(const uint8_t
     return _mm256_set_m128i(w.q[1], w.q[0]);
 }
 
+/* Q6_K's vpmaddwd pair weights for piece j of the super-block at blk: its two halves' int8 scales */
+static inline __m256i gg_q6_weights(const uint8_t *blk, int j) {
+    return _mm256_set_m128i(_mm_set1_epi16((int8_t)blk[192 + 2 * j + 1]), _mm_set1_epi16((int8_t)blk[192 + 2 * j]));
+}
+
 /* The types whose weights are d * (q - offset): Q4_0, Q5_0, Q6_K (its d per half of 16) */
 #define GG_Q8_OFFSET(QT) ((QT) == GG_Q4_0 ? 8 : (QT) == GG_Q5_0 ? 16 : (QT) == GG_Q6_K ? 32 : 0)
 /* acc[r][C] and mins[r][C] (C: the chain, a compile-time constant) += piece p (weights [32j, 32j + 32)
@@ -142,8 +134,7 @@ static inline __attribute__((always_inline)) __m256i gg_q8_weights(const uint8_t
         if (GG_Q8_OFFSET(QT)) /* q - offset as signed bytes: no o * sx term */                        \
             wsign = _mm256_sub_epi8(wsign, _mm256_set1_epi8(GG_Q8_OFFSET(QT)));                      \
         if (QT == GG_Q6_K) { /* each half's int8 scale as the pair weights, the super-block's d */    \
-            weights = _mm256_set_m128i(_mm_set1_epi16((int8_t)(blk)[192 + 2 * (j) + 1]),            \
-                                       _mm_set1_epi16((int8_t)(blk)[192 + 2 * (j)]));                \
+            weights = gg_q6_weights(blk, j);                                                         \
             dw = q6_d;                                                                               \
         }                                                                                            \
         const int SIGNED = QT == GG_Q8_0 || GG_Q8_OFFSET(QT);                                        \
@@ -169,11 +160,6 @@ static inline __m512i gg_dot4_512(__m512i u, __m512i s) {
 #else
     return _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1));
 #endif
-}
-
-/* Q6_K's pair weights for piece j of the super-block at blk (gg_q8_piece's, 256 bits) */
-static inline __m256i gg_q6_weights(const uint8_t *blk, int j) {
-    return _mm256_set_m128i(_mm_set1_epi16((int8_t)blk[192 + 2 * j + 1]), _mm_set1_epi16((int8_t)blk[192 + 2 * j]));
 }
 
 /* GG_Q8_PIECE for pieces p (chain 0: lanes 0-7 of wide[r]) and p + 1 (chain 1: lanes 8-15) at once
@@ -245,8 +231,7 @@ static inline __attribute__((always_inline)) void gg_q8_tile(const gg_job *job, 
         }
     } else {                        /* a piece a block: blocks b (chain 0) and b + 1 (chain 1) */
         const float q6_d = 0.0f;
-        int b = 0;
-        for (; b + 1 < pieces; b += 2) {
+        for (int b = 0; b + 1 < pieces; b += 2) {
 #ifdef GG_Q8_512
             GG_Q8_PAIR(src + b * bytes, 0, src + (b + 1) * bytes, 0, b);
 #else
@@ -254,21 +239,17 @@ static inline __attribute__((always_inline)) void gg_q8_tile(const gg_job *job, 
             GG_Q8_PIECE(src + (b + 1) * bytes, 0, b + 1, 1);
 #endif
         }
-#ifdef GG_Q8_512
-        for (int r = 0; r < MR; ++r) {
-            acc[r][0] = _mm512_castps512_ps256(wide[r]);
-            acc[r][1] = _mm512_extractf32x8_ps(wide[r], 1);
-        }
-#endif
-        if (b < pieces) GG_Q8_PIECE(src + b * bytes, 0, b, 0);   /* an odd last piece: chain 0 */
     }
 #ifdef GG_Q8_512
-    if (GG_QK(QT) == 256)
-        for (int r = 0; r < MR; ++r) {
-            acc[r][0] = _mm512_castps512_ps256(wide[r]);
-            acc[r][1] = _mm512_extractf32x8_ps(wide[r], 1);
-        }
+    for (int r = 0; r < MR; ++r) {
+        acc[r][0] = _mm512_castps512_ps256(wide[r]);
+        acc[r][1] = _mm512_extractf32x8_ps(wide[r], 1);
+    }
 #endif
+    if (GG_QK(QT) == 32 && pieces % 2) {   /* an odd last piece: chain 0 */
+        const float q6_d = 0.0f;
+        GG_Q8_PIECE(src + (pieces - 1) * bytes, 0, pieces - 1, 0);
+    }
     for (int r = 0; r < MR; ++r)
         job->out[(int64_t)(m0 + r) * job->ld + n] =
             gg_q8_hsum(_mm256_add_ps(acc[r][0], acc[r][1])) + (mins[r][0] + mins[r][1]);
