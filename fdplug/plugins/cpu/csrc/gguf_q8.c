@@ -91,33 +91,6 @@ static inline __m256i gg_dot4(__m256i u, __m256i s) {
 }
 
 
-/* Piece j of the block at blk as 32 byte integers (gg_pair's q: elements 0-15, then 16-31), with
- * its d and o (gg_pair's d[0], o[0]). The 32-weight types are read in 256-bit steps here (the low
- * and high nibbles of the 16 bytes side by side, the fifth bits spread in one pass): at one row
- * ~1.2-1.3x gg_pair_of's two 128-bit halves. */
-static inline __attribute__((always_inline)) __m256i gg_q8_weights(const uint8_t *blk, const int j, const int QT,
-                                                                   const gg_scales *s, float *d, float *o) {
-    if (QT == GG_Q4_0 || QT == GG_Q4_1 || QT == GG_Q5_0 || QT == GG_Q5_1) {
-        const int five = QT == GG_Q5_0 || QT == GG_Q5_1, has_min = QT == GG_Q4_1 || QT == GG_Q5_1;
-        const int at = has_min ? 4 : 2;   /* qh (Q5), then qs */
-        const __m128i v = _mm_loadu_si128((const __m128i *)(blk + at + 4 * five));
-        __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(0x0F));
-        if (five) {
-            uint32_t qh;
-            memcpy(&qh, blk + at, sizeof qh);
-            q = _mm256_or_si256(q, gg_bits256(qh));
-        }
-        const __m128 dm = gg_f16x2(blk);   /* (Q4_0, Q5_0: m's lane holds other bytes, unused) */
-        *d = _mm_cvtss_f32(dm);
-        *o = has_min ? _mm_cvtss_f32(_mm_movehdup_ps(dm)) : 0.0f;   /* Q4_0, Q5_0: an offset instead */
-        return q;
-    }
-    const gg_pair w = gg_pair_of(blk, j, QT, s);
-    *d = w.d[0];
-    *o = w.o[0];
-    return _mm256_set_m128i(w.q[1], w.q[0]);
-}
-
 /* Q6_K's vpmaddwd pair weights for piece j of the super-block at blk: its two halves' int8 scales */
 static inline __m256i gg_q6_weights(const uint8_t *blk, int j) {
     return _mm256_set_m128i(_mm_set1_epi16((int8_t)blk[192 + 2 * j + 1]), _mm_set1_epi16((int8_t)blk[192 + 2 * j]));
@@ -130,7 +103,7 @@ static inline __m256i gg_q6_weights(const uint8_t *blk, int j) {
 #define GG_Q8_PIECE(blk, j, p, C)                                                                    \
     do {                                                                                             \
         float dw, wo;                                                                                \
-        __m256i wsign = gg_q8_weights(blk, j, QT, &s, &dw, &wo), weights = _mm256_set1_epi16(1);    \
+        __m256i wsign = gg_piece_bytes(blk, j, QT, &s, &dw, &wo), weights = _mm256_set1_epi16(1);    \
         if (GG_Q8_OFFSET(QT)) /* q - offset as signed bytes: no o * sx term */                        \
             wsign = _mm256_sub_epi8(wsign, _mm256_set1_epi8(GG_Q8_OFFSET(QT)));                      \
         if (QT == GG_Q6_K) { /* each half's int8 scale as the pair weights, the super-block's d */    \
@@ -168,8 +141,8 @@ static inline __m512i gg_dot4_512(__m512i u, __m512i s) {
 #define GG_Q8_PAIR(blk0, j0, blk1, j1, p)                                                             \
     do {                                                                                             \
         float d0, o0, d1, o1;                                                                        \
-        const __m256i w0 = gg_q8_weights(blk0, j0, QT, &s, &d0, &o0);                                \
-        const __m256i w1 = gg_q8_weights(blk1, j1, QT, &s, &d1, &o1);                                \
+        const __m256i w0 = gg_piece_bytes(blk0, j0, QT, &s, &d0, &o0);                                \
+        const __m256i w1 = gg_piece_bytes(blk1, j1, QT, &s, &d1, &o1);                                \
         __m512i wsign = _mm512_inserti64x4(_mm512_castsi256_si512(w0), w1, 1), weights = _mm512_set1_epi16(1); \
         if (GG_Q8_OFFSET(QT)) wsign = _mm512_sub_epi8(wsign, _mm512_set1_epi8(GG_Q8_OFFSET(QT)));   \
         if (QT == GG_Q6_K) {                                                                         \
