@@ -118,11 +118,63 @@ static void gg_columns_bf16(const gg_job *job, const uint8_t *src, int64_t strid
     GG_SWITCH_TYPE(qtype, GG_ROWS)
 }
 
-/* gg_panel_columns in bf16 math: column n's bf16 weights at panel + (n - begin) * depth */
+/* Rows m0 .. m0 + MR - 1 of panel columns n .. n + GG_BNC - 1 (column c's bf16 weights at w0 + c *
+ * depth): each output the same two chains as gg_tile_bf16 (pieces alternating, an odd last piece
+ * into chain 0), so the same bits; a piece of x is loaded once for GG_BNC columns, a piece of
+ * weights once for GG_B2MR rows. Measured against gg_tile_bf16's 8 rows x 1 column (AMD EPYC,
+ * avx512, 2 threads, Q5_0 and Q6_K layers of 1,536 x 576 and 576 x 1,536, the panel's decoding
+ * included, interleaved builds): 4 x 2 1.13-1.22x at 64 and 256 rows, 6 x 2 the same within noise,
+ * 3 x 3 1.01-1.12x, 2 x 4 0.75-0.95x, 1 x 8 0.41-0.52x. */
+#ifndef GG_B2MR
+#define GG_B2MR 4 /* rows: 16 accumulators */
+#endif
+#ifndef GG_BNC
+#define GG_BNC 2 /* columns */
+#endif
+static inline __attribute__((always_inline)) void gg_panel_tile_bf16(const gg_job *job, const uint16_t *w0, int m0,
+                                                                const int MR, int n) {
+    const int depth = job->depth, pieces = depth / 32;
+    const uint16_t *x = job->xb + (int64_t)m0 * depth;
+    __m512 acc[GG_B2MR][GG_BNC][2]; /* [row][column][chain] */
+    GG_UNROLL
+    for (int r = 0; r < MR; ++r)
+        for (int c = 0; c < GG_BNC; ++c) acc[r][c][0] = acc[r][c][1] = _mm512_setzero_ps();
+#define GG_LOAD_BH(p) ((__m512bh)_mm512_loadu_si512((const void *)(p)))
+#define GG_PANEL_PIECE(p, chain)                                                                  \
+    do {                                                                                          \
+        __m512bh w[GG_BNC];                                                                       \
+        for (int c = 0; c < GG_BNC; ++c) w[c] = GG_LOAD_BH(w0 + (int64_t)c * depth + 32 * (p));   \
+        GG_UNROLL                                                                                 \
+        for (int r = 0; r < MR; ++r) {                                                            \
+            const __m512bh xv = GG_LOAD_BH(x + (int64_t)r * depth + 32 * (p));                    \
+            for (int c = 0; c < GG_BNC; ++c) acc[r][c][chain] = _mm512_dpbf16_ps(acc[r][c][chain], xv, w[c]); \
+        }                                                                                         \
+    } while (0)
+    int p = 0;
+    for (; p + 1 < pieces; p += 2) {
+        GG_PANEL_PIECE(p, 0);
+        GG_PANEL_PIECE(p + 1, 1);
+    }
+    if (p < pieces) GG_PANEL_PIECE(p, 0); /* an odd last piece: chain 0 */
+#undef GG_PANEL_PIECE
+#undef GG_LOAD_BH
+    for (int r = 0; r < MR; ++r)
+        for (int c = 0; c < GG_BNC; ++c)
+            job->out[(int64_t)(m0 + r) * job->ld + n + c] = lanes_sum(_mm512_add_ps(acc[r][c][0], acc[r][c][1]));
+}
+
+/* gg_panel_columns in bf16 math: column n's bf16 weights at panel + (n - begin) * depth; mr <= GG_B2MR */
 static void gg_panel_columns_bf16(const gg_job *job, const uint16_t *panel, int m0, int mr, int begin, int end) {
     const uint8_t *src = (const uint8_t *)panel;
     const int64_t stride = (int64_t)job->depth * 2;
-    GG_ROWS(GG_BF16)
+#undef GG_COLS
+#define GG_COLS(QT, MR)                                                                           \
+    do {                                                                                          \
+        int n = begin;                                                                            \
+        for (; n + GG_BNC <= end; n += GG_BNC) gg_panel_tile_bf16(job, panel + (int64_t)(n - begin) * job->depth, m0, MR, n); \
+        for (; n < end; ++n) gg_tile_bf16(job, src + (n - begin) * stride, GG_BF16, m0, MR, n);   \
+    } while (0)
+    GG_SWITCH_ROWS(mr, GG_B2MR, GG_BF16)
 }
 #undef GG_ROWS
 #undef GG_CAP
