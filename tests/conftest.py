@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-EXAMPLE_PLUGIN = REPO / "examples" / "fdplug-fakechip"   # the README's "Writing a plugin"
+EXAMPLE_PLUGIN = REPO / "examples" / "fdplug-fakechip"   # docs/plugins.md's "Writing a plugin"
 
 
 # The engines in tests run the linear kernel chosen by priority on every shape (FDPLUG_OP_TIMING=0):

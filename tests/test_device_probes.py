@@ -22,7 +22,7 @@ def test_cuda_probe_on_the_cpu_build_says_install_paddlepaddle_gpu():
 
 
 def test_every_suggested_gpu_install_is_paddles_own_index():
-    """paddlepaddle-gpu 3.x is not on PyPI: no message, extra or README line may suggest `fdplug[gpu]`."""
+    """paddlepaddle-gpu 3.x is not on PyPI: no message, extra or line of the docs may suggest `fdplug[gpu]`."""
     import tomllib
 
     from fdplug.plugin_api.paddle import INSTALL_FIX
@@ -30,9 +30,12 @@ def test_every_suggested_gpu_install_is_paddles_own_index():
     assert GPU_INSTALL in INSTALL_FIX and GPU_INSTALL in cuda.INSTALL_FIX
     root = Path(__file__).resolve().parents[1]
     assert "gpu" not in tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    readme = (root / "README.md").read_text()
-    assert GPU_INSTALL in readme and readme.count(".[gpu]") == readme.count("no `.[gpu]`")  # only to say so
-    sources = [root / "README.md", *(root / "fdplug").rglob("*.py")]
+    pages = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    assert len(pages) > 1 and GPU_INSTALL in pages[0].read_text()
+    for page in pages:
+        text = page.read_text()
+        assert text.count(".[gpu]") == text.count("no `.[gpu]`"), page  # only to say so
+    sources = [*pages, *(root / "fdplug").rglob("*.py")]
     assert not [str(f) for f in sources if "fdplug[gpu]" in f.read_text()]
 
 

@@ -1,4 +1,4 @@
-"""The README's "Writing a plugin", run: a third-party plugin that registers nothing but a device
+"""docs/plugins.md's "Writing a plugin", run: a third-party plugin that registers nothing but a device
 (examples/fdplug-fakechip, installed through its entry point), with the cpu plugin disabled, gets a
 working engine from the core's portable components: same greedy tokens as ``--device cpu``."""
 
@@ -8,7 +8,7 @@ import pytest
 
 from fdplug.core.engine.sampling_params import SamplingParams
 from fdplug.core.frontend.llm import LLM
-from tests.conftest import install_example_plugin
+from tests.conftest import EXAMPLE_PLUGIN, REPO, install_example_plugin
 from tests.serverkit import SMALL, Server
 
 PROMPTS = ["Hello", "The list type", "def f(x):"]
@@ -20,6 +20,16 @@ def fakechip(tmp_path, monkeypatch) -> list[str]:
     for path in reversed(paths):
         monkeypatch.syspath_prepend(path)
     return paths
+
+
+def test_the_walkthrough_in_the_docs_is_this_example():
+    text = (REPO / "docs" / "plugins.md").read_text()
+    section = text.split("\n## Writing a plugin\n", 1)[1].split("\n## ", 1)[0]
+    assert "(../examples/fdplug-fakechip)" in section and "tests/test_vendor_walkthrough.py" in section
+    example = "".join(f.read_text() for f in (EXAMPLE_PLUGIN / "pyproject.toml",
+                                              EXAMPLE_PLUGIN / "fdplug_fakechip" / "__init__.py"))
+    for line in ('fakechip = "fdplug_fakechip"', 'name="fakechip"', 'paddle_device="cpu"', "priority=-10"):
+        assert line in section and line in example, line
 
 
 def greedy(llm: LLM, prompts: list[str]) -> list[list[int]]:

@@ -4,7 +4,7 @@ A plugin is a module with ``FDPLUG_API_VERSION = "3.14"`` and functions decorate
 found through the ``fdplug`` entry-point group (``[project.entry-points.fdplug] mychip =
 "fdplug_mychip"``). Its hooks (`hookspecs`) each receive a ``register`` callback taking one spec
 (`specs`). The smallest useful plugin registers one `DeviceSpec`; the core's portable runner,
-attention, MoE and op kernels then run on it through Paddle (see the README's "Writing a plugin").
+attention, MoE and op kernels then run on it through Paddle (see docs/plugins.md, "Writing a plugin").
 
 What you may register, and the contract each object keeps:
 

@@ -144,7 +144,7 @@ def fdplug_register_settings(register: Callable[[Setting], None]) -> None:
     """Register the environment variables this plugin reads (`fdplug.plugin_api.settings.Setting`).
 
     Read them with ``setting.value()``. Registered settings are listed by ``fdplug doctor`` and must
-    appear in the README's table of variables (checked by a test for built-in plugins).
+    appear in docs/configuration.md's table of variables (checked by a test for built-in plugins).
     """
 
 

@@ -2,9 +2,9 @@
 
 Every variable is a `Setting`, declared by whoever owns it: the core and the server declare theirs
 in their ``settings`` modules, and a plugin hands its own to the ``fdplug_register_settings`` hook
-(see `fdplug.plugin_api.hookspecs`). ``fdplug doctor`` lists every registered setting and the
-README's table is checked against the registry by a test, so nothing reads ``os.environ`` behind
-the user's back. Names follow FastDeploy where the concept is the same.
+(see `fdplug.plugin_api.hookspecs`). ``fdplug doctor`` lists every registered setting and
+docs/configuration.md's table is checked against the registry by a test, so nothing reads
+``os.environ`` behind the user's back. Names follow FastDeploy where the concept is the same.
 """
 
 from __future__ import annotations

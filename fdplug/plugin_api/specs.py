@@ -268,4 +268,4 @@ def _validate_setting(spec: Setting) -> None:
     if not callable(spec.parse):
         raise TypeError(f"parse of {spec.name!r} must be callable")
     if not isinstance(spec.help, str) or not spec.help:
-        raise ValueError(f"setting {spec.name!r} needs a help text (fdplug doctor and the README show it)")
+        raise ValueError(f"setting {spec.name!r} needs a help text (fdplug doctor and docs/configuration.md show it)")

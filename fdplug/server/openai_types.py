@@ -107,7 +107,7 @@ def _invalid(exc: ValidationError) -> InvalidRequestError:
         kind, param = "union", _param(root)
     if kind == "extra_forbidden":
         err = InvalidRequestError(f"unrecognized request argument supplied: {param}.",
-                                  fix="remove it: fdplug rejects fields it does not know (see README, Serving).")
+                                  fix="remove it: fdplug rejects fields it does not know (see docs/serving.md).")
     elif kind == "json_invalid":
         err = InvalidRequestError(f"the body is not valid JSON: {first.get('msg')}.",
                                   fix="send a JSON object with Content-Type: application/json.")

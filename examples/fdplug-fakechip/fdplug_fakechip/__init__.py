@@ -4,7 +4,7 @@
 paddle device type (``gpu``, ``xpu``, a custom device) and asks its SDK in ``probe``. Registering the
 device is enough for a working engine: the core's portable runner, attention, MoE and op kernels run
 on every device through Paddle. Faster parts come later, one at a time, each registered for this
-device with a priority above the portable one (see the README's "Writing a plugin").
+device with a priority above the portable one (see fdplug's docs/plugins.md, "Writing a plugin").
 """
 
 from __future__ import annotations
