@@ -169,7 +169,7 @@ def test_event_loop_choice(monkeypatch):
 def test_freeze_startup_heap_keeps_collecting_new_garbage():
     code = """
 import gc
-from fdplug.server.heap import freeze_startup_heap
+from fdplug.core.heap import freeze_startup_heap
 survivors = [[i] for i in range(50_000)]
 frozen = freeze_startup_heap()
 class Cycle: pass

@@ -31,7 +31,7 @@ import zmq
 from fdplug.errors import FdplugError
 from fdplug.server import protocol as P
 from fdplug.server.engine_loop import EngineLoop
-from fdplug.server.heap import freeze_startup_heap
+from fdplug.core.heap import freeze_startup_heap
 from fdplug.server.os_timeslice import shorten_scheduler_slice
 from fdplug.server.settings import env
 

@@ -23,7 +23,7 @@ from typing import Any, Callable
 from fdplug.errors import ConfigError
 from fdplug.server import protocol as P
 from fdplug.server.drain import Drain, DrainingServer
-from fdplug.server.heap import freeze_startup_heap
+from fdplug.core.heap import freeze_startup_heap
 from fdplug.server.limits import DEFAULT_STREAM_BACKLOG, ConnectionLimits
 from fdplug.server.settings import DEFAULT_SHUTDOWN_TIMEOUT_S, env
 
