@@ -26,8 +26,8 @@
 
 /* bf16(q * d + o) of 32 integers q < 32 that share d and o: the 32 possible values widened and
  * rounded once into a table, each weight looked up in it (vpermw). The same FMA on the same q as
- * gg_widen, so the same bits, in about two thirds of the operations (a piece's integers widened to
- * floats one by one cost 2 conversions and an FMA a 16 weights, then the rounding). */
+ * gg_widen, so the same bits, in fewer operations: 2 FMAs, a rounding, a widening of the bytes and
+ * the lookup, where gg_widen converts each 16 integers twice before its FMA, then rounds. */
 static inline __m512bh gg_lookup_bf16(__m256i q, float d, float o) {
     const __m512 low = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512 high = _mm512_add_ps(low, _mm512_set1_ps(16.0f)), dv = _mm512_set1_ps(d), ov = _mm512_set1_ps(o);

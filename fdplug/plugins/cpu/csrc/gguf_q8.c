@@ -90,7 +90,6 @@ static inline __m256i gg_dot4(__m256i u, __m256i s) {
 #endif
 }
 
-
 /* Q6_K's vpmaddwd pair weights for piece j of the super-block at blk: its two halves' int8 scales */
 static inline __m256i gg_q6_weights(const uint8_t *blk, int j) {
     return _mm256_set_m128i(_mm_set1_epi16((int8_t)blk[192 + 2 * j + 1]), _mm_set1_epi16((int8_t)blk[192 + 2 * j]));
