@@ -181,6 +181,19 @@ print(frozen, gc.collect(), gc.get_freeze_count() == frozen)
     assert int(frozen) >= 50_000 and int(collected) >= 2 and unchanged == "True"
 
 
+
+def test_an_offline_llm_freezes_the_heap_once_a_process():
+    code = """
+import gc
+from fdplug.core.heap import freeze_startup_heap_once
+first = freeze_startup_heap_once()
+count = gc.get_freeze_count()
+print(first, freeze_startup_heap_once(), gc.get_freeze_count() == count)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    first, second, unchanged = out.stdout.split()
+    assert int(first) > 0 and int(second) == 0 and unchanged == "True"
+
 SLICE_PROBE = """
 import os, sys, threading
 from fdplug.server.os_timeslice import current_slice_ns, shorten_scheduler_slice

@@ -19,3 +19,17 @@ def freeze_startup_heap() -> int:
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
+
+
+_frozen_in_this_process = False
+
+
+def freeze_startup_heap_once() -> int:
+    """``freeze_startup_heap`` the first time this process asks, else nothing (returns 0): the first
+    ``LLM`` of a process freezes its startup heap; later ones (a test session, a notebook) would each
+    pay a full collection (~40-100 ms) for a heap mostly frozen already."""
+    global _frozen_in_this_process
+    if _frozen_in_this_process:
+        return 0
+    _frozen_in_this_process = True
+    return freeze_startup_heap()

@@ -23,7 +23,7 @@ from fdplug.core.frontend.processor import (
     ProcessedPrompt,
     PromptType,
 )
-from fdplug.core.heap import freeze_startup_heap
+from fdplug.core.heap import freeze_startup_heap_once
 from fdplug.core.multimodal.inputs import FeaturePartCollector
 from fdplug.errors import ConfigError
 
@@ -50,7 +50,7 @@ class LLM:
                                               self.config.max_model_len, eos, self.model_config.multimodal)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
-        freeze_startup_heap()   # the model's and the engine's objects: skipped by the collector's full passes
+        freeze_startup_heap_once()   # the model's and the engine's objects: skipped by the collector's full passes
         logger.info("fdplug LLM ready: %s", self.describe())
 
     def describe(self) -> str:
