@@ -71,3 +71,14 @@ def test_api_version_and_reexports():
         assert f"API {refused}" in info.error and f"API {hookspecs.API_VERSION}" in info.error, info.error
     assert fdplug.hookimpl is hookspecs.hookimpl
     assert fdplug.API_VERSION == hookspecs.API_VERSION
+
+
+def test_the_changelog_has_an_entry_for_every_minor_of_this_major():
+    """A version bump comes with its line in plugin_api/CHANGELOG.md, newest first."""
+    from pathlib import Path
+
+    text = (Path(hookspecs.__file__).parent / "CHANGELOG.md").read_text()
+    listed = [line.split("**")[1] for line in text.splitlines() if line.startswith("- **")]
+    major, minor = map(int, hookspecs.API_VERSION.split("."))
+    assert listed[0] == hookspecs.API_VERSION
+    assert [f"{major}.{m}" for m in range(minor, -1, -1)] == [v for v in listed if v.startswith(f"{major}.")]

@@ -10,35 +10,8 @@ Selection happens once at startup (`fdplug.core.plugin_loading.selection`); the 
 selected objects directly and never goes through pluggy.
 
 Compatibility: a change that breaks an existing plugin bumps the major of ``API_VERSION``; adding a
-hook or an optional spec field bumps the minor. 2.0: ``fdplug_configure`` and runner factories take
-the `Selection` (was ``backend``); settings and op kernels are registered through hooks. 3.0: the core
-routes (`fdplug.plugin_api.moe.select_experts` with a `Routing`), so ``MoEBackend.forward`` takes the
-chosen ``(topk_weights, topk_ids)`` instead of the router logits. 3.1: the ``fp8_linear`` op,
-``ModelRunnerSpec.weight_formats`` (the linear layers' formats a runner executes) and `ModelTraits`
-fields for weight formats and shapes; FP8 formats in `fdplug.plugin_api.fp8`. 3.2: the ``linear``
-op (every float linear layer, weights ``[N, K]``, bf16 weights allowed) and ``EngineConfig.weight_dtype``.
-3.3: ``OpSpec.bf16_inputs``: a ``linear`` kernel that computes bf16 weights in bf16 math. 3.4: the
-``add_rms_norm``, ``rope`` and ``argmax`` ops (a plugin written for 3.3 gets the portable ones). 3.5:
-``OpSpec.prepare``: a ``linear`` kernel lays out each layer's weight its own way once at load
-(`fdplug.plugin_api.ops.PreparedWeight`). 3.6: expert parallel: `fdplug.plugin_api.moe.ExpertExchange`
-and `ExpertBatch`, and an optional ``MoEBackend.make_exchange`` (a backend's own dispatch/combine).
-3.7: ``AttentionBackend.kv_cache_layout`` (optional): where a KV block lives in the cache
-(`fdplug.plugin_api.kv_layout`), for moving KV between instances. 3.8: ``fdplug_register_kv_connectors``
-(`fdplug.plugin_api.kv_connector`): how KV moves between prefill and decode instances. 3.9:
-`fdplug.plugin_api.kv_connector.KVConnChecker` (a receiver's ``check(conn)``, which a decode
-instance without ``FDPLUG_PD_SECRET`` requires) and ``KVCaches.peers``. 3.10: ``OpSpec.measure_key``
-(``linear``): a kernel timed against the portable op on the model's layer shapes, used only where it
-is not slower (`fdplug.core.plugin_loading.op_timing`); ``Selection.measured_ops``. 3.11: the
-``gguf_linear`` op (a GGUF file's linears in GGML blocks, `fdplug.core.quant.gguf_blocks`), the ``gguf``
-weight format and ``ModelTraits.weight_types`` (a plugin written for 3.10 gets the portable op). 3.12:
-the ``decoder_stack`` op (every decoder layer of a step in one call of the plugin's own, handed a
-`fdplug.plugin_api.decoder_stack.DecoderStack` at load; the portable op runs the layers one by one).
-3.13: ``OpSpec.bf16_inputs`` for ``gguf_linear`` kernels too (bf16 math on the decoded weights); the
-``gguf`` expert weight format (a GGUF file's routed experts in GGML blocks, ``ExpertWeights.qtypes``);
-``EngineConfig.kv_cache_dtype`` (the cache's element type, ``KVCachePlan.dtype``; a backend that cannot
-read another than the compute dtype refuses it in ``supports``). 3.14: ``OpSpec.q8_inputs``: a
-``gguf_linear`` kernel in q8 math (its inputs quantized to 8 bits per 4 values, as llama.cpp's;
-`fdplug.plugin_api.gguf_formats.q8_inputs`).
+hook or an optional spec field bumps the minor. What each version added: `CHANGELOG.md`
+beside this file.
 """
 
 from __future__ import annotations
