@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from throughput import params, run_fdplug, workload   # bench/throughput.py: the same 128 mixed requests
+from throughput import params, run_fdplug, workload  # bench/throughput.py: the same 128 mixed requests
 
 MODEL = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 512,
          "intermediate_size": 1536, "num_hidden_layers": 6, "num_attention_heads": 8, "num_key_value_heads": 4,

@@ -50,7 +50,7 @@ def closed(sock: socket.socket) -> bool:
         while sock.recv(1 << 20):
             pass
         return True
-    except socket.timeout:
+    except TimeoutError:
         return False
     except OSError:
         return True

@@ -177,7 +177,6 @@ def explain_command(device: str, runner: str | None, attention: str | None, moe:
     click.echo(selection.explain())
     if model_config is not None:
         from fdplug.core.model.footprint import model_summary
-
         from fdplug.core.plugin_loading.op_timing import plan_linear
 
         model_config.keep_weights(config.dtype, config.weight_dtype)

@@ -8,7 +8,7 @@ bug and becomes a 500.
 from __future__ import annotations
 
 import reprlib
-from typing import Iterable
+from collections.abc import Iterable
 
 _SHOW = reprlib.Repr()
 _SHOW.maxstring, _SHOW.maxother, _SHOW.maxlist, _SHOW.maxdict, _SHOW.maxlevel = 60, 60, 6, 4, 2

@@ -68,7 +68,7 @@ class Server:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def wait_ready(self, timeout: float = 90.0) -> "Server":
+    def wait_ready(self, timeout: float = 90.0) -> Server:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -314,7 +314,7 @@ def closed_by_peer(sock: socket.socket, timeout: float = 20) -> bool:
         try:
             if not sock.recv(1 << 20):
                 return True
-        except socket.timeout:
+        except TimeoutError:
             continue
         except OSError:
             return True

@@ -34,7 +34,7 @@ TOL = 1e-4
 BLOCK = 4
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def loaded(name: str):
     backend = ReferenceAttention()
     model, cfg = load_model(GOLDEN / name, backend, show_progress=False)

@@ -20,8 +20,8 @@ from fdplug.core.model.config import ModelConfig  # noqa: E402
 from fdplug.core.model.footprint import parameter_counts  # noqa: E402
 from fdplug.errors import ConfigError, ModelLoadError  # noqa: E402
 from tests.conftest import write_test_model  # noqa: E402
-from tests.test_moe_golden import servable  # noqa: E402
 from tests.reference import naive_greedy  # noqa: E402
+from tests.test_moe_golden import servable  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 QWEN2_MOE = {"architectures": ["Qwen2MoeForCausalLM"], "num_hidden_layers": 3, "num_experts": 8,
@@ -259,8 +259,8 @@ def test_footprint_counts_every_parameter_and_the_experts(moe_dirs, model):
 
 
 def test_experts_that_do_not_fit_are_refused_before_loading(moe_dirs, monkeypatch):
-    from fdplug.plugins.cpu import device
     from fdplug.core.model import loader
+    from fdplug.plugins.cpu import device
 
     monkeypatch.setattr(device, "free_memory", lambda index=0: 100_000)
     monkeypatch.setattr(loader, "load_weights", lambda *a, **k: pytest.fail("weights were read"))

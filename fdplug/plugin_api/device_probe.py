@@ -6,8 +6,9 @@ them can report a device available on the strength of the package name alone.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import MappingProxyType
-from typing import Any, Callable
+from typing import Any
 
 from fdplug.plugin_api.paddle import import_paddle, paddle_installed
 from fdplug.plugin_api.specs import Probe

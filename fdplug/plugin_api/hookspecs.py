@@ -16,7 +16,9 @@ beside this file.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+# typing.Callable, not collections.abc's: get_type_hints() on a hook gives Callable[[Spec], NoneType] with it
+# (collections.abc keeps a bare None in get_args), and the typed-hook contract is checked that way.
+from typing import TYPE_CHECKING, Callable  # noqa: UP035
 
 import pluggy
 
@@ -122,7 +124,7 @@ def fdplug_register_settings(register: Callable[[Setting], None]) -> None:
 
 
 @hookspec
-def fdplug_configure(config: "EngineConfig", selection: "Selection") -> None:
+def fdplug_configure(config: EngineConfig, selection: Selection) -> None:
     """Validate or adjust the engine config for the selection just made.
 
     ``config`` is mutable at this point, ``selection`` is not. Act only if one of your components

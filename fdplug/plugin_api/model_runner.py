@@ -83,7 +83,7 @@ class ModelRunner(Protocol):
         """Size and allocate the paged KV cache (after the model, so its memory is known)."""
         ...
 
-    def execute_model(self, scheduler_output: "SchedulerOutput") -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Apply the scheduler's changes, run one forward over the scheduled tokens, sample."""
         ...
 

@@ -80,8 +80,9 @@ conformance kit (`fdplug.testing`) checks every registered op against it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 OPS: tuple[str, ...] = ("swiglu", "rms_norm", "fp8_linear", "linear", "add_rms_norm", "rope", "argmax",
                         "gguf_linear", "decoder_stack")

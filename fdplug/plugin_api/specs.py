@@ -8,9 +8,10 @@ probes are plain callables: vendor SDKs are imported inside them, never at regis
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from fdplug.plugin_api.ops import OPS, PREPARED_OPS
 from fdplug.plugin_api.settings import Setting
@@ -82,7 +83,7 @@ class ComponentSpec:
     devices: tuple[str, ...]
     factory: Callable[..., Any]
     priority: int = 0
-    supports: Callable[["EngineConfig"], str | None] | None = None
+    supports: Callable[[EngineConfig], str | None] | None = None
     description: str = ""
 
     role = "component"
@@ -164,8 +165,8 @@ class OpSpec(ComponentSpec):
     op: str = ""
     bf16_inputs: bool = False
     q8_inputs: bool = False
-    prepare: Callable[["EngineConfig"], Callable[[Any], Any]] | None = None
-    measure_key: Callable[["EngineConfig"], str] | None = None
+    prepare: Callable[[EngineConfig], Callable[[Any], Any]] | None = None
+    measure_key: Callable[[EngineConfig], str] | None = None
 
     role = "op"
 
@@ -191,7 +192,7 @@ class FeatureStorageSpec:
 
     name: str
     schemes: tuple[str, ...]
-    factory: Callable[["EngineConfig"], "FeatureStorage"]
+    factory: Callable[[EngineConfig], FeatureStorage]
     priority: int = 0
     description: str = ""
 

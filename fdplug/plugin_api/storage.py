@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import CancelledError, Executor, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import (
     Any,
-    Callable,
-    Iterator,
     Protocol,
-    Sequence,
     TypeVar,
     runtime_checkable,
 )

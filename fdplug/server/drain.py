@@ -20,7 +20,8 @@ import asyncio
 import logging
 import signal
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import uvicorn
 

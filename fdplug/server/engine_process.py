@@ -28,10 +28,10 @@ from typing import Any
 
 import zmq
 
+from fdplug.core.heap import freeze_startup_heap
 from fdplug.errors import FdplugError
 from fdplug.server import protocol as P
 from fdplug.server.engine_loop import EngineLoop
-from fdplug.core.heap import freeze_startup_heap
 from fdplug.server.os_timeslice import shorten_scheduler_slice
 from fdplug.server.settings import env
 

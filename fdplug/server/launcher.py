@@ -17,13 +17,14 @@ import asyncio
 import logging
 import signal
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
+from fdplug.core.heap import freeze_startup_heap
 from fdplug.errors import ConfigError
 from fdplug.server import protocol as P
 from fdplug.server.drain import Drain, DrainingServer
-from fdplug.core.heap import freeze_startup_heap
 from fdplug.server.limits import DEFAULT_STREAM_BACKLOG, ConnectionLimits
 from fdplug.server.settings import DEFAULT_SHUTDOWN_TIMEOUT_S, env
 

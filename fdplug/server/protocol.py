@@ -142,5 +142,5 @@ class EngineInfo:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, item: dict) -> "EngineInfo":
+    def from_dict(cls, item: dict) -> EngineInfo:
         return cls(**item)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from fdplug.core.frontend.outputs import RequestOutput
 from fdplug.core.frontend.processor import Delta

@@ -45,7 +45,7 @@ class _Server(ThreadingHTTPServer):
 
     daemon_threads = True
     request_queue_size = 256  # a burst of parallel connects must not overflow the accept queue
-    bos: "LoopbackBos"
+    bos: LoopbackBos
 
     def __init__(self, address: tuple[str, int], handler: type, workers: int = 128) -> None:
         super().__init__(address, handler)
@@ -79,7 +79,7 @@ class LoopbackBos:
 
     # -- lifecycle -------------------------------------------------------------------------------------
 
-    def start(self) -> "LoopbackBos":
+    def start(self) -> LoopbackBos:
         self._server = _Server(("127.0.0.1", 0), _Handler)
         self._server.bos = self
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
@@ -94,7 +94,7 @@ class LoopbackBos:
             self._thread.join(timeout=5)
             self._server = self._thread = None
 
-    def __enter__(self) -> "LoopbackBos":
+    def __enter__(self) -> LoopbackBos:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -10,8 +10,9 @@ shares it. Field ranges that do not depend on the model live in ``SamplingParams
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from fdplug.core.engine.request import Request, SamplingParams
 from fdplug.errors import InvalidRequestError, show_value

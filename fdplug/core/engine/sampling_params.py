@@ -78,7 +78,7 @@ class SamplingParams:
         """Any of the presence, frequency or repetition penalties is on."""
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
-    def validate(self) -> "SamplingParams":
+    def validate(self) -> SamplingParams:
         """Raise InvalidRequestError naming the first bad field (``param``) and its allowed range."""
         _int_in("n", self.n, 1, MAX_N, f"an integer in [1, {MAX_N}]: fdplug caps sequences per request as OpenAI does")
         _real_in("temperature", self.temperature, 0.0, MAX_TEMPERATURE, f"[0, {MAX_TEMPERATURE:g}]; 0 means greedy")

@@ -12,7 +12,8 @@ does both in one process.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from fdplug.core.config import EngineConfig
 from fdplug.errors import ConfigError

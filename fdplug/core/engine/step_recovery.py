@@ -21,8 +21,9 @@ the same tokens (unseeded ones draw afresh, as after any re-run). Re-runs are bo
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 from fdplug.core.scheduler.output import NewRequestData, SchedulerOutput
 from fdplug.core.scheduler.scheduler import Scheduler

@@ -11,7 +11,8 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from typing import Any, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 from fdplug.core.engine.request import RequestStatus, SamplingParams
 from fdplug.core.engine.startup import create_engine

@@ -7,8 +7,9 @@ fans out into ``n`` engine requests (``<id>#<i>``); their outputs are gathered b
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from fdplug.core.engine.admission import (
     check_prompt_length,

@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Callable, Mapping
 from datetime import datetime
 from functools import lru_cache
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import jinja2
 import jinja2.ext

@@ -7,8 +7,9 @@ config.json leaves out are transformers' own, as everywhere in `fdplug.core.mode
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from fdplug.errors import ModelLoadError
 from fdplug.plugin_api.moe import Routing

@@ -13,8 +13,9 @@ import contextvars
 import re
 import string
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 MAX_OPERATIONS = 1_000_000      # loop iterations, calls, lookups (a model template spends ~20 per message)
 MAX_VALUE = 32 << 20            # characters in any one string, and in the output
@@ -39,7 +40,7 @@ class RenderBudget:
     deadline: float
 
     @classmethod
-    def fresh(cls) -> "RenderBudget":
+    def fresh(cls) -> RenderBudget:
         return cls(MAX_OPERATIONS, MAX_BUILT, time.monotonic() + TIMEOUT_S)
 
     def charge(self, operations: int = 1, built: int = 0) -> None:

@@ -9,8 +9,9 @@ each row of 2 frames).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from fdplug.errors import InvalidRequestError, ModelLoadError, show_value
 

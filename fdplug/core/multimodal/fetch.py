@@ -9,8 +9,9 @@ scheme is fetched, so credentials are read only when needed. Storages parallelis
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator, Mapping, Sequence
 from itertools import groupby
-from typing import TYPE_CHECKING, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from fdplug.core.config import EngineConfig
 from fdplug.errors import FeatureAccessDeniedError
@@ -58,7 +59,7 @@ class FeatureFetcher:
         self._lock = threading.Lock()
 
     @classmethod
-    def from_plugins(cls, config: EngineConfig | None = None, plugins: PluginSet | None = None) -> "FeatureFetcher":
+    def from_plugins(cls, config: EngineConfig | None = None, plugins: PluginSet | None = None) -> FeatureFetcher:
         return cls(storage_specs(plugins), config)
 
     def storage(self, url: str) -> FeatureStorage:

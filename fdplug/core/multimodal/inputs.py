@@ -10,8 +10,9 @@ item's token count and records where it sits, so the features' rows land on exac
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from fdplug.core.engine.request import MMPlaceholder
 from fdplug.core.multimodal.config import MultimodalConfig

@@ -14,8 +14,9 @@ import importlib
 import importlib.metadata
 import logging
 import traceback
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import pluggy
 

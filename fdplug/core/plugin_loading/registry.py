@@ -6,8 +6,9 @@ committed only if all of them succeed, so a plugin that fails half-way leaves no
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from fdplug.errors import RegistrationError
 from fdplug.plugin_api.settings import SETTINGS, declare
@@ -43,7 +44,7 @@ class Registry:
         found = {role: [n for n, e in entries.items() if e.plugin == plugin] for role, entries in self._entries.items()}
         return {role: names for role, names in found.items() if names}
 
-    def stage(self, plugin: str) -> "Staging":
+    def stage(self, plugin: str) -> Staging:
         return Staging(self, plugin)
 
 

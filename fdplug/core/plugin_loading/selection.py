@@ -9,8 +9,9 @@ immutable and serialises to names, so another process rebuilds the same choice w
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from types import MappingProxyType
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from fdplug.core.config import EngineConfig
 from fdplug.core.plugin_loading.loader import PluginSet, current_plugins

@@ -9,8 +9,8 @@ free to use as padding in block tables. The pool knows nothing about requests.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 BlockHash = bytes  # sha256 digest of a full block, chained over its prefix (see kv_cache_manager)
 
@@ -22,8 +22,8 @@ class KVCacheBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
-    prev_free: "KVCacheBlock | None" = None
-    next_free: "KVCacheBlock | None" = None
+    prev_free: KVCacheBlock | None = None
+    next_free: KVCacheBlock | None = None
     is_null: bool = False
 
     def __repr__(self) -> str:

@@ -26,7 +26,7 @@ class SchedulerConfig:
     max_waiting_requests: int = 1024
 
     @classmethod
-    def from_engine_config(cls, config: "EngineConfig", num_kv_blocks: int) -> "SchedulerConfig":
+    def from_engine_config(cls, config: EngineConfig, num_kv_blocks: int) -> SchedulerConfig:
         """The engine's settings (resolved by ``startup.build_engine_config``) and the KV cache the
         runner allocated: the one place the scheduler's limits come from."""
         return cls(max_model_len=config.max_model_len, num_kv_blocks=num_kv_blocks,

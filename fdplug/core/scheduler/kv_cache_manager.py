@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from typing import Sequence
+from collections.abc import Sequence
 
 from fdplug.core.engine.request import Request
 from fdplug.core.multimodal.chunking import cut_back_hit

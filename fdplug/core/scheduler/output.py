@@ -38,7 +38,7 @@ class NewRequestData:
     resumed_from_preemption: bool = False
 
     @classmethod
-    def from_request(cls, request: Request, block_ids: list[int], resumed: bool) -> "NewRequestData":
+    def from_request(cls, request: Request, block_ids: list[int], resumed: bool) -> NewRequestData:
         return cls(request.request_id, request.prompt_token_ids, request.sampling_params, block_ids,
                    request.num_computed_tokens, list(request.output_token_ids), request.mm_positions,
                    resumed)

@@ -17,7 +17,7 @@ The engine's step is five lines::
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from fdplug.core.engine.request import Request, RequestStatus
 from fdplug.core.multimodal.chunking import check_admission

@@ -11,7 +11,6 @@ from fdplug.plugin_api.attention import cdiv
 from fdplug.plugin_api.model_runner import GIB, KVCachePlan, format_bytes
 
 
-
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: str) -> int:
     """Keys and values of every layer for one block."""
     return 2 * num_layers * block_size * num_kv_heads * head_dim * DTYPE_BYTES[dtype]

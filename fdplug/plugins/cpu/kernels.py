@@ -134,7 +134,7 @@ def build(cc: list[str], target: Path) -> None:
             os.unlink(tmp)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load() -> ctypes.CDLL:
     """The kernel library, built on first use. Raises KernelsUnavailable (cached per process)."""
     if mode() == "off":

@@ -76,7 +76,7 @@ class BosSettings:
         return tuple(s for s in (self.access_key, self.secret_key, self.sts_token) if s)
 
     @classmethod
-    def from_env(cls, config: EngineConfig | None = None) -> "BosSettings":
+    def from_env(cls, config: EngineConfig | None = None) -> BosSettings:
         """Read the FDPLUG_BOS_* variables, falling back to FastDeploy's ENCODE_FEATURE_* names."""
         endpoint = _first("FDPLUG_BOS_ENDPOINT", "ENCODE_FEATURE_ENDPOINT")
         access_key = _first("FDPLUG_BOS_AK", "ENCODE_FEATURE_BOS_AK")

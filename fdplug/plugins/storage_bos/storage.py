@@ -16,8 +16,9 @@ import logging
 import random
 import threading
 import time
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 from fdplug.errors import StorageError, StorageTimeoutError
 from fdplug.plugin_api.storage import ordered_map

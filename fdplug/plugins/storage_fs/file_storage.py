@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import stat
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from urllib.parse import unquote, urlsplit
 
 from fdplug.errors import FeatureAccessDeniedError, FeatureNotFoundError, StorageError

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 from urllib.parse import urlsplit
 
 from fdplug.errors import (
