@@ -19,7 +19,7 @@ bf16 math (``cpu_native_bf16_linear``; paddle has no CPU bf16 matmul to compare)
 each taken: this machine drifts, so only the ratios within a line mean anything. The first line
 names the CPU and the level the kernels were built for (``FDPLUG_CPU_ISA`` caps it; paddle's MKL
 and oneDNN pick their own code paths whatever the cap).
-"""
+"""  # noqa: E501 (printed verbatim by --help: RawDescriptionHelpFormatter)
 
 from __future__ import annotations
 
@@ -123,25 +123,26 @@ def main() -> None:
             x = paddle.to_tensor(rng.standard_normal((rows, k)).astype(np.float32))
             xb, out = x.astype("bfloat16"), paddle.empty([rows, n], dtype="float32")
             flops = 2.0 * rows * n * k
-            calls = {"packed": lambda: native_linear.linear(x, packed, threads),
-                     "inplace": lambda: native_linear.linear(x, w, threads),
-                     "paddle": lambda: paddle.matmul(x, w, transpose_y=True)}
+            # B023 noqa'd below: compare() calls these lambdas in this same iteration, on this pass's x, w, ...
+            calls = {"packed": lambda: native_linear.linear(x, packed, threads),  # noqa: B023
+                     "inplace": lambda: native_linear.linear(x, w, threads),  # noqa: B023
+                     "paddle": lambda: paddle.matmul(x, w, transpose_y=True)}  # noqa: B023
             if dnnl:
-                calls["onednn"] = lambda: dnnl_call(dnnl, "dnnl_sgemm", x, w, out)
+                calls["onednn"] = lambda: dnnl_call(dnnl, "dnnl_sgemm", x, w, out)  # noqa: B023
             f32 = compare(calls, flops, rounds, budget)
-            b16 = compare({"packed": lambda: native_linear.linear(x, packed_b, threads),
-                           "inplace": lambda: native_linear.linear(x, wb, threads),
-                           "portable": lambda: portable(x, wb)}, flops, rounds, budget)
+            b16 = compare({"packed": lambda: native_linear.linear(x, packed_b, threads),  # noqa: B023
+                           "inplace": lambda: native_linear.linear(x, wb, threads),  # noqa: B023
+                           "portable": lambda: portable(x, wb)}, flops, rounds, budget)  # noqa: B023
             others = max(v for name, v in f32.items() if name != "packed")
             line = (f"[{n:4d}, {k:4d}] {rows:4d} rows | float32 " + " ".join(f"{a} {v:6.1f}" for a, v in f32.items())
                     + f" ({f32['packed'] / others:.2f}x best, {f32['packed'] / f32['paddle']:.2f}x paddle) | bf16 "
                     "weights " + " ".join(f"{a} {v:6.1f}" for a, v in b16.items())
                     + f" ({b16['packed'] / b16['portable']:.2f}x portable)")
             if bf16_math:
-                calls = {"packed": lambda: native_linear.linear(x, packed_b, threads, bf16_math=True),
-                         "inplace": lambda: native_linear.linear(x, wb, threads, bf16_math=True)}
+                calls = {"packed": lambda: native_linear.linear(x, packed_b, threads, bf16_math=True),  # noqa: B023
+                         "inplace": lambda: native_linear.linear(x, wb, threads, bf16_math=True)}  # noqa: B023
                 if dnnl:
-                    calls["onednn"] = lambda: dnnl_call(dnnl, "dnnl_gemm_bf16bf16f32", xb, wb, out)
+                    calls["onednn"] = lambda: dnnl_call(dnnl, "dnnl_gemm_bf16bf16f32", xb, wb, out)  # noqa: B023
                 dot = compare(calls, flops, rounds, budget)
                 others = max(v for name, v in dot.items() if name != "packed")
                 line += (" | bf16 math " + " ".join(f"{a} {v:6.1f}" for a, v in dot.items())

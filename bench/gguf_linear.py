@@ -16,7 +16,7 @@ the median of each is kept: this machine is shared and drifts, so only the ratio
 mean much. Where the build has AVX512-BF16, the bf16-math tiles (``cpu_native_gguf_bf16_linear``)
 too, as ``bf16 math``, with their speed against the float32 kernel; where it has AVX2, the q8-math
 tiles (``cpu_native_gguf_q8_linear``) as ``q8 math``. The first line names the CPU and the level the kernels were built for.
-"""
+"""  # noqa: E501 (printed verbatim by --help: RawDescriptionHelpFormatter)
 
 from __future__ import annotations
 

@@ -66,7 +66,8 @@ def _llama_cpp(model: str):
     cpu_part = next((part for part in system.split(" | ") if "AVX" in part or "CPU" in part), system)
     flags = [kv.split(" = ")[0].strip() for kv in system.replace("CPU :", "|").split("|")
              if kv.strip().endswith("= 1")]
-    info = {"level": "ggml built with " + (",".join(f for f in flags if f.startswith(("AVX", "FMA", "F16C", "AMX", "BMI")))
+    info = {"level": "ggml built with " + (",".join(f for f in flags
+                                                    if f.startswith(("AVX", "FMA", "F16C", "AMX", "BMI")))
                                            or cpu_part.strip()),
             "version": getattr(llama_cpp, "__version__", "?"), "system_info": system.strip()}
     return generate, info
@@ -80,7 +81,8 @@ def main() -> None:
     with open(job_path) as f:
         job = json.load(f)
     start = time.perf_counter()
-    generate, info = (_fdplug(job["model"], job.get("kv_cache_dtype", "auto"), job.get("op_kernels")) if engine == "fdplug"
+    generate, info = (_fdplug(job["model"], job.get("kv_cache_dtype", "auto"), job.get("op_kernels"))
+                      if engine == "fdplug"
                       else ENGINES[engine](job["model"]))
     info["load_s"] = time.perf_counter() - start
     for prompt in job["warmup"]:      # steady state: a long prefill and a decode before anything is timed

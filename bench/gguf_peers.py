@@ -46,7 +46,7 @@ The peer, llama-cpp-python and llama-server from the same vendored llama.cpp, bu
 
 A K-quant file from the Q4_1 one: ``llama-quantize --allow-requantize Q4_1.gguf Q4_K_M.gguf Q4_K_M``
 (SmolLM2's rows of 576 are not multiples of 256: most tensors fall back to Q5_0/Q8_0).
-"""
+"""  # noqa: E501 (printed verbatim by --help: RawDescriptionHelpFormatter)
 
 from __future__ import annotations
 
@@ -113,7 +113,8 @@ def cpu_line() -> str:
         fields.setdefault(key.strip(), value.strip())
         if not line:
             break
-    ident = f" (family {fields.get('cpu family', '?')} model {fields.get('model', '?')})" if "cpu family" in fields else ""
+    ident = (f" (family {fields.get('cpu family', '?')} model {fields.get('model', '?')})"
+             if "cpu family" in fields else "")
     return f"CPU: {isa.model_name()}{ident}, {os.cpu_count()} cores; fdplug kernels built for {isa.describe()}"
 
 
@@ -146,7 +147,8 @@ def job(model: str, vocab: int, quick: bool, kv_cache_dtype: str = "auto", op_ke
     def fresh(n: int) -> list[int]:
         return rng.integers(0, vocab, size=n).tolist()
 
-    return {"model": model, "kv_cache_dtype": kv_cache_dtype, "op_kernels": op_kernels or {}, "warmup": [fresh(1024), fresh(64)] if quick else [fresh(1024), fresh(1024), fresh(64)],
+    return {"model": model, "kv_cache_dtype": kv_cache_dtype, "op_kernels": op_kernels or {},
+            "warmup": [fresh(1024), fresh(64)] if quick else [fresh(1024), fresh(1024), fresh(64)],
             "ttft_prompts": [fresh(1024) for _ in range(3)],
             "decode_prompts": [(fresh(64), fresh(64)) for _ in range(2)], "decode_tokens": 64 if quick else 256,
             "agreement_prompts": [fresh(32) for _ in range(4)], "agreement_tokens": 16}
@@ -227,7 +229,8 @@ ROW = re.compile(r"^\s*inf\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s
 
 def load_with_serve_py(args, url: str, env: dict, cwd: Path) -> dict | None:
     """bench/serve.py --url against a running server: its saturation rows' output tok/s (median)."""
-    cmd = [args.fdplug_python, str(HERE / "serve.py"), "--url", url, "--model", args.gguf, "--served-model-name", "bench",
+    cmd = [args.fdplug_python, str(HERE / "serve.py"), "--url", url, "--model", args.gguf,
+           "--served-model-name", "bench",
            "--num-prompts", str(args.streams), "--max-num-seqs", str(args.streams), "--input-len", str(args.input_len),
            "--output-len", str(args.output_len), "--rates", "", "--repeat", str(args.serve_repeat),
            "--warmups", "1", "--no-offline"]
@@ -278,7 +281,8 @@ def report(args, ftype: str, mix: str, offline: dict[str, list[dict]], serving: 
     fig: dict[str, dict] = {}
     for engine in ("fdplug", "llama.cpp"):
         ttft = median_of(offline.get(engine, []), "ttft")
-        fig[engine] = {"ttft_ms": ttft * 1e3 if ttft else None, "decode": median_of(offline.get(engine, []), "decode_tok_s"),
+        fig[engine] = {"ttft_ms": ttft * 1e3 if ttft else None,
+                       "decode": median_of(offline.get(engine, []), "decode_tok_s"),
                        "serve": statistics.median(r["tok_s"] for r in serving[engine]) if serving.get(engine) else None}
 
     def cell(value, fmt):
@@ -286,7 +290,8 @@ def report(args, ftype: str, mix: str, offline: dict[str, list[dict]], serving: 
         return "-".rjust(width) if value is None else format(value, fmt)
 
     names = {"fdplug": "fdplug", "llama.cpp": "llama.cpp (llama-server)"}
-    print(f"{'engine':26s} {'format':8s} {'TTFT 1024 ms':>12s} {'decode tok/s':>12s} {f'{args.streams}-stream tok/s':>16s}  CPU/level")
+    print(f"{'engine':26s} {'format':8s} {'TTFT 1024 ms':>12s} {'decode tok/s':>12s} "
+          f"{f'{args.streams}-stream tok/s':>16s}  CPU/level")
     for engine in ("fdplug", "llama.cpp"):
         f = fig[engine]
         print(f"{names[engine]:26s} {ftype:8s} {cell(f['ttft_ms'], '12.0f')} {cell(f['decode'], '12.1f')} "
@@ -303,7 +308,8 @@ def report(args, ftype: str, mix: str, offline: dict[str, list[dict]], serving: 
 
     ratio("fdplug/llama.cpp decode tok/s", ours["decode"], peer["decode"], TARGETS["decode"], True)
     ratio("fdplug/llama.cpp TTFT(1024)", ours["ttft_ms"], peer["ttft_ms"], TARGETS["ttft"], False)
-    ratio(f"fdplug serve/llama-server {args.streams}-stream tok/s", ours["serve"], peer["serve"], TARGETS["serve"], True)
+    ratio(f"fdplug serve/llama-server {args.streams}-stream tok/s", ours["serve"], peer["serve"],
+          TARGETS["serve"], True)
     for engine, rs in offline.items():
         if rs:
             info = rs[0]["info"]
@@ -327,7 +333,8 @@ def main() -> int:
                                                      "fdplug.demo.pypi_models.resolve_model('smollm2'))")
     parser.add_argument("--isa", choices=("auto", "sse4", "avx2", "avx512"), default=None,
                         help="FDPLUG_CPU_ISA for fdplug (caps its kernels' level)")
-    parser.add_argument("--llama-python", default="/work/llamavenv/bin/python", help="interpreter with llama-cpp-python")
+    parser.add_argument("--llama-python", default="/work/llamavenv/bin/python",
+                        help="interpreter with llama-cpp-python")
     parser.add_argument("--llama-server", default="/work/llamabin/llama-server")
     parser.add_argument("--fdplug-python", default=sys.executable, help="interpreter with fdplug (default: this one)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama.cpp's threads")
@@ -378,7 +385,8 @@ def main() -> int:
                     if got:
                         offline[engine].append(got)
                         print(f"round {r} {engine}: TTFT {[round(x * 1e3) for x in got['ttft']]} ms, decode "
-                              f"{[round(x, 1) for x in got['decode_tok_s']]} tok/s ({time.perf_counter() - t0:.0f} s, {load(c0)})",
+                              f"{[round(x, 1) for x in got['decode_tok_s']]} tok/s"
+                              f" ({time.perf_counter() - t0:.0f} s, {load(c0)})",
                               flush=True)
             if "serve" in parts:
                 for engine in order:
@@ -386,7 +394,8 @@ def main() -> int:
                     got = serve_round(args, engine, envs[engine] if engine == "llama.cpp" else fd_env, root)
                     if got:
                         serving[engine].append(got)
-                        print(f"round {r} {engine} serve: {[round(x, 1) for x in got['runs']]} out tok/s, ok {got['ok']} "
+                        print(f"round {r} {engine} serve: {[round(x, 1) for x in got['runs']]} out tok/s, "
+                              f"ok {got['ok']} "
                               f"({time.perf_counter() - t0:.0f} s, {load(c0)})", flush=True)
     report(args, ftype, mix, offline, serving)
     return 0

@@ -12,7 +12,7 @@ has SmolLM2-135M-Instruct's sizes (hidden 576, 30 layers, 9 heads of 64, 3 KV he
 model writer's) with random weights, in float32 and as a bf16 checkpoint. Figures, engines alternated in ABBA order, medians: time to first token of a fresh
 1,024-token prompt, single-stream decode (tokens/s: ``generate`` of 65 tokens minus of 1, over 64),
 and 64 requests of 128 prompt + 64 output tokens at once (output tokens/s).
-"""
+"""  # noqa: E501 (printed verbatim by --help: RawDescriptionHelpFormatter)
 
 from __future__ import annotations
 
@@ -81,7 +81,8 @@ def main() -> None:
             llms = {"selected": LLM(str(model_dir), **engine_args), "portable": LLM(str(model_dir), **PORTABLE,
                                                                                  **engine_args)}
             runner = llms["selected"].engine.runner
-            portable_layers = sum(isinstance(layer, Linear) and layer.prepared is None for layer in runner.model.sublayers())
+            portable_layers = sum(isinstance(layer, Linear) and layer.prepared is None
+                                  for layer in runner.model.sublayers())
             print(f"{weights} weights: selected {llms['selected'].engine.selection.summary()}; linear "
                   f"{llms['selected'].engine.selection.ops['linear'].name} ({portable_layers} layers on paddle's "
                   f"matmul, faster on their shape)")
@@ -89,7 +90,8 @@ def main() -> None:
                        "single-stream decode (tok/s)": abba(llms, pairs, decode_tokens_per_s),
                        "64 requests (output tok/s)": abba(llms, max(2, pairs // 2), batch_tokens_per_s)}
             for name, got in figures.items():
-                better = got["portable"] / got["selected"] if name.startswith("TTFT") else got["selected"] / got["portable"]
+                better = (got["portable"] / got["selected"]
+                          if name.startswith("TTFT") else got["selected"] / got["portable"])
                 print(f"  {name}: selected {got['selected']:.2f}, all portable {got['portable']:.2f} "
                       f"-> {better:.2f}x", flush=True)
             del llms

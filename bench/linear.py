@@ -94,7 +94,8 @@ def times(seconds: dict[str, float]) -> str:
 def speedups(t: dict[str, float]) -> str:
     """The comparisons that matter: bf16 math against float32 math on the same bf16 weights, bf16
     weights against float32 ones, the kernel against paddle's matmul."""
-    return (f"bf16 math/f32 math {t['bf16-f32'] / t['bf16']:.2f}x, bf16-f32/float32 {t['float32'] / t['bf16-f32']:.2f}x, "
+    return (f"bf16 math/f32 math {t['bf16-f32'] / t['bf16']:.2f}x, "
+            f"bf16-f32/float32 {t['float32'] / t['bf16-f32']:.2f}x, "
             f"float32/paddle {t['paddle'] / t['float32']:.2f}x, packed/in-place float32 "
             f"{t['f32-inplace'] / t['float32']:.2f}x, bf16 {t['bf16-inplace'] / t['bf16']:.2f}x")
 

@@ -50,7 +50,8 @@ def _ctranslate2(model: str, fmt: str):
 
     converted = f"{model}-ct2-{fmt}"
     if not os.path.isdir(converted):
-        ctranslate2.converters.TransformersConverter(model).convert(converted, quantization={"int8": "int8", "fp32": "float32"}[fmt])
+        ctranslate2.converters.TransformersConverter(model).convert(converted,
+            quantization={"int8": "int8", "fp32": "float32"}[fmt])
     generator = ctranslate2.Generator(converted, device="cpu", compute_type={"int8": "int8", "fp32": "float32"}[fmt],
                                       inter_threads=1, intra_threads=os.cpu_count() or 1)
     with open(os.path.join(converted, "vocabulary.json")) as f:

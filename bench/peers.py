@@ -22,7 +22,7 @@ vLLM, transformers: bf16 math), int8: the 8-bit formats (CTranslate2's int8 weig
 blocks, the float32 checkpoint quantized at load with ``quantization="fp8"``). Targets (issue "CPU performance"): batched throughput
 >= 1.2x vLLM of the same format; single-stream decode >= 1.1x the best peer of the same format;
 TTFT <= the best peer of the same format.
-"""
+"""  # noqa: E501 (printed verbatim by --help: RawDescriptionHelpFormatter)
 
 from __future__ import annotations
 
@@ -61,7 +61,8 @@ def job(model: Path, fmt: str, engine: str, requests: int) -> dict:
         return rng.integers(0, MODEL["vocab_size"], size=n).tolist()
 
     batch_prompts, batch_lengths = workload(requests) if engine in BATCHED and requests else ([], [])
-    return {"model": str(model), "format": fmt, "warmup": [fresh(1024), fresh(1024), fresh(64)], "ttft_prompts": [fresh(1024) for _ in range(3)],
+    return {"model": str(model), "format": fmt, "warmup": [fresh(1024), fresh(1024), fresh(64)],
+            "ttft_prompts": [fresh(1024) for _ in range(3)],
             "decode_prompts": [(fresh(64), fresh(64)) for _ in range(2)], "decode_tokens": 256,
             "agreement_prompts": [fresh(32) for _ in range(4)], "agreement_tokens": 16,
             "batch_prompts": batch_prompts, "batch_lengths": batch_lengths}
@@ -101,16 +102,19 @@ def report(fmt: str, figures: dict[str, dict]) -> None:
         batched = f"{f['throughput_tok_s']:7.1f} tok/s batched, " if "throughput_tok_s" in f else ""
         same = "" if name == "fdplug" or "fdplug" not in figures else \
             f", greedy tokens {'==' if f['tokens'] == figures['fdplug']['tokens'] else '!='} fdplug's"
-        print(f"  {name:12s} {batched}{f['decode_tok_s']:6.1f} tok/s single-stream, TTFT(1024) {f['ttft_ms']:6.0f} ms{same}")
+        print(f"  {name:12s} {batched}{f['decode_tok_s']:6.1f} tok/s single-stream,"
+              f" TTFT(1024) {f['ttft_ms']:6.0f} ms{same}")
     ours, peers = figures.get("fdplug"), {n: f for n, f in figures.items() if n != "fdplug"}
     if not ours or not peers:
         return
     best_decode = max(peers.items(), key=lambda kv: kv[1]["decode_tok_s"])
     best_ttft = min(peers.items(), key=lambda kv: kv[1]["ttft_ms"])
     ratio = ours["decode_tok_s"] / best_decode[1]["decode_tok_s"]
-    print(f"  decode vs best peer ({best_decode[0]}): {ratio:.2f}x (target >= 1.1): {'holds' if ratio >= 1.1 else 'misses'}")
+    print(f"  decode vs best peer ({best_decode[0]}): {ratio:.2f}x (target >= 1.1):"
+          f" {'holds' if ratio >= 1.1 else 'misses'}")
     ratio = best_ttft[1]["ttft_ms"] / ours["ttft_ms"]
-    print(f"  TTFT vs best peer ({best_ttft[0]}): {ratio:.2f}x as fast (target >= 1.0): {'holds' if ratio >= 1 else 'misses'}")
+    print(f"  TTFT vs best peer ({best_ttft[0]}): {ratio:.2f}x as fast (target >= 1.0):"
+          f" {'holds' if ratio >= 1 else 'misses'}")
     if "vllm" in peers and "throughput_tok_s" in ours:
         ratio = ours["throughput_tok_s"] / peers["vllm"]["throughput_tok_s"]
         print(f"  batched vs vLLM: {ratio:.2f}x (target >= 1.2): {'holds' if ratio >= 1.2 else 'misses'}")

@@ -36,7 +36,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="3 pairs")
     parser.add_argument("--tokens", type=int, default=1024)
-    parser.add_argument("--heads", type=int, default=MODEL["num_attention_heads"], help="query heads (hidden = heads x 64)")
+    parser.add_argument("--heads", type=int, default=MODEL["num_attention_heads"],
+                        help="query heads (hidden = heads x 64)")
     parser.add_argument("--kv-heads", type=int, default=MODEL["num_key_value_heads"])
     args = parser.parse_args()
     MODEL.update(num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, hidden_size=64 * args.heads)
@@ -48,7 +49,8 @@ def main() -> None:
         engine_args = {"max_model_len": 4096, "max_num_batched_tokens": max(2048, args.tokens), "num_kv_blocks": 512}
         llms = {"cpu_native": LLM(str(model), attention_backend="cpu_native", **engine_args),
                 "reference": LLM(str(model), attention_backend="reference", **engine_args)}
-        ttft = abba(llms, 3 if args.quick else 8, lambda llm, rng: generate_seconds(llm, fresh_prompt(rng, args.tokens), 1))
+        ttft = abba(llms, 3 if args.quick else 8,
+                    lambda llm, rng: generate_seconds(llm, fresh_prompt(rng, args.tokens), 1))
         flops = prefill_flops(args.tokens)
         for name, seconds in ttft.items():
             print(f"TTFT, fresh {args.tokens}-token prompt, {name:10s} attention: {seconds * 1e3:6.0f} ms "

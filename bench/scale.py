@@ -173,7 +173,8 @@ def throughput_pairs(args, servers: dict, vocab: int, pairs: int) -> dict[str, f
             got[name].append(summarize("inf", results, duration))
     tput = {name: statistics.median(r["out_tok_per_s"] for r in rows) for name, rows in got.items()}
     ttft = {name: statistics.median(r["ttft_p50"] for r in rows) for name, rows in got.items()}
-    print(f"{args.num_prompts} requests at once, ~{args.input_len} in / ~{args.output_len} out, {pairs} pairs, medians:")
+    print(f"{args.num_prompts} requests at once, ~{args.input_len} in / ~{args.output_len} out,"
+          f" {pairs} pairs, medians:")
     for name in servers:
         print(f"  {name}: {tput[name]:7.1f} output tok/s, TTFT p50 {ttft[name]:7.1f} ms")
     first, second = order

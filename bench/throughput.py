@@ -80,7 +80,7 @@ def run_hf(model_dir: Path, prompts, outputs, batch_size: int = 64) -> tuple[flo
 def step_breakdown(llm: LLM, steps: int = 48) -> dict[str, float]:
     """Timings per phase with 64 requests decoding (short prompts, long outputs)."""
     rng = np.random.default_rng(1)
-    for i in range(64):
+    for _ in range(64):
         llm._submit(ProcessedPrompt(None, rng.integers(0, MODEL["vocab_size"], size=32).tolist()), params(steps + 40))
     for _ in range(8):  # past the prefill
         llm._step()

@@ -16,7 +16,8 @@ def engine_options(fn: Callable) -> Callable:
     options = [
         click.option("--model", default=None, help="Model directory (Hugging Face layout). Default: the demo model."),
         click.option("--device", default="auto", show_default=True, help="cpu, cuda, xpu, a plugin's device, or auto."),
-        click.option("--runner", default=None, help="Model runner (default: by priority; `fdplug explain` lists them)."),
+        click.option("--runner", default=None,
+                     help="Model runner (default: by priority; `fdplug explain` lists them)."),
         click.option("--attention-backend", default=None, help="Attention backend (default: by priority)."),
         click.option("--moe-backend", default=None, help="MoE backend (default: FD_MOE_BACKEND, else by priority)."),
         click.option("--op-kernel", "op_kernels", multiple=True, metavar="OP=NAME",
@@ -38,7 +39,8 @@ def engine_options(fn: Callable) -> Callable:
         click.option("--quantization", default=None, type=click.Choice(["fp8"]),
                      help="Quantize a float checkpoint's linear layers to FP8 128x128 blocks at load."),
         click.option("--allowed-feature-path", "allowed_feature_paths", multiple=True,
-                     help="Directory file:// feature URLs may read (repeatable; default: FDPLUG_ALLOWED_FEATURE_PATHS)."),
+                     help="Directory file:// feature URLs may read "
+                         "(repeatable; default: FDPLUG_ALLOWED_FEATURE_PATHS)."),
         click.option("--encoder-cache-rows", type=int, default=None,
                      help="Encoder-feature cache size in feature rows (default 16384; 0 keeps nothing)."),
     ]

@@ -46,10 +46,12 @@ from fdplug.server.limits import DEFAULT_STREAM_BACKLOG
                    "`fdplug explain --role decode` lists them).")
 @click.option("--kv-port", type=click.IntRange(1, 65535), default=None,
               help="With --role prefill: the port decode instances pull KV from, on FDPLUG_KV_HOST (or FDPLUG_KV_PORT; "
-                   "default: a free one, logged at startup). Data-parallel engines take the first free ports from it on.")
+                   "default: a free one, logged at startup). "
+                       "Data-parallel engines take the first free ports from it on.")
 @click.option("--kv-peers", multiple=True, metavar="HOST:PORT",
               help="With --role decode: the KV endpoint of a prefill instance it may pull from (repeatable or "
-                   "comma-separated; HOST:FIRST-LAST for a range; or FDPLUG_KV_PEERS). Needed without FDPLUG_PD_SECRET.")
+                   "comma-separated; HOST:FIRST-LAST for a range; or FDPLUG_KV_PEERS). "
+                       "Needed without FDPLUG_PD_SECRET.")
 @click.option("--expert-parallel-size", type=click.IntRange(min=1), default=1, show_default=True,
               help="MoE models: shard the routed experts over this many engines (the data-parallel engines; "
                    "each keeps its own KV cache and requests) that run every forward pass together, tokens "

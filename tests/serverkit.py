@@ -115,10 +115,11 @@ class Server:
             self.proc.send_signal(sig)
         try:
             code = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired as err:
             self.proc.kill()
             code = self.proc.wait(5)
-            raise AssertionError(f"fdplug serve did not exit within {timeout} s of signal {sig}:\n{self.log()}")
+            raise AssertionError(f"fdplug serve did not exit within {timeout} s of signal {sig}:\n"
+                                 f"{self.log()}") from err
         finally:
             self._log.close()
         return code

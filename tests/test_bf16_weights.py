@@ -85,12 +85,14 @@ def assert_same_generation(got, want):
 
 def test_a_bf16_checkpoint_stays_bf16_and_generates_what_float32_does_on_its_values(models):
     _, bf16, rounded, _ = models
-    llm, got = run(bf16, max_num_batched_tokens=16, max_num_seqs=2, op_kernels=FLOAT32_MATH)  # chunked, batched, preempting
+    llm, got = run(bf16, max_num_batched_tokens=16, max_num_seqs=2,
+                   op_kernels=FLOAT32_MATH)  # chunked, batched, preempting
     assert (llm.config.dtype, llm.config.weight_dtype) == ("float32", "bfloat16")
     model = llm.engine.runner.model
     assert model.layers[0].self_attn.qkv_proj.weight.dtype == paddle.bfloat16
     assert model.layers[0].mlp.down_proj.weight.dtype == paddle.bfloat16
-    assert model.embed_tokens.dtype == paddle.bfloat16 and model.layers[0].input_layernorm.weight.dtype == paddle.float32
+    assert (model.embed_tokens.dtype == paddle.bfloat16
+            and model.layers[0].input_layernorm.weight.dtype == paddle.float32)
     float_llm, want = run(rounded)
     assert float_llm.engine.runner.model.layers[0].self_attn.qkv_proj.weight.dtype == paddle.float32
     assert llm.engine.runner.model_bytes < 0.52 * float_llm.engine.runner.model_bytes

@@ -101,7 +101,8 @@ def test_the_stack_declines_what_it_does_not_run_and_says_why(tmp_path, caplog):
 
     from fdplug.plugins.cpu.native_stack import decline_reason
 
-    ops = {op: spec.name for op, spec in other.engine.runner.selection.ops.items()} | {"rms_norm": "cpu_native_rms_norm"}
+    ops = ({op: spec.name for op, spec in other.engine.runner.selection.ops.items()}
+           | {"rms_norm": "cpu_native_rms_norm"})
     stack = describe(other.engine.runner.model, ops, "cpu_native")
     assert "projection where the shapes make" in decline_reason(replace(stack, intermediate_size=544))
     assert _decline(other, rms_norm="cpu_native_rms_norm", attention="reference") == \

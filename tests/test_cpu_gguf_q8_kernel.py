@@ -1,7 +1,8 @@
 """The cpu plugin's GGUF linear kernel in q8 math (``cpu_native_gguf_q8_linear``) against its definition.
 
 The definition: ``q8_inputs(x) @ dequantize(W)^T``, ``x`` quantized to 8 bits per 4 values as
-`fdplug.plugin_api.gguf_formats.q8_inputs` says (llama.cpp's q8 activations, a scale per 4 values), the weights decoded to
+`fdplug.plugin_api.gguf_formats.q8_inputs` says (llama.cpp's q8 activations, a scale per 4 values), the weights decoded
+to
 the portable op's exact float32, the products summed in float64 here; the kernel sums each 32
 products as integers (exact) and the scaled sums in float32, so the two agree to float32 rounding.
 The blocks are tests/test_cpu_gguf_kernel.py's (random bytes with finite scales, and gguf's own

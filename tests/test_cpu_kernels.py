@@ -235,7 +235,8 @@ def test_a_float16_kv_cache_generates_what_the_reference_generates_on_one(test_m
     for attention, kv in (("cpu_native", "float16"), ("reference", "float16"), ("cpu_native", "auto")):
         llm = LLM(str(test_model_dir), attention_backend=attention, num_kv_blocks=64, max_model_len=256,
                   kv_cache_dtype=kv)
-        assert str(llm.engine.runner.kv_caches[0][0].dtype) == ("paddle.float16" if kv == "float16" else "paddle.float32")
+        assert (str(llm.engine.runner.kv_caches[0][0].dtype)
+                == ("paddle.float16" if kv == "float16" else "paddle.float32"))
         plans[attention, kv] = llm.engine.kv_plan
         tokens[attention, kv] = [o.outputs[0].token_ids for o in llm.generate(
             [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]

@@ -96,7 +96,8 @@ def test_experts_without_tokens_and_repeated_ids():
 def test_no_tokens():
     rng = np.random.default_rng(6)
     packed = _pack(*_experts(rng, 4, 24, 16))
-    out = native_moe.moe_experts(paddle.zeros([0, 24]), packed, np.zeros((0, 2), np.int32), np.zeros((0, 2), np.float32),
+    out = native_moe.moe_experts(paddle.zeros([0, 24]), packed, np.zeros((0, 2), np.int32),
+                                 np.zeros((0, 2), np.float32),
                               2)
     assert out.shape == [0, 24] and str(out.dtype) == "paddle.float32"
 

@@ -164,7 +164,8 @@ def test_reference_codec_round_trips_every_finite_code():
 def cast_inputs() -> np.ndarray:
     vals = e4m3_decode(np.arange(0x7F, dtype=np.uint8)).astype(np.float64)
     mids = (vals[:-1] + vals[1:]) / 2                      # exact ties
-    x = np.concatenate([vals, mids, np.nextafter(mids.astype(np.float32), 0), np.nextafter(mids.astype(np.float32), 1e9),
+    x = np.concatenate([vals, mids, np.nextafter(mids.astype(np.float32), 0),
+                        np.nextafter(mids.astype(np.float32), 1e9),
                         RNG.standard_normal(20000) * 10.0 ** RNG.uniform(-4, 3, 20000),
                         [449.0, 463.9, 464.0, 464.5, 470.0, 479.9, 480.0, 1e6, 3e38, np.inf]]).astype(np.float32)
     return np.concatenate([x, -x, [np.nan]])
@@ -250,7 +251,8 @@ def test_block_quant_matches_reference(shape, block, ue8m0):
     np.testing.assert_array_equal(raw(q), rq)
 
 
-@pytest.mark.parametrize("shape,block", [((3, 70, 150), (32, 64)), ((2, 2, 40, 33), (16, 16)), ((4, 130, 129), (128, 128))])
+@pytest.mark.parametrize("shape,block", [((3, 70, 150), (32, 64)), ((2, 2, 40, 33), (16, 16)),
+                                         ((4, 130, 129), (128, 128))])
 def test_block_quant_leading_expert_dims(shape, block):
     w = weights(*shape)
     for ue8m0 in (False, True):

@@ -4,7 +4,8 @@ Each example is a batch of one to four request bodies sent at once: every field 
 (OpenAI's, vLLM's extras, unknown ones), with plausible values mixed with hostile ones (huge and
 negative numbers, NaN and infinity, wrong types, deep nesting, feature parts with absurd grids, a
 reused uuid with another grid, colliding template kwargs, chat templates that loop), raw bytes, and
-clients that hang up mid-answer. Properties: no response is a 5xx (a streamed one carries no server error either), every response
+clients that hang up mid-answer. Properties: no response is a 5xx (a streamed one carries no server error either), every
+response
 arrives within its timeout, and after each batch a plain greedy request gets exactly the tokens it
 got at the start.
 
@@ -150,8 +151,9 @@ TEMPLATES = ["{% for m in messages %}{{ m.content }}{% endfor %}",
 
 
 TOOL_CALLS = st.lists(st.fixed_dictionaries({"id": st.text(max_size=4), "type": st.just("function"), "function":
-                                             st.fixed_dictionaries({"name": st.text(max_size=4), "arguments": st.sampled_from(
-                                                 ["{}", '{"a": 1}'])})}), max_size=2)
+                                             st.fixed_dictionaries({"name": st.text(max_size=4),
+                                                                    "arguments": st.sampled_from(["{}", '{"a": 1}'])})
+                                             }), max_size=2)
 
 
 @st.composite

@@ -95,7 +95,8 @@ def fleet(test_model_dir, tmp_path_factory):
             server.wait_ready()
         router = start_router(servers["prefill"], servers["decode"], logs / "router.log")
         for url in [s.url for s in servers.values() if s is not servers["prefill"]] + [router.url]:   # warm up
-            reply = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2}, timeout=60)
+            reply = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2},
+                               timeout=60)
             assert reply.status_code == 200, reply.text
         for process in [*servers.values(), router]:
             process.baseline = (fds(process.proc.pid), rss_mb(process.proc.pid))
@@ -103,7 +104,7 @@ def fleet(test_model_dir, tmp_path_factory):
     finally:
         if router is not None:
             assert router.stop() == 0
-        for name, server in servers.items():
+        for server in servers.values():
             assert server.stop() == 0, server.log()
 
 
@@ -223,7 +224,7 @@ def test_data_parallel_rank_headers(fleet):
     for rank in ["²", "9" * 5000, "-1", "1.0", "", "0x1", "7", "１"]:
         reply = httpx.post(dp.url + "/v1/completions", json=body, timeout=30,
                            headers={"X-Data-Parallel-Rank": rank.encode("utf-8")})
-        assert_error_object(reply, f"rank {rank[:10]!r}", {400})["param"] == "X-Data-Parallel-Rank"
+        assert assert_error_object(reply, f"rank {rank[:10]!r}", {400})["param"] == "X-Data-Parallel-Rank"
     for rank in ("0", "1"):
         assert httpx.post(dp.url + "/v1/completions", json=body, timeout=30,
                           headers={"X-Data-Parallel-Rank": rank}).status_code == 200
@@ -356,7 +357,7 @@ def test_a_client_that_leaves_the_router_aborts_its_request_on_the_decode_instan
         wait_until(lambda: metric(decode.url, "fdplug:num_requests_running") == 1, 30, 0.05,
                    what="the request decoding")
         sock.close()
-        wait_until(lambda: metric(decode.url, "fdplug:request_success_total", finished_reason="abort") > aborted,
+        wait_until(lambda a=aborted: metric(decode.url, "fdplug:request_success_total", finished_reason="abort") > a,
                    10, 0.05, what=f"the decode instance aborting it (stream={stream})")
         aborted = metric(decode.url, "fdplug:request_success_total", finished_reason="abort")
         wait_until(lambda: idle(decode), 10, 0.1, what="the decode instance idle")
@@ -453,7 +454,7 @@ def test_afterwards_every_instance_is_idle_and_kept_no_descriptor_or_memory(flee
     for name, process in [*servers.items(), ("router", router)]:
         before_fds, before_rss = process.baseline
         pid = process.proc.pid
-        wait_until(lambda p=pid: fds(p) <= before_fds + 4, 10, what=f"{name}'s descriptors back to {before_fds}")
+        wait_until(lambda p=pid, b=before_fds: fds(p) <= b + 4, 10, what=f"{name}'s descriptors back to {before_fds}")
         # The plain instance's growth over this file's traffic, measured: 56-101 MB run alone (and 72-94 MB
         # on b6584b3, before the decoder stack: the same), 152 and 176 MB in two full-suite runs: glibc
         # keeps the freed output buffers of the clients that stopped reading. A leak of the requests

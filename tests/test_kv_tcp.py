@@ -4,7 +4,8 @@ conformance kit's transfer tests (``fdplug/testing/test_kv_connector.py``, run o
 Blocks offered from an ``HBTD`` cache land bit for bit in a ``BTHD`` cache (float32 and bf16): a
 layer travels in the sender's layout and the receiver transposes it. ``shm`` reads the prefill
 side's shared-memory arena when it is on this machine and pulls over TCP when it is not (or the
-arena is full); stale arenas are removed. A peer that sends a layer of the wrong shape fails its transfer without writing.
+arena is full); stale arenas are removed. A peer that sends a layer of the wrong shape fails its transfer without
+writing.
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ def test_shm_reads_the_arena_here_and_pulls_over_tcp_otherwise(tmp_path, monkeyp
     receiver = ShmReceiver(KVCaches(target, "BTHD", TOKENS))
     try:
         conn = sender.offer([1, 2])
-        assert conn["shm"].startswith("/dev/shm/fdplug-kv-") and receiver._pull_options(conn) == {"via": "shm", "arena": conn["shm"]}
+        assert (conn["shm"].startswith("/dev/shm/fdplug-kv-")
+                and receiver._pull_options(conn) == {"via": "shm", "arena": conn["shm"]})
         receiver.pull(conn, [3, 4])
         assert run(sender, receiver)[0] == {conn["transfer_id"]} and list(receiver.maps) == [conn["shm"]]
         wait = time.monotonic() + 5

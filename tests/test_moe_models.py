@@ -114,7 +114,8 @@ def write_fused_experts(src: Path, fused: Path) -> Path:
         gate_up = [np.concatenate([tensors.pop(f"{p}{x}.gate_proj.weight"), tensors.pop(f"{p}{x}.up_proj.weight")])
                    for x in range(cfg.moe.num_experts)]
         tensors[p + "gate_up_proj"] = np.stack(gate_up)
-        tensors[p + "down_proj"] = np.stack([tensors.pop(f"{p}{x}.down_proj.weight") for x in range(cfg.moe.num_experts)])
+        tensors[p + "down_proj"] = np.stack([tensors.pop(f"{p}{x}.down_proj.weight")
+                                             for x in range(cfg.moe.num_experts)])
     assert not any(".experts.0." in name for name in tensors)
     save_file(tensors, str(fused / "model.safetensors"), metadata={"format": "pt"})
     return fused
@@ -194,7 +195,8 @@ def test_glm_routing_rotary_and_shared_experts_follow_the_config():
 
 
 def test_a_multi_token_prediction_layer_is_ignored_only_when_declared(moe_dirs, tmp_path):
-    """GLM-4.5 checkpoints store their MTP layer as ``model.layers.{num_hidden_layers}`` (here in a shard of its own)."""
+    """GLM-4.5 checkpoints store their MTP layer as ``model.layers.{num_hidden_layers}`` (here in a shard of its
+    own)."""
     from safetensors import safe_open
     from safetensors.numpy import save_file
 

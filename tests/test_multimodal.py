@@ -174,7 +174,8 @@ def test_a_failed_fetch_fails_its_request_alone(test_model_dir, feature_dir, cas
     llm = make_llm(test_model_dir, feature_dir)
     wrong_rows = chat(llm, [image(feature_dir, "bad_rows")])
     missing = chat(llm, [image(feature_dir, "nope")])
-    outside = chat(llm, [{"type": "image_feature", "image_feature": {"url": "file:///etc/passwd", "grid_thw": [1, 4, 4]}}])
+    outside = chat(llm, [{"type": "image_feature", "image_feature": {"url": "file:///etc/passwd",
+                                                                     "grid_thw": [1, 4, 4]}}])
     outs = llm.generate([wrong_rows, prompts[0], missing, outside], GREEDY, use_tqdm=False)
     assert outs[1].outputs[0].token_ids == expected[0]
     for failed, message in ((outs[0], "5 rows"), (outs[2], "nope.npy"), (outs[3], "/etc/passwd")):
@@ -208,7 +209,8 @@ def test_a_video_in_pieces_equals_the_whole(test_model_dir, feature_dir, cases):
     prompts, expected = cases
     llm = make_llm(test_model_dir, feature_dir)
     pieces = {"type": "video_feature", "video_feature": {
-        "urls": [(feature_dir / "video_a.npy").as_uri(), (feature_dir / "video_b.npy").as_uri()], "grid_thw": [2, 4, 4]}}
+        "urls": [(feature_dir / "video_a.npy").as_uri(), (feature_dir / "video_b.npy").as_uri()],
+        "grid_thw": [2, 4, 4]}}
     out = llm.generate(chat(llm, [pieces], "what happens"), GREEDY, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == expected[2]
 

@@ -115,7 +115,8 @@ def test_a_pull_that_cannot_be_served_fails_its_request_alone(model):
     got = drive([prefill.engine, decode.engine], finished(["bad", "good", "short"]))
     assert got["bad"][-1].finish_reason == "error" and got["bad"][-1].error["type"] == "KVTransferError"
     assert "unknown_transfer" in got["bad"][-1].error["message"]
-    assert got["good"][-1].finish_reason == "length" and len([t for o in got["good"] for t in o.new_token_ids]) == TOKENS
+    assert (got["good"][-1].finish_reason == "length"
+            and len([t for o in got["good"] for t in o.new_token_ids]) == TOKENS)
     assert [t for o in got["short"] for t in o.new_token_ids] == [params["first_token"]]   # max_tokens 1: done
     assert not decode.engine.scheduler.requests and decode.engine.scheduler.kv_cache_manager.usage == 0.0
 

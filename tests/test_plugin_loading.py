@@ -213,7 +213,8 @@ def test_weight_preparation_is_for_the_linear_ops_only():
     good = OpSpec(name="packed", op="fp8_linear", devices=("cpu",), factory=kernel, prepare=lambda config: None)
     wrong_op = OpSpec(name="norm_prep", op="rms_norm", devices=("cpu",), factory=kernel, prepare=lambda config: None)
     not_callable = OpSpec(name="bad_prep", op="linear", devices=("cpu",), factory=kernel, prepare="pack")
-    plugin_set = load_plugins(extra=[("good", plugin(good)), ("wrong", plugin(wrong_op)), ("bad", plugin(not_callable))])
+    plugin_set = load_plugins(extra=[("good", plugin(good)), ("wrong", plugin(wrong_op)),
+                                     ("bad", plugin(not_callable))])
     assert plugin_set.infos["good"].status != "failed"
     assert "only linear, fp8_linear, gguf_linear kernels prepare weights" in plugin_set.infos["wrong"].error
     assert "prepare of 'bad_prep' must be callable" in plugin_set.infos["bad"].error

@@ -77,7 +77,8 @@ def test_tensor_names_and_shapes_follow_config(model_dir):
 
 def test_deterministic_bytes(tmp_path, model_dir):
     """A fresh interpreter (other hash seeds, other Rust HashMap keys) writes the same bytes."""
-    code = "import sys; from fdplug.demo.random_model import ensure_random_model; print(ensure_random_model(sys.argv[1]))"
+    code = ("import sys; from fdplug.demo.random_model import ensure_random_model; "
+            "print(ensure_random_model(sys.argv[1]))")
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True, capture_output=True, text=True,
                          env={**os.environ, "PYTHONHASHSEED": "random"})
     other = Path(out.stdout.strip())

@@ -483,7 +483,8 @@ def simulate(cfg: SchedulerConfig, specs: list[dict], max_steps: int = 4000) -> 
     for step_no in range(max_steps):
         for sp in specs:
             if sp["arrival"] == step_no:
-                s.add_request(Request(sp["id"], sp["prompt"], sp["params"], eos_token_ids=() if sp["eos"] is None else (sp["eos"],),
+                s.add_request(Request(sp["id"], sp["prompt"], sp["params"],
+                                      eos_token_ids=() if sp["eos"] is None else (sp["eos"],),
                                       cache_salt=sp["salt"]))
             if sp.get("abort") == step_no and sp["id"] in s.requests:
                 s.finish_requests(sp["id"], RequestStatus.FINISHED_ABORTED)

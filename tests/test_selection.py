@@ -254,5 +254,6 @@ def test_fd_moe_backend_names_the_moe_backend_and_the_flag_wins(monkeypatch):
     assert any(d.chosen and d.reason == "asked for FD_MOE_BACKEND" for d in chosen.decisions if d.role == "moe")
     assert select_components("cpu", moe="cpu_native").moe.name == "cpu_native"
     monkeypatch.setenv("FD_MOE_BACKEND", "cutlass")          # FastDeploy's GPU kernels are not fdplug's
-    with pytest.raises(UnknownComponentError, match="no moe named 'cutlass'.*known: blackwell_fp8, cpu_native, reference"):
+    with pytest.raises(UnknownComponentError,
+                       match="no moe named 'cutlass'.*known: blackwell_fp8, cpu_native, reference"):
         select_components("cpu")

@@ -24,7 +24,7 @@ from tests.test_moe_golden import greedy, servable  # noqa: E402
 from tests.test_server_dp import golden_model, per_engine  # noqa: E402, F401  (a fixture)
 
 
-def test_ray_engines_answer_like_one_engine_and_come_back_after_a_kill(golden_model, tmp_path):
+def test_ray_engines_answer_like_one_engine_and_come_back_after_a_kill(golden_model, tmp_path):  # noqa: F811 (the imported fixture)
     server = Server(["--model", str(golden_model), "--served-model-name", "golden", "--max-model-len", "128",
                      "--num-kv-blocks", "256", "--data-parallel-size", "2", "--data-parallel-backend", "ray"],
                     tmp_path / "ray.log", RAY_AUTH_MODE="disabled").wait_ready(180)

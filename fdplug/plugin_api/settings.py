@@ -146,7 +146,8 @@ def parse_choice(*choices: str) -> Callable[[str], str]:
 
 
 CACHE_DIR = declare(Setting("FDPLUG_CACHE_DIR", None, str,
-                            "Directory for fdplug's generated files, e.g. compiled kernels (default: ~/.cache/fdplug)."))
+                            "Directory for fdplug's generated files, e.g. compiled kernels "
+                                "(default: ~/.cache/fdplug)."))
 OMP_NUM_THREADS = declare(Setting("OMP_NUM_THREADS", None, parse_positive_int,
                                   "Honoured if set before fdplug and paddle are imported: CPU compute then uses that "
                                   "many threads.", as_set_by_user=True))

@@ -56,7 +56,8 @@ def error_response(exc: FdplugError, metrics: Any = None) -> JSONResponse:
                         status_code=exc.http_status)
 
 
-def guarded(handler: Callable[[Request], Awaitable[Response]], metrics: Any) -> Callable[[Request], Awaitable[Response]]:
+def guarded(handler: Callable[[Request], Awaitable[Response]],
+            metrics: Any) -> Callable[[Request], Awaitable[Response]]:
     """A route whose failures are OpenAI error objects: its ``FdplugError`` with its status, anything
     else a bug (logged with its traceback, a 500 that reveals nothing)."""
     async def wrapper(request: Request) -> Response:

@@ -8,7 +8,8 @@ stream ends with an error event, each waiting client gets a 503) and the process
 signal skips the wait. ``fdplug serve`` (single or data-parallel engines) and ``fdplug router``
 share this; each says what "in flight" is and how to abort it.
 
-Why 25 s by default (``settings.DEFAULT_SHUTDOWN_TIMEOUT_S``): Kubernetes sends SIGKILL ``terminationGracePeriodSeconds`` (30 s by default)
+Why 25 s by default (``settings.DEFAULT_SHUTDOWN_TIMEOUT_S``): Kubernetes sends SIGKILL
+``terminationGracePeriodSeconds`` (30 s by default)
 after SIGTERM; 25 s of draining leaves the rest of the stop (2 s for the last writes, then the
 engines' exit, well under a second when they are idle) inside it. Most chat answers finish within
 it; set it (and the pod's grace period) higher for long generations.

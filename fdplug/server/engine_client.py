@@ -107,7 +107,8 @@ class EngineClient:
         """Queue a validated request on the engine; its events arrive through the returned stream.
         ``rank``: the engine asked for (only this one's, or None)."""
         if rank is not None and rank != self.rank:
-            raise InvalidRequestError(f"data-parallel rank {rank} is not one of this server's engines (0..{self.rank}).",
+            raise InvalidRequestError(f"data-parallel rank {rank}"
+                                      f" is not one of this server's engines (0..{self.rank}).",
                                       fix="leave X-Data-Parallel-Rank out, or name an engine that exists.",
                                       param="X-Data-Parallel-Rank")
         if self.error is not None:   # a fresh copy: re-raising one instance would grow its traceback

@@ -157,7 +157,8 @@ class EngineLoop:
         idle = not core.has_unfinished_requests()
         self.window.timeout = self.window_seconds if idle and not self.group.busy else 0.0
         config = core.scheduler.config
-        budget = WindowBudget(config.max_num_batched_tokens, core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
+        budget = WindowBudget(config.max_num_batched_tokens,
+                              core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
                               config.block_size, max(1, config.max_num_seqs - len(core.scheduler.requests)))
         self.aborted.clear()
         taken = [r for r in self.window.pull(self.arrivals, budget).requests if r.request_id not in self.aborted]

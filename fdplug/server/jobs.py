@@ -92,7 +92,8 @@ class JobBuilder:
         text = tokenizer.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt,
                                              chat_template=template, content_part_handler=collector,
                                              variables=check_template_kwargs(kwargs))
-        prompt = processor.process({"prompt": text, "prompt_token_ids": processor.encode(text, add_special_tokens=False),
+        prompt = processor.process({"prompt": text,
+                                    "prompt_token_ids": processor.encode(text, add_special_tokens=False),
                                     "mm_items": collector.parts}, tenant)
         processor.check_length(len(prompt.token_ids), params.max_tokens)
         job = Job("chat", f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, params.n, params.logprobs)

@@ -60,7 +60,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}.",
-                          fix="choose another --port (or stop what is using it), or a --host of this machine.") from None
+                          fix="choose another --port (or stop what is using it), "
+                              "or a --host of this machine.") from None
     sock.listen(2048)
     sock.setblocking(False)
     return sock

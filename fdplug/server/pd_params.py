@@ -66,5 +66,6 @@ def check_kv_transfer_params(params: dict | None, role: str | None, n: int, voca
     except (TypeError, ValueError, OverflowError):
         packed = b""
     if not packed or not _small_str(conn.get("transfer_id")) or len(packed) > MAX_CONN_BYTES:
-        _bad(f"have a conn that is not a connector's (a JSON object of at most {MAX_CONN_BYTES} bytes with a transfer_id)")
+        _bad(f"have a conn that is not a connector's (a JSON object of at most {MAX_CONN_BYTES} bytes"
+             f" with a transfer_id)")
     return params

@@ -141,8 +141,9 @@ class PDRouter:
             reply = await self.http.post(upstream.url + path, content=_json(prefill_body), headers=headers,
                                          timeout=self.prefill_timeout)
         except httpx.HTTPError as exc:
-            return error_response(UpstreamError(f"prefill instance {upstream.url} did not answer ({type(exc).__name__}).",
-                                                fix="check that it runs (fdplug serve --role prefill) and is reachable."))
+            return error_response(UpstreamError(
+                f"prefill instance {upstream.url} did not answer ({type(exc).__name__}).",
+                fix="check that it runs (fdplug serve --role prefill) and is reachable."))
         finally:
             upstream.in_flight -= 1
         if reply.status_code != 200:
@@ -235,7 +236,8 @@ class PDRouter:
             reply = await self.http.get(self.decode[0].url + "/v1/models", headers=headers,
                                         timeout=httpx.Timeout(10.0, connect=CONNECT_TIMEOUT_S))
         except httpx.HTTPError:
-            return error_response(UpstreamError(f"decode instance {self.decode[0].url} did not answer.", fix="check it runs."))
+            return error_response(UpstreamError(f"decode instance {self.decode[0].url} did not answer.",
+                                                fix="check it runs."))
         return Response(reply.content, reply.status_code, media_type="application/json")
 
     async def version(self, request: Request) -> Response:

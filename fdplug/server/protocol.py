@@ -33,7 +33,8 @@ from fdplug.core.multimodal.inputs import MMFeatureInput
 from fdplug.core.scheduler.output import EngineCoreOutput, SchedulerStats
 
 ADD, ABORT, SHUTDOWN, WAKE = "add", "abort", "shutdown", "wake"   # wake: expert parallel, a peer got work
-READY, STARTUP_ERROR, ADMITTED, OUTPUTS, STATS, FATAL = "ready", "startup_error", "admitted", "outputs", "stats", "fatal"
+READY, STARTUP_ERROR, ADMITTED, OUTPUTS, STATS, FATAL = (
+    "ready", "startup_error", "admitted", "outputs", "stats", "fatal")
 
 _PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 

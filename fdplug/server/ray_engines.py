@@ -164,7 +164,8 @@ class RayCluster:
             )
         except ImportError:
             raise ConfigError("--data-parallel-backend ray needs Ray, which is not installed.",
-                              fix="pip install 'ray>=2.40' (on every node), or use --data-parallel-backend mp.") from None
+                              fix="pip install 'ray>=2.40' (on every node), "
+                                  "or use --data-parallel-backend mp.") from None
         ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING,
                  configure_logging=False, namespace="fdplug")
         resources = ray.cluster_resources()

@@ -64,14 +64,16 @@ def attention_cases(seed: int = 0) -> list[AttentionCase]:
     cases = []
     for i, (h, kvh, d, bs) in enumerate(layouts):
         for j, seqs in enumerate(shapes):
-            cases.append(AttentionCase(h, kvh, d, bs, [SeqCase(s.context, s.query) for s in seqs], seed * 1000 + i * 10 + j))
+            cases.append(AttentionCase(h, kvh, d, bs, [SeqCase(s.context, s.query) for s in seqs],
+                                       seed * 1000 + i * 10 + j))
         with_spans = [SeqCase(0, 24, [(3, 11)]), SeqCase(8, 16, [(10, 20)]), SeqCase(4, 1)]
         cases.append(AttentionCase(h, kvh, d, bs, with_spans, seed * 1000 + i * 10 + 9))
     rng.shuffle(cases)
     return cases
 
 
-def _step_metadata(case: AttentionCase, starts: list[int], lens: list[int], block_tables: np.ndarray) -> AttentionMetadata:
+def _step_metadata(case: AttentionCase, starts: list[int], lens: list[int],
+                   block_tables: np.ndarray) -> AttentionMetadata:
     positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lens)]).astype(np.int64)
     key_end = np.concatenate([key_end_with_spans(np.arange(s, s + n), seq.spans)
                               for s, n, seq in zip(starts, lens, case.seqs)]).astype(np.int64)
@@ -105,7 +107,8 @@ def case_steps(case: AttentionCase) -> tuple[int, list[AttentionMetadata]]:
     if with_context:
         sub = case.seqs
         steps.append(_step_metadata(
-            AttentionCase(case.num_heads, case.num_kv_heads, case.head_dim, bs, [sub[i] for i in with_context], case.seed),
+            AttentionCase(case.num_heads, case.num_kv_heads, case.head_dim, bs, [sub[i] for i in with_context],
+                          case.seed),
             [0] * len(with_context), [sub[i].context for i in with_context], tables[with_context]))
     steps.append(_step_metadata(case, [s.context for s in case.seqs], [s.query for s in case.seqs], tables))
     return sum(per_seq) + 1, steps

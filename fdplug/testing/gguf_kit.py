@@ -212,7 +212,8 @@ def rope_freqs(llama3: dict, theta: float, head_dim: int) -> np.ndarray:
         elif wavelen > low:
             factors.append(llama3["factor"])
         else:
-            smooth = (old / wavelen - llama3["low_freq_factor"]) / (llama3["high_freq_factor"] - llama3["low_freq_factor"])
+            smooth = ((old / wavelen - llama3["low_freq_factor"])
+                      / (llama3["high_freq_factor"] - llama3["low_freq_factor"]))
             factors.append(1 / ((1 - smooth) / llama3["factor"] + smooth))
     return np.asarray(factors, dtype=np.float32)
 

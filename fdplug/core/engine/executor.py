@@ -72,7 +72,8 @@ class StepExecutor:
         self.num_failed_steps += 1
         problems = disagreements(self.runner, self.scheduler)
         if problems:
-            self._rebuild("after a failed step the runner disagrees with the scheduler (" + "; ".join(problems[:5]) + ")")
+            self._rebuild("after a failed step the runner disagrees with the scheduler ("
+                          + "; ".join(problems[:5]) + ")")
 
     def _settle(self, recovered: Recovered) -> dict[str, FdplugError]:
         """Requests the recovery could not decide go back to the queue (recomputed next time); when

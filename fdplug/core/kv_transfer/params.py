@@ -134,7 +134,8 @@ def check_params(params: dict, request: Request, connector: str, block_size: int
     if params.get("block_size") != block_size:
         bad(f"have block size {params.get('block_size')!r}; this instance uses {block_size}",
             fix="start the prefill and decode instances with the same --block-size.")
-    if params.get("num_prompt_tokens") != request.num_prompt_tokens or params.get("prompt_digest") != prompt_digest(request):
+    if (params.get("num_prompt_tokens") != request.num_prompt_tokens
+            or params.get("prompt_digest") != prompt_digest(request)):
         bad("describe another prompt than this request's (its tokens, cache salt or multimodal items differ)")
     if not is_count(params.get("first_token"), 0, vocab_size) \
             or not is_count(params.get("num_cached_tokens"), 0, request.num_prompt_tokens + 1):

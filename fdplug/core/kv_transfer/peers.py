@@ -68,7 +68,8 @@ def parse_endpoints(spec: str) -> list[tuple[str, int]]:
     saying why for anything else."""
     match = _ENDPOINT.fullmatch(spec.strip())
     if match is None:
-        raise ValueError(f"{spec[:80]!r} is not HOST:PORT or HOST:FIRST-LAST (e.g. 10.0.0.5:5600 or prefill-1:5600-5603)")
+        raise ValueError(f"{spec[:80]!r} is not HOST:PORT or HOST:FIRST-LAST "
+                         f"(e.g. 10.0.0.5:5600 or prefill-1:5600-5603)")
     v6 = match.group("v6")
     if v6 is not None and not isinstance(ipaddress.ip_address(v6), ipaddress.IPv6Address):
         raise ValueError(f"{spec[:80]!r}: only IPv6 addresses go in brackets")
@@ -150,7 +151,8 @@ def check_kv_fields(kv_port: Any, kv_peers: Any) -> tuple[int | None, tuple[str,
     """`EngineConfig`'s ``kv_port`` and ``kv_peers``, checked (a ConfigError naming the field) and normalised."""
     if kv_port is not None and not is_count(kv_port, 1, 65536):
         raise ConfigError(f"kv_port must be a port number 1..65535, got {kv_port!r}.",
-                          fix="give the port decode instances pull KV from (--kv-port), or leave it unset for a free one.")
+                          fix="give the port decode instances pull KV from (--kv-port), "
+                              "or leave it unset for a free one.")
     if isinstance(kv_peers, str):
         kv_peers = (kv_peers,)
     if not isinstance(kv_peers, (tuple, list)) or not all(isinstance(p, str) for p in kv_peers):

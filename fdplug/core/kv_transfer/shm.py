@@ -152,7 +152,7 @@ class ShmSender(TCPSender):
     def poll(self) -> set[str]:
         sent = super().poll()
         now = time.monotonic()
-        for transfer_id, (offset, nbytes, deadline) in list(self.staged.items()):
+        for transfer_id, (_offset, _nbytes, deadline) in list(self.staged.items()):
             if deadline <= now:                     # never released: the reader is gone
                 self._released(transfer_id)
         return sent

@@ -170,5 +170,6 @@ def _bind(socket: zmq.Socket, address: str, port_span: int) -> None:
             if exc.errno != zmq.EADDRINUSE:
                 raise
     last = min(port + port_span, 65536) - 1
-    raise ConfigError(f"cannot listen for KV pulls on {host.removeprefix('tcp://')}: ports {port}..{last} are all in use.",
+    raise ConfigError(f"cannot listen for KV pulls on {host.removeprefix('tcp://')}: "
+                      f"ports {port}..{last} are all in use.",
                       fix="choose another --kv-port (FDPLUG_KV_PORT), or stop what holds those ports.")

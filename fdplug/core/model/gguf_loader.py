@@ -57,7 +57,8 @@ def load_gguf_weights(model: DecoderForCausalLM, cfg: ModelConfig, gguf: GgufFil
                                       "as the file's metadata describes it.", tensor=tensor.gguf_name, fix=_FIX)
         if tensor.shape != slot.shape:
             raise WeightMismatchError(f"GGUF tensor {tensor.gguf_name!r} has shape {list(tensor.shape)}, but the "
-                                      f"file's metadata makes it {list(slot.shape)}.", tensor=tensor.gguf_name, fix=_FIX)
+                                      f"file's metadata makes it {list(slot.shape)}.",
+                                          tensor=tensor.gguf_name, fix=_FIX)
         param, start = targets[name]
         value = _read(tensor, params[param], _row_order(tensor, cfg, gguf))
         placed = Slot(param, slot.shape, slot.kind, start, start + slot.stop - slot.start)

@@ -91,7 +91,8 @@ def tokenizer_from_gguf(metadata: Mapping[str, Any]) -> GgufTokenizer:
     else:
         architecture = str(metadata.get("general.architecture", ""))
         if architecture.startswith("gemma"):  # whitespace tokens stored as spaces, merges by file order
-            raise UnsupportedModelError(f"the SentencePiece tokenizer of a GGUF {architecture!r} model is not supported.",
+            raise UnsupportedModelError(f"the SentencePiece tokenizer of a GGUF {architecture!r} model "
+                                        f"is not supported.",
                                         fix="serve the model's original Hugging Face directory (with tokenizer.json).")
         scores = _float_list(metadata, "tokenizer.ggml.scores", n)
         if scores is None:
@@ -123,7 +124,8 @@ def tokenizer_from_gguf(metadata: Mapping[str, Any]) -> GgufTokenizer:
     )
 
 
-def _byte_level_bpe(tokens: list[str], types: list[int], merges: list[tuple[str, str]], pre: PreTokenizer) -> HFTokenizer:
+def _byte_level_bpe(tokens: list[str], types: list[int], merges: list[tuple[str, str]],
+                    pre: PreTokenizer) -> HFTokenizer:
     """GPT-2-style BPE over bytes spelled as printable characters, split by ``pre`` first.
 
     A normal token with a character outside the byte alphabet is respelled byte by byte, as
@@ -173,7 +175,8 @@ def _merges_from_scores(tokens: list[str], scores: list[float], vocab: Mapping[s
     (transformers' ``generate_merges``, with the same tie-breaks)."""
     merges = []
     for token, score in dict(zip(tokens, scores)).items():
-        local = [(token[:k], token[k:], score) for k in range(1, len(token)) if token[:k] in vocab and token[k:] in vocab]
+        local = [(token[:k], token[k:], score) for k in range(1, len(token))
+                 if token[:k] in vocab and token[k:] in vocab]
         merges += sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]]))
     merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
     return [(left, right) for left, right, _ in merges]

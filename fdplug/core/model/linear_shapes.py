@@ -6,7 +6,8 @@ those figures without loading anything. The decoder (`decoder.py`, `layers.py`, 
 builds exactly these `layers.Linear` layers (tests/test_op_timing.py checks it on built models):
 the fused q/k/v and the o projection of every layer, the fused gate/up and the down projection of
 each dense MLP or shared expert, and the lm_head, unless the checkpoint keeps a projection in
-FP8 (those run ``fp8_linear``) or in a GGUF file's blocks (``gguf_linear``). The routed experts are the MoE backend's, not the ``linear`` op's.
+FP8 (those run ``fp8_linear``) or in a GGUF file's blocks (``gguf_linear``). The routed experts are the MoE backend's,
+not the ``linear`` op's.
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ def linear_shapes(cfg: ModelConfig, dtype: str) -> list[LinearShape]:
                 add(name + "down_proj", cfg.hidden_size, width)
     if not _head_in_blocks(cfg):
         add("lm_head", cfg.vocab_size, cfg.hidden_size, prepared=not cfg.tie_word_embeddings, logits=True)
-    return [LinearShape(n, k, w, prepared, logits, tuple(names)) for (n, k, w, prepared, logits), names in found.items()]
+    return [LinearShape(n, k, w, prepared, logits, tuple(names))
+            for (n, k, w, prepared, logits), names in found.items()]
 
 
 def _head_in_blocks(cfg: ModelConfig) -> bool:

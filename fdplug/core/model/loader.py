@@ -250,7 +250,8 @@ def _quantized_online(name: str, value: Any, slot: Slot, slots: dict[str, Slot],
         q, scale_inv = block_quant(value.astype("float32"), cfg.quant.block)
     except ValueError as exc:   # NaN/inf weights: an e4m3 cast would turn them into a plausible 448
         raise WeightMismatchError(f"tensor {name!r} cannot be quantized to FP8: {exc}.", tensor=name,
-                                  fix="check the checkpoint (non-finite weights), or load it without quantization.") from None
+                                  fix="check the checkpoint (non-finite weights), "
+                                      "or load it without quantization.") from None
     return [(slot, q), (slots.pop(name + "_scale_inv"), scale_inv)]
 
 

@@ -77,7 +77,8 @@ def parse_rope(raw: dict[str, Any], *, default_theta: float, max_position_embedd
                              fix="fix the model's config.json (compare with the original checkpoint's).")
     original = raw.get("original_max_position_embeddings",
                        params.get("original_max_position_embeddings", max_position_embeddings))
-    kw: dict[str, Any] = {"theta": float(theta), "type": rope_type, "interleaved": interleaved, "partial": float(partial),
+    kw: dict[str, Any] = {"theta": float(theta), "type": rope_type, "interleaved": interleaved,
+                          "partial": float(partial),
                           "original_max_position_embeddings": int(original)}
     if rope_type == "linear":
         kw["factor"] = float(_need(params, "factor", rope_type))

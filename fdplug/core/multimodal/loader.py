@@ -63,7 +63,7 @@ class FeatureLoader:
     def submit(self, request: Request) -> bool:
         """Start fetching what the cache lacks; True if everything was already cached."""
         missing = []
-        for i, (item, pos) in enumerate(zip(request.mm_inputs, request.mm_positions)):
+        for i, (item, _pos) in enumerate(zip(request.mm_inputs, request.mm_positions)):
             if item.mm_hash is None or not self.cache.acquire(item.mm_hash, request.request_id):
                 missing.append(i)
         if not missing:

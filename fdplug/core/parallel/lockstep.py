@@ -223,7 +223,8 @@ def init_group(rank: int, size: int, endpoints: list[str], device: str, device_i
     started = time.perf_counter()
     dist.init_parallel_env()
     _GROUP = LockstepGroup(rank, size)
-    logger.info("%s joined the group at %s in %.1f s (%s)", _GROUP.describe(), endpoints[0], time.perf_counter() - started,
+    logger.info("%s joined the group at %s in %.1f s (%s)", _GROUP.describe(), endpoints[0],
+                time.perf_counter() - started,
                 os.environ["PADDLE_DISTRI_BACKEND"])
     return _GROUP
 

@@ -2,7 +2,8 @@
 
 The core's own portable components (runner, reference attention and MoE, op kernels) are
 registered first, as the plugin ``core``, which cannot be disabled. Built-in plugins are modules
-under ``fdplug.plugins``; third-party plugins are found through the ``fdplug`` entry-point group (the entry point's name is the plugin's name, its value a light module).
+under ``fdplug.plugins``; third-party plugins are found through the ``fdplug`` entry-point group (the entry point's name
+is the plugin's name, its value a light module).
 Each plugin is imported, version-checked, registered and asked for its registrations on its own:
 a plugin that fails at any step is recorded with its error and skipped, unless
 ``FDPLUG_STRICT_PLUGINS=1`` (or ``strict=True``) makes that fatal.

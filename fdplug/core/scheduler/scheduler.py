@@ -143,7 +143,8 @@ class Scheduler:
 
     def _oversize_request(self) -> Request | None:
         for request in self.running:
-            if request.mm_spans and oversize_span(request, request.num_computed_tokens, self.config.max_num_batched_tokens):
+            if request.mm_spans and oversize_span(request, request.num_computed_tokens,
+                                                  self.config.max_num_batched_tokens):
                 return request
         head = next((r for r in self.waiting if r.status.is_schedulable_wait), None)
         if (head is not None and head is self.waiting[0] and head.mm_spans

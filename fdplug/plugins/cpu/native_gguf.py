@@ -2,7 +2,8 @@
 
 The portable op (`fdplug.core.portable.ops.gguf_linear`) dequantizes the whole layer with paddle's
 bitwise ops on every call, then runs one matmul: 1.3-2.3 ms a 576 x 1,536 layer (Q8_0, Q4_1), ~10 ms
-a 512 x 1,536 one in Q6_K, even for a one-token decode step. ``fdplug_gguf_linear`` (csrc/gguf_linear.c) widens each block in
+a 512 x 1,536 one in Q6_K, even for a one-token decode step. ``fdplug_gguf_linear`` (csrc/gguf_linear.c) widens each
+block in
 registers and feeds FMAs for up to 8 rows at once (above 8 rows, each thread widens a panel of
 weight rows once into an L2-sized buffer and runs the same tiles over every row), so the weights
 stay 4.5-8.5 bits each in memory and are read once a call. Each weight is decoded to the portable

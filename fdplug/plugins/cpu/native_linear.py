@@ -93,7 +93,8 @@ def bias_pointer(weight: PreparedWeight) -> int | None:
     if bias is None:
         return None
     if bias.dtype != paddle.float32 or list(bias.shape) != [weight.shape[0]]:
-        raise TypeError(f"the cpu kernels add a float32 bias of [{weight.shape[0]}], got {list(bias.shape)} {bias.dtype}")
+        raise TypeError(f"the cpu kernels add a float32 bias of [{weight.shape[0]}],"
+                        f" got {list(bias.shape)} {bias.dtype}")
     return _contiguous(bias).data_ptr()
 
 

@@ -56,7 +56,8 @@ class _Model(ctypes.Structure):
 
 
 class _Step(ctypes.Structure):
-    _fields_ = [("embed", _p), ("ids", _p), ("cos", _p), ("sin", _p), ("key_caches", _p), ("value_caches", _p), ("slots", _p),
+    _fields_ = [("embed", _p), ("ids", _p), ("cos", _p), ("sin", _p), ("key_caches", _p),
+                ("value_caches", _p), ("slots", _p),
                 ("q_rows", _p), ("block_tables", _p), ("seq_of_token", _p), ("key_end", _p), ("x", _p),
                 ("residual", _p), ("scratch", _p), ("tokens", _i), ("num_blocks", _i), ("block_size", _i),
                 ("table_width", _i), ("max_key_end", _i), ("threads", _i), ("kv_type", _i)]
@@ -129,8 +130,8 @@ class CpuDecoderStack:
         self.stack, self.threads = stack, threads     # (the stack holds the tensors the pointers point into)
         self.lib = kernels.load()
         layers = (_Layer * len(stack.layers))(*(
-            _Layer(_ptr(l.input_norm), _ptr(l.post_norm), _ptr(l.qk_norm), _c_linear(l.qkv), _c_linear(l.o),
-                   _c_linear(l.gate_up), _c_linear(l.down)) for l in stack.layers))
+            _Layer(_ptr(ly.input_norm), _ptr(ly.post_norm), _ptr(ly.qk_norm), _c_linear(ly.qkv), _c_linear(ly.o),
+                   _c_linear(ly.gate_up), _c_linear(ly.down)) for ly in stack.layers))
         table = stack.embedding
         self.embeds = table is not None and _linear_reason(table) is None     # GGUF rows it decodes itself
         self.vocab = table.out_features if self.embeds else 0
@@ -158,7 +159,8 @@ class CpuDecoderStack:
         for pair in kv_caches:
             for cache in pair:
                 if list(cache.shape) != shape or cache.dtype != dtype or not cache.is_contiguous():
-                    raise ValueError(f"decoder stack: a cache of {cache.dtype} {list(cache.shape)}, not {dtype} {shape}")
+                    raise ValueError(f"decoder stack: a cache of {cache.dtype} {list(cache.shape)},"
+                                     f" not {dtype} {shape}")
         self.kv_type = kernels.kv_type(*kv_caches[0])
         self.cache_pointers = tuple(np.array([pair[i].data_ptr() for pair in kv_caches], dtype=np.uint64)
                                     for i in (0, 1))
@@ -184,7 +186,8 @@ class CpuDecoderStack:
         if hidden is None:   # (self.embeds) the table's rows of checked ids
             ids = np.ascontiguousarray(input_ids.numpy(), dtype=np.int64)
             if ids.shape != (tokens,) or (tokens and (ids.min() < 0 or ids.max() >= self.vocab)):
-                raise ValueError(f"decoder stack: token ids {ids.tolist()[:8]}... outside the vocabulary of {self.vocab}")
+                raise ValueError(f"decoder stack: token ids {ids.tolist()[:8]}..."
+                                 f" outside the vocabulary of {self.vocab}")
         else:
             hidden = kernels._contiguous(hidden)
             if list(hidden.shape) != [tokens, self.stack.hidden_size]:
@@ -205,7 +208,8 @@ class CpuDecoderStack:
                      group.max_key_end, self.threads, self.kv_type)
         status = self.lib.fdplug_decoder_stack(ctypes.byref(self.model), ctypes.byref(step))
         if status != 0:
-            raise MemoryError(f"the cpu decoder stack failed ({status}): no scratch memory (attention's, or bf16 math's "
+            raise MemoryError(f"the cpu decoder stack failed ({status}):"
+                              f" no scratch memory (attention's, or bf16 math's "
                               "copy of a layer's input) or threads")
         return x, residual
 
