@@ -1,13 +1,13 @@
 """Keep the objects that live as long as the process out of the garbage collector's full passes.
 
-Why: a server process (and an offline ``LLM``, whose engine steps in the caller's process) ends its startup with 100-150
-thousand tracked objects (modules, the model's
-Python side, FastAPI's routes, tokenizer tables) that never become garbage. Every full (generation-2)
-collection walks all of them again: measured here 60-115 ms, a pause in which no token is streamed
-and no step runs, so it lands on TTFT and inter-token latency. ``gc.freeze()`` moves them into a
-permanent generation the collector skips (vLLM and SGLang do the same after startup); objects made
-while serving are collected as before. Offline, the collector's passes took ~2% of single-stream
-decode (perf, SmolLM2 Q4_K_M; AMD EPYC, avx512) before ``LLM`` froze its startup heap too.
+Why: a server process (and an offline ``LLM``, whose engine steps in the caller's process) ends its
+startup with 100-150 thousand tracked objects (modules, the model's Python side, FastAPI's routes,
+tokenizer tables) that never become garbage. Every full (generation-2) collection walks all of them
+again: measured here 60-115 ms, a pause in which no token is streamed and no step runs, so it lands
+on TTFT and inter-token latency. ``gc.freeze()`` moves them into a permanent generation the
+collector skips (vLLM and SGLang do the same after startup); objects made while serving are
+collected as before. Offline, the collector's passes took ~2% of single-stream decode (perf,
+SmolLM2 Q4_K_M; AMD EPYC, avx512) before ``LLM`` froze its startup heap too.
 """
 
 from __future__ import annotations

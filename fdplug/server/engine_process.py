@@ -52,8 +52,8 @@ class EngineSpec:
     scheduler_slice_us: int = 0   # FDPLUG_ENGINE_SLICE_US, read (and checked) by the API process; 0: kernel default
     cpus: list[int] | None = None # data parallel on the cpu device: the cores this engine runs on (its threads)
     curve_server_key: str | None = None   # TCP sockets (an engine on another machine): the API's CURVE public key
+    # {"rank", "size", "endpoints": [host:port]}: a rank of an expert-parallel group
     expert_parallel: dict | None = None
-        # {"rank", "size", "endpoints": [host:port]}: a rank of an expert-parallel group
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
