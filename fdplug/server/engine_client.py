@@ -184,9 +184,7 @@ class EngineClient:
         for child in admitted:
             stream = self.streams.get(self.child_to_parent.get(child, ""))
             if stream is not None:
-                stream._pending.discard(child)
-                if not stream._pending and not stream.admitted.done():
-                    stream.admitted.set_result(None)
+                stream.child_admitted(child)
         for child, error in rejected:
             stream = self.streams.get(self.child_to_parent.get(child, ""))
             if stream is not None and not stream.done:
@@ -208,13 +206,11 @@ class EngineClient:
             if stream is None:
                 continue
             if delta.token_ids:
-                if stream._first_token is None:
-                    stream._first_token = now
+                first, previous = stream.tokens_arrived(delta.index, now)
+                if first:
                     self.metrics.ttft.observe(now - stream.arrival)
-                last = stream._last_token.get(delta.index)
-                if last is not None:
-                    self.metrics.itl.observe(now - last)
-                stream._last_token[delta.index] = now
+                if previous is not None:
+                    self.metrics.itl.observe(now - previous)
                 self.metrics.generation_tokens.inc(len(delta.token_ids))
             if stream.queue is not None:
                 stream.queue.put_nowait(delta)
@@ -253,7 +249,7 @@ class EngineClient:
         for completion in output.outputs:
             self.metrics.finished(completion.finish_reason or "abort")
         self.metrics.e2e.observe(time.monotonic() - stream.arrival)
-        stream._end(output, error)
+        stream.end(output, error)
 
     def _fail_all(self, error: FdplugError, send_aborts: bool) -> None:
         for stream in list(self.streams.values()):

@@ -39,7 +39,25 @@ class RequestStream:
     async def final(self) -> RequestOutput:
         return await self.result
 
-    def _end(self, output: RequestOutput, error: FdplugError | None) -> None:
+    def child_admitted(self, child_id: str) -> None:
+        """The engine admitted one of this request's sequences; ``admitted`` resolves with the last."""
+        self._pending.discard(child_id)
+        if not self._pending and not self.admitted.done():
+            self.admitted.set_result(None)
+
+    def tokens_arrived(self, index: int, now: float) -> tuple[bool, float | None]:
+        """Record tokens of sequence ``index`` arriving at ``now``: whether they are the request's
+        first (for time to first token) and when that sequence's previous ones came (for inter-token
+        latency; None for its first)."""
+        first = self._first_token is None
+        if first:
+            self._first_token = now
+        previous = self._last_token.get(index)
+        self._last_token[index] = now
+        return first, previous
+
+    def end(self, output: RequestOutput, error: FdplugError | None) -> None:
+        """Finish: resolve both futures (or fail them with ``error``) and put the last item on the queue."""
         self.done = True
         for future, value in ((self.admitted, None), (self.result, output)):
             if future.done():
