@@ -201,7 +201,7 @@ static void gg_bf16_piece(const gg_job *job, int begin, int end) {
         for (int n = begin; n < end; ++n)
             gg_dequant_row_bf16(job->w + (int64_t)n * job->row_bytes, job->qtype, job->depth,
                                 panel + (int64_t)(n - begin) * job->depth);
-        const int fit = gg_panel_tile_rows(job->depth, 2), step = fit < GG_B2MR ? fit : GG_B2MR;
+        const int step = gg_panel_tile_rows(job->depth, 2);
         for (int m0 = 0; m0 < job->rows; m0 += step)
             gg_panel_columns_bf16(job, panel, m0, job->rows - m0 < step ? job->rows - m0 : step, begin, end);
         return;

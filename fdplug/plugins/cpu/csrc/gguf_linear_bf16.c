@@ -163,7 +163,9 @@ static inline __attribute__((always_inline)) void gg_panel_tile_bf16(const gg_jo
             job->out[(int64_t)(m0 + r) * job->ld + n + c] = lanes_sum(_mm512_add_ps(acc[r][c][0], acc[r][c][1]));
 }
 
-/* gg_panel_columns in bf16 math: column n's bf16 weights at panel + (n - begin) * depth; mr <= GG_B2MR */
+/* gg_panel_columns in bf16 math: column n's bf16 weights at panel + (n - begin) * depth; rows
+ * m0 .. m0 + mr - 1 in tiles of up to GG_B2MR, each over every column (any mr: the tile size is this
+ * file's to know) */
 static void gg_panel_columns_bf16(const gg_job *job, const uint16_t *panel, int m0, int mr, int begin, int end) {
     const uint8_t *src = (const uint8_t *)panel;
     const int64_t stride = (int64_t)job->depth * 2;
@@ -171,10 +173,13 @@ static void gg_panel_columns_bf16(const gg_job *job, const uint16_t *panel, int 
 #define GG_COLS(QT, MR)                                                                           \
     do {                                                                                          \
         int n = begin;                                                                            \
-        for (; n + GG_BNC <= end; n += GG_BNC) gg_panel_tile_bf16(job, panel + (int64_t)(n - begin) * job->depth, m0, MR, n); \
-        for (; n < end; ++n) gg_tile_bf16(job, src + (n - begin) * stride, GG_BF16, m0, MR, n);   \
+        for (; n + GG_BNC <= end; n += GG_BNC) gg_panel_tile_bf16(job, panel + (int64_t)(n - begin) * job->depth, top, MR, n); \
+        for (; n < end; ++n) gg_tile_bf16(job, src + (n - begin) * stride, GG_BF16, top, MR, n);  \
     } while (0)
-    GG_SWITCH_ROWS(mr, GG_B2MR, GG_BF16)
+    for (int top = m0; top < m0 + mr; top += GG_B2MR) {
+        const int rows = m0 + mr - top < GG_B2MR ? m0 + mr - top : GG_B2MR;
+        GG_SWITCH_ROWS(rows, GG_B2MR, GG_BF16)
+    }
 }
 #undef GG_ROWS
 #undef GG_CAP
