@@ -147,7 +147,7 @@ def layer_vs_bound(llm, tokens: int, bandwidth: float, repeats: int = 30) -> tup
     """
     import paddle
 
-    from fdplug.plugin_api.moe import select_experts
+    from fdplug.core.portable.moe_routing import select_experts
 
     cfg = llm.model_config
     blocks = [llm.engine.runner.model.layers[i].mlp for i in cfg.moe.layers]

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from fdplug.core.engine.request import SamplingParams
 from fdplug.core.frontend.llm import LLM
 from fdplug.demo.random_model import write_random_model
+from fdplug.plugin_api.sampling_params import SamplingParams
 from fdplug.testing.bos_server import LoopbackBos
 
 AK, SK = "AKbench", "SKbench"

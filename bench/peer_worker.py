@@ -16,8 +16,8 @@ import time
 
 
 def _fdplug(model: str, fmt: str):
-    from fdplug.core.engine.request import SamplingParams
     from fdplug.core.frontend.llm import LLM
+    from fdplug.plugin_api.sampling_params import SamplingParams
 
     dtype, quantization = {"fp32": ("float32", None), "bf16": ("bfloat16", None), "int8": ("float32", "fp8")}[fmt]
     llm = LLM(model, dtype=dtype, quantization=quantization, max_model_len=2048, max_num_seqs=64)

@@ -72,8 +72,8 @@ def workload(args, vocab_size: int, seed: int | None = None) -> tuple[list[list[
 
 
 def offline(args, prompts, outputs, warm) -> tuple[float, float]:
-    from fdplug.core.engine.request import SamplingParams
     from fdplug.core.frontend.llm import LLM
+    from fdplug.plugin_api.sampling_params import SamplingParams
 
     llm = LLM(args.model, args.device, **engine_args(args))
     params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in outputs]

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
-from fdplug.core.engine.request import SamplingParams
 from fdplug.core.frontend.llm import LLM
 from fdplug.core.frontend.processor import ProcessedPrompt
 from fdplug.demo.random_model import write_random_model
+from fdplug.plugin_api.sampling_params import SamplingParams
 
 MODEL = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 12, "num_attention_heads": 8,
          "num_key_value_heads": 4, "vocab_size": 32000, "initializer_range": 0.05, "max_position_embeddings": 4096}

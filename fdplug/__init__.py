@@ -31,7 +31,7 @@ def __getattr__(name: str):
 
         return LLM
     if name == "SamplingParams":
-        from fdplug.core.engine.request import SamplingParams
+        from fdplug.plugin_api.sampling_params import SamplingParams
 
         return SamplingParams
     raise AttributeError(f"module 'fdplug' has no attribute {name!r}")

@@ -214,8 +214,8 @@ def generate_command(prompts: tuple[str, ...], chat: bool, max_tokens: int, temp
     stdout is only the text; stderr says why each output ended and how many tokens it has, because
     a chat model given a raw prompt often ends at once and an empty line alone explains nothing.
     """
-    from fdplug.core.engine.request import SamplingParams
     from fdplug.core.frontend.llm import LLM
+    from fdplug.plugin_api.sampling_params import SamplingParams
 
     llm = LLM(**engine_kwargs(kw))
     click.echo(f"[{llm.describe()}]", err=True)

@@ -31,7 +31,7 @@ from fdplug.core.worker.model_runner import ModelRunner
 from fdplug.errors import RequestStepError
 from fdplug.plugin_api.specs import ANY_DEVICE, ModelRunnerSpec
 
-FDPLUG_API_VERSION = "3.0"
+FDPLUG_API_VERSION = "4.0"
 FAULT: dict = {"mode": None, "marker": 77, "after": 0, "times": 0, "fired": 0,
                **json.loads(os.environ.get("FAULTY_RUNNER", "{}"))}
 

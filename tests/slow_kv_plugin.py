@@ -16,7 +16,7 @@ from fdplug.core.kv_transfer.tcp import TCPSender
 from fdplug.core.kv_transfer.tcp_receiver import TCPReceiver
 from fdplug.plugin_api.specs import ANY_DEVICE, KVConnectorSpec
 
-FDPLUG_API_VERSION = "3.8"
+FDPLUG_API_VERSION = "4.0"
 LAYER_S = float(os.environ.get("SLOW_KV_LAYER_S", "0.5"))
 
 
@@ -50,7 +50,7 @@ class SlowSender(TCPSender):
         import zmq
 
         from fdplug.core.kv_transfer.wire import header
-        from fdplug.plugin_api.kv_layout import take_blocks
+        from fdplug.core.portable.kv_blocks import take_blocks
 
         caches = self.caches
         key, shape = caches[layer][0], self.wire_shape(len(blocks))

@@ -19,8 +19,8 @@ import json
 import numpy as np
 import pytest
 
-from fdplug.core.engine.request import SamplingParams
 from fdplug.core.frontend.llm import LLM
+from fdplug.plugin_api.sampling_params import SamplingParams
 from fdplug.plugins.cpu import kernels, native_linear
 from tests.conftest import GOLDEN
 from tests.test_moe_golden import servable

@@ -20,8 +20,8 @@ from click.testing import CliRunner
 from safetensors.paddle import save_file
 
 from fdplug.cli import main
-from fdplug.core.engine.request import SamplingParams
 from fdplug.core.frontend.llm import LLM
+from fdplug.plugin_api.sampling_params import SamplingParams
 from fdplug.plugins.cpu import kernels
 from tests.conftest import GOLDEN, golden, write_test_model
 from tests.test_model_parity import TOL, Steps, max_diff

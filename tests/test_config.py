@@ -46,14 +46,14 @@ def test_a_plugin_setting_is_registered_and_read_and_a_clash_refused(monkeypatch
     mine = Setting("FDPLUG_TESTCHIP_QUEUES", 2, parse_positive_int, "Queues of the test chip.")
 
     class Plugin:
-        FDPLUG_API_VERSION = "3.0"
+        FDPLUG_API_VERSION = "4.0"
 
         @hookimpl
         def fdplug_register_settings(self, register):
             register(mine)
 
     class Clash:
-        FDPLUG_API_VERSION = "3.0"
+        FDPLUG_API_VERSION = "4.0"
 
         @hookimpl
         def fdplug_register_settings(self, register):

@@ -15,12 +15,12 @@ import paddle
 import paddle.nn.functional as F
 import pytest
 
-from fdplug.core.engine.request import SamplingParams
 from fdplug.core.frontend.llm import LLM
 from fdplug.core.plugin_loading.selection import select_components
 from fdplug.core.portable import ops as portable
 from fdplug.core.portable.attention import ReferenceAttention
 from fdplug.errors import ConfigError
+from fdplug.plugin_api.sampling_params import SamplingParams
 from fdplug.plugins.cpu import isa, kernels, native_norms
 from fdplug.plugins.cpu.native_attention import NativeCpuAttention
 from fdplug.testing.cases import (

@@ -124,9 +124,9 @@ def test_the_portable_fallback_unpacks():
 def test_the_engine_packs_its_linear_layers_once_and_keeps_one_copy(test_model_dir):
     """Through `fdplug.LLM` on the cpu device: every linear layer prepared, the parameter footprint
     the same as the checkpoint's, and prompts decoded alone give the batch's tokens."""
-    from fdplug.core.engine.request import SamplingParams
     from fdplug.core.frontend.llm import LLM
     from fdplug.core.model.layers import Linear
+    from fdplug.plugin_api.sampling_params import SamplingParams
 
     pinned = {"linear": "cpu_native_linear"}   # not timed against paddle's: every layer runs it
     if isa.level() < 3:   # the CPU (or FDPLUG_CPU_ISA) below x86-64-v3: the tiles' scalar fallback is not chosen

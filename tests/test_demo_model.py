@@ -12,11 +12,11 @@ import re
 
 import pytest
 
-from fdplug.core.engine.sampling_params import SamplingParams
 from fdplug.core.frontend.llm import LLM
 from fdplug.core.model.tokenizer import Tokenizer
 from fdplug.demo import demo_model_dir
 from fdplug.demo.chatml import EXTRA_TOKENS, SPECIAL_TOKENS, VISION_TOKENS
+from fdplug.plugin_api.sampling_params import SamplingParams
 
 # Words the Python documentation the demo was trained on uses all the time.
 COMMON = {"the", "a", "is", "of", "to", "and", "in", "statement", "python", "object", "value", "if", "for",

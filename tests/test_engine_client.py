@@ -8,12 +8,12 @@ import asyncio
 import pytest
 import zmq
 
-from fdplug.core.engine.request import SamplingParams
 from fdplug.core.frontend.processor import ProcessedPrompt
 from fdplug.core.model.tokenizer import Tokenizer
 from fdplug.core.scheduler.output import EngineCoreOutput
 from fdplug.demo.random_model import ensure_random_model
 from fdplug.errors import EngineRequestError
+from fdplug.plugin_api.sampling_params import SamplingParams
 from fdplug.server import protocol as P
 from fdplug.server.engine_client import EngineClient
 from fdplug.server.metrics import ServerMetrics

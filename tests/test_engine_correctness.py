@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fdplug.core.engine.request import SamplingParams
 from fdplug.core.frontend.llm import LLM
 from fdplug.core.frontend.processor import ProcessedPrompt
+from fdplug.plugin_api.sampling_params import SamplingParams
 from tests.reference import naive_greedy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)

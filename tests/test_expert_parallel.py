@@ -252,9 +252,9 @@ def engine_main(out_dir: str, model: str, fault: str) -> None:
     until every rank is idle (a header with nobody running); ``fault`` injected on one rank once."""
     import paddle.distributed as dist
 
-    from fdplug.core.engine.request import SamplingParams
     from fdplug.core.frontend.llm import LLM
     from fdplug.core.parallel.lockstep import init_group
+    from fdplug.plugin_api.sampling_params import SamplingParams
 
     rank = dist.ParallelEnv().rank
     group = init_group(rank, 2, os.environ["PADDLE_TRAINER_ENDPOINTS"].split(","), "cpu")
@@ -301,8 +301,8 @@ def test_engines_in_lockstep_give_one_engines_tokens_through_faults(tmp_path, fa
     completes), the tokens are the same."""
     import paddle.distributed as dist
 
-    from fdplug.core.engine.request import SamplingParams
     from fdplug.core.frontend.llm import LLM
+    from fdplug.plugin_api.sampling_params import SamplingParams
     from tests.conftest import write_test_model
     from tests.test_moe_models import QWEN2_MOE
 

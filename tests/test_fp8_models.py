@@ -17,7 +17,6 @@ import pytest
 
 paddle = pytest.importorskip("paddle")
 
-from fdplug.core.engine.request import SamplingParams  # noqa: E402
 from fdplug.core.frontend.llm import LLM  # noqa: E402
 from fdplug.core.model.config import ModelConfig  # noqa: E402
 from fdplug.core.model.fp8_layers import Fp8Linear  # noqa: E402
@@ -25,6 +24,7 @@ from fdplug.core.model.layers import Linear  # noqa: E402
 from fdplug.core.model.tokenizer import Tokenizer  # noqa: E402
 from fdplug.core.quant.checkpoint import quantize_checkpoint  # noqa: E402
 from fdplug.errors import ModelLoadError, UnsupportedModelError, WeightMismatchError  # noqa: E402
+from fdplug.plugin_api.sampling_params import SamplingParams  # noqa: E402
 from tests.conftest import write_test_model  # noqa: E402
 from tests.serverkit import Server  # noqa: E402
 from tests.test_moe_golden import servable  # noqa: E402

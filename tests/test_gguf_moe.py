@@ -150,9 +150,9 @@ def test_expert_tensors_that_do_not_fit_the_metadata_are_refused_by_name(tmp_pat
 def test_the_engine_serves_a_gguf_moe_file(tmp_path, backend):
     """Through `fdplug.LLM` (selection, runner, sampler): the twin's greedy tokens and logprobs (the
     dense GGUF linears in float32 math where bf16 or q8 math would be selected: cpu_native_gguf_linear)."""
-    from fdplug.core.engine.request import SamplingParams
     from fdplug.core.frontend.llm import LLM
     from fdplug.core.plugin_loading.selection import select_components
+    from fdplug.plugin_api.sampling_params import SamplingParams
 
     _backend(backend)   # skips where cpu_native cannot run
     arch, types, extra = CASES["qwen2moe"]

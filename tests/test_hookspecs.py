@@ -36,12 +36,23 @@ def test_registration_hooks_are_typed_with_the_spec_they_take():
     assert set(REGISTRATION_HOOKS.values()) == set(SPEC_TYPES)
 
 
-def test_configure_is_typed_with_the_config_and_the_selection():
-    from fdplug.core.config import EngineConfig
+def test_configure_is_typed_with_the_config_view_and_the_selection():
+    from fdplug.plugin_api.engine_config import EngineView
     from fdplug.plugin_api.selection import Selection
 
-    hints = typing.get_type_hints(hookspecs.fdplug_configure, {"EngineConfig": EngineConfig, "Selection": Selection})
-    assert hints["config"] is EngineConfig and hints["selection"] is Selection
+    hints = typing.get_type_hints(hookspecs.fdplug_configure, {"EngineView": EngineView, "Selection": Selection})
+    assert hints["config"] is EngineView and hints["selection"] is Selection
+
+
+def test_the_core_config_answers_every_question_of_the_view_a_plugin_reads():
+    """`EngineView` is what the contract promises a plugin; the core's `EngineConfig` must keep it."""
+    from fdplug.core.config import EngineConfig
+    from fdplug.plugin_api.engine_config import EngineView
+
+    promised = {name for name in vars(EngineView) if not name.startswith("_")}
+    config = EngineConfig()
+    assert len(promised) > 15 and {name for name in promised if not hasattr(config, name)} == set()
+    assert config.kv_dtype() == config.dtype   # a method of the view, not a field
 
 
 def versioned_plugin(version: str):

@@ -10,13 +10,15 @@ import sys
 
 import pytest
 
-from fdplug.core.engine.request import MMPlaceholder, Request, SamplingParams
+from fdplug.core.request import Request
 from fdplug.core.scheduler.kv_cache_manager import (
     KVCacheManager,
     block_extra_keys,
     hash_block_tokens,
     update_block_hashes,
 )
+from fdplug.plugin_api.sampling_params import SamplingParams
+from fdplug.plugin_api.scheduled_work import MMPlaceholder
 
 B = 4  # block size in these tests
 
@@ -260,7 +262,7 @@ GOLDEN = [
     "91410f4c560173c2799282480d92cd32bae5eb30c0845dec86a1639500e4a0a7",
 ]
 _GOLDEN_SCRIPT = """
-from fdplug.core.engine.request import MMPlaceholder, Request
+from fdplug.core.request import MMPlaceholder, Request
 from fdplug.core.scheduler.kv_cache_manager import update_block_hashes
 r = Request("a", list(range(100, 112)), cache_salt="tenant-1", mm_positions=[MMPlaceholder(2, 5, "img-abc")])
 print(" ".join(x.hex() for x in update_block_hashes(r, 4)))

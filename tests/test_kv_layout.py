@@ -13,14 +13,8 @@ import paddle
 import pytest
 
 from fdplug.core.portable.attention import ReferenceAttention
-from fdplug.plugin_api.kv_layout import (
-    check_layout,
-    gather_blocks,
-    layout_of,
-    put_blocks,
-    scatter_blocks,
-    take_blocks,
-)
+from fdplug.core.portable.kv_blocks import gather_blocks, put_blocks, scatter_blocks, take_blocks
+from fdplug.plugin_api.kv_layout import check_layout, layout_of
 
 
 def test_blocks_move_between_two_layouts_bit_for_bit():

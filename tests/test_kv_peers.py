@@ -24,12 +24,13 @@ from pathlib import Path
 
 import pytest
 
-from fdplug.core.engine.request import SamplingParams
 from fdplug.core.frontend.llm import LLM
-from fdplug.core.kv_transfer.peers import PORT_SPAN, parse_endpoints, resolve_peers
+from fdplug.core.kv_endpoints import parse_endpoints
+from fdplug.core.kv_transfer.peers import PORT_SPAN, resolve_peers
 from fdplug.core.kv_transfer.shm import MIN_ARENA_BYTES, ShmReceiver
 from fdplug.errors import ConfigError, InvalidRequestError
 from fdplug.plugin_api.kv_connector import KVCaches
+from fdplug.plugin_api.sampling_params import SamplingParams
 from tests.conftest import subprocess_env, write_test_model
 from tests.serverkit import free_port
 from tests.test_pd_engine import drive, finished, request

@@ -22,8 +22,8 @@ import zmq
 from fdplug.core.kv_transfer.shm import ShmReceiver, ShmSender, remove_stale_arenas
 from fdplug.core.kv_transfer.tcp import TCPSender
 from fdplug.core.kv_transfer.tcp_receiver import TCPReceiver
+from fdplug.core.portable.kv_blocks import gather_blocks
 from fdplug.plugin_api.kv_connector import KVCaches
-from fdplug.plugin_api.kv_layout import gather_blocks
 
 LAYERS, BLOCKS, TOKENS, HEADS, DIM = 3, 10, 4, 2, 8
 

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 import fdplug
-from fdplug.core.engine.request import SamplingParams
 from fdplug.core.frontend.llm import LLM
 from fdplug.errors import (
     ConfigError,
@@ -20,6 +19,7 @@ from fdplug.errors import (
     ModelLoadError,
     UnsupportedModelError,
 )
+from fdplug.plugin_api.sampling_params import SamplingParams
 from tests.conftest import subprocess_env
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

@@ -11,15 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fdplug.core.multimodal.chunking import (
-    ChunkPlan,
-    check_admission,
-    cut_back_hit,
-    legal_end,
-    plan_chunks,
-    spans,
-)
+from fdplug.core.multimodal.chunking import ChunkPlan, check_admission, cut_back_hit, legal_end, plan_chunks
 from fdplug.errors import InvalidRequestError
+from fdplug.plugin_api.scheduled_work import spans
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +96,7 @@ def test_spans_accept_todays_placeholder_without_span_length():
 
 
 def test_spans_of_the_real_placeholder():
-    from fdplug.core.engine.request import MMPlaceholder
+    from fdplug.plugin_api.scheduled_work import MMPlaceholder
     assert spans([MMPlaceholder(4, 10, "v", span_length=4), MMPlaceholder(0, 3, "i")]) == [(4, 8), (8, 12),
                                                                                         (12, 14)]
 

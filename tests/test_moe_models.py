@@ -14,11 +14,11 @@ import pytest
 
 paddle = pytest.importorskip("paddle")
 
-from fdplug.core.engine.request import SamplingParams  # noqa: E402
 from fdplug.core.frontend.llm import LLM  # noqa: E402
 from fdplug.core.model.config import ModelConfig  # noqa: E402
 from fdplug.core.model.footprint import parameter_counts  # noqa: E402
 from fdplug.errors import ConfigError, ModelLoadError  # noqa: E402
+from fdplug.plugin_api.sampling_params import SamplingParams  # noqa: E402
 from tests.conftest import write_test_model  # noqa: E402
 from tests.reference import naive_greedy  # noqa: E402
 from tests.test_moe_golden import servable  # noqa: E402

@@ -12,7 +12,8 @@ import pytest
 
 paddle = pytest.importorskip("paddle")
 
-from fdplug.plugin_api.moe import Routing, select_experts  # noqa: E402
+from fdplug.core.portable.moe_routing import select_experts  # noqa: E402
+from fdplug.plugin_api.moe import Routing  # noqa: E402
 from fdplug.testing.cases import naive_routing  # noqa: E402
 
 VARIANTS = {

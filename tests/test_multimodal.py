@@ -12,10 +12,10 @@ import io
 import numpy as np
 import pytest
 
-from fdplug.core.engine.request import SamplingParams
 from fdplug.core.frontend.llm import LLM
 from fdplug.core.multimodal.inputs import uuid_hash
 from fdplug.errors import InvalidRequestError
+from fdplug.plugin_api.sampling_params import SamplingParams
 from fdplug.testing.bos_server import LoopbackBos
 from fdplug.testing.cases import key_end_with_spans
 from tests.reference import naive_greedy

@@ -139,7 +139,7 @@ def _engine(model_dir: Path, **kwargs):
 def test_the_engine_runs_the_portable_op_on_the_shapes_where_it_is_faster(test_model_dir, tmp_path, monkeypatch):
     """Same tokens as the kernel everywhere; the losing shape keeps its [N, K] weight, the others are
     laid out for the kernel; the plan is in the startup log; ``--op-kernel`` takes every shape."""
-    from fdplug.core.engine.request import SamplingParams
+    from fdplug.plugin_api.sampling_params import SamplingParams
 
     monkeypatch.setenv("FDPLUG_OP_TIMING", "1")   # the tests' default pins the kernels (conftest)
     monkeypatch.setenv("FDPLUG_CACHE_DIR", str(tmp_path))

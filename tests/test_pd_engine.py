@@ -17,9 +17,10 @@ import time
 import numpy as np
 import pytest
 
-from fdplug.core.engine.request import Request, SamplingParams
 from fdplug.core.frontend.llm import LLM
+from fdplug.core.request import Request
 from fdplug.errors import InvalidRequestError
+from fdplug.plugin_api.sampling_params import SamplingParams
 from tests.conftest import write_test_model
 
 PROMPTS = [[5, 9, 2], [11, 3, 8, 21, 34, 55, 89, 14, 23, 37, 60, 97, 57, 54, 11, 65, 76, 41, 17, 58, 75, 33, 8, 41,

@@ -23,7 +23,7 @@ def attention_spec(name, devices=("cpu",), priority=0, supports=None):
 class AttnPlugin:
     """A throwaway plugin registering one attention backend."""
 
-    FDPLUG_API_VERSION = "3.0"
+    FDPLUG_API_VERSION = "4.0"
 
     def __init__(self, *specs):
         self.specs = specs
@@ -56,7 +56,7 @@ def test_loading_is_idempotent_and_reload_builds_afresh(site):
     assert load_plugins() is fresh                  # the reload replaced the cached set
     assert [p.name for p in list_plugins()] == [p.name for p in fresh.plugins()]
     # a plugin installed after loading shows up on a reload, and only then
-    write_dist(site, "fdplug-late", "1.0", {"late": "fdplug_late"}, {"fdplug_late": 'FDPLUG_API_VERSION = "3.0"\n'})
+    write_dist(site, "fdplug-late", "1.0", {"late": "fdplug_late"}, {"fdplug_late": 'FDPLUG_API_VERSION = "4.0"\n'})
     assert "late" not in load_plugins().infos
     assert load_plugins(reload=True).infos["late"].status == "loaded"
 
@@ -73,7 +73,7 @@ def test_entry_point_plugin_is_discovered_with_its_distribution(site):
     write_dist(site, "fdplug-thing", "2.3.4", {"thing": "fdplug_thing"}, {"fdplug_thing": """
         from fdplug import hookimpl
         from fdplug.plugin_api.specs import DeviceSpec, Probe
-        FDPLUG_API_VERSION = "3.3"
+        FDPLUG_API_VERSION = "4.0"
         @hookimpl
         def fdplug_register_devices(register):
             register(DeviceSpec(name="thing", probe=lambda: Probe(False, "no thing here", fix="buy one"),
@@ -87,7 +87,7 @@ def test_entry_point_plugin_is_discovered_with_its_distribution(site):
 def test_allow_list_limits_third_party_but_not_builtins(site, monkeypatch):
     for name in ("alpha", "beta"):
         write_dist(site, f"fdplug-{name}", "1.0", {name: f"fdplug_{name}"},
-                   {f"fdplug_{name}": 'FDPLUG_API_VERSION = "3.0"\n'})
+                   {f"fdplug_{name}": 'FDPLUG_API_VERSION = "4.0"\n'})
     monkeypatch.setenv("FDPLUG_PLUGINS", "beta,gamma")
     plugin_set = load_plugins()
     assert plugin_set.infos["alpha"].status == "not-allowed"
@@ -118,10 +118,10 @@ def test_strict_mode_makes_a_broken_plugin_fatal(site, monkeypatch):
 
 def test_api_major_mismatch_names_both_versions(site):
     write_dist(site, "fdplug-future", "9.0", {"future": "fdplug_future"},
-               {"fdplug_future": 'FDPLUG_API_VERSION = "4.1"\n'})
+               {"fdplug_future": 'FDPLUG_API_VERSION = "5.1"\n'})
     info = load_plugins().infos["future"]
     assert info.status == "failed"
-    assert "API 4.1" in info.error and f"API {API_VERSION}" in info.error
+    assert "API 5.1" in info.error and f"API {API_VERSION}" in info.error
 
 
 def test_missing_api_version_is_refused():
@@ -140,7 +140,7 @@ def test_duplicate_component_name_keeps_the_first_and_names_both():
 
 def test_duplicate_plugin_name_is_refused(site):
     write_dist(site, "fdplug-fake-cpu", "1.0", {"cpu": "fdplug_fake_cpu"},
-               {"fdplug_fake_cpu": 'FDPLUG_API_VERSION = "3.0"\n'})
+               {"fdplug_fake_cpu": 'FDPLUG_API_VERSION = "4.0"\n'})
     plugin_set = load_plugins()
     assert plugin_set.infos["cpu"].source == "builtin"
     assert any("duplicate plugin name 'cpu'" in w for w in plugin_set.warnings)
@@ -150,7 +150,7 @@ def test_duplicate_plugin_name_is_refused(site):
 
 def test_registration_is_all_or_nothing_per_plugin():
     class HalfBroken:
-        FDPLUG_API_VERSION = "3.0"
+        FDPLUG_API_VERSION = "4.0"
 
         @hookimpl
         def fdplug_register_devices(self, register):
@@ -169,7 +169,7 @@ def test_registration_is_all_or_nothing_per_plugin():
 
 def test_invalid_names_and_misspelled_hooks_are_refused():
     class Typo:
-        FDPLUG_API_VERSION = "3.0"
+        FDPLUG_API_VERSION = "4.0"
 
         @hookimpl
         def fdplug_register_device(self, register):  # missing "s"
@@ -182,7 +182,7 @@ def test_invalid_names_and_misspelled_hooks_are_refused():
 
 def test_configure_failures_name_their_plugin():
     class Grumpy:
-        FDPLUG_API_VERSION = "3.0"
+        FDPLUG_API_VERSION = "4.0"
 
         @hookimpl
         def fdplug_configure(self, config, selection):
@@ -202,7 +202,7 @@ def test_weight_preparation_is_for_the_linear_ops_only():
 
     def plugin(spec):
         class One:
-            FDPLUG_API_VERSION = "3.5"
+            FDPLUG_API_VERSION = "4.0"
 
             @hookimpl
             def fdplug_register_ops(self, register):

@@ -11,16 +11,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fdplug.core.engine.request import (
-    MMPlaceholder,
-    Request,
-    RequestStatus,
-    SamplingParams,
-)
-from fdplug.core.scheduler.output import SchedulerOutput
+from fdplug.core.request import Request, RequestStatus
 from fdplug.core.scheduler.scheduler import Scheduler, SchedulerConfig
 from fdplug.errors import ConfigError, InvalidRequestError, QueueFullError
 from fdplug.plugin_api.model_runner import ModelRunnerOutput
+from fdplug.plugin_api.sampling_params import SamplingParams
+from fdplug.plugin_api.scheduled_work import MMPlaceholder, SchedulerOutput
 
 V = 50  # vocabulary of the fake models
 
@@ -125,7 +121,7 @@ def test_sampling_params_edges_are_valid():
 
 
 def test_child_seeds_wrap_within_64_bits():
-    from fdplug.core.engine.sampling_params import child_seed
+    from fdplug.plugin_api.sampling_params import child_seed
 
     assert child_seed(None, 3) is None and child_seed(7, 2) == 9
     assert child_seed(2**63 - 1, 1) == -(2**63) and child_seed(2**63 - 1, 0) == 2**63 - 1

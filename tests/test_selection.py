@@ -9,10 +9,11 @@ import subprocess
 import pytest
 
 from fdplug import hookimpl
-from fdplug.core.config import EngineConfig, ModelTraits
+from fdplug.core.config import EngineConfig
 from fdplug.core.plugin_loading.loader import load_plugins
 from fdplug.core.plugin_loading.selection import select_components
 from fdplug.errors import DeviceUnavailableError, SelectionError, UnknownComponentError
+from fdplug.plugin_api.engine_config import ModelTraits
 from fdplug.plugin_api.specs import (
     DeviceSpec,
     FeatureStorageSpec,
@@ -25,7 +26,7 @@ from tests.test_plugin_loading import AttnPlugin, attention_spec
 
 
 class DevicePlugin:
-    FDPLUG_API_VERSION = "3.0"
+    FDPLUG_API_VERSION = "4.0"
 
     def __init__(self, *devices):
         self.devices = devices
@@ -149,7 +150,7 @@ def test_supports_that_raises_is_a_rejection():
 
 def test_moe_weight_format_must_match_the_model():
     class W4Plugin:
-        FDPLUG_API_VERSION = "3.0"
+        FDPLUG_API_VERSION = "4.0"
 
         @hookimpl
         def fdplug_register_moe_backends(self, register):
@@ -174,7 +175,7 @@ def test_linear_weight_format_must_match_the_runner():
     """A runner executes the model's linear layers: one that runs float linears only (the default for
     a `ModelRunnerSpec`) is passed over for an FP8 model, with the reason; the core's runs both."""
     class FloatRunner:
-        FDPLUG_API_VERSION = "3.0"
+        FDPLUG_API_VERSION = "4.0"
 
         @hookimpl
         def fdplug_register_model_runners(self, register):
@@ -215,7 +216,7 @@ def test_no_candidate_left_is_an_error_listing_every_reason():
 
 def test_storages_are_chosen_per_scheme_by_priority_and_explicitly():
     class Stores:
-        FDPLUG_API_VERSION = "3.0"
+        FDPLUG_API_VERSION = "4.0"
 
         @hookimpl
         def fdplug_register_feature_storages(self, register):

@@ -8,8 +8,8 @@ import numpy as np
 import openai
 import pytest
 
-from fdplug.core.engine.request import SamplingParams
 from fdplug.core.frontend.llm import LLM
+from fdplug.plugin_api.sampling_params import SamplingParams
 from fdplug.testing.bos_server import LoopbackBos
 from tests.serverkit import SMALL, Server
 

@@ -20,8 +20,8 @@ import httpx
 import pytest
 
 import fdplug
-from fdplug.core.engine.request import SamplingParams
 from fdplug.core.frontend.llm import LLM
+from fdplug.plugin_api.sampling_params import SamplingParams
 from tests.conftest import write_test_model
 from tests.serverkit import Server, wait_until
 

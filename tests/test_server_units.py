@@ -8,11 +8,13 @@ import sys
 import numpy as np
 import pytest
 
-from fdplug.core.engine.request import MMPlaceholder, Request, SamplingParams
 from fdplug.core.frontend.outputs import Logprob
 from fdplug.core.frontend.processor import Delta
+from fdplug.core.request import Request
 from fdplug.core.scheduler.output import EngineCoreOutput, SchedulerStats
 from fdplug.errors import ConfigError, FdplugError, InvalidRequestError, QueueFullError
+from fdplug.plugin_api.sampling_params import SamplingParams
+from fdplug.plugin_api.scheduled_work import MMPlaceholder
 from fdplug.server import openai_types as T
 from fdplug.server import protocol as P
 from fdplug.server.jobs import _prompts

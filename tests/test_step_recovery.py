@@ -14,8 +14,8 @@ import json
 
 import pytest
 
-from fdplug.core.engine.request import SamplingParams
 from fdplug.core.frontend.llm import LLM
+from fdplug.plugin_api.sampling_params import SamplingParams
 from tests import fault_plugin
 from tests.conftest import REPO, write_dist
 from tests.serverkit import Server

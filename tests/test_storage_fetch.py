@@ -15,8 +15,9 @@ from fdplug.cli_fetch import fetch_features
 from fdplug.core.config import EngineConfig
 from fdplug.core.multimodal.fetch import FeatureFetcher, storage_specs
 from fdplug.core.plugin_loading.loader import load_plugins
+from fdplug.core.portable.ordered_fetch import ordered_map
 from fdplug.errors import FeatureAccessDeniedError, StorageTimeoutError
-from fdplug.plugin_api.storage import display_url, ordered_map
+from fdplug.plugin_api.storage import display_url
 from fdplug.testing.bos_server import LoopbackBos
 
 AK, SK = "AKfetchTEST0b1c", "SKfetchTEST9d8e"

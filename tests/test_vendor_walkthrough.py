@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from fdplug.core.engine.sampling_params import SamplingParams
 from fdplug.core.frontend.llm import LLM
+from fdplug.plugin_api.sampling_params import SamplingParams
 from tests.conftest import EXAMPLE_PLUGIN, REPO, install_example_plugin
 from tests.serverkit import SMALL, Server
 

@@ -1,4 +1,4 @@
-"""The engine's configuration objects: `EngineConfig` and the `ModelTraits` selection looks at.
+"""The engine's configuration: `EngineConfig` (plugins read it as `fdplug.plugin_api.engine_config.EngineView`).
 
 Environment variables are read through `fdplug.plugin_api.settings` (the core's own are declared in
 `fdplug.core.settings`); this module only holds the objects the engine and plugins are handed.
@@ -8,45 +8,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fdplug.core.kv_transfer.peers import check_kv_fields
+from fdplug.core.kv_endpoints import check_kv_fields
 from fdplug.core.settings import env
 from fdplug.errors import ConfigError
+from fdplug.plugin_api.engine_config import ModelTraits
 
 QUANTIZATIONS = ("fp8",)
 """What ``quantization=`` / ``--quantization`` accept: a float checkpoint quantized while it loads."""
-
-
-@dataclass(frozen=True, slots=True)
-class ModelTraits:
-    """What a backend needs to know about a model to say whether it supports it.
-
-    Built from the model's config when one is known; selection without a model (``fdplug explain``)
-    passes ``EngineConfig.model = None`` and backends answer for the general case.
-    """
-
-    architecture: str = ""
-    dtype: str = "float32"
-    num_attention_heads: int = 0
-    num_kv_heads: int = 0
-    head_dim: int = 0
-    hidden_size: int = 0
-    num_experts: int = 0
-    experts_per_token: int = 0
-    moe_intermediate_size: int = 0
-    moe_weight_format: str = "none"      # the routed experts' format, for the MoE backend
-    linear_weight_format: str = "none"   # the other linear layers' format, for the model runner
-    weight_block: tuple[int, int] = ()   # a quantized format's (rows, cols) block, e.g. (128, 128)
-    weight_types: tuple[str, ...] = ()   # format "gguf": the GGML block types of its linears (Q4_K, Q6_K...)
-    mask_policy: str = "causal"
 
 
 @dataclass(slots=True)
 class EngineConfig:
     """Engine settings, with vLLM's names where the concept is the same.
 
-    Backends see it through ``supports(config)`` and ``fdplug_configure``; it is mutable on purpose
-    so ``fdplug_configure`` may adjust it for the chosen selection before the engine starts; after
-    that the engine treats it as read-only. ``None`` means "derive it": ``max_model_len`` from the
+    Plugins read it through ``supports(config)``, their factories and ``fdplug_configure``, as the
+    read-only `EngineView`; the core resolves its ``None`` and ``auto`` fields while it selects and
+    sizes the engine, and treats it as read-only after that. ``None`` means "derive it": ``max_model_len`` from the
     model (capped by ``DEFAULT_MAX_MODEL_LEN``), ``max_num_batched_tokens`` from chunked prefill,
     the KV cache size from ``kv_cache_memory`` (GiB) unless ``num_kv_blocks`` is given.
     """
@@ -99,7 +76,7 @@ class EngineConfig:
         if self.kv_role not in (None, "prefill", "decode"):
             raise ConfigError(f"kv_role must be prefill or decode, got {self.kv_role!r}.",
                               fix="leave it unset for an instance that does both.")
-        self.kv_port, self.kv_peers = check_kv_fields(self.kv_port, self.kv_peers)   # `core.kv_transfer.peers`
+        self.kv_port, self.kv_peers = check_kv_fields(self.kv_port, self.kv_peers)   # `core.kv_endpoints`
         if not isinstance(self.device_index, int) or isinstance(self.device_index, bool) or self.device_index < 0:
             raise ConfigError(f"device_index must be an integer >= 0, got {self.device_index!r}.",
                               fix="give the index of the device among those of its kind (0: the first).")

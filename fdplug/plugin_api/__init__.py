@@ -1,6 +1,6 @@
 """fdplug's plugin API: everything a plugin author imports, and nothing else.
 
-A plugin is a module with ``FDPLUG_API_VERSION = "3.14"`` and functions decorated with ``hookimpl``,
+A plugin is a module with ``FDPLUG_API_VERSION = "4.0"`` and functions decorated with ``hookimpl``,
 found through the ``fdplug`` entry-point group (``[project.entry-points.fdplug] mychip =
 "fdplug_mychip"``). Its hooks (`hookspecs`) each receive a ``register`` callback taking one spec
 (`specs`). The smallest useful plugin registers one `DeviceSpec`; the core's portable runner,
@@ -21,17 +21,21 @@ register_storages   `FeatureStorageSpec`    `FeatureStorage` (`storage`: bytes b
 register_kv_conn..  `KVConnectorSpec`       `KVSender` / `KVReceiver` (`kv_connector`: moving KV
                                             blocks between prefill and decode instances)
 register_settings   `Setting`               (your environment variables; `settings`)
-configure           --                      adjust or refuse the `EngineConfig` for the `Selection`
+configure           --                      refuse the engine config (`EngineView`) for the `Selection`
 ==================  ======================  ===================================================
 
 Selection (`selection`) happens once at startup: per role the highest priority that runs on the
 device and whose ``supports(config)`` does not object; explicit choices are strict. ``fdplug
 explain`` prints every decision with its reason. Errors (`fdplug.errors`) carry a ``fix=``: raise
 `ConfigError` from ``supports``/``configure``, `RequestStepError` from a runner that knows which
-requests broke a step. Helpers: `probe_accelerator` (a device probe of the usual shape),
-`import_paddle`, `ordered_map` (parallel downloads in order), `cache_dir`; `fp8` holds the FP8
-formats (block quantization, UE8M0, the SM100 scale layout) every FP8 kernel and the core share;
-`gguf_formats` the GGML block types a ``gguf_linear`` kernel reads (a GGUF file's weights).
+requests broke a step. What a component is handed: `EngineView` (the engine configuration, read-only,
+with the model's `ModelTraits`: `engine_config`); a runner, each step's `SchedulerOutput`
+(`scheduled_work`, with each request's `SamplingParams`). One definition for every plugin:
+`fp8` holds the FP8 formats (block quantization, UE8M0, the SM100 scale layout) every FP8 kernel
+and the core share; `gguf_formats` the GGML block types a ``gguf_linear`` kernel reads. Helpers:
+`import_paddle`, `cache_dir`; implementation a plugin may build on (a device probe of the usual
+shape, parallel downloads in order, KV block copies, the MoE routing rule) is the core's portable
+components' (`fdplug.core.portable`), which a plugin may import.
 
 The conformance kit (`fdplug.testing`, a pytest plugin) checks a plugin's components against the
 portable ones. Modules here import nothing from ``fdplug.core``, ``fdplug.server`` or
@@ -50,19 +54,16 @@ _EXPORTS = {
     "ConfigError": "fdplug.errors", "FdplugError": "fdplug.errors", "RequestStepError": "fdplug.errors",
     "AttentionBackend": "fdplug.plugin_api.attention", "AttentionMetadata": "fdplug.plugin_api.attention",
     "causal_key_end": "fdplug.plugin_api.attention", "cdiv": "fdplug.plugin_api.attention",
-    "probe_accelerator": "fdplug.plugin_api.device_probe",
     "KVCachePlan": "fdplug.plugin_api.model_runner", "ModelInfo": "fdplug.plugin_api.model_runner",
     "ModelRunner": "fdplug.plugin_api.model_runner", "ModelRunnerOutput": "fdplug.plugin_api.model_runner",
     "ExpertWeights": "fdplug.plugin_api.moe", "MoEBackend": "fdplug.plugin_api.moe",
     "ExpertBatch": "fdplug.plugin_api.moe", "ExpertExchange": "fdplug.plugin_api.moe",
     "ExpertsFailedError": "fdplug.plugin_api.moe",
-    "select_experts": "fdplug.plugin_api.moe",
     "OPS": "fdplug.plugin_api.ops", "Kernels": "fdplug.plugin_api.ops", "PreparedWeight": "fdplug.plugin_api.ops",
     "PREPARED_OPS": "fdplug.plugin_api.ops",
     **dict.fromkeys(("DecoderStack", "StackLayer", "StackLinear"), "fdplug.plugin_api.decoder_stack"),
     **dict.fromkeys(("BLOCK_FORMATS", "BlockFormat", "format_of", "row_bytes"), "fdplug.plugin_api.gguf_formats"),
     "import_paddle": "fdplug.plugin_api.paddle",
-    "gather_blocks": "fdplug.plugin_api.kv_layout", "scatter_blocks": "fdplug.plugin_api.kv_layout",
     "layout_of": "fdplug.plugin_api.kv_layout",
     **dict.fromkeys(("KVCaches", "KVConnChecker", "KVReceiver", "KVSender"), "fdplug.plugin_api.kv_connector"),
     "Decision": "fdplug.plugin_api.selection", "Selection": "fdplug.plugin_api.selection",
@@ -70,7 +71,10 @@ _EXPORTS = {
     **dict.fromkeys(("ANY_DEVICE", "AttentionBackendSpec", "DeviceSpec", "FeatureStorageSpec", "KVConnectorSpec",
                      "ModelRunnerSpec", "MoEBackendSpec", "OpSpec", "Probe"), "fdplug.plugin_api.specs"),
     "FeatureStorage": "fdplug.plugin_api.storage", "display_url": "fdplug.plugin_api.storage",
-    "ordered_map": "fdplug.plugin_api.storage",
+    "EngineView": "fdplug.plugin_api.engine_config", "ModelTraits": "fdplug.plugin_api.engine_config",
+    "SamplingParams": "fdplug.plugin_api.sampling_params",
+    **dict.fromkeys(("CachedRequestData", "MMPlaceholder", "NewRequestData", "SchedulerOutput"),
+                    "fdplug.plugin_api.scheduled_work"),
 }
 
 __all__ = ["API_VERSION", "hookimpl", *sorted(_EXPORTS)]

@@ -1,7 +1,7 @@
 """The hooks: what a plugin implements. Read with `fdplug.plugin_api.specs` (what it registers).
 
 A plugin is a module (or object) with functions decorated by ``fdplug.hookimpl`` whose names are
-the hooks below, and a module-level ``FDPLUG_API_VERSION = "3.14"`` naming the API it was written
+the hooks below, and a module-level ``FDPLUG_API_VERSION = "4.0"`` naming the API it was written
 for. Registration hooks are called once, when plugins load, with a ``register`` callback that
 accepts one spec object; the core validates what is registered, so a bad registration fails loudly
 and only that plugin is skipped.
@@ -34,11 +34,11 @@ from fdplug.plugin_api.specs import (
 )
 
 if TYPE_CHECKING:
-    from fdplug.core.config import EngineConfig
+    from fdplug.plugin_api.engine_config import EngineView
     from fdplug.plugin_api.selection import Selection
 
 PROJECT_NAME = "fdplug"
-API_VERSION = "3.14"
+API_VERSION = "4.0"
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
@@ -124,10 +124,10 @@ def fdplug_register_settings(register: Callable[[Setting], None]) -> None:
 
 
 @hookspec
-def fdplug_configure(config: EngineConfig, selection: Selection) -> None:
-    """Validate or adjust the engine config for the selection just made.
+def fdplug_configure(config: EngineView, selection: Selection) -> None:
+    """Check the engine config against the selection just made.
 
-    ``config`` is mutable at this point, ``selection`` is not. Act only if one of your components
+    Both are read-only: ``config`` is the core's, read through `EngineView`. Act only if one of your components
     was selected (compare ``selection.device.name`` etc.). Raise `fdplug.errors.ConfigError` with a
     ``fix=`` when a setting cannot work (for example a block size the kernel does not support).
 

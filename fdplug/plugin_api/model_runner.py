@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from fdplug.core.scheduler.output import SchedulerOutput
+    from fdplug.plugin_api.scheduled_work import SchedulerOutput
 
 GIB = 1 << 30
 

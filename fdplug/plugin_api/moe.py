@@ -1,10 +1,11 @@
-"""The MoE contract: the routing rule every model uses, and what a MoE backend computes.
+"""The MoE contract: how a layer routes (`Routing`), and what a MoE backend computes.
 
 A MoE layer is three parts, and only the last belongs to a backend:
 
 1. the router: a plain linear layer in the model giving ``router_logits [T, E]``;
-2. the routing rule, `select_experts` with the layer's `Routing`: which ``top_k`` experts each
-   token goes to and with what weight. It lives here, once, so no backend can route differently;
+2. the routing rule, applied by the core (`fdplug.core.portable.moe_routing.select_experts`) with
+   the layer's `Routing`: which ``top_k`` experts each token goes to and with what weight. The core
+   applies it, once, before any backend runs, so no backend can route differently;
 3. the routed experts: `MoEBackend.forward` takes the hidden states and the chosen
    ``(weights, ids)`` and returns ``sum_k weight_k * expert_{id_k}(x)``. The backend owns the
    expert weights in its own layout (``load_weights`` converts them once at load time).
@@ -89,48 +90,6 @@ class Routing:
         if self.scaling != 1.0:
             parts.append(f"x{self.scaling:g}")
         return ", ".join(parts)
-
-
-def select_experts(router_logits: Any, routing: Routing, bias: Any | None = None) -> tuple[Any, Any]:
-    """The routing rule: per token, ``routing.top_k`` experts and their weights.
-
-    ``router_logits [T, E]`` (any float dtype), ``bias [E]`` float32 when ``routing.bias``.
-    Returns ``(weights [T, top_k] float32, expert_ids [T, top_k] int64)``, best expert first.
-    """
-    import paddle
-    import paddle.nn.functional as F
-
-    logits = router_logits.astype("float32")
-    scores = F.softmax(logits, axis=-1) if routing.scoring == "softmax" else F.sigmoid(logits)
-    choice = scores if bias is None else scores + bias.astype("float32").reshape([1, -1])
-    if routing.num_groups > 1:
-        choice = _keep_best_groups(choice, routing.num_groups, routing.topk_groups)
-    _, ids = paddle.topk(choice, k=routing.top_k, axis=-1)
-    weights = paddle.take_along_axis(scores, ids, axis=-1)   # the unbiased scores weigh the experts
-    if routing.renormalize:
-        weights = weights / weights.sum(axis=-1, keepdim=True).clip(min=routing.norm_floor)
-    if routing.scaling != 1.0:
-        weights = weights * routing.scaling
-    return weights, ids
-
-
-def _keep_best_groups(choice: Any, num_groups: int, topk_groups: int) -> Any:
-    """``choice`` with the experts outside each token's ``topk_groups`` best groups set to -inf.
-
-    A group's score is the sum of its two best choice scores (one if a group has one expert).
-    Dropped experts become -inf rather than 0 (HF's DeepSeek-V3 uses 0): with a negative selection
-    bias a kept expert can score below 0, and a dropped group must still never win.
-    """
-    import paddle
-
-    tokens, experts = choice.shape
-    grouped = choice.reshape([tokens, num_groups, experts // num_groups])
-    best, _ = paddle.topk(grouped, k=min(2, experts // num_groups), axis=-1)
-    _, kept = paddle.topk(best.sum(axis=-1), k=topk_groups, axis=-1)
-    keep = paddle.zeros([tokens, num_groups], dtype="float32")
-    keep = paddle.put_along_axis(keep, kept, paddle.ones_like(kept, dtype="float32"), axis=-1)
-    mask = keep.unsqueeze(-1).expand_as(grouped).reshape([tokens, experts])
-    return paddle.where(mask > 0, choice, paddle.full_like(choice, float("-inf")))
 
 
 @dataclass(slots=True)

@@ -17,7 +17,7 @@ from fdplug.plugin_api.ops import OPS, PREPARED_OPS
 from fdplug.plugin_api.settings import Setting
 
 if TYPE_CHECKING:
-    from fdplug.core.config import EngineConfig
+    from fdplug.plugin_api.engine_config import EngineView
     from fdplug.plugin_api.storage import FeatureStorage
 
 ANY_DEVICE = "*"
@@ -74,7 +74,7 @@ class ComponentSpec:
     """Common shape of the per-device components: model runners, attention and MoE backends, op kernels.
 
     ``devices`` lists the device names the component runs on (``"*"``: any). ``supports(config)``
-    returns ``None`` if the component can serve the given `EngineConfig`, else the reason it cannot;
+    returns ``None`` if the component can serve the given `EngineView`, else the reason it cannot;
     it must not raise for an unsupported model. ``factory`` builds the object the core calls (its
     arguments per role: ``(config, selection)`` for a runner, ``(config)`` for the others).
     """
@@ -83,7 +83,7 @@ class ComponentSpec:
     devices: tuple[str, ...]
     factory: Callable[..., Any]
     priority: int = 0
-    supports: Callable[[EngineConfig], str | None] | None = None
+    supports: Callable[[EngineView], str | None] | None = None
     description: str = ""
 
     role = "component"
@@ -165,8 +165,8 @@ class OpSpec(ComponentSpec):
     op: str = ""
     bf16_inputs: bool = False
     q8_inputs: bool = False
-    prepare: Callable[[EngineConfig], Callable[[Any], Any]] | None = None
-    measure_key: Callable[[EngineConfig], str] | None = None
+    prepare: Callable[[EngineView], Callable[[Any], Any]] | None = None
+    measure_key: Callable[[EngineView], str] | None = None
 
     role = "op"
 
@@ -192,7 +192,7 @@ class FeatureStorageSpec:
 
     name: str
     schemes: tuple[str, ...]
-    factory: Callable[[EngineConfig], FeatureStorage]
+    factory: Callable[[EngineView], FeatureStorage]
     priority: int = 0
     description: str = ""
 

@@ -27,7 +27,6 @@ import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from fdplug.core.engine.request import SamplingParams
 from fdplug.core.frontend.processor import ProcessedPrompt
 from fdplug.errors import (
     ConfigError,
@@ -36,6 +35,7 @@ from fdplug.errors import (
     FdplugError,
     InvalidRequestError,
 )
+from fdplug.plugin_api.sampling_params import SamplingParams
 from fdplug.server.dp_router import Router
 from fdplug.server.engine_client import EngineClient
 from fdplug.server.engine_handle import EngineProcess

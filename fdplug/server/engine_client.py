@@ -20,13 +20,13 @@ from typing import Any
 
 import zmq
 
-from fdplug.core.engine.request import RequestStatus, SamplingParams
 from fdplug.core.frontend.processor import (
     InputProcessor,
     OutputProcessor,
     ProcessedPrompt,
 )
 from fdplug.core.model.config import ModelConfig
+from fdplug.core.request import RequestStatus
 from fdplug.errors import (
     EngineDeadError,
     EngineRequestError,
@@ -34,6 +34,7 @@ from fdplug.errors import (
     InvalidRequestError,
     ServerShuttingDownError,
 )
+from fdplug.plugin_api.sampling_params import SamplingParams
 from fdplug.server import protocol as P
 from fdplug.server.metrics import ServerMetrics
 from fdplug.server.request_stream import RequestStream

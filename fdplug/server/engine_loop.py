@@ -58,7 +58,7 @@ class EngineLoop:
                                          sleep=self._wait_for_more)
 
     def run(self) -> None:
-        from fdplug.core.engine.request import RequestStatus
+        from fdplug.core.request import RequestStatus
 
         stalled = False
         while self.running or self.group is not None:
@@ -117,7 +117,7 @@ class EngineLoop:
             self._send([P.ADMITTED, admitted, rejected])
 
     def _handle(self, message: list, admitted: list[str], rejected: list[list]) -> None:
-        from fdplug.core.engine.request import RequestStatus
+        from fdplug.core.request import RequestStatus
 
         tag = message[0]
         if tag == P.ADD:

@@ -9,11 +9,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from fdplug.core.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from fdplug.core.frontend.processor import ProcessedPrompt
 from fdplug.core.model.chat_messages import check_template_kwargs
 from fdplug.core.multimodal.inputs import FeaturePartCollector
 from fdplug.errors import InvalidRequestError, ModelNotFoundError
+from fdplug.plugin_api.sampling_params import MAX_LOGPROBS, SamplingParams
 from fdplug.server import openai_types as T
 from fdplug.server.engine_client import EngineClient
 from fdplug.server.request_stream import RequestStream

@@ -28,9 +28,11 @@ from typing import Any
 import msgpack
 
 from fdplug import errors
-from fdplug.core.engine.request import MMPlaceholder, Request, SamplingParams
 from fdplug.core.multimodal.inputs import MMFeatureInput
+from fdplug.core.request import Request
 from fdplug.core.scheduler.output import EngineCoreOutput, SchedulerStats
+from fdplug.plugin_api.sampling_params import SamplingParams
+from fdplug.plugin_api.scheduled_work import MMPlaceholder
 
 ADD, ABORT, SHUTDOWN, WAKE = "add", "abort", "shutdown", "wake"   # wake: expert parallel, a peer got work
 READY, STARTUP_ERROR, ADMITTED, OUTPUTS, STATS, FATAL = (

@@ -18,10 +18,10 @@ from typing import Any
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, StreamingResponse
 
-from fdplug.core.engine.sampling_params import SamplingParams
 from fdplug.core.frontend.outputs import RequestOutput
 from fdplug.core.frontend.processor import Delta
 from fdplug.errors import EngineRequestError, FdplugError
+from fdplug.plugin_api.sampling_params import SamplingParams
 from fdplug.server import openai_types as T
 from fdplug.server.engine_client import EngineClient
 from fdplug.server.jobs import Job

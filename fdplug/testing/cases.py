@@ -222,7 +222,8 @@ def run_moe(backend, case: MoECase, place: str = "cpu") -> np.ndarray:
     """The backend's output for the case, routed by the core's `select_experts`."""
     import paddle
 
-    from fdplug.plugin_api.moe import ExpertWeights, select_experts
+    from fdplug.core.portable.moe_routing import select_experts
+    from fdplug.plugin_api.moe import ExpertWeights
 
     arrays = moe_case_arrays(case)
     previous = paddle.get_device()

@@ -20,8 +20,9 @@ import numpy as np
 import pytest
 
 from fdplug.core.config import EngineConfig
+from fdplug.core.portable.kv_blocks import gather_blocks
 from fdplug.plugin_api.kv_connector import KVCaches, KVReceiver, KVSender
-from fdplug.plugin_api.kv_layout import gather_blocks, layout_of
+from fdplug.plugin_api.kv_layout import layout_of
 
 LAYERS, BLOCKS, TOKENS, HEADS, DIM = 3, 12, 4, 2, 8
 STALL = 0.5

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from fdplug.core.config import EngineConfig
-from fdplug.plugin_api.kv_layout import gather_blocks, layout_of, scatter_blocks
+from fdplug.core.portable.kv_blocks import gather_blocks, scatter_blocks
+from fdplug.plugin_api.kv_layout import layout_of
 from fdplug.testing.cases import attention_cases, case_steps, case_tensors
 
 

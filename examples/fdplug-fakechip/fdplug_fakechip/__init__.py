@@ -13,7 +13,7 @@ import importlib.util
 
 from fdplug.plugin_api import DeviceSpec, Probe, hookimpl
 
-FDPLUG_API_VERSION = "3.0"
+FDPLUG_API_VERSION = "4.0"
 
 
 def probe() -> Probe:

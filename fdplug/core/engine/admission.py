@@ -14,8 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fdplug.core.engine.request import Request, SamplingParams
+from fdplug.core.request import Request
 from fdplug.errors import InvalidRequestError, show_value
+from fdplug.plugin_api.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,15 +24,15 @@ from fdplug.core.config import EngineConfig
 from fdplug.core.engine.admission import ModelLimits, check_request
 from fdplug.core.engine.executor import ExecutedStep, StepExecutor
 from fdplug.core.engine.profiler import StepProfiler
-from fdplug.core.engine.request import Request, RequestStatus
 from fdplug.core.engine.runner_check import disagreements
 from fdplug.core.engine.step_recovery import drop
 from fdplug.core.kv_transfer.engine_side import make_side
 from fdplug.core.multimodal.encoder_cache import EncoderCache
 from fdplug.core.multimodal.fetch import FeatureFetcher
 from fdplug.core.multimodal.loader import FeatureLoader
+from fdplug.core.request import Request, RequestStatus
 from fdplug.core.scheduler.config import SchedulerConfig
-from fdplug.core.scheduler.output import EngineCoreOutput, SchedulerOutput
+from fdplug.core.scheduler.output import EngineCoreOutput
 from fdplug.core.scheduler.scheduler import Scheduler
 from fdplug.errors import (
     EngineRequestError,
@@ -40,6 +40,7 @@ from fdplug.errors import (
     ParallelGroupError,
     error_to_dict,
 )
+from fdplug.plugin_api.scheduled_work import SchedulerOutput
 from fdplug.plugin_api.selection import Selection
 
 logger = logging.getLogger("fdplug.engine")

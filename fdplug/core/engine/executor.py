@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from fdplug.core.engine.runner_check import checked_tokens, disagreements, start_over
 from fdplug.core.engine.step_recovery import Recovered, recover_step
 from fdplug.core.multimodal.encoder_cache import EncoderCache
-from fdplug.core.scheduler.output import SchedulerOutput
 from fdplug.core.scheduler.scheduler import Scheduler
 from fdplug.errors import FdplugError, ParallelGroupError, RequestStepError
 from fdplug.plugin_api.model_runner import ModelRunner, ModelRunnerOutput
+from fdplug.plugin_api.scheduled_work import SchedulerOutput
 
 logger = logging.getLogger("fdplug.engine")
 

@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fdplug.core.scheduler.output import NewRequestData, SchedulerOutput
+from fdplug.core.scheduler.output import new_request_data
 from fdplug.core.scheduler.scheduler import Scheduler
 from fdplug.errors import (
     EngineRequestError,
@@ -33,6 +33,7 @@ from fdplug.errors import (
     ParallelGroupError,
     RequestStepError,
 )
+from fdplug.plugin_api.scheduled_work import SchedulerOutput
 
 logger = logging.getLogger("fdplug.engine")
 
@@ -146,7 +147,7 @@ def drop(runner: Any, request_ids: Iterable[str]) -> None:
 
 def _rerun(scheduler: Scheduler, so: SchedulerOutput, group: list[str]) -> SchedulerOutput:
     """The step's work for ``group`` only, each request given to the runner in full again."""
-    new = [NewRequestData.from_request(scheduler.requests[rid], scheduler.kv_cache_manager.get_block_ids(rid), True)
+    new = [new_request_data(scheduler.requests[rid], scheduler.kv_cache_manager.get_block_ids(rid), True)
            for rid in group]
     tokens = {rid: so.num_scheduled_tokens[rid] for rid in group}
     return SchedulerOutput(new, [], tokens, sum(tokens.values()), [], set(), so.mm_features)

@@ -14,7 +14,6 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from fdplug.core.engine.request import RequestStatus, SamplingParams
 from fdplug.core.engine.startup import create_engine
 from fdplug.core.frontend.outputs import RequestOutput
 from fdplug.core.frontend.processor import (
@@ -26,7 +25,9 @@ from fdplug.core.frontend.processor import (
 )
 from fdplug.core.heap import freeze_startup_heap_once
 from fdplug.core.multimodal.inputs import FeaturePartCollector
+from fdplug.core.request import RequestStatus
 from fdplug.errors import ConfigError
+from fdplug.plugin_api.sampling_params import SamplingParams
 
 logger = logging.getLogger("fdplug.llm")
 

@@ -16,8 +16,6 @@ from fdplug.core.engine.admission import (
     check_sampling,
     check_token_ids,
 )
-from fdplug.core.engine.request import MMPlaceholder, Request
-from fdplug.core.engine.sampling_params import SamplingParams, child_seed
 from fdplug.core.frontend.outputs import CompletionOutput, Logprob, RequestOutput
 from fdplug.core.model.detokenizer import IncrementalDetokenizer
 from fdplug.core.multimodal.config import MultimodalConfig
@@ -26,8 +24,11 @@ from fdplug.core.multimodal.inputs import (
     MMFeatureInput,
     expand_placeholders,
 )
+from fdplug.core.request import Request
 from fdplug.core.scheduler.output import EngineCoreOutput
 from fdplug.errors import FdplugError, InvalidRequestError, error_from_dict
+from fdplug.plugin_api.sampling_params import SamplingParams, child_seed
+from fdplug.plugin_api.scheduled_work import MMPlaceholder
 
 PromptType = str | Mapping[str, Any]
 

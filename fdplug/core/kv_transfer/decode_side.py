@@ -22,8 +22,8 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from fdplug.core.engine.request import Request, RequestStatus
 from fdplug.core.kv_transfer.params import bad, check_params
+from fdplug.core.request import Request, RequestStatus
 from fdplug.core.scheduler.output import EngineCoreOutput
 from fdplug.core.scheduler.request_rules import check_stop
 from fdplug.errors import KVTransferError, KVTransferTimeoutError, error_to_dict

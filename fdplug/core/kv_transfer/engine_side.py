@@ -24,10 +24,10 @@ import logging
 import time
 from typing import Any
 
-from fdplug.core.engine.request import Request, RequestStatus
 from fdplug.core.kv_transfer.decode_side import DecodeSide
 from fdplug.core.kv_transfer.params import make_params
 from fdplug.core.kv_transfer.peers import check_decode_trust, resolve_peers
+from fdplug.core.request import Request, RequestStatus
 from fdplug.core.scheduler.output import EngineCoreOutput
 from fdplug.errors import ConfigError
 from fdplug.plugin_api.attention import cdiv

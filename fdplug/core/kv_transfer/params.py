@@ -27,7 +27,7 @@ from typing import Any
 
 import msgpack
 
-from fdplug.core.engine.request import Request
+from fdplug.core.request import Request
 from fdplug.errors import InvalidRequestError
 
 KEYS = ("connector", "first_token", "num_prompt_tokens", "num_cached_tokens", "block_size", "prompt_digest",

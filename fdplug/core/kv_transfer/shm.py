@@ -42,8 +42,8 @@ from fdplug.core.kv_transfer.peers import sender_address
 from fdplug.core.kv_transfer.tcp import TCPSender
 from fdplug.core.kv_transfer.tcp_receiver import TCPReceiver, _Pull
 from fdplug.core.kv_transfer.wire import header as _header
+from fdplug.core.portable.kv_blocks import put_blocks, take_blocks
 from fdplug.plugin_api.kv_connector import KVCaches
-from fdplug.plugin_api.kv_layout import put_blocks, take_blocks
 
 logger = logging.getLogger("fdplug.kv_transfer")
 

@@ -36,8 +36,8 @@ import zmq
 from fdplug.core.kv_transfer.wire import Staging
 from fdplug.core.kv_transfer.wire import header as _header
 from fdplug.core.kv_transfer.wire import read_header as _read_header
+from fdplug.core.portable.kv_blocks import take_blocks, word_dtype
 from fdplug.errors import ConfigError
-from fdplug.plugin_api.kv_layout import take_blocks, word_dtype
 
 
 class TCPSender:

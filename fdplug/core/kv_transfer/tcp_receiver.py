@@ -31,7 +31,8 @@ from fdplug.core.kv_transfer.params import is_count
 from fdplug.core.kv_transfer.peers import split_tcp_address, tcp_address
 from fdplug.core.kv_transfer.wire import header as _header
 from fdplug.core.kv_transfer.wire import read_header as _read_header
-from fdplug.plugin_api.kv_layout import check_layout, put_blocks, word_dtype
+from fdplug.core.portable.kv_blocks import put_blocks, word_dtype
+from fdplug.plugin_api.kv_layout import check_layout
 
 TRANSFER_ID = re.compile(r"[0-9a-f]{32}")
 """What a sender's transfer ids look like (``secrets.token_hex(16)``): a conn's is checked against it."""

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fdplug.core.config import ModelTraits
 from fdplug.core.model.architectures import (
     check_supported,
     flag,
@@ -34,6 +33,7 @@ from fdplug.core.model.quant_config import (
 from fdplug.core.model.rope import RopeConfig, parse_rope
 from fdplug.core.multimodal.config import MultimodalConfig
 from fdplug.errors import ConfigError, ModelLoadError
+from fdplug.plugin_api.engine_config import ModelTraits
 
 _DTYPES = {"float32": "float32", "float": "float32", "fp32": "float32", "bfloat16": "bfloat16",
            "bf16": "bfloat16", "float16": "float16", "half": "float16", "fp16": "float16"}

@@ -42,8 +42,9 @@ from fdplug.core.model.quant_config import (
     mlp_quant,
     shared_expert_prefix,
 )
+from fdplug.core.portable.moe_routing import select_experts
 from fdplug.plugin_api.gguf_formats import row_bytes
-from fdplug.plugin_api.moe import ExpertsFailedError, ExpertWeights, select_experts
+from fdplug.plugin_api.moe import ExpertsFailedError, ExpertWeights
 from fdplug.plugin_api.ops import Kernels
 
 # scales: FP8; gate and up apart: a GGUF file's

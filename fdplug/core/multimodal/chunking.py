@@ -20,21 +20,12 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 from fdplug.errors import InvalidRequestError
 from fdplug.plugin_api.attention import cdiv
-
-Span = tuple[int, int]
-
-
-class PlaceholderLike(Protocol):
-    """What ``spans`` reads of an item (``MMPlaceholder``); a missing ``span_length`` means causal."""
-
-    offset: int
-    length: int
+from fdplug.plugin_api.scheduled_work import Span
 
 
 @dataclass(slots=True)
@@ -44,24 +35,6 @@ class ChunkPlan:
 
     ends: list[int]
     oversize: list[bool]
-
-
-def spans(items: Iterable[PlaceholderLike]) -> list[Span]:
-    """The bidirectional spans of ``items``, sorted. One-token spans are left out: they have no interior."""
-    out: list[Span] = []
-    for item in items:
-        span_length = getattr(item, "span_length", 0)
-        if span_length < 0 or item.length < 0:
-            raise InvalidRequestError(
-                f"a multimodal item at offset {item.offset} has length {item.length} and span_length "
-                f"{span_length}; both must be >= 0.", fix="send non-negative placeholder sizes.")
-        if span_length <= 1:
-            continue
-        end = item.offset + item.length
-        out.extend((s, min(s + span_length, end)) for s in range(item.offset, end, span_length)
-                   if min(s + span_length, end) - s > 1)
-    out.sort()
-    return out
 
 
 def _inside(spans: Sequence[Span], pos: int) -> Span | None:

@@ -3,7 +3,7 @@
 The engine, ``fdplug fetch-features`` and the benchmark share this module. Storages are chosen per
 scheme by selection's rule (`select_storages`) and built lazily, the first time a URL of their
 scheme is fetched, so credentials are read only when needed. Storages parallelise with
-`fdplug.plugin_api.storage.ordered_map`.
+`fdplug.core.portable.ordered_fetch.ordered_map`.
 """
 
 from __future__ import annotations

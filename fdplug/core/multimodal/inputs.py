@@ -14,9 +14,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fdplug.core.engine.request import MMPlaceholder
 from fdplug.core.multimodal.config import MultimodalConfig
 from fdplug.errors import InvalidRequestError, show_value
+from fdplug.plugin_api.scheduled_work import MMPlaceholder
 
 MODALITIES = ("image", "video")
 

@@ -15,11 +15,11 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from fdplug.core.engine.request import Request
 from fdplug.core.multimodal.encoder_cache import EncoderCache
 from fdplug.core.multimodal.features import decode_feature, validate_feature
 from fdplug.core.multimodal.fetch import FeatureFetcher
 from fdplug.core.multimodal.inputs import MMFeatureInput, content_hash
+from fdplug.core.request import Request
 from fdplug.errors import (
     FdplugError,
     FeatureFormatError,

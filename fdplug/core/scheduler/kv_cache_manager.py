@@ -17,8 +17,8 @@ import hashlib
 import struct
 from collections.abc import Sequence
 
-from fdplug.core.engine.request import Request
 from fdplug.core.multimodal.chunking import cut_back_hit
+from fdplug.core.request import Request
 from fdplug.core.scheduler.block_pool import (
     BlockHash,
     BlockPool,

@@ -7,8 +7,8 @@ the loop over requests it is.
 
 from __future__ import annotations
 
-from fdplug.core.engine.request import Request, RequestStatus
 from fdplug.core.multimodal.chunking import legal_end, plan_chunks
+from fdplug.core.request import Request, RequestStatus
 
 
 def chunk_size(request: Request, start: int, budget: int, step_budget: int) -> int:

@@ -19,20 +19,15 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable
 
-from fdplug.core.engine.request import Request, RequestStatus
 from fdplug.core.multimodal.chunking import check_admission
+from fdplug.core.request import Request, RequestStatus
 from fdplug.core.scheduler.config import SchedulerConfig
 from fdplug.core.scheduler.kv_cache_manager import KVCacheManager
-from fdplug.core.scheduler.output import (
-    CachedRequestData,
-    EngineCoreOutput,
-    NewRequestData,
-    SchedulerOutput,
-    SchedulerStats,
-)
+from fdplug.core.scheduler.output import EngineCoreOutput, SchedulerStats, new_request_data
 from fdplug.core.scheduler.request_rules import check_stop, chunk_size, oversize_span
 from fdplug.errors import EngineRequestError, InvalidRequestError, error_to_dict
 from fdplug.plugin_api.model_runner import ModelRunnerOutput
+from fdplug.plugin_api.scheduled_work import CachedRequestData, NewRequestData, SchedulerOutput
 
 
 class Scheduler:
@@ -179,7 +174,7 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_hit
         self.running.append(request)
-        new_reqs.append(NewRequestData.from_request(
+        new_reqs.append(new_request_data(
             request, self.kv_cache_manager.get_block_ids(request.request_id), resumed))
 
     def preempt_requests(self, request_ids: Iterable[str]) -> list[str]:

@@ -17,7 +17,6 @@ import numpy as np
 from fdplug.core.config import EngineConfig
 from fdplug.core.model.penalties import penalty_tokens, record_tokens
 from fdplug.core.model.sampler import Sampler
-from fdplug.core.scheduler.output import NewRequestData, SchedulerOutput
 from fdplug.core.worker.input_batch import InputBatch
 from fdplug.core.worker.kv_cache import (
     allocate_kv_caches,
@@ -30,6 +29,7 @@ from fdplug.plugin_api.attention import AttentionMetadata, cdiv
 from fdplug.plugin_api.model_runner import KVCachePlan, ModelInfo, ModelRunnerOutput, format_bytes
 from fdplug.plugin_api.ops import PREPARED_OPS, Kernels
 from fdplug.plugin_api.paddle import import_paddle
+from fdplug.plugin_api.scheduled_work import NewRequestData, SchedulerOutput
 from fdplug.plugin_api.selection import Selection
 
 logger = logging.getLogger("fdplug")

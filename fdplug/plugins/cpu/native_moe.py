@@ -14,7 +14,7 @@ tokens runs its gate, up and down through the cpu ``gguf_linear`` kernel, which 
 place (`native_gguf`), in the reference backend's loop over experts (one Python step per expert, not
 one compiled call a layer: a later speedup).
 
-Routing is the core's (`fdplug.plugin_api.moe.select_experts`); this backend only gets the chosen
+Routing is the core's (`fdplug.core.portable.moe_routing.select_experts`); this backend only gets the chosen
 ids and weights, so it cannot route differently from any other backend.
 """
 

@@ -6,7 +6,7 @@ paddle's CUDA kernels; fused CUDA attention/MoE backends register here later wit
 
 from __future__ import annotations
 
-from fdplug.plugin_api.device_probe import probe_accelerator
+from fdplug.core.portable.device_probe import probe_accelerator
 from fdplug.plugin_api.hookspecs import API_VERSION, hookimpl
 from fdplug.plugin_api.paddle import GPU_INSTALL_FIX
 from fdplug.plugin_api.specs import DeviceSpec, Probe

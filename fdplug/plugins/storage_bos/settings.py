@@ -20,7 +20,7 @@ from fdplug.plugin_api.settings import (
 )
 
 if TYPE_CHECKING:
-    from fdplug.core.config import EngineConfig
+    from fdplug.plugin_api.engine_config import EngineView
 
 SETTINGS = (
     Setting("FD_BOS_DOWNLOAD_PARALLEL", 8, parse_positive_int,
@@ -76,7 +76,7 @@ class BosSettings:
         return tuple(s for s in (self.access_key, self.secret_key, self.sts_token) if s)
 
     @classmethod
-    def from_env(cls, config: EngineConfig | None = None) -> BosSettings:
+    def from_env(cls, config: EngineView | None = None) -> BosSettings:
         """Read the FDPLUG_BOS_* variables, falling back to FastDeploy's ENCODE_FEATURE_* names."""
         endpoint = _first("FDPLUG_BOS_ENDPOINT", "ENCODE_FEATURE_ENDPOINT")
         access_key = _first("FDPLUG_BOS_AK", "ENCODE_FEATURE_BOS_AK")

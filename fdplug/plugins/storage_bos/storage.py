@@ -6,7 +6,7 @@ happens here: exponential backoff with jitter, at most ``max_retries`` per objec
 ``retry_deadline``; 403/404 fail at once. (The SDK still re-signs once by itself on a 403, for clock
 skew; that is its only hidden attempt.)
 
-Parallel downloads go through `fdplug.plugin_api.storage.ordered_map`: results in submission
+Parallel downloads go through `fdplug.core.portable.ordered_fetch.ordered_map`: results in submission
 order, a bounded window of futures, and once a download fails nothing after it starts.
 """
 
@@ -20,8 +20,8 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+from fdplug.core.portable.ordered_fetch import ordered_map
 from fdplug.errors import StorageError, StorageTimeoutError
-from fdplug.plugin_api.storage import ordered_map
 from fdplug.plugins.storage_bos.failures import (
     classify,
     install_log_redaction,
@@ -30,7 +30,7 @@ from fdplug.plugins.storage_bos.failures import (
 from fdplug.plugins.storage_bos.settings import BosObject, BosSettings, parse_bos_url
 
 if TYPE_CHECKING:
-    from fdplug.core.config import EngineConfig
+    from fdplug.plugin_api.engine_config import EngineView
 
 logger = logging.getLogger("fdplug.storage.bos")
 
@@ -42,7 +42,7 @@ class BosStorage:
 
     name = "bos"
 
-    def __init__(self, settings: BosSettings | None = None, *, config: EngineConfig | None = None) -> None:
+    def __init__(self, settings: BosSettings | None = None, *, config: EngineView | None = None) -> None:
         self._settings = settings
         self._config = config
         self._lock = threading.RLock()

@@ -6,7 +6,7 @@ kernels, and the multimodal prefix cache is the core's, so it is on here as on e
 
 from __future__ import annotations
 
-from fdplug.plugin_api.device_probe import probe_accelerator
+from fdplug.core.portable.device_probe import probe_accelerator
 from fdplug.plugin_api.hookspecs import API_VERSION, hookimpl
 from fdplug.plugin_api.specs import DeviceSpec, Probe
 

@@ -1,7 +1,7 @@
 """A request's lifecycle state and its multimodal placeholders.
 
 The scheduler and the KV cache manager read and write ``Request``; nothing here imports paddle.
-Its sampling parameters are ``fdplug.core.engine.sampling_params.SamplingParams`` (importable from here too,
+Its sampling parameters are ``fdplug.plugin_api.sampling_params.SamplingParams`` (importable from here too,
 as they always were).
 """
 
@@ -11,13 +11,9 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from fdplug.core.engine.sampling_params import SamplingParams
-from fdplug.core.multimodal.chunking import spans
 from fdplug.errors import InvalidRequestError
-
-# ---------------------------------------------------------------------------------------------------
-# request
-# ---------------------------------------------------------------------------------------------------
+from fdplug.plugin_api.sampling_params import SamplingParams
+from fdplug.plugin_api.scheduled_work import MMPlaceholder, spans
 
 
 class RequestStatus(enum.IntEnum):
@@ -54,27 +50,6 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_ERROR: "error",
 }
-
-
-@dataclass(frozen=True, slots=True)
-class MMPlaceholder:
-    """A multimodal item's placeholder tokens in the prompt: ``[offset, offset + length)``.
-
-    ``mm_hash`` identifies the item's content; it enters the hash of every KV block the item
-    overlaps, so two prompts with the same placeholder tokens but different images never share KV.
-    ``span_length`` > 0 tiles the item into spans of that many tokens (the last may be shorter)
-    whose tokens attend bidirectionally within their span (an image: one span; a video: one span
-    per 2 frames); 0 means the item's tokens are causal like text.
-    """
-
-    offset: int
-    length: int
-    mm_hash: str
-    span_length: int = 0
-
-    @property
-    def end(self) -> int:
-        return self.offset + self.length
 
 
 @dataclass(slots=True, eq=False)
