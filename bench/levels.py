@@ -5,7 +5,7 @@
     python bench/levels.py --quick                  # 3 pairs, fewer requests
 
 Issue 33's bar: with the default selection (the linear kernel timed against paddle's matmul per
-layer shape, `fdplug.core.plugin_loading.op_timing`) no engine figure is below the all-portable
+layer shape, `fdplug.core.worker.op_timing`) no engine figure is below the all-portable
 configuration's (every op, attention and MoE the core's Paddle code), in the same run. The model
 has SmolLM2-135M-Instruct's sizes (hidden 576, 30 layers, 9 heads of 64, 3 KV heads, intermediate
 1,536, vocabulary 49,152, tied embeddings) in the demo's Qwen2 layout (q/k/v biases: the random
@@ -67,7 +67,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.disable(logging.INFO)
     from fdplug.core.frontend.llm import LLM
-    from fdplug.core.model.layers import Linear
+    from fdplug.core.model.layers.linear import Linear
     from fdplug.plugins.cpu import isa
 
     pairs = 3 if args.quick else 6

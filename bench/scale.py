@@ -140,7 +140,7 @@ def expert_parallel(args, tmp: Path, pairs: int) -> None:
     import numpy as np
 
     model = args.model or make_moe_model(tmp)
-    from fdplug.core.model.config import ModelConfig
+    from fdplug.core.model.checkpoint.config import ModelConfig
 
     vocab = ModelConfig.from_dir(model).vocab_size
     servers = {"ep1": start(model, 1, args.max_num_seqs, tmp / "ep1.log"),
@@ -213,7 +213,7 @@ def main() -> None:
             from throughput import make_model
 
             model = str(make_model(Path(tmp)))
-        from fdplug.core.model.config import ModelConfig
+        from fdplug.core.model.checkpoint.config import ModelConfig
 
         vocab = ModelConfig.from_dir(model).vocab_size
         if args.affinity:

@@ -335,7 +335,7 @@ def main() -> None:
     ap.add_argument("--prompt-seed", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
 
-    from fdplug.core.model.config import ModelConfig
+    from fdplug.core.model.checkpoint.config import ModelConfig
     from fdplug.demo.random_model import ensure_random_model
 
     args.model = args.model or str(ensure_random_model())

@@ -176,8 +176,8 @@ def explain_command(device: str, runner: str | None, attention: str | None, moe:
         return
     click.echo(selection.explain())
     if model_config is not None:
-        from fdplug.core.model.footprint import model_summary
-        from fdplug.core.plugin_loading.op_timing import plan_linear
+        from fdplug.core.model.checkpoint.footprint import model_summary
+        from fdplug.core.worker.op_timing import plan_linear
 
         model_config.keep_weights(config.dtype, config.weight_dtype)
         click.echo(model_summary(model_config, config.dtype, selection.moe.name, selection.ops))

@@ -30,10 +30,12 @@ def fetch_features(urls: tuple[str, ...], out_dir: Path | None, timeout: float |
     """Fetch pre-encoded multimodal features (bos://, file://, http(s)://) and describe each one."""
     from fdplug.core.config import EngineConfig
     from fdplug.core.multimodal.fetch import FeatureFetcher
+    from fdplug.core.plugin_loading.loader import current_plugins
+    from fdplug.core.plugin_loading.selection import select_storages
 
     fetcher = None
     try:
-        fetcher = FeatureFetcher.from_plugins(EngineConfig())
+        fetcher = FeatureFetcher(select_storages(current_plugins()), EngineConfig())
         _fetch_and_report(fetcher, list(urls), out_dir, timeout, hidden_size)
     except FdplugError as err:
         raise click.ClickException(str(err)) from None

@@ -19,10 +19,10 @@ import pytest
 paddle = pytest.importorskip("paddle")
 
 from fdplug.core.config import EngineConfig  # noqa: E402
-from fdplug.core.model.fp8_layers import dequant_rows  # noqa: E402
 from fdplug.core.plugin_loading.loader import load_plugins  # noqa: E402
 from fdplug.core.plugin_loading.selection import select_components  # noqa: E402
 from fdplug.core.portable.moe import ReferenceMoE  # noqa: E402
+from fdplug.core.quant.fp8_rows import dequant_rows  # noqa: E402
 from fdplug.errors import ConfigError, SelectionError  # noqa: E402
 from fdplug.plugin_api.engine_config import ModelTraits  # noqa: E402
 from fdplug.plugin_api.fp8 import block_quant  # noqa: E402

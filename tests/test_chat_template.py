@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from fdplug.core.model import chat_template, template_budget
-from fdplug.core.model.chat_template import render_template
+from fdplug.core.model.text import chat_template, template_budget
+from fdplug.core.model.text.chat_template import render_template
 from fdplug.errors import InvalidRequestError
 
 # Everything a real chat template does: loops with loop variables, a recursive loop, macros, a

@@ -12,8 +12,8 @@ import pytest
 
 import fdplug.server  # noqa: F401  (declares the server's settings)
 from fdplug.core.config import EngineConfig
-from fdplug.core.model.architectures import ARCHITECTURES
-from fdplug.core.model.config import ModelConfig
+from fdplug.core.model.checkpoint.architectures import ARCHITECTURES
+from fdplug.core.model.checkpoint.config import ModelConfig
 from fdplug.core.plugin_loading.loader import load_plugins
 from fdplug.core.settings import env
 from fdplug.errors import ConfigError, ModelLoadError

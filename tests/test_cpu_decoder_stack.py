@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("paddle")
 
 from fdplug import LLM, SamplingParams
-from fdplug.core.model.fused_stack import describe
+from fdplug.core.model.layers.fused_stack import describe
 from fdplug.plugins.cpu import isa, kernels
 from fdplug.testing.gguf_kit import write_pair
 

@@ -6,8 +6,8 @@ import numpy as np
 import paddle
 import pytest
 
-from fdplug.core.model.layers import RotaryEmbedding
-from fdplug.core.model.rope import RopeConfig
+from fdplug.core.model.checkpoint.rope import RopeConfig
+from fdplug.core.model.layers.basic import RotaryEmbedding
 from fdplug.core.portable import ops as portable
 from fdplug.plugins.cpu import kernels, native_norms
 

@@ -284,7 +284,7 @@ def test_swiglu_refuses_what_the_c_code_cannot_take():
 
 
 def test_native_runner_puts_the_kernel_in_every_mlp(test_model_dir):
-    from fdplug.core.model.layers import SwiGLU
+    from fdplug.core.model.layers.basic import SwiGLU
 
     llm = LLM(str(test_model_dir), num_kv_blocks=16, max_model_len=64)
     mlps = [layer for layer in llm.engine.runner.model.sublayers() if isinstance(layer, SwiGLU)]

@@ -125,7 +125,7 @@ def test_the_engine_packs_its_linear_layers_once_and_keeps_one_copy(test_model_d
     """Through `fdplug.LLM` on the cpu device: every linear layer prepared, the parameter footprint
     the same as the checkpoint's, and prompts decoded alone give the batch's tokens."""
     from fdplug.core.frontend.llm import LLM
-    from fdplug.core.model.layers import Linear
+    from fdplug.core.model.layers.linear import Linear
     from fdplug.plugin_api.sampling_params import SamplingParams
 
     pinned = {"linear": "cpu_native_linear"}   # not timed against paddle's: every layer runs it
@@ -149,7 +149,7 @@ def test_the_engine_packs_its_linear_layers_once_and_keeps_one_copy(test_model_d
 def test_a_preparation_must_keep_dtype_count_and_shape():
     """`Linear.prepare` refuses what would break footprints or the kernel's reading, keeps None
     (weights stay [N, K]) and prepares once."""
-    from fdplug.core.model.layers import Linear
+    from fdplug.core.model.layers.linear import Linear
 
     layer = Linear(8, 16, False, "float32", kernel=lambda x, w: w)
     paddle.assign(paddle.ones([16, 8]), layer.weight)

@@ -13,7 +13,7 @@ import re
 import pytest
 
 from fdplug.core.frontend.llm import LLM
-from fdplug.core.model.tokenizer import Tokenizer
+from fdplug.core.model.text.tokenizer import Tokenizer
 from fdplug.demo import demo_model_dir
 from fdplug.demo.chatml import EXTRA_TOKENS, SPECIAL_TOKENS, VISION_TOKENS
 from fdplug.plugin_api.sampling_params import SamplingParams

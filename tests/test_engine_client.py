@@ -9,7 +9,7 @@ import pytest
 import zmq
 
 from fdplug.core.frontend.processor import ProcessedPrompt
-from fdplug.core.model.tokenizer import Tokenizer
+from fdplug.core.model.text.tokenizer import Tokenizer
 from fdplug.core.scheduler.output import EngineCoreOutput
 from fdplug.demo.random_model import ensure_random_model
 from fdplug.errors import EngineRequestError

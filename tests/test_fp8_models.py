@@ -18,10 +18,10 @@ import pytest
 paddle = pytest.importorskip("paddle")
 
 from fdplug.core.frontend.llm import LLM  # noqa: E402
-from fdplug.core.model.config import ModelConfig  # noqa: E402
-from fdplug.core.model.fp8_layers import Fp8Linear  # noqa: E402
-from fdplug.core.model.layers import Linear  # noqa: E402
-from fdplug.core.model.tokenizer import Tokenizer  # noqa: E402
+from fdplug.core.model.checkpoint.config import ModelConfig  # noqa: E402
+from fdplug.core.model.layers.fp8_linear import Fp8Linear  # noqa: E402
+from fdplug.core.model.layers.linear import Linear  # noqa: E402
+from fdplug.core.model.text.tokenizer import Tokenizer  # noqa: E402
 from fdplug.core.quant.checkpoint import quantize_checkpoint  # noqa: E402
 from fdplug.errors import ModelLoadError, UnsupportedModelError, WeightMismatchError  # noqa: E402
 from fdplug.plugin_api.sampling_params import SamplingParams  # noqa: E402

@@ -1,5 +1,5 @@
 """GGUF files as models: the same logits as the float model with their dequantized weights, and
-refusals by name (`fdplug.core.model.gguf_file`, `gguf_loader`; files from `fdplug.testing.gguf_kit`)."""
+refusals by name (`fdplug.core.model.checkpoint.gguf_file`, `gguf_loader`; files from `fdplug.testing.gguf_kit`)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 
 pytest.importorskip("paddle")
 
-from fdplug.core.model.config import ModelConfig
-from fdplug.core.model.gguf_file import gguf_path, unpermute_rows
-from fdplug.core.model.gguf_layers import GgufLinear
+from fdplug.core.model.checkpoint.config import ModelConfig
+from fdplug.core.model.checkpoint.gguf_file import gguf_path, unpermute_rows
+from fdplug.core.model.layers.gguf_linear import GgufLinear
 from fdplug.errors import (
     ConfigError,
     ModelLoadError,
@@ -86,8 +86,8 @@ def test_projections_keep_one_weight_per_block_type_in_row_order(tmp_path):
 def test_the_float_linear_shapes_are_the_decoders(tmp_path, arch):
     """What selection times for the ``linear`` op (`linear_shapes`) is exactly the decoder's float
     `Linear` layers: the projections a file keeps in F16/BF16/F32, never one in blocks."""
-    from fdplug.core.model.decoder import DecoderForCausalLM
-    from fdplug.core.model.linear_shapes import linear_shapes
+    from fdplug.core.model.layers.decoder import DecoderForCausalLM
+    from fdplug.core.model.layers.linear_shapes import linear_shapes
     from tests.test_op_timing import _built_shapes
 
     tied, types = CASES[arch]

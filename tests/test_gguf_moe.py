@@ -12,8 +12,8 @@ import pytest
 
 pytest.importorskip("paddle")
 
-from fdplug.core.model.config import ModelConfig
-from fdplug.core.model.footprint import parameter_counts, weight_footprint
+from fdplug.core.model.checkpoint.config import ModelConfig
+from fdplug.core.model.checkpoint.footprint import parameter_counts, weight_footprint
 from fdplug.core.model.loader import load_model
 from fdplug.core.portable.attention import ReferenceAttention
 from fdplug.core.portable.moe import ReferenceMoE

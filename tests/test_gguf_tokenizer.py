@@ -1,4 +1,4 @@
-"""The tokenizer rebuilt from a GGUF file's metadata (fdplug/core/model/gguf_tokenizer.py).
+"""The tokenizer rebuilt from a GGUF file's metadata (fdplug/core/model/text/gguf_tokenizer.py).
 
 Three sources of truth: the real SmolLM2 file against ids that transformers produced for it
 (tests/fixtures/gguf/smollm2_q4_1.json); small GGUF files written here, against ids worked out by
@@ -18,8 +18,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fdplug.core.model.gguf_pretokenizers import KNOWN_PRE_TOKENIZERS
-from fdplug.core.model.gguf_tokenizer import (
+from fdplug.core.model.text.gguf_pretokenizers import KNOWN_PRE_TOKENIZERS
+from fdplug.core.model.text.gguf_tokenizer import (
     BYTE,
     CONTROL,
     NORMAL,
@@ -27,7 +27,7 @@ from fdplug.core.model.gguf_tokenizer import (
     USER_DEFINED,
     tokenizer_from_gguf,
 )
-from fdplug.core.model.tokenizer import Tokenizer
+from fdplug.core.model.text.tokenizer import Tokenizer
 from fdplug.errors import ModelLoadError, UnsupportedModelError
 
 FIXTURE = Path(__file__).parent / "fixtures" / "gguf" / "smollm2_q4_1.json"

@@ -20,9 +20,9 @@ import pytest
 paddle = pytest.importorskip("paddle")
 pytest.importorskip("safetensors")
 
-from fdplug.core.model.config import ModelConfig  # noqa: E402
+from fdplug.core.model.checkpoint.config import ModelConfig  # noqa: E402
+from fdplug.core.model.checkpoint.rope import RopeConfig, cos_sin, inv_freq, parse_rope, rope_permutation  # noqa: E402
 from fdplug.core.model.loader import load_model  # noqa: E402
-from fdplug.core.model.rope import RopeConfig, cos_sin, inv_freq, parse_rope, rope_permutation  # noqa: E402
 from fdplug.core.portable.attention import ReferenceAttention  # noqa: E402
 from fdplug.errors import ModelLoadError, UnsupportedModelError, WeightMismatchError  # noqa: E402
 from fdplug.plugin_api.attention import AttentionMetadata, causal_key_end  # noqa: E402

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from fdplug.core.frontend.llm import LLM
-from fdplug.core.model.tokenizer import Tokenizer
+from fdplug.core.model.text.tokenizer import Tokenizer
 from fdplug.demo.random_model import ensure_random_model
 from fdplug.plugin_api.sampling_params import SamplingParams
 from tests.conftest import GOLDEN

@@ -15,8 +15,8 @@ import pytest
 paddle = pytest.importorskip("paddle")
 
 from fdplug.core.frontend.llm import LLM  # noqa: E402
-from fdplug.core.model.config import ModelConfig  # noqa: E402
-from fdplug.core.model.footprint import parameter_counts  # noqa: E402
+from fdplug.core.model.checkpoint.config import ModelConfig  # noqa: E402
+from fdplug.core.model.checkpoint.footprint import parameter_counts  # noqa: E402
 from fdplug.errors import ConfigError, ModelLoadError  # noqa: E402
 from fdplug.plugin_api.sampling_params import SamplingParams  # noqa: E402
 from tests.conftest import write_test_model  # noqa: E402

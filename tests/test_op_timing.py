@@ -1,4 +1,4 @@
-"""Selection that measures (`fdplug.core.plugin_loading.op_timing`): a ``linear`` kernel with an
+"""Selection that measures (`fdplug.core.worker.op_timing`): a ``linear`` kernel with an
 `OpSpec.measure_key`, chosen by priority, runs only the layer shapes where it is not slower than the
 portable op, as timed once per machine and cached; named with ``--op-kernel``, every shape.
 
@@ -17,12 +17,12 @@ import pytest
 from click.testing import CliRunner
 
 from fdplug.cli import main
-from fdplug.core.model.config import ModelConfig
-from fdplug.core.model.decoder import DecoderForCausalLM
-from fdplug.core.model.layers import Linear
-from fdplug.core.model.linear_shapes import LinearShape, linear_shapes
-from fdplug.core.plugin_loading import op_timing
+from fdplug.core.model.checkpoint.config import ModelConfig
+from fdplug.core.model.layers.decoder import DecoderForCausalLM
+from fdplug.core.model.layers.linear import Linear
+from fdplug.core.model.layers.linear_shapes import LinearShape, linear_shapes
 from fdplug.core.portable.ops import PORTABLE
+from fdplug.core.worker import op_timing
 from fdplug.plugin_api.ops import PreparedWeight
 from fdplug.plugins.cpu import isa, kernels
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from fdplug.core.model.tokenizer import Tokenizer
+from fdplug.core.model.text.tokenizer import Tokenizer
 from fdplug.demo import random_model as demo
 from fdplug.demo.publish import MARKER
 from fdplug.demo.random_model import DEMO_VERSION, ensure_random_model

@@ -13,9 +13,10 @@ paddle = pytest.importorskip("paddle")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from fdplug.core.model import sampling_filters  # noqa: E402
-from fdplug.core.model.penalties import apply_penalties, penalty_tokens, record_tokens  # noqa: E402
-from fdplug.core.model.sampler import Sampler, SamplingMetadata, seeded_uniforms  # noqa: E402
+from fdplug.core.model.sampling import filters as sampling_filters  # noqa: E402
+from fdplug.core.model.sampling.metadata import SamplingMetadata  # noqa: E402
+from fdplug.core.model.sampling.penalties import apply_penalties, penalty_tokens, record_tokens  # noqa: E402
+from fdplug.core.model.sampling.sampler import Sampler, seeded_uniforms  # noqa: E402
 
 paddle.set_device("cpu")
 

@@ -61,7 +61,7 @@ def test_greedy_tokens_match_transformers_on_both_engines_and_requests_spread(go
 
         with ThreadPoolExecutor(len(PREFIXES)) as pool:
             replies = list(pool.map(ask, PREFIXES))
-        from fdplug.core.model.tokenizer import Tokenizer
+        from fdplug.core.model.text.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_dir(golden_model)
         for k, reply in zip(PREFIXES, replies):

@@ -68,7 +68,7 @@ def test_ray_engines_answer_like_one_engine_and_come_back_after_a_kill(golden_mo
 
 
 def test_expert_parallel_on_ray_engines_gives_transformers_greedy_tokens(tmp_path):
-    from fdplug.core.model.tokenizer import Tokenizer
+    from fdplug.core.model.text.tokenizer import Tokenizer
 
     model = servable("qwen2_moe", tmp_path)
     server = Server(["--model", model, "--served-model-name", "golden", "--max-model-len", "64",

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from fdplug.core.model.tokenizer import Tokenizer
+from fdplug.core.model.text.tokenizer import Tokenizer
 from fdplug.errors import ConfigError
 from fdplug.server.launcher import ServerSettings, serve
 from tests.conftest import REPO, write_test_model

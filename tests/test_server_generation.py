@@ -89,7 +89,7 @@ def test_streaming_n(client):
     assert texts[0] == texts[1] == complete(client, PROMPTS[3], max_tokens=6, ignore_eos=True).choices[0].text
 
 
-# -- need the full sampler (fdplug/core/model/sampler.py) ----------------------------------------------
+# -- need the full sampler (fdplug/core/model/sampling/sampler.py) ----------------------------------------------
 
 
 def test_seeded_sampling_is_reproducible(client):

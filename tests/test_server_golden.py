@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fdplug.core.model.tokenizer import Tokenizer
+from fdplug.core.model.text.tokenizer import Tokenizer
 from fdplug.demo.random_model import ensure_random_model
 from tests.conftest import GOLDEN, golden
 from tests.serverkit import Server

@@ -13,8 +13,9 @@ from click.testing import CliRunner
 
 from fdplug.cli_fetch import fetch_features
 from fdplug.core.config import EngineConfig
-from fdplug.core.multimodal.fetch import FeatureFetcher, storage_specs
+from fdplug.core.multimodal.fetch import FeatureFetcher
 from fdplug.core.plugin_loading.loader import load_plugins
+from fdplug.core.plugin_loading.selection import select_storages
 from fdplug.core.portable.ordered_fetch import ordered_map
 from fdplug.errors import FeatureAccessDeniedError, StorageTimeoutError
 from fdplug.plugin_api.storage import display_url
@@ -139,7 +140,7 @@ def bos_env(monkeypatch):
 
 
 def test_storage_specs_pick_one_storage_per_scheme():
-    specs = storage_specs(load_plugins())
+    specs = select_storages(load_plugins())
     assert {"bos", "file", "http", "https"} <= set(specs)
     assert specs["bos"].name == "bos" and specs["file"].name == "file" and specs["https"].name == "http"
 
@@ -153,7 +154,7 @@ def test_mixed_schemes_keep_their_order(bos_env, tmp_path):
             urls.append(f"file://{tmp_path}/f{i}.npy")
         else:
             urls.append(bos_env.put("bkt", f"x/{i}.npy", npy(arr), latency=0.01 * (5 - i)))
-    fetcher = FeatureFetcher.from_plugins(EngineConfig(allowed_feature_paths=(str(tmp_path),)), load_plugins())
+    fetcher = FeatureFetcher(select_storages(load_plugins()), EngineConfig(allowed_feature_paths=(str(tmp_path),)))
     try:
         assert list(fetcher.fetch_many(urls)) == [npy(a) for a in arrays]
     finally:
@@ -162,7 +163,7 @@ def test_mixed_schemes_keep_their_order(bos_env, tmp_path):
 
 def test_an_unsupported_scheme_is_refused_before_anything_is_fetched(bos_env):
     url = bos_env.put("bkt", "k.npy", b"x")
-    fetcher = FeatureFetcher.from_plugins(EngineConfig(), load_plugins())
+    fetcher = FeatureFetcher(select_storages(load_plugins()), EngineConfig())
     with pytest.raises(FeatureAccessDeniedError, match="s3://"):
         list(fetcher.fetch_many([url, "s3://bkt/k.npy"]))
     assert bos_env.request_count() == 0

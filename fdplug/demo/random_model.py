@@ -143,7 +143,7 @@ def build_config(vocab_size: int, *, bos_id: int, eos_id: int) -> dict[str, Any]
 def tensor_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """Hugging Face tensor names and shapes (Linear weights are [out, in]) of a Qwen2 model, or, when
     ``config`` names them, a Qwen3 (q/k norms, no q/k/v bias) or Qwen2-/Qwen3-MoE one (per-expert keys)."""
-    from fdplug.core.model.moe_config import parse_moe
+    from fdplug.core.model.checkpoint.moe_config import parse_moe
 
     arch = config["architectures"][0]
     hidden, inter, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]

@@ -10,7 +10,7 @@ layers' own tensors (nothing is copied) in the model's layout:
 - an optional per-head ``qk_norm`` (Qwen3) over the ``H + KV`` q and k heads, then NeoX RoPE with the
   step's ``cos``/``sin`` tables (``[T, H + KV, D]``, as the ``rope`` op gets them);
 - attention of the q heads over the cache after k and v are written, ``o`` back to ``hidden``;
-- pre-norm residual blocks, ``gate_up`` then SwiGLU then ``down``, as `fdplug.core.model.decoder`
+- pre-norm residual blocks, ``gate_up`` then SwiGLU then ``down``, as `fdplug.core.model.layers.decoder`
   computes them.
 
 Which linear formats a plugin runs is its own choice: it declines what it does not (and says why).

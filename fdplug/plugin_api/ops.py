@@ -15,7 +15,7 @@ Contracts (``T`` tokens as rows; inputs are never modified; results in the input
     (as Hugging Face does).
 ``fp8_linear(x, weight, weight_scale, block_k) -> y``
     ``x [..., K]``, ``weight [N, K]`` float8_e4m3fn, ``weight_scale [N, ceil(K / block_k)]`` float32 (per-row
-    block scales, `fdplug.core.model.fp8_layers`) -> ``y [..., N] = x @ (weight * scale)^T`` (no bias).
+    block scales, `fdplug.core.model.layers.fp8_linear`) -> ``y [..., N] = x @ (weight * scale)^T`` (no bias).
     A kernel may keep the weights one byte each; it must not change them. One registered with
     ``OpSpec(prepare=...)`` gets its `PreparedWeight` as ``weight`` (as for ``linear``).
 ``linear(x, weight) -> y``

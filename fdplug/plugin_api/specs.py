@@ -157,7 +157,7 @@ class OpSpec(ComponentSpec):
     the machine (a CPU's instruction-set level, a GPU's generation). Chosen by priority (not by
     name), it is then timed against the portable op once on each of the model's layer shapes, and
     runs only the shapes where it is not slower at any row count measured (beyond noise); the others run the
-    portable op (`fdplug.core.plugin_loading.op_timing`). ``measure_key(config)`` is a string that
+    portable op (`fdplug.core.worker.op_timing`). ``measure_key(config)`` is a string that
     changes whenever those figures could (the CPU model and level, the kernel build, the thread
     count): the figures are cached under it. Named with ``--op-kernel``, the kernel runs every shape.
     """

@@ -25,7 +25,7 @@ from fdplug.core.frontend.processor import (
     OutputProcessor,
     ProcessedPrompt,
 )
-from fdplug.core.model.config import ModelConfig
+from fdplug.core.model.checkpoint.config import ModelConfig
 from fdplug.core.request import RequestStatus
 from fdplug.errors import (
     EngineDeadError,

@@ -155,7 +155,7 @@ def _remove_socket_dir(address: str) -> None:
 def _build(spec: EngineSpec) -> tuple[Any, P.EngineInfo]:
     from fdplug.core.engine.engine_core import EngineCore
     from fdplug.core.engine.startup import resolve_engine
-    from fdplug.core.model.tokenizer import Tokenizer
+    from fdplug.core.model.text.tokenizer import Tokenizer
 
     config, model_config, selection = resolve_engine(spec.model_dir, **spec.selection, **spec.engine_args)
     core = EngineCore(config, selection)

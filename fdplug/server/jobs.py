@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fdplug.core.frontend.processor import ProcessedPrompt
-from fdplug.core.model.chat_messages import check_template_kwargs
+from fdplug.core.model.text.chat_messages import check_template_kwargs
 from fdplug.core.multimodal.inputs import FeaturePartCollector
 from fdplug.errors import InvalidRequestError, ModelNotFoundError
 from fdplug.plugin_api.sampling_params import MAX_LOGPROBS, SamplingParams

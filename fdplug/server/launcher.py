@@ -70,7 +70,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def serve(settings: ServerSettings, engine_kwargs: dict[str, Any]) -> int:
     """Run the server until a signal (exit status 0) or the engine's death (1)."""
     from fdplug.core.engine.startup import resolve_engine
-    from fdplug.core.model.tokenizer import Tokenizer
+    from fdplug.core.model.text.tokenizer import Tokenizer
     from fdplug.server.dp_client import data_parallel_ranks, expert_parallel_ranks
 
     kwargs = dict(engine_kwargs)

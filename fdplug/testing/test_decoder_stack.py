@@ -40,7 +40,7 @@ def _step(model, backend, caches, ids: list[int], positions: list[int], seqs: li
 def test_a_fused_stack_gives_the_layers_results(fdplug_selection, fdplug_place, tmp_path):
     import paddle
 
-    from fdplug.core.model.fused_stack import attach
+    from fdplug.core.model.layers.fused_stack import attach
     from fdplug.core.model.loader import load_model
     from fdplug.plugin_api.ops import PREPARED_OPS, Kernels
 

@@ -111,8 +111,8 @@ def test_add_rms_norm_and_rope_kernels_match_the_portable_ones(fdplug_selection,
     kernel may match the portable op's bits: this kit asks float32 rounding)."""
     import paddle
 
-    from fdplug.core.model.layers import RotaryEmbedding
-    from fdplug.core.model.rope import RopeConfig
+    from fdplug.core.model.checkpoint.rope import RopeConfig
+    from fdplug.core.model.layers.basic import RotaryEmbedding
     from fdplug.core.portable import ops as portable
 
     add_norm = fdplug_selection.ops["add_rms_norm"].factory(EngineConfig())

@@ -27,7 +27,7 @@ def build_engine_config(model: str | None, engine_args: Mapping[str, Any]) -> tu
     """EngineConfig from vLLM-named engine args plus the model's own config; unknown args are errors.
     Without a model this is the built-in demo model (`fdplug.demo`)."""
     from fdplug.core.kv_transfer.peers import check_decode_trust
-    from fdplug.core.model.config import ModelConfig
+    from fdplug.core.model.checkpoint.config import ModelConfig
     from fdplug.core.settings import env
     from fdplug.demo import demo_model_dir
     from fdplug.demo.pypi_models import resolve_model

@@ -40,7 +40,7 @@ class LLM:
     def __init__(self, model: str | None = None, device: str = "auto", *, runner: str | None = None,
                  attention_backend: str | None = None, moe_backend: str | None = None,
                  op_kernels: Mapping[str, str] | None = None, **engine_args: Any) -> None:
-        from fdplug.core.model.tokenizer import Tokenizer
+        from fdplug.core.model.text.tokenizer import Tokenizer
 
         # offline, every prompt of a generate() call is queued at once: no waiting limit unless asked for
         engine_args.setdefault("max_waiting_requests", OFFLINE_MAX_WAITING)

@@ -17,7 +17,7 @@ from fdplug.core.engine.admission import (
     check_token_ids,
 )
 from fdplug.core.frontend.outputs import CompletionOutput, Logprob, RequestOutput
-from fdplug.core.model.detokenizer import IncrementalDetokenizer
+from fdplug.core.model.text.detokenizer import IncrementalDetokenizer
 from fdplug.core.multimodal.config import MultimodalConfig
 from fdplug.core.multimodal.inputs import (
     FeaturePartCollector,

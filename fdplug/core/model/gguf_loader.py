@@ -18,16 +18,16 @@ from typing import Any
 import numpy as np
 import paddle
 
-from fdplug.core.model.config import ModelConfig
-from fdplug.core.model.decoder import DecoderForCausalLM
-from fdplug.core.model.gguf_file import (
+from fdplug.core.model.checkpoint.config import ModelConfig
+from fdplug.core.model.checkpoint.gguf_file import (
     GgufFile,
     GgufTensor,
     qk_permuted,
     unpermute_rows,
 )
-from fdplug.core.model.gguf_layers import GgufLinear
-from fdplug.core.model.weight_slots import Slot, weight_slots
+from fdplug.core.model.layers.decoder import DecoderForCausalLM
+from fdplug.core.model.layers.gguf_linear import GgufLinear
+from fdplug.core.model.weight_slots import Slot, assign_pieces, hand_over_experts, weight_slots
 from fdplug.core.quant.gguf_blocks import dequantize, row_bytes
 from fdplug.errors import WeightMismatchError
 
@@ -39,7 +39,6 @@ def load_gguf_weights(model: DecoderForCausalLM, cfg: ModelConfig, gguf: GgufFil
     """Fill every parameter of ``model`` from ``gguf``; any mismatch is a WeightMismatchError."""
     from tqdm.auto import tqdm
 
-    from fdplug.core.model.loader import _assign, _experts_complete
 
     slots = weight_slots(cfg)
     params = dict(model.named_parameters())
@@ -65,8 +64,8 @@ def load_gguf_weights(model: DecoderForCausalLM, cfg: ModelConfig, gguf: GgufFil
         pieces.setdefault(param, []).append((placed, value))
         pending[param] -= 1
         if pending[param] == 0:
-            _assign(params[param], pieces.pop(param))
-            _experts_complete(model, param, pending)     # a MoE layer's experts go to its backend
+            assign_pieces(params[param], pieces.pop(param))
+            hand_over_experts(model, param, pending)     # a MoE layer's experts go to its backend
     if slots:
         missing = sorted(slots)
         raise WeightMismatchError(f"{len(missing)} tensor(s) missing from the GGUF file, first {missing[0]!r}.",

@@ -20,18 +20,18 @@ from typing import Any
 
 import paddle
 
-from fdplug.core.model.config import _DIR_FIX, ModelConfig
-from fdplug.core.model.decoder import DecoderForCausalLM
-from fdplug.core.model.fp8_layers import Fp8Linear, expand_scale_rows, fp8_rows
-from fdplug.core.model.gguf_file import gguf_path, open_gguf
-from fdplug.core.model.gguf_layers import GgufLinear
+from fdplug.core.model.checkpoint.config import _DIR_FIX, ModelConfig
+from fdplug.core.model.checkpoint.gguf_file import gguf_path, open_gguf
+from fdplug.core.model.checkpoint.rope import rope_permutation
 from fdplug.core.model.gguf_loader import load_gguf_weights
-from fdplug.core.model.layers import Linear
-from fdplug.core.model.linear_shapes import LinearShape
-from fdplug.core.model.moe_block import EXPERT_PARAMS
-from fdplug.core.model.rope import rope_permutation
-from fdplug.core.model.weight_slots import Slot, weight_slots
+from fdplug.core.model.layers.decoder import DecoderForCausalLM
+from fdplug.core.model.layers.fp8_linear import Fp8Linear
+from fdplug.core.model.layers.gguf_linear import GgufLinear
+from fdplug.core.model.layers.linear import Linear
+from fdplug.core.model.layers.linear_shapes import LinearShape
+from fdplug.core.model.weight_slots import Slot, assign_pieces, hand_over_experts, weight_slots
 from fdplug.core.portable.ops import PORTABLE
+from fdplug.core.quant.fp8_rows import expand_scale_rows, fp8_rows
 from fdplug.errors import ModelLoadError, WeightMismatchError
 from fdplug.plugin_api.ops import Kernels
 
@@ -173,8 +173,8 @@ def load_weights(model: DecoderForCausalLM, cfg: ModelConfig, files: list[Path],
                 pieces.setdefault(piece.param, []).append((piece, _permute(value, cfg) if piece.permute else value))
                 pending[piece.param] -= 1
                 if pending[piece.param] == 0:
-                    _assign(params[piece.param], pieces.pop(piece.param))
-                    _experts_complete(model, piece.param, pending)
+                    assign_pieces(params[piece.param], pieces.pop(piece.param))
+                    hand_over_experts(model, piece.param, pending)
     if slots:
         missing = sorted(slots)
         raise WeightMismatchError(f"{len(missing)} tensor(s) missing from the checkpoint, first {missing[0]!r} "
@@ -196,14 +196,6 @@ def _open(path: Path) -> Any:
 def _tensor_names(path: Path) -> list[str]:
     with _open(path) as f:
         return list(f.keys())
-
-
-def _experts_complete(model: DecoderForCausalLM, param: str, pending: dict[str, int]) -> None:
-    """Once both expert parameters of a MoE layer are filled, its backend takes them over (one layer
-    at a time, so the stacked copies of only one layer are alive at once)."""
-    prefix, _, name = param.rpartition(".")
-    if name in EXPERT_PARAMS and all(pending.get(f"{prefix}.{other}", 0) == 0 for other in EXPERT_PARAMS):
-        model.get_sublayer(prefix).load_experts()
 
 
 def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, Any, list[int], Path]]:
@@ -274,27 +266,3 @@ def _permute(t: Any, cfg: ModelConfig) -> Any:
     shape = list(t.shape)
     perm = paddle.to_tensor(rope_permutation(cfg.rope, cfg.head_dim))
     return fp8_rows(t, lambda v: paddle.gather(v.reshape([-1, cfg.head_dim] + shape[1:]), perm, axis=1).reshape(shape))
-
-
-def _assign(param: Any, parts: list[tuple[Slot, Any]]) -> None:
-    """Fuse a parameter's pieces in HF layout (rows in ``start`` order), convert once, assign.
-
-    Concatenating ``[out, in]`` pieces along rows is a contiguous copy; the single transpose that
-    follows goes through ``paddle.assign``, which is several times faster than ``set_value`` of a
-    transposed view on CPU.
-    """
-    parts.sort(key=lambda part: part[0].start)
-    kind = parts[0][0].kind
-    if kind == "heads":  # one [D] norm weight per head range
-        values = [v.unsqueeze(0).expand([s.stop - s.start, v.shape[0]]) for s, v in parts]
-    else:
-        values = [v for _, v in parts]
-    value = values[0] if len(values) == 1 else fp8_rows(values, lambda vs: paddle.concat(vs, axis=0))
-    if kind == "stack":
-        value = value.reshape(param.shape)
-    if kind == "linear":
-        value = paddle.transpose(value, [1, 0])
-    device = paddle.device.get_device()
-    if device != "cpu":
-        value = value.to(device)  # safetensors hands out host tensors
-    paddle.assign(value, param)

@@ -1,8 +1,8 @@
 """Fetching features by URL: which storage serves a URL.
 
 The engine, ``fdplug fetch-features`` and the benchmark share this module. Storages are chosen per
-scheme by selection's rule (`select_storages`) and built lazily, the first time a URL of their
-scheme is fetched, so credentials are read only when needed. Storages parallelise with
+scheme by selection (`fdplug.core.plugin_loading.selection.select_storages`) and built lazily, the
+first time a URL of their scheme is fetched, so credentials are read only when needed. Storages parallelise with
 `fdplug.core.portable.ordered_fetch.ordered_map`.
 """
 
@@ -11,27 +11,15 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from itertools import groupby
-from typing import TYPE_CHECKING
 
 from fdplug.core.config import EngineConfig
 from fdplug.errors import FeatureAccessDeniedError
 from fdplug.plugin_api.specs import FeatureStorageSpec
 from fdplug.plugin_api.storage import FeatureStorage, display_url, url_scheme
 
-if TYPE_CHECKING:
-    from fdplug.core.plugin_loading.loader import PluginSet
-
 # ---------------------------------------------------------------------------------------------------
 # storages by scheme
 # ---------------------------------------------------------------------------------------------------
-
-
-def storage_specs(plugins: PluginSet | None = None) -> dict[str, FeatureStorageSpec]:
-    """The storage serving each scheme, by selection's rule."""
-    from fdplug.core.plugin_loading.loader import current_plugins
-    from fdplug.core.plugin_loading.selection import select_storages
-
-    return select_storages(plugins or current_plugins())
 
 
 def storage_for_urls(urls: Sequence[str], specs: Mapping[str, FeatureStorageSpec]) -> dict[str, FeatureStorageSpec]:
@@ -57,10 +45,6 @@ class FeatureFetcher:
         self._config = config if config is not None else EngineConfig()
         self._storages: dict[str, FeatureStorage] = {}
         self._lock = threading.Lock()
-
-    @classmethod
-    def from_plugins(cls, config: EngineConfig | None = None, plugins: PluginSet | None = None) -> FeatureFetcher:
-        return cls(storage_specs(plugins), config)
 
     def storage(self, url: str) -> FeatureStorage:
         """The storage for ``url``'s scheme, built by its factory the first time it is needed."""

@@ -30,7 +30,7 @@ logger = logging.getLogger("fdplug.plugins")
 
 ENTRY_POINT_GROUP = "fdplug"
 
-CORE_PLUGIN = ("core", "fdplug.core.portable")
+CORE_PLUGIN = ("core", "fdplug.core.plugin_loading.core_plugin")
 """The core's portable components, registered like a plugin's so selection treats them alike."""
 
 BUILTIN_PLUGINS: dict[str, str] = {

@@ -1,117 +1,13 @@
-"""The portable components: plain Paddle, registered by the core for every device.
+"""The portable components: plain Paddle, correct on every device, fast on none in particular.
 
-A device plugin that registers nothing but a device gets a working engine from these: the model
-runner (`fdplug.core.worker.model_runner`), the reference attention (`attention`), the reference
-MoE (`moe`), one kernel per op of `fdplug.plugin_api.ops` (`ops`) and the KV connectors ``shm``
-and ``tcp`` (`fdplug.core.kv_transfer.connectors`). They are correct anywhere
-and fast nowhere in particular: a device plugin registers faster ones with a higher priority.
-The plugin loader registers this module first, as the plugin ``core``, which cannot be disabled.
+The reference attention (`attention`), the reference MoE (`moe`) and its routing rule
+(`moe_routing`), one kernel per op of `fdplug.plugin_api.ops` (`ops`), and what a plugin may build
+on: a device probe of the usual shape (`device_probe`), KV block copies between cache layouts
+(`kv_blocks`), parallel downloads in order (`ordered_fetch`). The core registers them for every
+device as the plugin ``core`` (`fdplug.core.plugin_loading.core_plugin`); a device plugin
+registers faster ones with a higher priority, and may import and extend these.
 """
 
-from __future__ import annotations
-
-from fdplug.plugin_api.hookspecs import API_VERSION, hookimpl
-from fdplug.plugin_api.specs import (
-    ANY_DEVICE,
-    AttentionBackendSpec,
-    KVConnectorSpec,
-    ModelRunnerSpec,
-    MoEBackendSpec,
-    OpSpec,
-)
-
-FDPLUG_API_VERSION = API_VERSION
 PORTABLE_LINEAR = "paddle_linear"
 """The portable ``linear``: it widens a whole bf16 layer per call, so ``dtype=auto`` keeps a bf16
 checkpoint's weights in bf16 on a float32 device only where another kernel reads them in place."""
-
-
-def _runner_factory(config, selection):
-    from fdplug.core.worker.model_runner import ModelRunner
-
-    return ModelRunner(config, selection)
-
-
-def _attention_factory(config):
-    from fdplug.core.portable.attention import ReferenceAttention
-
-    return ReferenceAttention()
-
-
-def _moe_factory(config):
-    from fdplug.core.portable.moe import ReferenceMoE
-
-    return ReferenceMoE()
-
-
-def _op_factory(op: str):
-    def factory(config):
-        from fdplug.core.portable import ops
-
-        return getattr(ops, op)
-    return factory
-
-
-@hookimpl
-def fdplug_register_model_runners(register):
-    register(ModelRunnerSpec(name="default", devices=(ANY_DEVICE,), factory=_runner_factory, priority=0,
-                             weight_formats=("none", "fp8_block", "gguf"),
-                             description="the core's device-agnostic Paddle model runner (fp8_block and gguf linears: "
-                                         "each dequantized when it runs)"))
-
-
-@hookimpl
-def fdplug_register_attention_backends(register):
-    register(AttentionBackendSpec(name="reference", devices=(ANY_DEVICE,), factory=_attention_factory, priority=0,
-                                  description="plain Paddle matmuls over the paged cache, masks from the mask spec"))
-
-
-@hookimpl
-def fdplug_register_moe_backends(register):
-    register(MoEBackendSpec(name="reference", devices=(ANY_DEVICE,), factory=_moe_factory, priority=0,
-                            weight_formats=("none", "fp8_block", "gguf"),
-                            description="a Paddle loop over the experts that got tokens (fp8_block, gguf: each "
-                                        "dequantized when it runs)"))
-
-
-@hookimpl
-def fdplug_register_ops(register):
-    register(OpSpec(name="paddle_swiglu", op="swiglu", devices=(ANY_DEVICE,), factory=_op_factory("swiglu"),
-                    description="paddle.nn.functional.swiglu"))
-    register(OpSpec(name="paddle_rms_norm", op="rms_norm", devices=(ANY_DEVICE,), factory=_op_factory("rms_norm"),
-                    description="float32 mean of squares, rsqrt, weight (four Paddle ops)"))
-    register(OpSpec(name="paddle_fp8_linear", op="fp8_linear", devices=(ANY_DEVICE,),
-                    factory=_op_factory("fp8_linear"),
-                    description="the FP8 layer dequantized to the compute dtype, then one paddle matmul"))
-    register(OpSpec(name="paddle_gguf_linear", op="gguf_linear", devices=(ANY_DEVICE,),
-                    factory=_op_factory("gguf_linear"),
-                    description="the layer's GGML blocks dequantized to the compute dtype, then one paddle matmul"))
-    register(OpSpec(name="paddle_add_rms_norm", op="add_rms_norm", devices=(ANY_DEVICE,),
-                    factory=_op_factory("add_rms_norm"), description="one Paddle add, then paddle_rms_norm"))
-    register(OpSpec(name="paddle_rope", op="rope", devices=(ANY_DEVICE,), factory=_op_factory("rope"),
-                    description="x * cos + roll(x, D/2) * sin (four Paddle ops)"))
-    register(OpSpec(name="paddle_argmax", op="argmax", devices=(ANY_DEVICE,), factory=_op_factory("argmax"),
-                    description="paddle's argmax over each row, copied to the host"))
-    register(OpSpec(name="paddle_layer_by_layer", op="decoder_stack", devices=(ANY_DEVICE,),
-                    factory=_op_factory("decoder_stack"),
-                    description="no fused stack: each layer's ops run one by one through their selected kernels"))
-    register(OpSpec(name=PORTABLE_LINEAR, op="linear", devices=(ANY_DEVICE,), factory=_op_factory("linear"),
-                    description="one paddle matmul of the weights as stored (bf16 weights under float32 "
-                                "activations: cast first, a copy per call)"))
-
-
-def _connector_factory(name: str):
-    def factory(config, role, caches):
-        from fdplug.core.kv_transfer import connectors
-
-        return getattr(connectors, f"{name}_connector")(config, role, caches)
-    return factory
-
-
-@hookimpl
-def fdplug_register_kv_connectors(register):
-    register(KVConnectorSpec(name="shm", devices=(ANY_DEVICE,), factory=_connector_factory("shm"), priority=10,
-                             description="a shared-memory arena (FDPLUG_KV_STAGING_MIB) read by a decode instance on "
-                                         "this machine; TCP to one on another"))
-    register(KVConnectorSpec(name="tcp", devices=(ANY_DEVICE,), factory=_connector_factory("tcp"), priority=0,
-                             description="ZMQ over TCP (FDPLUG_KV_HOST), layer by layer, through host memory"))

@@ -15,7 +15,7 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
-from fdplug.core.model.fp8_layers import dequant_rows
+from fdplug.core.quant.fp8_rows import dequant_rows
 from fdplug.core.quant.gguf_blocks import dequantize
 from fdplug.errors import ConfigError
 from fdplug.plugin_api.moe import ExpertWeights

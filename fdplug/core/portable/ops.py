@@ -22,7 +22,7 @@ def rms_norm(x: Any, weight: Any, eps: float) -> Any:
 
 def fp8_linear(x: Any, weight: Any, weight_scale: Any, block_k: int) -> Any:
     """The whole layer dequantized to ``x``'s dtype, then one matmul with the weight as stored."""
-    from fdplug.core.model.fp8_layers import dequant_rows
+    from fdplug.core.quant.fp8_rows import dequant_rows
 
     w = dequant_rows(weight, weight_scale, block_k, "float32")
     return paddle.matmul(x, w if w.dtype == x.dtype else w.astype(x.dtype), transpose_y=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from fdplug.core.config import EngineConfig
-from fdplug.core.model.footprint import DTYPE_BYTES
+from fdplug.core.model.checkpoint.footprint import DTYPE_BYTES
 from fdplug.errors import ConfigError
 from fdplug.plugin_api.attention import cdiv
 from fdplug.plugin_api.model_runner import GIB, KVCachePlan, format_bytes

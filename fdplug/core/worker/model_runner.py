@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 
 from fdplug.core.config import EngineConfig
-from fdplug.core.model.penalties import penalty_tokens, record_tokens
-from fdplug.core.model.sampler import Sampler
+from fdplug.core.model.sampling.penalties import penalty_tokens, record_tokens
+from fdplug.core.model.sampling.sampler import Sampler
 from fdplug.core.worker.input_batch import InputBatch
 from fdplug.core.worker.kv_cache import (
     allocate_kv_caches,
@@ -39,7 +39,7 @@ def check_weights_fit(cfg: Any, dtype: str, selection: Selection, expert_shards:
     """The weights' footprint from config.json (``expert_shards``: the routed experts split over
     that many ranks); a ConfigError with the numbers, before anything is read, if the device has
     less free memory than they need."""
-    from fdplug.core.model.footprint import weight_footprint
+    from fdplug.core.model.checkpoint.footprint import weight_footprint
 
     footprint = weight_footprint(cfg, dtype, expert_shards)
     free = selection.device.free_memory(0) if selection.device.free_memory else None
@@ -93,11 +93,11 @@ class ModelRunner:
     # -- setup ------------------------------------------------------------------------------------
 
     def load_model(self) -> ModelInfo:
-        from fdplug.core.model.config import ModelConfig
-        from fdplug.core.model.footprint import model_summary
-        from fdplug.core.model.fused_stack import attach as attach_stack
+        from fdplug.core.model.checkpoint.config import ModelConfig
+        from fdplug.core.model.checkpoint.footprint import model_summary
+        from fdplug.core.model.layers.fused_stack import attach as attach_stack
         from fdplug.core.model.loader import load_model
-        from fdplug.core.plugin_loading.op_timing import plan_linear
+        from fdplug.core.worker.op_timing import plan_linear
 
         self.paddle.set_device(self.place)
         cfg = ModelConfig.from_dir(self.config.model_dir, self.config.quantization)

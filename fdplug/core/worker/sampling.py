@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from fdplug.core.model.sampler import SamplerOutput, SamplingMetadata
+from fdplug.core.model.sampling.metadata import SamplingMetadata
+from fdplug.core.model.sampling.sampler import SamplerOutput
 from fdplug.core.worker.input_batch import InputBatch
 
 

@@ -4,7 +4,7 @@ float32 or bf16 weights packed at load (or read in place).
 Each tile has an AVX2 + FMA twin (csrc/linear_packed_avx2.c, csrc/linear_avx2.c) that gives its
 bits exactly, for x86-64-v3 CPUs (most cloud x86: AMD Zen 2/3); below that level selection refuses
 these kernels. Which layers run them is measured at startup, per layer shape, against paddle's
-matmul (`fdplug.core.plugin_loading.op_timing`). The figures below are the AVX-512 tiles' on this
+matmul (`fdplug.core.worker.op_timing`). The figures below are the AVX-512 tiles' on this
 machine; docs/performance.md has both levels'.
 
 paddle's MKL runs its AVX2 kernels on AMD CPUs; ``fdplug_linear`` (csrc/linear.c) runs AVX-512

@@ -15,7 +15,8 @@ from typing import Any
 import paddle
 from paddle import nn
 
-from fdplug.core.model.gguf_weights import GgufLayout
+from fdplug.core.model.checkpoint.gguf_weights import GgufLayout
+from fdplug.core.model.layers.linear import empty_parameter
 from fdplug.core.quant.gguf_blocks import dequantize, row_bytes
 from fdplug.errors import WeightMismatchError
 from fdplug.plugin_api.ops import PreparedWeight
@@ -27,7 +28,6 @@ class GgufLinear(nn.Layer):
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: str, layout: GgufLayout,
                  kernel: Callable[[Any, Any, str, int], Any]) -> None:
-        from fdplug.core.model.layers import empty_parameter
 
         super().__init__()
         if layout.rows != out_features:

@@ -37,7 +37,7 @@ from jinja2.runtime import LoopContext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.visitor import NodeTransformer
 
-from fdplug.core.model.template_budget import (
+from fdplug.core.model.text.template_budget import (
     MAX_ITEMS,
     MAX_VALUE,
     SIZE_CHECKS,

@@ -11,9 +11,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from fdplug.core.model.decoder import Attention, DecoderForCausalLM
-from fdplug.core.model.gguf_layers import GgufLinear
-from fdplug.core.model.layers import Linear, SwiGLU
+from fdplug.core.model.layers.basic import SwiGLU
+from fdplug.core.model.layers.decoder import Attention, DecoderForCausalLM
+from fdplug.core.model.layers.gguf_linear import GgufLinear
+from fdplug.core.model.layers.linear import Linear
 from fdplug.plugin_api.decoder_stack import DecoderStack, StackLayer, StackLinear
 from fdplug.plugin_api.ops import Kernels
 from fdplug.plugin_api.selection import Selection

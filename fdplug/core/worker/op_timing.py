@@ -6,7 +6,7 @@ plugin's AVX-512 tiles fell back to a scalar loop on AVX2-only CPUs (~40x below 
 and were still chosen ("highest priority"); a tile tuned for one cache size can lose on another
 CPU's, a GPU kernel on another generation. So a kernel that names an `OpSpec.measure_key`, chosen
 by priority, is timed against the portable op on each of the model's layer shapes
-(`fdplug.core.model.linear_shapes`) at the row counts the engine gives it (one decode row, a batch
+(`fdplug.core.model.layers.linear_shapes`) at the row counts the engine gives it (one decode row, a batch
 of decodes, a prefill chunk; the lm_head sees only the sampled rows): interleaved pairs, medians
 compared. It keeps a shape only if it is not slower at any row count (by more than the timing's
 noise, `NOISE`), so the choice is per shape, never per row count, and a row's result does not
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fdplug.core.file_lock import lock_within
-from fdplug.core.model.linear_shapes import LinearShape, linear_shapes
+from fdplug.core.model.layers.linear_shapes import LinearShape, linear_shapes
 from fdplug.plugin_api.settings import cache_dir
 
 logger = logging.getLogger(__name__)

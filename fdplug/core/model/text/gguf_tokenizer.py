@@ -32,7 +32,7 @@ from tokenizers import (
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import BPE
 
-from fdplug.core.model.gguf_pretokenizers import PreTokenizer, pre_tokenizer
+from fdplug.core.model.text.gguf_pretokenizers import PreTokenizer, pre_tokenizer
 from fdplug.errors import ModelLoadError, UnsupportedModelError
 
 # llama.cpp's token types (gguf.TokenType)

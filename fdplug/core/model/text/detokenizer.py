@@ -28,7 +28,7 @@ _REPLACEMENT = "\ufffd"
 
 
 class Decoder(Protocol):
-    """What the detokenizer needs from a tokenizer (``fdplug.core.model.tokenizer.Tokenizer`` has it)."""
+    """What the detokenizer needs from a tokenizer (``fdplug.core.model.text.tokenizer.Tokenizer`` has it)."""
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str: ...
 

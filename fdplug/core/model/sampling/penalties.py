@@ -13,8 +13,8 @@ import numpy as np
 
 from fdplug.plugin_api.paddle import import_paddle
 
-if TYPE_CHECKING:   # sampler.py imports this module
-    from fdplug.core.model.sampler import SamplingMetadata
+if TYPE_CHECKING:
+    from fdplug.core.model.sampling.metadata import SamplingMetadata
 
 paddle = import_paddle()
 

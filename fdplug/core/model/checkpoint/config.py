@@ -18,19 +18,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fdplug.core.model.architectures import (
+from fdplug.core.model.checkpoint.architectures import (
     check_supported,
     flag,
     kv_heads,
     pick_architecture,
 )
-from fdplug.core.model.moe_config import MoEConfig, parse_moe
-from fdplug.core.model.quant_config import (
+from fdplug.core.model.checkpoint.moe_config import MoEConfig, parse_moe
+from fdplug.core.model.checkpoint.quant_config import (
     fused_quant,
     parse_quant,
     with_quantization,
 )
-from fdplug.core.model.rope import RopeConfig, parse_rope
+from fdplug.core.model.checkpoint.rope import RopeConfig, parse_rope
 from fdplug.core.multimodal.config import MultimodalConfig
 from fdplug.errors import ConfigError, ModelLoadError
 from fdplug.plugin_api.engine_config import ModelTraits
@@ -92,7 +92,7 @@ class ModelConfig:
     def from_dir(cls, model_dir: str | Path, quantization: str | None = None) -> ModelConfig:
         """Read ``config.json`` (required) and ``generation_config.json`` (optional) from a model dir;
         ``quantization="fp8"`` quantizes a float checkpoint's linears at load (`with_quantization`)."""
-        from fdplug.core.model.gguf_file import gguf_path
+        from fdplug.core.model.checkpoint.gguf_file import gguf_path
 
         if (gguf := gguf_path(model_dir)) is not None:
             return cls.from_gguf(gguf, quantization)
@@ -111,8 +111,8 @@ class ModelConfig:
     @classmethod
     def from_gguf(cls, path: str | Path, quantization: str | None = None) -> ModelConfig:
         """A GGUF file's config (`gguf_file.hf_config`) with its weights' block types as ``quant``."""
-        from fdplug.core.model.gguf_file import open_gguf
-        from fdplug.core.model.gguf_weights import GgufQuant
+        from fdplug.core.model.checkpoint.gguf_file import open_gguf
+        from fdplug.core.model.checkpoint.gguf_weights import GgufQuant
 
         if quantization is not None:
             raise ConfigError(f"--quantization {quantization} does not apply to a GGUF file: its weights are "

@@ -1,6 +1,6 @@
 """The model's float linear layers, from its config alone: the shapes the ``linear`` op will be given.
 
-Why: selection that measures (`fdplug.core.plugin_loading.op_timing`) times a kernel on the
+Why: selection that measures (`fdplug.core.worker.op_timing`) times a kernel on the
 model's own layer shapes before the weights are read, and `fdplug explain --model DIR` shows
 those figures without loading anything. The decoder (`decoder.py`, `layers.py`, `moe_block.py`)
 builds exactly these `layers.Linear` layers (tests/test_op_timing.py checks it on built models):
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fdplug.core.model.config import ModelConfig
-from fdplug.core.model.quant_config import fused_quant, mlp_quant, shared_expert_prefix
+from fdplug.core.model.checkpoint.config import ModelConfig
+from fdplug.core.model.checkpoint.quant_config import fused_quant, mlp_quant, shared_expert_prefix
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,7 @@
 
 Each MoE architecture names the same few facts differently; the parsers below turn them into one
 `MoEConfig` (the routing itself is `fdplug.plugin_api.moe.Routing`). Defaults for keys a
-config.json leaves out are transformers' own, as everywhere in `fdplug.core.model.config`.
+config.json leaves out are transformers' own, as everywhere in `fdplug.core.model.checkpoint.config`.
 """
 
 from __future__ import annotations

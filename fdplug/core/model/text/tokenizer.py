@@ -17,13 +17,13 @@ from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from fdplug.core.model.chat_messages import (
+from fdplug.core.model.text.chat_messages import (
     ContentPartHandler,
     check_dicts,
     normalize_messages,
 )
-from fdplug.core.model.chat_template import render_template
-from fdplug.core.model.gguf_tokenizer import tokenizer_from_gguf
+from fdplug.core.model.text.chat_template import render_template
+from fdplug.core.model.text.gguf_tokenizer import tokenizer_from_gguf
 from fdplug.errors import InvalidRequestError, ModelLoadError
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
@@ -49,7 +49,7 @@ class Tokenizer:
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
         """Load from a Hugging Face model directory (``tokenizer.json`` is required), or from the
         metadata of a GGUF file (`gguf_file.gguf_path`: a ``.gguf`` or a directory holding one)."""
-        from fdplug.core.model.gguf_file import gguf_path, open_gguf
+        from fdplug.core.model.checkpoint.gguf_file import gguf_path, open_gguf
 
         if (gguf := gguf_path(model_dir)) is not None:
             return cls.from_gguf_metadata(open_gguf(gguf).metadata)

@@ -32,17 +32,18 @@ import paddle
 import paddle.nn.functional as F
 from paddle import nn
 
-from fdplug.core.model.fp8_layers import FP8_DTYPE
-from fdplug.core.model.gguf_weights import GGUF
-from fdplug.core.model.layers import SwiGLU, empty_parameter
-from fdplug.core.model.moe_config import MoEConfig
-from fdplug.core.model.quant_config import (
+from fdplug.core.model.checkpoint.gguf_weights import GGUF
+from fdplug.core.model.checkpoint.moe_config import MoEConfig
+from fdplug.core.model.checkpoint.quant_config import (
     QuantConfig,
     fused_quant,
     mlp_quant,
     shared_expert_prefix,
 )
+from fdplug.core.model.layers.basic import SwiGLU
+from fdplug.core.model.layers.linear import empty_parameter
 from fdplug.core.portable.moe_routing import select_experts
+from fdplug.core.quant.fp8_rows import FP8_DTYPE
 from fdplug.plugin_api.gguf_formats import row_bytes
 from fdplug.plugin_api.moe import ExpertsFailedError, ExpertWeights
 from fdplug.plugin_api.ops import Kernels

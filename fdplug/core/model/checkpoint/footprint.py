@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from fdplug.core.model.config import ModelConfig
+from fdplug.core.model.checkpoint.config import ModelConfig
 from fdplug.plugin_api.model_runner import format_bytes
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

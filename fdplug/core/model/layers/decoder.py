@@ -17,18 +17,12 @@ import paddle
 import paddle.nn.functional as F
 from paddle import nn
 
-from fdplug.core.model.config import ModelConfig
-from fdplug.core.model.gguf_layers import embedding_rows
-from fdplug.core.model.layers import (
-    Linear,
-    RMSNorm,
-    RotaryEmbedding,
-    SwiGLU,
-    empty_parameter,
-    make_linear,
-)
-from fdplug.core.model.moe_block import SparseMoEBlock
-from fdplug.core.model.quant_config import fused_quant, mlp_quant
+from fdplug.core.model.checkpoint.config import ModelConfig
+from fdplug.core.model.checkpoint.quant_config import fused_quant, mlp_quant
+from fdplug.core.model.layers.basic import RMSNorm, RotaryEmbedding, SwiGLU, make_linear
+from fdplug.core.model.layers.gguf_linear import embedding_rows
+from fdplug.core.model.layers.linear import Linear, empty_parameter
+from fdplug.core.model.layers.moe_block import SparseMoEBlock
 from fdplug.core.portable.ops import PORTABLE
 from fdplug.plugin_api.ops import Kernels
 
