@@ -1,6 +1,6 @@
 """Data parallel serving: one API process in front of N engine processes, each with its own KV cache.
 
-``fdplug serve --data-parallel-size N`` starts N engine processes (the same ``engine_process`` as
+``fdplug serve --data-parallel-size N`` starts N engine processes (the same `engine.main` process as
 one engine, each on its share of the cores or its own device) and one `EngineClient` per engine;
 this client gives the app the same face as a single `EngineClient` (``add``, ``abort``, ``healthy``,
 ``metrics``...) and routes each request with `dp_router.Router` (least loaded, then prefix
@@ -36,10 +36,10 @@ from fdplug.errors import (
     FdplugError,
     InvalidRequestError,
 )
-from fdplug.server.dp_router import Router
-from fdplug.server.engine_client import EngineClient
-from fdplug.server.engine_handle import EngineProcess
-from fdplug.server.request_stream import RequestStream
+from fdplug.server.api.dp_router import Router
+from fdplug.server.api.engine_client import EngineClient
+from fdplug.server.api.request_stream import RequestStream
+from fdplug.server.engine.process import EngineProcess
 from fdplug.server.settings import env
 
 logger = logging.getLogger("fdplug.server")
@@ -234,7 +234,7 @@ class EngineSet:
         self.spec_args, self.log_level = spec_args, log_level
         self.cluster = None
         if backend == "ray":
-            from fdplug.server.ray_engines import RayCluster
+            from fdplug.server.engine.ray_engines import RayCluster
 
             device = spec_args[0]["selection"]["device"]
             self.cluster = RayCluster(len(spec_args), ray_address, device)

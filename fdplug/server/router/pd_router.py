@@ -31,11 +31,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from fdplug.errors import FdplugError, InvalidRequestError, ServerShuttingDownError
-from fdplug.server.app import answer_unknown_routes, error_response, guarded
-from fdplug.server.drain import Drain
-from fdplug.server.jobs import parse_job_request
-from fdplug.server.router_metrics import RouterMetrics
-from fdplug.server.serving import ClosingStream, sse_error, wait_disconnect
+from fdplug.server.api.app import answer_unknown_routes, error_response, guarded
+from fdplug.server.api.jobs import parse_job_request
+from fdplug.server.api.serving import ClosingStream, sse_error, wait_disconnect
+from fdplug.server.http.drain import Drain
+from fdplug.server.router.metrics import RouterMetrics
 from fdplug.server.settings import DEFAULT_SHUTDOWN_TIMEOUT_S
 
 logger = logging.getLogger("fdplug.router")

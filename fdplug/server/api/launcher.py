@@ -23,9 +23,9 @@ from typing import Any
 
 from fdplug.core.heap import freeze_startup_heap
 from fdplug.errors import ConfigError
-from fdplug.server import protocol as P
-from fdplug.server.drain import Drain, DrainingServer
-from fdplug.server.limits import DEFAULT_STREAM_BACKLOG, ConnectionLimits
+from fdplug.server.engine import protocol as P
+from fdplug.server.http.drain import Drain, DrainingServer
+from fdplug.server.http.limits import DEFAULT_STREAM_BACKLOG, ConnectionLimits
 from fdplug.server.settings import DEFAULT_SHUTDOWN_TIMEOUT_S, env
 
 logger = logging.getLogger("fdplug.server")
@@ -71,7 +71,7 @@ def serve(settings: ServerSettings, engine_kwargs: dict[str, Any]) -> int:
     """Run the server until a signal (exit status 0) or the engine's death (1)."""
     from fdplug.core.engine.startup import resolve_engine
     from fdplug.core.model.tokenizer import Tokenizer
-    from fdplug.server.dp_client import data_parallel_ranks, expert_parallel_ranks
+    from fdplug.server.api.dp_client import data_parallel_ranks, expert_parallel_ranks
 
     kwargs = dict(engine_kwargs)
     ep_size = settings.expert_parallel_size
@@ -130,11 +130,11 @@ def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 async def _serve(settings: ServerSettings, spec_args: list[dict], tokenizer: Any, sock: socket.socket,
                  name: str) -> int:
-    from fdplug.server.app import build_app
-    from fdplug.server.dp_client import DataParallelClient, EngineSet
-    from fdplug.server.engine_client import EngineClient
-    from fdplug.server.engine_handle import EngineProcess
-    from fdplug.server.metrics import ServerMetrics
+    from fdplug.server.api.app import build_app
+    from fdplug.server.api.dp_client import DataParallelClient, EngineSet
+    from fdplug.server.api.engine_client import EngineClient
+    from fdplug.server.api.metrics import ServerMetrics
+    from fdplug.server.engine.process import EngineProcess
 
     loop = asyncio.get_running_loop()
     interrupted = asyncio.Event()

@@ -30,17 +30,17 @@ from fdplug.errors import (
     InvalidRequestError,
     RequestTooLargeError,
 )
-from fdplug.server import openai_types as T
-from fdplug.server.engine_client import EngineClient
-from fdplug.server.jobs import JobBuilder, parse_job_request
-from fdplug.server.metrics import CONTENT_TYPE_LATEST
-from fdplug.server.pd_params import check_kv_transfer_params
-from fdplug.server.request_stream import BacklogQueue
-from fdplug.server.serving import Serving
+from fdplug.server.api import openai_types as T
+from fdplug.server.api.engine_client import EngineClient
+from fdplug.server.api.jobs import JobBuilder, parse_job_request
+from fdplug.server.api.metrics import CONTENT_TYPE_LATEST
+from fdplug.server.api.pd_params import check_kv_transfer_params
+from fdplug.server.api.request_stream import BacklogQueue
+from fdplug.server.api.serving import Serving
 
 if TYPE_CHECKING:
-    from fdplug.server.drain import Drain
-    from fdplug.server.launcher import ServerSettings
+    from fdplug.server.api.launcher import ServerSettings
+    from fdplug.server.http.drain import Drain
 
 logger = logging.getLogger("fdplug.server")
 

@@ -1,9 +1,9 @@
-"""The engine process: EngineCore's step loop (`engine_loop`) behind two ZMQ sockets.
+"""The engine process: EngineCore's step loop (`loop`) behind two ZMQ sockets.
 
 Why a process of its own: the step loop is compute-bound Python; next to the HTTP server in one
 process, the GIL would make tokenizing, SSE and step interleave badly.
 
-The API process starts it with ``python -m fdplug.server.engine_process SPEC_JSON`` and binds
+The API process starts it with ``python -m fdplug.server.engine.main SPEC_JSON`` and binds
 both sockets first; this side connects. The selection is rebuilt from ``Selection.to_names()`` with
 ``resolve_engine`` (the same code the API process ran), so both processes agree on the selection.
 It exits when told to ("shutdown"), when its parent dies (PR_SET_PDEATHSIG, and ``getppid()``
@@ -30,9 +30,9 @@ import zmq
 
 from fdplug.core.heap import freeze_startup_heap
 from fdplug.errors import FdplugError
-from fdplug.server import protocol as P
-from fdplug.server.engine_loop import EngineLoop
-from fdplug.server.os_timeslice import shorten_scheduler_slice
+from fdplug.server.engine import protocol as P
+from fdplug.server.engine.loop import EngineLoop
+from fdplug.server.engine.os_timeslice import shorten_scheduler_slice
 from fdplug.server.settings import env
 
 logger = logging.getLogger("fdplug.engine_process")

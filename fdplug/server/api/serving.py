@@ -22,9 +22,9 @@ from fdplug.core.engine.sampling_params import SamplingParams
 from fdplug.core.frontend.outputs import RequestOutput
 from fdplug.core.frontend.processor import Delta
 from fdplug.errors import EngineRequestError, FdplugError
-from fdplug.server import openai_types as T
-from fdplug.server.engine_client import EngineClient
-from fdplug.server.jobs import Job
+from fdplug.server.api import openai_types as T
+from fdplug.server.api.engine_client import EngineClient
+from fdplug.server.api.jobs import Job
 
 logger = logging.getLogger("fdplug.server")
 

@@ -8,7 +8,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 if TYPE_CHECKING:
-    from fdplug.server.pd_router import PDRouter
+    from fdplug.server.router.pd_router import PDRouter
 
 
 class RouterMetrics:
