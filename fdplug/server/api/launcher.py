@@ -71,7 +71,7 @@ def serve(settings: ServerSettings, engine_kwargs: dict[str, Any]) -> int:
     """Run the server until a signal (exit status 0) or the engine's death (1)."""
     from fdplug.core.engine.startup import resolve_engine
     from fdplug.core.model.tokenizer import Tokenizer
-    from fdplug.server.api.dp_client import data_parallel_ranks, expert_parallel_ranks
+    from fdplug.server.engine.engine_set import data_parallel_ranks, expert_parallel_ranks
 
     kwargs = dict(engine_kwargs)
     ep_size = settings.expert_parallel_size
@@ -131,9 +131,10 @@ def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 async def _serve(settings: ServerSettings, spec_args: list[dict], tokenizer: Any, sock: socket.socket,
                  name: str) -> int:
     from fdplug.server.api.app import build_app
-    from fdplug.server.api.dp_client import DataParallelClient, EngineSet
+    from fdplug.server.api.dp_client import DataParallelClient
     from fdplug.server.api.engine_client import EngineClient
     from fdplug.server.api.metrics import ServerMetrics
+    from fdplug.server.engine.engine_set import EngineSet
     from fdplug.server.engine.process import EngineProcess
 
     loop = asyncio.get_running_loop()

@@ -16,13 +16,11 @@ group's lockstep.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
 import signal
 import sys
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,34 +31,10 @@ from fdplug.errors import FdplugError
 from fdplug.server.engine import protocol as P
 from fdplug.server.engine.loop import EngineLoop
 from fdplug.server.engine.os_timeslice import shorten_scheduler_slice
+from fdplug.server.engine.spec import EngineSpec
 from fdplug.server.settings import env
 
 logger = logging.getLogger("fdplug.engine_process")
-
-
-@dataclass(slots=True)
-class EngineSpec:
-    """Everything the engine process needs, as JSON on its command line."""
-
-    input_address: str      # the API's PUSH socket: this process PULLs requests from it
-    output_address: str     # the API's PULL socket: this process PUSHes outputs to it
-    model_dir: str
-    selection: dict           # Selection.to_names()
-    engine_args: dict       # EngineConfig fields (vLLM names)
-    parent_pid: int
-    log_level: int = logging.WARNING
-    scheduler_slice_us: int = 0   # FDPLUG_ENGINE_SLICE_US, read (and checked) by the API process; 0: kernel default
-    cpus: list[int] | None = None # data parallel on the cpu device: the cores this engine runs on (its threads)
-    curve_server_key: str | None = None   # TCP sockets (an engine on another machine): the API's CURVE public key
-    # {"rank", "size", "endpoints": [host:port]}: a rank of an expert-parallel group
-    expert_parallel: dict | None = None
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> EngineSpec:
-        return cls(**json.loads(text))
 
 
 def _die_with_parent() -> None:

@@ -21,7 +21,7 @@ import zmq.asyncio
 
 from fdplug.errors import EngineDeadError
 from fdplug.server.engine import protocol as P
-from fdplug.server.engine.main import EngineSpec
+from fdplug.server.engine.spec import EngineSpec
 from fdplug.server.settings import env, env_is_set
 
 
