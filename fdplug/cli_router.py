@@ -40,8 +40,8 @@ def run_router(prefill: list[str], decode: list[str], host: str, port: int, api_
     """Serve until a signal (drained: `fdplug.server.http.drain`); the exit status."""
     import asyncio
 
-    from fdplug.server.api.app import Guard
     from fdplug.server.http.drain import DrainingServer
+    from fdplug.server.http.guard import Guard
     from fdplug.server.router.pd_router import PDRouter, logger
     from fdplug.server.settings import env
 

@@ -31,10 +31,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from fdplug.errors import FdplugError, InvalidRequestError, ServerShuttingDownError
-from fdplug.server.api.app import answer_unknown_routes, error_response, guarded
 from fdplug.server.api.jobs import parse_job_request
 from fdplug.server.api.serving import ClosingStream, sse_error, wait_disconnect
 from fdplug.server.http.drain import Drain
+from fdplug.server.http.error_responses import answer_unknown_routes, error_response, guarded
 from fdplug.server.router.metrics import RouterMetrics
 from fdplug.server.settings import DEFAULT_SHUTDOWN_TIMEOUT_S
 
