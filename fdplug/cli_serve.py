@@ -66,7 +66,8 @@ def serve_command(host: str, port: int, api_key: str | None, served_model_name: 
                   data_parallel_size: int, data_parallel_backend: str, ray_address: str | None,
                   expert_parallel_size: int, role: str | None, kv_connector: str | None, **kw: Any) -> None:
     """Serve the OpenAI API (chat, completions, streaming) with the engine in its own process."""
-    from fdplug.server.api.launcher import ServerSettings, serve
+    from fdplug.server.api.launcher import serve
+    from fdplug.server.api.server_settings import ServerSettings
 
     logging.getLogger("fdplug").setLevel(min(logging.INFO, logging.getLogger().getEffectiveLevel()))
     front = http_front_settings(kw)

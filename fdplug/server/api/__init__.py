@@ -1,6 +1,7 @@
 """The API process of ``fdplug serve``: OpenAI HTTP in, engine processes behind.
 
     launcher.py        start/stop the engine process(es) and uvicorn, signals, startup log
+    server_settings.py ``ServerSettings``: how ``fdplug serve`` was asked to run
     app.py             the FastAPI app and its routes (behind `fdplug.server.http.guard`)
     jobs.py            an OpenAI request checked, templated and tokenized into a Job
     serving.py         a Job's sequences answered: one JSON body or a stream

@@ -31,7 +31,7 @@ from fdplug.server.http.error_responses import answer_unknown_routes, error_body
 from fdplug.server.http.guard import Guard
 
 if TYPE_CHECKING:
-    from fdplug.server.api.launcher import ServerSettings
+    from fdplug.server.api.server_settings import ServerSettings
     from fdplug.server.http.drain import Drain
 
 
