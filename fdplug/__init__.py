@@ -17,8 +17,7 @@ from fdplug.core.plugin_loading.loader import list_plugins, load_plugins
 from fdplug.core.plugin_loading.selection import select_components
 from fdplug.plugin_api.hookspecs import API_VERSION, hookimpl
 from fdplug.plugin_api.selection import Selection
-
-__version__ = "0.1.0"
+from fdplug.version import __version__
 
 __all__ = ["API_VERSION", "LLM", "SamplingParams", "Selection", "hookimpl", "list_plugins", "load_plugins",
            "select_components", "__version__"]

@@ -18,8 +18,8 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-import fdplug
 from fdplug.errors import InvalidRequestError
+from fdplug.plugin_api.hookspecs import API_VERSION
 from fdplug.server.api import openai_types as T
 from fdplug.server.api.engine_client import EngineClient
 from fdplug.server.api.jobs import JobBuilder, parse_job_request
@@ -29,6 +29,7 @@ from fdplug.server.api.request_stream import BacklogQueue
 from fdplug.server.api.serving import Serving
 from fdplug.server.http.error_responses import answer_unknown_routes, error_body, guarded
 from fdplug.server.http.guard import Guard
+from fdplug.version import __version__
 
 if TYPE_CHECKING:
     from fdplug.server.api.server_settings import ServerSettings
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
 def build_app(client: EngineClient, model_name: str, settings: ServerSettings, api_key: str | None,
               kv_role: str | None, drain: Drain) -> Any:
     """The ASGI app uvicorn runs: the guard around the FastAPI routes."""
-    app = FastAPI(title="fdplug", version=fdplug.__version__, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="fdplug", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     jobs = JobBuilder(client, model_name, settings.trust_request_chat_template)
     serving = Serving(client, settings.stream_interval)
     metrics = client.metrics
@@ -57,7 +58,7 @@ def build_app(client: EngineClient, model_name: str, settings: ServerSettings, a
 
     @app.get("/version")
     async def version() -> Response:
-        return JSONResponse({"version": fdplug.__version__, "api_version": fdplug.API_VERSION})
+        return JSONResponse({"version": __version__, "api_version": API_VERSION})
 
     @app.get("/metrics")
     async def metrics_route() -> Response:
