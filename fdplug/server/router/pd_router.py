@@ -79,7 +79,7 @@ class PDRouter:
         # one connection per relay in flight (a stream holds its own): bounded, and a full pool is a 503 at once
         self.http = httpx.AsyncClient(limits=httpx.Limits(max_connections=max_connections,
                                                           max_keepalive_connections=min(max_connections, 256)))
-        self.drain = Drain(shutdown_timeout, self._abort_all)   # its `Guard` (cli_router) counts what is in flight
+        self.drain = Drain(shutdown_timeout, self._abort_all)   # its `Guard` (cli.router) counts what is in flight
         self.metrics = RouterMetrics(lambda: self.drain.active, (("prefill", self.prefill), ("decode", self.decode)))
         self.waiting: set[asyncio.Task] = set()        # relays not answering yet (prefill, decode's start)
         relay = guarded(self.relay, self.metrics)

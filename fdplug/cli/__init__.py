@@ -17,7 +17,7 @@ from typing import Any
 import click
 
 import fdplug
-from fdplug.cli_options import engine_kwargs, engine_options
+from fdplug.cli.options import engine_kwargs, engine_options
 from fdplug.core.plugin_loading.loader import load_plugins
 from fdplug.core.plugin_loading.selection import run_probe, select_components
 from fdplug.errors import FdplugError
@@ -154,7 +154,7 @@ def explain_command(device: str, runner: str | None, attention: str | None, moe:
 
     Exits non-zero, with the reason and the fix, when no selection is possible.
     """
-    from fdplug.cli_options import parse_op_kernels
+    from fdplug.cli.options import parse_op_kernels
     from fdplug.core.config import EngineConfig
     from fdplug.core.engine.startup import resolve_engine
 
@@ -252,9 +252,9 @@ def _tokens(n: int) -> str:
 
 
 def _register_fetch_features() -> None:
-    from fdplug.cli_fetch import fetch_features
-    from fdplug.cli_router import router_command
-    from fdplug.cli_serve import serve_command
+    from fdplug.cli.fetch import fetch_features
+    from fdplug.cli.router import router_command
+    from fdplug.cli.serve import serve_command
 
     main.add_command(serve_command, "serve")
     main.add_command(fetch_features, "fetch-features")
@@ -262,6 +262,3 @@ def _register_fetch_features() -> None:
 
 
 _register_fetch_features()
-
-if __name__ == "__main__":
-    main()

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from fdplug.cli import user_errors
-from fdplug.cli_http import http_front_options, http_front_settings
+from fdplug.cli.http import http_front_options, http_front_settings
 
 if TYPE_CHECKING:
     from fdplug.server.http.limits import ConnectionLimits
