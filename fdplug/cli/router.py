@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from fdplug.cli import user_errors
 from fdplug.cli.http import http_front_options, http_front_settings
+from fdplug.cli.user_errors import user_errors
 
 if TYPE_CHECKING:
     from fdplug.server.http.limits import ConnectionLimits

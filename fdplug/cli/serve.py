@@ -8,9 +8,9 @@ from typing import Any
 
 import click
 
-from fdplug.cli import user_errors
 from fdplug.cli.http import http_front_options, http_front_settings
 from fdplug.cli.options import engine_kwargs, engine_options
+from fdplug.cli.user_errors import user_errors
 from fdplug.server.http.limits import DEFAULT_STREAM_BACKLOG
 
 
