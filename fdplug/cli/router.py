@@ -1,4 +1,4 @@
-"""``fdplug router``: the OpenAI-compatible front over prefill and decode instances (`server.pd_router`)."""
+"""``fdplug router``: the OpenAI-compatible front over prefill and decode instances (`fdplug.server.router`)."""
 
 from __future__ import annotations
 
