@@ -3,7 +3,9 @@
     fdplug/plugin_api/  the contract: hooks, specs, protocols, settings (what a plugin imports)
     fdplug/core/        engine, scheduler, KV cache, runner, model, multimodal, plugin loading and
                         selection, and the portable components every device gets
-    fdplug/server/      ``fdplug serve``: the OpenAI-compatible API process and the engine process
+    fdplug/server/      ``fdplug serve`` (the OpenAI-compatible API process and the engine process)
+                        and ``fdplug router``
+    fdplug/cli/         the ``fdplug`` command line
     fdplug/plugins/     the built-in plugins: cpu, cuda, xpu, blackwell_moe, storage_fs, storage_bos
     fdplug/demo/        the trained demo model and the generated test models
     fdplug/testing/     the conformance kit for plugin authors (a pytest plugin)
