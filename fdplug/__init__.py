@@ -3,7 +3,9 @@
     fdplug/plugin_api/  the contract: hooks, specs, protocols, settings (what a plugin imports)
     fdplug/core/        engine, scheduler, KV cache, runner, model, multimodal, plugin loading and
                         selection, and the portable components every device gets
-    fdplug/server/      ``fdplug serve``: the OpenAI-compatible API process and the engine process
+    fdplug/server/      ``fdplug serve`` (the OpenAI-compatible API process and the engine process)
+                        and ``fdplug router``
+    fdplug/cli/         the ``fdplug`` command line
     fdplug/plugins/     the built-in plugins: cpu, cuda, xpu, blackwell_moe, storage_fs, storage_bos
     fdplug/demo/        the trained demo model and the generated test models
     fdplug/testing/     the conformance kit for plugin authors (a pytest plugin)
@@ -17,8 +19,7 @@ from fdplug.core.plugin_loading.loader import list_plugins, load_plugins
 from fdplug.core.plugin_loading.selection import select_components
 from fdplug.plugin_api.hookspecs import API_VERSION, hookimpl
 from fdplug.plugin_api.selection import Selection
-
-__version__ = "0.1.0"
+from fdplug.version import __version__
 
 __all__ = ["API_VERSION", "LLM", "SamplingParams", "Selection", "hookimpl", "list_plugins", "load_plugins",
            "select_components", "__version__"]

@@ -147,8 +147,8 @@ def test_a_request_aborted_while_the_window_waits_is_never_handed_to_the_engine(
     import zmq
 
     from fdplug.core.request import RequestStatus
-    from fdplug.server import protocol as P
-    from fdplug.server.engine_loop import EngineLoop
+    from fdplug.server.engine import protocol as P
+    from fdplug.server.engine.loop import EngineLoop
 
     ctx = zmq.Context()
     to_engine, engine_in = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)

@@ -29,8 +29,8 @@ from starlette.responses import (
 )
 from starlette.routing import Route
 
-from fdplug.cli_http import connection_options, limits_from
-from fdplug.server.connection_guard import EXTENSION, ConnectionLimits, uvicorn_kwargs
+from fdplug.cli.http import connection_options, limits_from
+from fdplug.server.http.connection_guard import EXTENSION, ConnectionLimits, uvicorn_kwargs
 
 FAST = ConnectionLimits(idle_timeout=0.5, request_timeout=1.0, write_timeout=1.0)
 CHUNK = 64 * 1024

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fdplug.server.dp_router import AFFINITY_SLACK, Router, block_hashes
+from fdplug.server.api.dp_router import AFFINITY_SLACK, Router, block_hashes
 
 BS = 4
 
@@ -105,7 +105,7 @@ def test_engines_split_the_cores_or_take_a_device_each(monkeypatch):
     import os
 
     from fdplug.errors import ConfigError
-    from fdplug.server.dp_client import data_parallel_ranks
+    from fdplug.server.engine.engine_set import data_parallel_ranks
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {4, 5, 6, 7, 8})
     args = {"max_num_seqs": 8}

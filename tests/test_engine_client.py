@@ -14,9 +14,9 @@ from fdplug.core.scheduler.output import EngineCoreOutput
 from fdplug.demo.random_model import ensure_random_model
 from fdplug.errors import EngineRequestError
 from fdplug.plugin_api.sampling_params import SamplingParams
-from fdplug.server import protocol as P
-from fdplug.server.engine_client import EngineClient
-from fdplug.server.metrics import ServerMetrics
+from fdplug.server.api.engine_client import EngineClient
+from fdplug.server.api.metrics import ServerMetrics
+from fdplug.server.engine import protocol as P
 
 
 class _Engine:

@@ -92,7 +92,7 @@ def test_expert_parallel_on_ray_engines_gives_transformers_greedy_tokens(tmp_pat
 
 
 def test_engines_reserve_their_device_and_know_its_index_on_their_node():
-    from fdplug.server.ray_engines import device_indices, engine_bundles
+    from fdplug.server.engine.ray_engines import device_indices, engine_bundles
 
     assert engine_bundles(2, 8, "cpu") == ([{"CPU": 4}, {"CPU": 4}], 4)
     assert engine_bundles(3, 2, "cpu") == ([{"CPU": 1}] * 3, 1)

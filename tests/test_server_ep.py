@@ -24,7 +24,8 @@ import pytest
 
 from fdplug.core.model.text.tokenizer import Tokenizer
 from fdplug.errors import ConfigError
-from fdplug.server.launcher import ServerSettings, serve
+from fdplug.server.api.launcher import serve
+from fdplug.server.api.server_settings import ServerSettings
 from tests.conftest import REPO, write_test_model
 from tests.serverkit import Server, alive, wait_until
 from tests.test_moe_golden import greedy, servable

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from fdplug.server.os_timeslice import current_slice_ns
+from fdplug.server.engine.os_timeslice import current_slice_ns
 from tests.conftest import subprocess_env
 from tests.serverkit import (
     FDPLUG,

@@ -15,10 +15,10 @@ from fdplug.core.scheduler.output import EngineCoreOutput, SchedulerStats
 from fdplug.errors import ConfigError, FdplugError, InvalidRequestError, QueueFullError
 from fdplug.plugin_api.sampling_params import SamplingParams
 from fdplug.plugin_api.scheduled_work import MMPlaceholder
-from fdplug.server import openai_types as T
-from fdplug.server import protocol as P
-from fdplug.server.jobs import _prompts
-from fdplug.server.serving import Serving, _merge
+from fdplug.server.api import openai_types as T
+from fdplug.server.api.jobs import _prompts
+from fdplug.server.api.serving import Serving, _merge
+from fdplug.server.engine import protocol as P
 from tests.serverkit import kernel_honours_custom_slices
 
 
@@ -153,7 +153,7 @@ def test_stream_interval_holds_tokens_between_the_first_and_the_finish():
 def test_event_loop_choice(monkeypatch):
     import uvloop
 
-    from fdplug.server.launcher import event_loop_factory
+    from fdplug.server.api.launcher import event_loop_factory
 
     monkeypatch.setenv("FDPLUG_EVENT_LOOP", "asyncio")
     assert event_loop_factory() is None
@@ -198,7 +198,7 @@ print(first, freeze_startup_heap_once(), gc.get_freeze_count() == count)
 
 SLICE_PROBE = """
 import os, sys, threading
-from fdplug.server.os_timeslice import current_slice_ns, shorten_scheduler_slice
+from fdplug.server.engine.os_timeslice import current_slice_ns, shorten_scheduler_slice
 nice, policy = os.nice(3), os.sched_getscheduler(0)
 default = current_slice_ns()
 got, why = shorten_scheduler_slice(int(sys.argv[1]))

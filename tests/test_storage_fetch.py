@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from fdplug.cli_fetch import fetch_features
+from fdplug.cli.fetch import fetch_features
 from fdplug.core.config import EngineConfig
 from fdplug.core.multimodal.fetch import FeatureFetcher
 from fdplug.core.plugin_loading.loader import load_plugins

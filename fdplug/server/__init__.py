@@ -1,17 +1,15 @@
-"""``fdplug serve``: an OpenAI-compatible API process in front of an engine process.
+"""``fdplug serve`` and ``fdplug router``: the HTTP servers, each in a room of its own.
 
-    launcher.py        start/stop both processes, signals, startup log
-    engine_process.py  the engine side: EngineCore's step loop behind ZMQ
-    protocol.py        the msgpack messages between the two
-    engine_client.py   the API side: submit, abort, route outputs, watchdog
-    request_stream.py  one request's way back to its HTTP handler
-    app.py             FastAPI routes, error objects, API key and body-size guard
-    jobs.py            an OpenAI request checked, templated and tokenized into a Job
-    serving.py         a Job's sequences answered: one JSON body or a stream
-    openai_types.py    request models and response shapes
-    metrics.py         Prometheus metrics
-    os_timeslice.py    the engine process's short Linux scheduler slice (sched_setattr)
-    settings.py        the server's environment variables
+    api/        the API process: the FastAPI app, OpenAI requests to jobs to answers, the engine
+                clients (one, or data parallel), metrics, and the launcher that starts it all
+    engine/     the engine process (EngineCore's step loop behind ZMQ), its msgpack protocol, and
+                the API process's handles on engine processes (local or placed by Ray)
+    router/     ``fdplug router``: the prefill/decode front over ``fdplug serve --role`` instances
+    http/       what every HTTP front shares: per-connection limits, draining on SIGTERM
+    settings.py the server's environment variables (imported here so that they are declared)
+
+Who imports whom: ``api`` and ``router`` use ``engine`` and ``http``; ``router`` uses ``api``'s
+request checks; ``engine`` and ``http`` use neither; every room may read ``settings``.
 """
 
 from fdplug.server import settings as _settings  # noqa: F401,E402  (declares the server's environment variables)

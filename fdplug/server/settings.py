@@ -37,7 +37,7 @@ def parse_window_seconds(raw: str) -> float:
     return value
 
 
-DEFAULT_SHUTDOWN_TIMEOUT_S = 25.0   # why 25: `fdplug.server.drain`
+DEFAULT_SHUTDOWN_TIMEOUT_S = 25.0   # why 25: `fdplug.server.http.drain`
 
 for _setting in (
     Setting("FDPLUG_API_KEY", None, str,

@@ -45,7 +45,7 @@ class ProcessedPrompt:
     token_ids: list[int]
     mm_inputs: list[MMFeatureInput] = field(default_factory=list)
     mm_positions: list[MMPlaceholder] = field(default_factory=list)
-    kv_transfer_params: dict | None = None   # PD disaggregation: checked by the server (`server.pd_params`)
+    kv_transfer_params: dict | None = None   # PD disaggregation: checked by the server (`server.api.pd_params`)
 
 
 class InputProcessor:

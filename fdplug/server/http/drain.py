@@ -27,8 +27,8 @@ from typing import Any
 import uvicorn
 
 from fdplug.errors import ServerShuttingDownError
-from fdplug.server.connection_guard import uvicorn_kwargs
-from fdplug.server.limits import ConnectionLimits
+from fdplug.server.http.connection_guard import uvicorn_kwargs
+from fdplug.server.http.limits import ConnectionLimits
 
 logger = logging.getLogger("fdplug.server")
 

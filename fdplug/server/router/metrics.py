@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
-
-if TYPE_CHECKING:
-    from fdplug.server.pd_router import PDRouter
 
 
 class RouterMetrics:
     """The router's own ``/metrics`` (each instance keeps its own): requests by the stage that
     answered and its status, requests in flight per instance, and the errors the guard answered."""
 
-    def __init__(self, router: PDRouter) -> None:
+    def __init__(self, active: Callable[[], int], pools: Iterable[tuple[str, Iterable[Any]]]) -> None:
+        """``active``: the client requests let in and not answered yet (the drain's count); ``pools``:
+        (role, its upstreams), each upstream with its ``url`` and ``in_flight``."""
         from prometheus_client import CollectorRegistry, Counter, Gauge
 
         self.registry = CollectorRegistry()
@@ -26,8 +26,8 @@ class RouterMetrics:
         in_flight = Gauge("fdplug_router:in_flight", "Requests in flight at each instance.", ["role", "url"],
                           registry=self.registry)
         Gauge("fdplug_router:requests_in_flight", "Client requests let in and not answered to the end yet.",
-              registry=self.registry).set_function(lambda: router.drain.active)
-        for role, pool in (("prefill", router.prefill), ("decode", router.decode)):
+              registry=self.registry).set_function(active)
+        for role, pool in pools:
             for upstream in pool:
                 in_flight.labels(role, upstream.url).set_function(lambda u=upstream: u.in_flight)
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from fdplug.server.limits import ConnectionLimits
+from fdplug.server.http.limits import ConnectionLimits
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The API process's handle on one engine process: the subprocess and the two sockets it talks over.
 
-Bound here, connected there (``engine_process``): IPC in a private temp dir for an engine on this
+Bound here, connected there (`engine.main`): IPC in a private temp dir for an engine on this
 machine, TCP with CURVE for one elsewhere (`ray_engines`). ``wait_ready`` is the handshake,
 ``stop`` the shutdown message, then SIGTERM, then SIGKILL.
 """
@@ -20,8 +20,8 @@ import zmq
 import zmq.asyncio
 
 from fdplug.errors import EngineDeadError
-from fdplug.server import protocol as P
-from fdplug.server.engine_process import EngineSpec
+from fdplug.server.engine import protocol as P
+from fdplug.server.engine.spec import EngineSpec
 from fdplug.server.settings import env, env_is_set
 
 
@@ -64,7 +64,7 @@ class EngineProcess:
             environ.pop("OMP_NUM_THREADS", None)
         package_root = str(Path(__file__).resolve().parents[3])  # the same fdplug as this process
         environ["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, environ.get("PYTHONPATH")]))
-        self.popen = subprocess.Popen([sys.executable, "-m", "fdplug.server.engine_process", spec.to_json()],
+        self.popen = subprocess.Popen([sys.executable, "-m", "fdplug.server.engine.main", spec.to_json()],
                                       env=environ, stdin=subprocess.DEVNULL)
         return self.popen.pid
 

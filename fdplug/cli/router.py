@@ -1,4 +1,4 @@
-"""``fdplug router``: the OpenAI-compatible front over prefill and decode instances (`server.pd_router`)."""
+"""``fdplug router``: the OpenAI-compatible front over prefill and decode instances (`fdplug.server.router`)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from fdplug.cli import user_errors
-from fdplug.cli_http import http_front_options, http_front_settings
+from fdplug.cli.http import http_front_options, http_front_settings
+from fdplug.cli.user_errors import user_errors
 
 if TYPE_CHECKING:
-    from fdplug.server.limits import ConnectionLimits
+    from fdplug.server.http.limits import ConnectionLimits
 
 
 @click.command("router")
@@ -37,12 +37,12 @@ def router_command(prefill: tuple[str, ...], decode: tuple[str, ...], host: str,
 
 def run_router(prefill: list[str], decode: list[str], host: str, port: int, api_key: str | None,
                max_body_bytes: int, shutdown_timeout: float, limits: ConnectionLimits) -> int:
-    """Serve until a signal (drained: `fdplug.server.drain`); the exit status."""
+    """Serve until a signal (drained: `fdplug.server.http.drain`); the exit status."""
     import asyncio
 
-    from fdplug.server.app import Guard
-    from fdplug.server.drain import DrainingServer
-    from fdplug.server.pd_router import PDRouter, logger
+    from fdplug.server.http.drain import DrainingServer
+    from fdplug.server.http.guard import Guard
+    from fdplug.server.router.pd_router import PDRouter, logger
     from fdplug.server.settings import env
 
     async def run() -> None:

@@ -14,9 +14,9 @@ from fdplug.core.model.text.chat_messages import check_template_kwargs
 from fdplug.core.multimodal.inputs import FeaturePartCollector
 from fdplug.errors import InvalidRequestError, ModelNotFoundError
 from fdplug.plugin_api.sampling_params import MAX_LOGPROBS, SamplingParams
-from fdplug.server import openai_types as T
-from fdplug.server.engine_client import EngineClient
-from fdplug.server.request_stream import RequestStream
+from fdplug.server.api import openai_types as T
+from fdplug.server.api.engine_client import EngineClient
+from fdplug.server.api.request_stream import RequestStream
 
 
 @dataclass(slots=True)

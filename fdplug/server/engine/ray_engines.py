@@ -1,6 +1,6 @@
 """Data-parallel engines placed by Ray: ``fdplug serve --data-parallel-backend ray [--ray-address A]``.
 
-Ray places and supervises; the engines themselves are the same ``engine_process`` as local ones,
+Ray places and supervises; the engines themselves are the same engine process (`engine.main`) as local ones,
 speaking the same msgpack protocol to the API process, over TCP instead of IPC (CURVE-encrypted:
 an engine gets the API's public key through Ray, and a peer without it cannot connect). A
 placement group reserves one bundle of CPUs per engine (``SPREAD``: on different machines where
@@ -33,7 +33,7 @@ import sys
 from typing import Any
 
 from fdplug.errors import ConfigError
-from fdplug.server.engine_handle import EngineProcess
+from fdplug.server.engine.process import EngineProcess
 
 logger = logging.getLogger("fdplug.server")
 
@@ -70,7 +70,7 @@ class EngineActor:
         spec = json.loads(spec_json)
         spec["parent_pid"] = os.getpid()     # the engine exits when this actor does
         environ = dict(os.environ, FDPLUG_CPU_THREADS=str(threads))
-        self.popen = subprocess.Popen([sys.executable, "-m", "fdplug.server.engine_process", json.dumps(spec)],
+        self.popen = subprocess.Popen([sys.executable, "-m", "fdplug.server.engine.main", json.dumps(spec)],
                                       env=environ, stdin=subprocess.DEVNULL)
         return self.popen.pid
 

@@ -21,7 +21,7 @@ from typing import Any
 import zmq
 
 from fdplug.errors import FdplugError, InvalidRequestError, ParallelGroupError
-from fdplug.server import protocol as P
+from fdplug.server.engine import protocol as P
 
 logger = logging.getLogger("fdplug.engine_process")
 

@@ -1,4 +1,4 @@
-"""``fdplug serve``: the OpenAI-compatible server (`fdplug.server.launcher`), its flags and their parsing."""
+"""``fdplug serve``: the OpenAI-compatible server (`fdplug.server.api.launcher`), its flags and their parsing."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from typing import Any
 
 import click
 
-from fdplug.cli import user_errors
-from fdplug.cli_http import http_front_options, http_front_settings
-from fdplug.cli_options import engine_kwargs, engine_options
-from fdplug.server.limits import DEFAULT_STREAM_BACKLOG
+from fdplug.cli.http import http_front_options, http_front_settings
+from fdplug.cli.options import engine_kwargs, engine_options
+from fdplug.cli.user_errors import user_errors
+from fdplug.server.http.limits import DEFAULT_STREAM_BACKLOG
 
 
 @click.command("serve")
@@ -66,7 +66,8 @@ def serve_command(host: str, port: int, api_key: str | None, served_model_name: 
                   data_parallel_size: int, data_parallel_backend: str, ray_address: str | None,
                   expert_parallel_size: int, role: str | None, kv_connector: str | None, **kw: Any) -> None:
     """Serve the OpenAI API (chat, completions, streaming) with the engine in its own process."""
-    from fdplug.server.launcher import ServerSettings, serve
+    from fdplug.server.api.launcher import serve
+    from fdplug.server.api.server_settings import ServerSettings
 
     logging.getLogger("fdplug").setLevel(min(logging.INFO, logging.getLogger().getEffectiveLevel()))
     front = http_front_settings(kw)

@@ -35,9 +35,9 @@ from fdplug.errors import (
     ServerShuttingDownError,
 )
 from fdplug.plugin_api.sampling_params import SamplingParams
-from fdplug.server import protocol as P
-from fdplug.server.metrics import ServerMetrics
-from fdplug.server.request_stream import RequestStream
+from fdplug.server.api.metrics import ServerMetrics
+from fdplug.server.api.request_stream import RequestStream
+from fdplug.server.engine import protocol as P
 
 logger = logging.getLogger("fdplug.server")
 
@@ -51,7 +51,7 @@ class EngineClient:
                  stall_timeout: float, rank: int = 0, data_parallel_size: int = 1) -> None:
         """``rank`` of ``data_parallel_size`` engines (`dp_client`): its label in the metrics, and
         whether its death stops the server (the last engine's does)."""
-        self.engine = engine                 # engine_handle.EngineProcess: sockets, poll(), pid
+        self.engine = engine                 # engine.process.EngineProcess: sockets, poll(), pid
         self.info = info
         self.rank, self.data_parallel_size = rank, data_parallel_size
         self.num_waiting = 0                 # as the engine last reported (the router's load)

@@ -8,12 +8,12 @@ from typing import Any
 
 import click
 
-from fdplug.server.limits import ConnectionLimits
+from fdplug.server.http.limits import ConnectionLimits
 from fdplug.server.settings import DEFAULT_SHUTDOWN_TIMEOUT_S, env
 
 
 def http_front_options(fn: Callable) -> Callable:
-    """``--shutdown-timeout`` and the connection limits (`fdplug.server.connection_guard`)."""
+    """``--shutdown-timeout`` and the connection limits (`fdplug.server.http.connection_guard`)."""
     fn = connection_options(fn)
     return click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=None,
                         help="SIGTERM: seconds the requests in flight may take to finish while new ones and /health "

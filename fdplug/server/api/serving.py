@@ -22,9 +22,10 @@ from fdplug.core.frontend.outputs import RequestOutput
 from fdplug.core.frontend.processor import Delta
 from fdplug.errors import EngineRequestError, FdplugError
 from fdplug.plugin_api.sampling_params import SamplingParams
-from fdplug.server import openai_types as T
-from fdplug.server.engine_client import EngineClient
-from fdplug.server.jobs import Job
+from fdplug.server.api import openai_types as T
+from fdplug.server.api.engine_client import EngineClient
+from fdplug.server.api.jobs import Job
+from fdplug.server.http.error_responses import error_body
 
 logger = logging.getLogger("fdplug.server")
 
@@ -283,8 +284,8 @@ def _drop(future: asyncio.Future) -> None:
 
 def sse_error(exc: FdplugError) -> bytes:
     """An error as a server-sent event: a stream that already answered 200 ends with it (vLLM's shape)."""
-    body = T.error_body(exc.message + (f" Fix: {exc.fix}" if exc.fix else ""), exc.error_type,
-                        getattr(exc, "param", None), getattr(exc, "code", None) or exc.http_status)
+    body = error_body(exc.message + (f" Fix: {exc.fix}" if exc.fix else ""), exc.error_type,
+                      getattr(exc, "param", None), getattr(exc, "code", None) or exc.http_status)
     return b"data: " + _dumps(body).encode() + b"\n\n"
 
 

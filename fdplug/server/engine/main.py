@@ -1,9 +1,9 @@
-"""The engine process: EngineCore's step loop (`engine_loop`) behind two ZMQ sockets.
+"""The engine process: EngineCore's step loop (`loop`) behind two ZMQ sockets.
 
 Why a process of its own: the step loop is compute-bound Python; next to the HTTP server in one
 process, the GIL would make tokenizing, SSE and step interleave badly.
 
-The API process starts it with ``python -m fdplug.server.engine_process SPEC_JSON`` and binds
+The API process starts it with ``python -m fdplug.server.engine.main SPEC_JSON`` and binds
 both sockets first; this side connects. The selection is rebuilt from ``Selection.to_names()`` with
 ``resolve_engine`` (the same code the API process ran), so both processes agree on the selection.
 It exits when told to ("shutdown"), when its parent dies (PR_SET_PDEATHSIG, and ``getppid()``
@@ -16,13 +16,11 @@ group's lockstep.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
 import signal
 import sys
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,37 +28,13 @@ import zmq
 
 from fdplug.core.heap import freeze_startup_heap
 from fdplug.errors import FdplugError
-from fdplug.server import protocol as P
-from fdplug.server.engine_loop import EngineLoop
-from fdplug.server.os_timeslice import shorten_scheduler_slice
+from fdplug.server.engine import protocol as P
+from fdplug.server.engine.loop import EngineLoop
+from fdplug.server.engine.os_timeslice import shorten_scheduler_slice
+from fdplug.server.engine.spec import EngineSpec
 from fdplug.server.settings import env
 
 logger = logging.getLogger("fdplug.engine_process")
-
-
-@dataclass(slots=True)
-class EngineSpec:
-    """Everything the engine process needs, as JSON on its command line."""
-
-    input_address: str      # the API's PUSH socket: this process PULLs requests from it
-    output_address: str     # the API's PULL socket: this process PUSHes outputs to it
-    model_dir: str
-    selection: dict           # Selection.to_names()
-    engine_args: dict       # EngineConfig fields (vLLM names)
-    parent_pid: int
-    log_level: int = logging.WARNING
-    scheduler_slice_us: int = 0   # FDPLUG_ENGINE_SLICE_US, read (and checked) by the API process; 0: kernel default
-    cpus: list[int] | None = None # data parallel on the cpu device: the cores this engine runs on (its threads)
-    curve_server_key: str | None = None   # TCP sockets (an engine on another machine): the API's CURVE public key
-    # {"rank", "size", "endpoints": [host:port]}: a rank of an expert-parallel group
-    expert_parallel: dict | None = None
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> EngineSpec:
-        return cls(**json.loads(text))
 
 
 def _die_with_parent() -> None:

@@ -31,12 +31,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from fdplug.errors import FdplugError, InvalidRequestError, ServerShuttingDownError
-from fdplug.server.app import answer_unknown_routes, error_response, guarded
-from fdplug.server.drain import Drain
-from fdplug.server.jobs import parse_job_request
-from fdplug.server.router_metrics import RouterMetrics
-from fdplug.server.serving import ClosingStream, sse_error, wait_disconnect
+from fdplug.plugin_api.hookspecs import API_VERSION
+from fdplug.server.api.jobs import parse_job_request
+from fdplug.server.api.serving import ClosingStream, sse_error, wait_disconnect
+from fdplug.server.http.drain import Drain
+from fdplug.server.http.error_responses import answer_unknown_routes, error_response, guarded
+from fdplug.server.router.metrics import RouterMetrics
 from fdplug.server.settings import DEFAULT_SHUTDOWN_TIMEOUT_S
+from fdplug.version import __version__
 
 logger = logging.getLogger("fdplug.router")
 
@@ -77,8 +79,8 @@ class PDRouter:
         # one connection per relay in flight (a stream holds its own): bounded, and a full pool is a 503 at once
         self.http = httpx.AsyncClient(limits=httpx.Limits(max_connections=max_connections,
                                                           max_keepalive_connections=min(max_connections, 256)))
-        self.drain = Drain(shutdown_timeout, self._abort_all)   # its `Guard` (cli_router) counts what is in flight
-        self.metrics = RouterMetrics(self)
+        self.drain = Drain(shutdown_timeout, self._abort_all)   # its `Guard` (cli.router) counts what is in flight
+        self.metrics = RouterMetrics(lambda: self.drain.active, (("prefill", self.prefill), ("decode", self.decode)))
         self.waiting: set[asyncio.Task] = set()        # relays not answering yet (prefill, decode's start)
         relay = guarded(self.relay, self.metrics)
         self.app = Starlette(routes=[Route("/v1/completions", relay, methods=["POST"]),
@@ -241,9 +243,7 @@ class PDRouter:
         return Response(reply.content, reply.status_code, media_type="application/json")
 
     async def version(self, request: Request) -> Response:
-        import fdplug
-
-        return JSONResponse({"version": fdplug.__version__, "api_version": fdplug.API_VERSION})
+        return JSONResponse({"version": __version__, "api_version": API_VERSION})
 
     async def health(self, request: Request) -> Response:
         """Each instance's /health (1 s each); 200 while a prefill and a decode instance answer and the

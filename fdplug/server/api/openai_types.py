@@ -167,10 +167,6 @@ def unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
 # ---------------------------------------------------------------------------------------------------
 
 
-def error_body(message: str, error_type: str, param: str | None = None, code: str | int | None = None) -> dict:
-    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
-
-
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
     body = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}

@@ -18,36 +18,16 @@ import logging
 import signal
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from fdplug.core.heap import freeze_startup_heap
 from fdplug.errors import ConfigError
-from fdplug.server import protocol as P
-from fdplug.server.drain import Drain, DrainingServer
-from fdplug.server.limits import DEFAULT_STREAM_BACKLOG, ConnectionLimits
-from fdplug.server.settings import DEFAULT_SHUTDOWN_TIMEOUT_S, env
+from fdplug.server.api.server_settings import ServerSettings
+from fdplug.server.engine import protocol as P
+from fdplug.server.http.drain import Drain, DrainingServer
+from fdplug.server.settings import env
 
 logger = logging.getLogger("fdplug.server")
-
-
-@dataclass(slots=True)
-class ServerSettings:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    served_model_name: str | None = None
-    max_body_bytes: int = 8 << 20
-    stream_interval: int = 1
-    trust_request_chat_template: bool = False
-    log_level: int = logging.INFO
-    data_parallel_size: int = 1
-    data_parallel_backend: str = "mp"
-    ray_address: str | None = None
-    expert_parallel_size: int = 1
-    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S     # SIGTERM: seconds to drain (`drain`)
-    max_stream_backlog: int = DEFAULT_STREAM_BACKLOG         # a stream's unsent tokens before its client is cut
-    limits: ConnectionLimits = field(default_factory=ConnectionLimits)   # per connection (`connection_guard`)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -71,7 +51,7 @@ def serve(settings: ServerSettings, engine_kwargs: dict[str, Any]) -> int:
     """Run the server until a signal (exit status 0) or the engine's death (1)."""
     from fdplug.core.engine.startup import resolve_engine
     from fdplug.core.model.text.tokenizer import Tokenizer
-    from fdplug.server.dp_client import data_parallel_ranks, expert_parallel_ranks
+    from fdplug.server.engine.engine_set import data_parallel_ranks, expert_parallel_ranks
 
     kwargs = dict(engine_kwargs)
     ep_size = settings.expert_parallel_size
@@ -130,11 +110,12 @@ def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 async def _serve(settings: ServerSettings, spec_args: list[dict], tokenizer: Any, sock: socket.socket,
                  name: str) -> int:
-    from fdplug.server.app import build_app
-    from fdplug.server.dp_client import DataParallelClient, EngineSet
-    from fdplug.server.engine_client import EngineClient
-    from fdplug.server.engine_handle import EngineProcess
-    from fdplug.server.metrics import ServerMetrics
+    from fdplug.server.api.app import build_app
+    from fdplug.server.api.dp_client import DataParallelClient
+    from fdplug.server.api.engine_client import EngineClient
+    from fdplug.server.api.metrics import ServerMetrics
+    from fdplug.server.engine.engine_set import EngineSet
+    from fdplug.server.engine.process import EngineProcess
 
     loop = asyncio.get_running_loop()
     interrupted = asyncio.Event()

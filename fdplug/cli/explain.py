@@ -1,0 +1,74 @@
+"""``fdplug explain``: what would be selected for each role, and why every other candidate was not."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from fdplug.cli.user_errors import user_errors
+from fdplug.core.plugin_loading.loader import load_plugins
+from fdplug.core.plugin_loading.selection import select_components
+
+
+@click.command("explain")
+@click.option("--device", default="auto", show_default=True, help="cpu, cuda, xpu, a plugin's device, or auto.")
+@click.option("--runner", default=None, help="Model runner to use (default: by priority).")
+@click.option("--attention", default=None, help="Attention backend to use (default: by priority).")
+@click.option("--moe", default=None, help="MoE backend to use (default: FD_MOE_BACKEND, else by priority).")
+@click.option("--model", default=None, help="Explain the selection for this model directory (its MoE, dtype...).")
+@click.option("--quantization", default=None, type=click.Choice(["fp8"]),
+              help="With --model: as if its float linears were quantized to FP8 at load.")
+@click.option("--dtype", default="auto", show_default=True,
+              type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+              help="With --model: as if served with this --dtype (bfloat16 on cpu: bf16 weights).")
+@click.option("--op-kernel", "op_kernels", multiple=True, metavar="OP=NAME",
+              help="Kernel for one op, e.g. linear=cpu_native_linear (repeatable; default: by priority).")
+@click.option("--role", type=click.Choice(["prefill", "decode"]), default=None,
+              help="As for an instance of this PD role (adds its KV connector).")
+@click.option("--kv-connector", default=None, help="With --role: the KV connector to use (default: by priority).")
+@click.option("--json", "as_json", is_flag=True, help="Print the selection as names (what another process rebuilds).")
+@user_errors
+def explain_command(device: str, runner: str | None, attention: str | None, moe: str | None, model: str | None,
+                    quantization: str | None, dtype: str, op_kernels: tuple[str, ...], role: str | None,
+                    kv_connector: str | None, as_json: bool) -> None:
+    """Show what would be selected for each role, and why every other candidate was not.
+
+    Exits non-zero, with the reason and the fix, when no selection is possible.
+    """
+    from fdplug.cli.options import parse_op_kernels
+    from fdplug.core.config import EngineConfig
+    from fdplug.core.engine.startup import resolve_engine
+
+    ops = parse_op_kernels(op_kernels)
+    if model is not None:
+        config, model_config, selection = resolve_engine(model, device, runner, attention, moe, ops=ops,
+                                                         kv_connector=kv_connector, quantization=quantization,
+                                                         dtype=dtype, kv_role=role)
+    elif quantization is not None or dtype != "auto":
+        raise click.UsageError("--quantization and --dtype need --model (they are about a model's weights).")
+    else:
+        config, model_config = EngineConfig(kv_role=role), None
+        plugin_set = load_plugins()
+        selection = select_components(device, runner, attention, moe, ops=ops, kv_connector=kv_connector,
+                                      config=config, plugins=plugin_set)
+        plugin_set.configure(config, selection)
+    if as_json:
+        click.echo(json.dumps(selection.to_names(), indent=2))
+        return
+    click.echo(selection.explain())
+    if model_config is not None:
+        from fdplug.core.model.checkpoint.footprint import model_summary
+        from fdplug.core.worker.op_timing import plan_linear
+
+        model_config.keep_weights(config.dtype, config.weight_dtype)
+        click.echo(model_summary(model_config, config.dtype, selection.moe.name, selection.ops))
+        if "linear" in selection.measured_ops and selection.device.setup is not None:
+            selection.device.setup()    # threads and math library as the engine runs them: the same figures
+        linear_plan = plan_linear(selection, config, model_config)
+        if linear_plan is not None:
+            click.echo(linear_plan.describe())
+    elif "linear" in selection.measured_ops:
+        click.echo(f"op:linear: {selection.ops['linear'].name} is timed against the portable op on the model's "
+                   "layer shapes at startup and runs those where it is not slower (--model DIR shows the figures)")
+    click.echo(f"selected: {selection.summary()}")
