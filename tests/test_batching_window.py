@@ -116,15 +116,14 @@ def test_reserved_output_blocks_count_per_request_and_a_bad_timeout_is_refused()
 
 
 class LoopCore:
-    """What `EngineLoop` reads of an engine core, recording what it is handed."""
+    """What `LockstepEngineLoop` reads of an engine core, recording what it is handed."""
 
     def __init__(self) -> None:
         from types import SimpleNamespace
 
         self.added: list[str] = []
         self.aborted: list[str] = []
-        pool = SimpleNamespace(get_num_free_blocks=lambda: 100)
-        self.scheduler = SimpleNamespace(requests={}, kv_cache_manager=SimpleNamespace(block_pool=pool),
+        self.scheduler = SimpleNamespace(requests={}, kv_cache_manager=SimpleNamespace(num_free_blocks=100),
                                          config=SimpleNamespace(max_num_batched_tokens=512, block_size=16,
                                                                 max_num_seqs=8))
 
@@ -148,7 +147,7 @@ def test_a_request_aborted_while_the_window_waits_is_never_handed_to_the_engine(
 
     from fdplug.core.request import RequestStatus
     from fdplug.server.engine import protocol as P
-    from fdplug.server.engine.loop import EngineLoop
+    from fdplug.server.engine.lockstep_loop import LockstepEngineLoop
 
     ctx = zmq.Context()
     to_engine, engine_in = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
@@ -157,8 +156,8 @@ def test_a_request_aborted_while_the_window_waits_is_never_handed_to_the_engine(
     from_engine.bind("inproc://out"), engine_out.connect("inproc://out")
     try:
         core = LoopCore()
-        loop = EngineLoop(core, engine_in, engine_out, parent_pid=0, group=SimpleNamespace(busy=False),
-                          window_seconds=0.05)
+        loop = LockstepEngineLoop(core, engine_in, engine_out, parent_pid=0, group=SimpleNamespace(busy=False),
+                                  window_seconds=0.05)
         loop.arrivals.extend(SimpleNamespace(request_id=rid, num_prompt_tokens=8) for rid in ("a", "b"))
         to_engine.send(P.pack([P.ABORT, ["a"], int(RequestStatus.FINISHED_ABORTED)]))
         loop._admit_arrivals()

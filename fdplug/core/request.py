@@ -34,6 +34,11 @@ class RequestStatus(enum.IntEnum):
         return self > RequestStatus.PREEMPTED
 
     @property
+    def is_unstarted(self) -> bool:
+        """Never scheduled yet: waiting, or held by a step extension (features, remote KV)."""
+        return self < RequestStatus.RUNNING
+
+    @property
     def is_schedulable_wait(self) -> bool:
         """Waiting, and the scheduler may take it (not waiting on features or remote KV)."""
         return self in (RequestStatus.WAITING, RequestStatus.PREEMPTED)

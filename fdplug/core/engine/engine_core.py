@@ -1,11 +1,14 @@
 """EngineCore: the step loop every device shares.
 
     def step(self):
-        outputs = self._poll_features()                                   # arrived or failed
-        scheduler_output = self.scheduler.schedule()
-        if scheduler_output.is_empty: return outputs, False
-        executed = self.executor.execute(scheduler_output)                # runner, recovery
-        return outputs + self._update(scheduler_output, executed), True
+        outputs = self._poll()                                  # step extensions: ready, failed, pulled
+        scheduler_output = self._schedule()                     # (extensions hear of the preempted)
+        if scheduler_output.is_empty: return outputs + self._idle(scheduler_output), False
+        return outputs + self._run(scheduler_output), True      # runner, recovery, update
+
+Features that act around a step are step extensions (`fdplug.core.scheduler.step_extension`),
+registered from the configuration (`_extensions`): multimodal feature fetching (`features`) and a
+PD instance's side of the KV transfer (`fdplug.core.kv_transfer`); the loop names none of them.
 
 Requests are checked against the running model when they are admitted (``admission``), so a value
 the model cannot take is refused before it can reach a step. When a step raises anyway (a kernel
@@ -19,10 +22,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from typing import Any
 
 from fdplug.core.config import EngineConfig
 from fdplug.core.engine.admission import ModelLimits, check_request
 from fdplug.core.engine.executor import ExecutedStep, StepExecutor
+from fdplug.core.engine.features import FeatureFetching
 from fdplug.core.engine.profiler import StepProfiler
 from fdplug.core.engine.runner_check import disagreements
 from fdplug.core.engine.step_recovery import drop
@@ -34,6 +39,7 @@ from fdplug.core.request import Request, RequestStatus
 from fdplug.core.scheduler.config import SchedulerConfig
 from fdplug.core.scheduler.output import EngineCoreOutput
 from fdplug.core.scheduler.scheduler import Scheduler
+from fdplug.core.scheduler.step_extension import StepExtension
 from fdplug.errors import (
     EngineRequestError,
     FdplugError,
@@ -66,120 +72,104 @@ class EngineCore:
         self.feature_loader = FeatureLoader(FeatureFetcher(selection.storages, config), self.encoder_cache,
                                             model.hidden_size, workers=config.feature_fetch_workers,
                                             timeout=config.fetch_timeout)
+        self.extensions = self._extensions()
+        self.scheduler.on_free = self._on_free
+
+    def _extensions(self) -> list[StepExtension]:
+        """The step extensions this configuration needs, in the order they are asked: a PD decode
+        side holds a request (pulling its KV) before feature fetching would."""
+        features = FeatureFetching(self.feature_loader, self.encoder_cache, self.scheduler.requests,
+                                   self.abort_requests)
+        return [side for side in (self.kv_transfer, features) if side is not None]
 
     # -- requests ---------------------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
         """Check a request against the model and queue it, or raise a typed error with nothing
-        changed. One with multimodal items waits (in its own state) for its features."""
+        changed. A step extension may hold it first (features to fetch, KV to pull), or end it."""
         self.validate(request)
-        if self.kv_transfer is not None and not self.kv_transfer.admit(request):
-            return   # PD decode: its first token (from the prefill instance) already ended it
-        fetch = bool(request.mm_inputs) and request.status != RequestStatus.WAITING_FOR_REMOTE_KV   # PD decode: KV
-        if fetch:
-            request.status = RequestStatus.WAITING_FOR_FEATURES
-        self.scheduler.add_request(request)
-        if fetch and self.feature_loader.submit(request):
-            request.status = RequestStatus.WAITING
+        if not all(extension.admit(request) for extension in self.extensions):
+            return   # an extension ended it already (a PD decode's first token was its last)
+        try:
+            self.scheduler.add_request(request)
+        except FdplugError:
+            self._on_free(request, [])   # what the extensions started for it stops
+            raise
 
     def validate(self, request: Request, also_waiting: int = 0) -> None:
         """The admission check alone: the typed error ``add_request`` would refuse it with, if any
         (``also_waiting``: requests held before the scheduler that count against its queue)."""
-        self.scheduler.check_room(also_waiting)
+        self.scheduler.check_new(request, also_waiting)
         check_request(request, self.limits)
-        if request.mm_inputs:
-            self.feature_loader.check_cached(request)
+        for extension in self.extensions:
+            extension.check(request)
 
     def abort_requests(self, request_ids: Iterable[str],
                        status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
-        ids = [rid for rid in request_ids if rid in self.scheduler.requests]
-        for rid in ids:
-            self._release(self.scheduler.requests[rid])
-            if self.kv_transfer is not None:
-                self.kv_transfer.cancel(rid)
-        self.scheduler.finish_requests(ids, status)
+        self.scheduler.finish_requests([rid for rid in request_ids if rid in self.scheduler.requests], status)
 
-    def _release(self, request: Request) -> None:
-        """A request is done: stop its fetch, unpin its features (they stay cached for others)."""
-        if request.mm_inputs:
-            self.feature_loader.cancel(request.request_id)
-            self.encoder_cache.release(request.request_id, self.feature_loader.hashes(request))
+    def _on_free(self, request: Request, blocks: list[Any]) -> None:
+        """A request leaves the scheduler (finished or aborted): every extension hears of it."""
+        for extension in self.extensions:
+            extension.on_free(request, blocks)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or (self.kv_transfer is not None and self.kv_transfer.busy)
-
-    def has_pending_features(self) -> bool:
-        return self.feature_loader.has_pending()
+        return self.scheduler.has_unfinished_requests() or any(extension.busy for extension in self.extensions)
 
     # -- the loop ---------------------------------------------------------------------------------
 
     def step(self) -> tuple[list[EngineCoreOutput], bool]:
         """One step: the outputs it produced and whether it ran anything (False: nothing could be
         scheduled, e.g. only feature downloads are in flight)."""
-        outputs = self._poll_features()
-        if self.kv_transfer is not None:
-            outputs += self.kv_transfer.poll()
+        outputs = self._poll()
+        scheduler_output = self._schedule()
+        if scheduler_output.is_empty:
+            return outputs + self._idle(scheduler_output), False
+        return outputs + self._run(scheduler_output), True
+
+    def _poll(self) -> list[EngineCoreOutput]:
+        return [output for extension in self.extensions for output in extension.poll()]
+
+    def _schedule(self) -> SchedulerOutput:
         with self.profiler.phase("schedule"):
             scheduler_output = self.scheduler.schedule()
-        self._refetch(scheduler_output.preempted_req_ids)
-        if scheduler_output.is_empty:
-            drop(self.runner, [*scheduler_output.finished_req_ids, *scheduler_output.preempted_req_ids])
-            return outputs, False
+        preempted = [request for rid in scheduler_output.preempted_req_ids
+                     if (request := self.scheduler.requests.get(rid)) is not None]
+        for extension in self.extensions:
+            extension.preempted(preempted)
+        return scheduler_output
+
+    def _idle(self, so: SchedulerOutput) -> list[EngineCoreOutput]:
+        """Nothing to run: the runner still forgets what finished or was preempted."""
+        drop(self.runner, [*so.finished_req_ids, *so.preempted_req_ids])
+        return []
+
+    def _run(self, so: SchedulerOutput) -> list[EngineCoreOutput]:
+        """Run the step (the executor contains a runner's failure), record it, let the extensions
+        see its outputs; a failure in the engine's own bookkeeping fails the step's requests alone."""
         try:
-            executed = self.executor.execute(scheduler_output)
-            outputs += self._update(scheduler_output, executed)
-            if self.kv_transfer is not None:
-                self.kv_transfer.finished(outputs)
-            return outputs, True
+            outputs = self._update(so, self.executor.execute(so))
+            for extension in self.extensions:
+                extension.finished(outputs)
+            return outputs
         except ParallelGroupError:   # a peer rank of the expert-parallel group is gone: the engine stops
             raise
         except Exception:   # a bug past the runner, in the engine's own bookkeeping: contain it too
             logger.exception("the engine failed to finish a step; failing its %d requests",
-                             len(scheduler_output.num_scheduled_tokens))
-            return outputs + self._fail_step(scheduler_output), True
+                             len(so.num_scheduled_tokens))
+            return self._fail_step(so)
 
     def _update(self, so: SchedulerOutput, executed: ExecutedStep) -> list[EngineCoreOutput]:
-        """The scheduler records the step; failed requests end with their error; finished ones
-        release their features."""
+        """The scheduler records the step (a finished request leaves it: `_on_free`); failed
+        requests end with their error."""
         self.profiler.steps += 1
         self.profiler.add(executed.model_output.timings)
         with self.profiler.phase("update"):
-            with_features = {rid: request for rid in so.num_scheduled_tokens
-                             if (request := self.scheduler.requests.get(rid)) is not None and request.mm_inputs}
             outputs = self._fail(executed.failed)
             outputs += self.scheduler.update_from_output(so, executed.model_output)
-            for out in outputs:   # the scheduler forgets a finished request: release its features now
-                if out.finished and out.request_id in with_features:
-                    self._release(with_features[out.request_id])
             if executed.step_failed or executed.failed:
                 self.executor.after_failure()
         return outputs
-
-    def _refetch(self, preempted: list[str]) -> None:
-        """A multimodal request whose prompt KV was pulled (PD decode) has no features here: once
-        preempted, it recomputes its prompt, so it waits for them like a new request."""
-        for rid in preempted:
-            request = self.scheduler.requests.get(rid)
-            if request is not None and request.mm_inputs and request.kv_transfer_params is not None \
-                    and not self.feature_loader.holds(request):
-                request.status = RequestStatus.WAITING_FOR_FEATURES
-                if self.feature_loader.submit(request):
-                    request.status = RequestStatus.PREEMPTED
-
-    def _poll_features(self) -> list[EngineCoreOutput]:
-        """Requests whose features arrived become schedulable; a failed fetch fails its request alone."""
-        failures = []
-        for request, error in self.feature_loader.poll():
-            if request.request_id not in self.scheduler.requests:
-                self.encoder_cache.release(request.request_id, self.feature_loader.hashes(request))
-                continue  # aborted while fetching
-            if error is None:       # (a preempted PD request resumes; any other starts)
-                request.status = RequestStatus.PREEMPTED if request.output_token_ids else RequestStatus.WAITING
-                continue
-            self.abort_requests([request.request_id], RequestStatus.FINISHED_ERROR)
-            failures.append(EngineCoreOutput(request.request_id, [], finished=True, finish_reason="error",
-                                             error=error_to_dict(error)))
-        return failures
 
     def _fail(self, errors: dict[str, FdplugError]) -> list[EngineCoreOutput]:
         """End requests with finish reason "error" and their typed error (an output for each, also

@@ -166,7 +166,7 @@ class LLM:
             pending -= done
             if bar is not None and done:
                 bar.update(len(done))
-            if pending and not self.engine.has_unfinished_requests() and not self.engine.has_pending_features():
+            if pending and not self.engine.has_unfinished_requests():
                 raise RuntimeError(f"engine has no work but requests {sorted(pending)[:5]} are unfinished")
         if bar is not None:
             bar.close()

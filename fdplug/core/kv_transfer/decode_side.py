@@ -26,6 +26,7 @@ from fdplug.core.kv_transfer.params import bad, check_params
 from fdplug.core.request import Request, RequestStatus
 from fdplug.core.scheduler.output import EngineCoreOutput
 from fdplug.core.scheduler.request_rules import check_stop
+from fdplug.core.scheduler.step_extension import StepExtension
 from fdplug.errors import KVTransferError, KVTransferTimeoutError, error_to_dict
 from fdplug.plugin_api.attention import cdiv
 from fdplug.plugin_api.kv_connector import KVConnChecker
@@ -40,8 +41,10 @@ class _Incoming:
     pulling: bool = False
 
 
-class DecodeSide:
+class DecodeSide(StepExtension):
     """Pulls the prompt KV of requests a prefill instance started."""
+
+    name = "pd-decode"
 
     def __init__(self, receiver: Any, scheduler: Any, transfer_timeout: float, vocab_size: int,
                  secret: str | None = None):
@@ -94,8 +97,9 @@ class DecodeSide:
     def busy(self) -> bool:
         return bool(self.ready)
 
-    def finished(self, outputs: list[EngineCoreOutput]) -> None:
-        pass
+    def on_free(self, request: Request, blocks: list[Any]) -> None:
+        """A request leaves (finished or aborted): a pull still under way for it is cancelled."""
+        self.cancel(request.request_id)
 
     def cancel(self, request_id: str) -> None:
         item = self.incoming.pop(request_id, None)

@@ -29,6 +29,7 @@ from fdplug.core.kv_transfer.params import make_params
 from fdplug.core.kv_transfer.peers import check_decode_trust, resolve_peers
 from fdplug.core.request import Request, RequestStatus
 from fdplug.core.scheduler.output import EngineCoreOutput
+from fdplug.core.scheduler.step_extension import StepExtension
 from fdplug.errors import ConfigError
 from fdplug.plugin_api.attention import cdiv
 from fdplug.plugin_api.kv_connector import KVCaches, KVConnChecker
@@ -50,7 +51,7 @@ def runner_caches(runner: Any, host: str, stall_timeout: float, port: int = 0,
     return KVCaches(caches, layout, block_size, host, stall_timeout, port, peers)
 
 
-class PrefillSide:
+class PrefillSide(StepExtension):
     """Holds and offers the prompt blocks of requests that a decode instance continues."""
 
     def __init__(self, sender: Any, scheduler: Any, pickup_timeout: float, secret: str | None = None):
@@ -58,9 +59,11 @@ class PrefillSide:
         self.block_size = scheduler.config.block_size
         self.held: dict[str, tuple[list[Any], float]] = {}   # transfer id -> (the blocks it holds, deadline)
         self.params: dict[str, dict] = {}           # request id -> its kv_transfer_params, for its last output
-        scheduler.on_free = self.on_free
+
+    name = "pd-prefill"
 
     def on_free(self, request: Request, blocks: list[Any]) -> None:
+        """A finished request a decode instance continues: offer its prompt's blocks (and keep them)."""
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_decode") or request.status not in (
                 RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH) or not request.output_token_ids:
@@ -78,10 +81,6 @@ class PrefillSide:
     @property
     def busy(self) -> bool:
         return bool(self.held)
-
-    def admit(self, request: Request) -> bool:
-        """Every request is queued as it comes (only a decode side starts one with remote KV)."""
-        return True
 
     def poll(self) -> list[EngineCoreOutput]:
         """Serve the pulls that arrived; free the blocks of what was pulled, released or not
@@ -109,9 +108,6 @@ class PrefillSide:
                 out.kv_transfer_params = self.params.pop(out.request_id)
                 if out.new_logprobs:
                     out.kv_transfer_params["first_logprobs"] = [list(part) for part in out.new_logprobs[-1]]
-
-    def cancel(self, request_id: str) -> None:
-        self.params.pop(request_id, None)
 
     def close(self) -> None:
         self.sender.close()

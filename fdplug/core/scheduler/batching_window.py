@@ -34,6 +34,13 @@ class WindowBudget:
     max_requests: int
     reserved_output_blocks: int = 0
 
+    @classmethod
+    def of(cls, scheduler: Any) -> WindowBudget:
+        """What ``scheduler`` can take now: its token budget, its free KV blocks, its free request slots."""
+        config = scheduler.config
+        return cls(config.max_num_batched_tokens, scheduler.kv_cache_manager.num_free_blocks, config.block_size,
+                   max(1, config.max_num_seqs - len(scheduler.requests)))
+
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size) + self.reserved_output_blocks
 

@@ -118,8 +118,8 @@ class KVCacheManager:
         The hit is capped below ``request.num_tokens``: at least the last token is recomputed,
         because the model must run on something to produce the next token's logits.
         Does not take references; pass the blocks to ``allocate_slots`` in the same step. A request
-        that already holds the blocks of what it computed (its prompt's KV pulled from a prefill
-        instance) hits nothing more: ``([], its computed tokens)``.
+        that already holds the blocks of what it computed (a step extension filled them: a PD
+        decode's pulled prompt) hits nothing more: ``([], its computed tokens)``.
         """
         if self.req_to_blocks.get(request.request_id):
             return [], request.num_computed_tokens
@@ -223,6 +223,10 @@ class KVCacheManager:
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
 
     @property
     def usage(self) -> float:

@@ -42,7 +42,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()  # since the last schedule()
         self.num_preemptions = 0
-        self.on_free: Callable[[Request, list], None] | None = None   # before a request's blocks are freed
+        self.on_free: Callable[[Request, list], None] | None = None   # before a request's blocks are freed (the
+        # engine's step extensions, `step_extension`: one may keep the blocks)
 
     # -- admission --------------------------------------------------------------------------------
 
@@ -52,7 +53,14 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         """Queue a request, or refuse it with a typed error before touching any state or counter."""
-        self.check_room()
+        self.check_new(request)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def check_new(self, request: Request, also_waiting: int = 0) -> None:
+        """The typed error `add_request` would refuse ``request`` with, if any (``also_waiting``:
+        requests held before the scheduler that count against its queue)."""
+        self.check_room(also_waiting)
         if request.request_id in self.requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use.",
                                       fix="give every request a unique id.")
@@ -62,12 +70,9 @@ class Scheduler:
                 f"room for at most {limit - 1} prompt tokens.", fix="shorten the prompt.")
         if request.mm_spans:
             check_admission(request.num_prompt_tokens, request.mm_spans, self.config.max_num_batched_tokens, limit)
-        if request.status not in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_FEATURES,
-                                  RequestStatus.WAITING_FOR_REMOTE_KV):
+        if not request.status.is_unstarted:
             raise InvalidRequestError(f"request {request.request_id!r} is {request.status.name}.",
                                       fix="submit a fresh Request.")
-        self.requests[request.request_id] = request
-        self.waiting.append(request)
 
     # -- scheduling -------------------------------------------------------------------------------
 
@@ -273,7 +278,7 @@ class Scheduler:
         self.waiting = deque(r for r in self.waiting if not r.is_finished())
 
     def _free_request(self, request: Request) -> None:
-        if self.on_free is not None:     # PD prefill: may keep the blocks for a pull (`core.kv_transfer`)
+        if self.on_free is not None:
             self.on_free(request, self.kv_cache_manager.get_blocks(request.request_id))
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]

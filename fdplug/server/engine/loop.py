@@ -1,13 +1,9 @@
 """The engine process's step loop: drain messages, step, send outputs; until shutdown or the parent is gone.
 
 The loop only ever blocks in a ZMQ poll when it has nothing to do, and never waits on a client.
-
-Expert parallel (a `LockstepGroup`): the loop keeps the group's lockstep
-(`fdplug.core.parallel.lockstep`): an iteration that ran no forward pass takes part in the round
-anyway (``idle_round``: a dummy pass when another rank runs one), an idle group sleeps in the poll
-like one engine, and a rank about to start a step from idle first waits up to
-``FD_EP_BATCHED_TOKEN_TIMEOUT`` for more requests (`BatchingWindow`: a step every rank must join
-should carry more than one request). A shutdown of any rank ends every rank's loop.
+One engine runs `EngineLoop`; an engine that is one rank of an expert-parallel group runs its
+subclass `fdplug.server.engine.lockstep_loop.LockstepEngineLoop`, which keeps the group's lockstep
+through the hooks below (vLLM's ``DPEngineCoreProc`` over ``EngineCoreProc``).
 """
 
 from __future__ import annotations
@@ -15,12 +11,12 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections import deque
 from typing import Any
 
 import zmq
 
-from fdplug.errors import FdplugError, InvalidRequestError, ParallelGroupError
+from fdplug.core.request import Request, RequestStatus
+from fdplug.errors import FdplugError, InvalidRequestError
 from fdplug.server.engine import protocol as P
 
 logger = logging.getLogger("fdplug.engine_process")
@@ -34,10 +30,7 @@ HEARTBEAT_S = 1.0         # idle: send stats at least this often (the API's /met
 class EngineLoop:
     """Drain messages, step, send outputs; until shutdown or the parent is gone."""
 
-    def __init__(self, core: Any, input_socket: Any, output_socket: Any, parent_pid: int, group: Any = None,
-                 window_seconds: float = 0.0) -> None:
-        """``group``: this engine's `LockstepGroup` (expert parallel), whose requests go through a
-        batching window of ``window_seconds``."""
+    def __init__(self, core: Any, input_socket: Any, output_socket: Any, parent_pid: int) -> None:
         self.core = core
         self.input = input_socket
         self.output = output_socket
@@ -47,39 +40,22 @@ class EngineLoop:
         self.running = True
         self._last_stats_time = 0.0
         self._last_stats: dict | None = None
-        self.group, self.window_seconds = group, window_seconds
-        self.arrivals: deque = deque()    # expert parallel: requests received, not yet handed to the core
-        self.aborted: set[str] = set()    # aborted while a pull of the window was under way
-        self.window = None
-        if group is not None:
-            from fdplug.core.scheduler.batching_window import BatchingWindow
-
-            self.window = BatchingWindow(window_seconds, num_tokens=lambda r: r.num_prompt_tokens,
-                                         sleep=self._wait_for_more)
 
     def run(self) -> None:
-        from fdplug.core.request import RequestStatus
-
         stalled = False
-        while self.running or self.group is not None:
+        while self._looping():
             if os.getppid() != self.parent_pid:
                 logger.warning("the API process is gone; the engine process exits")
                 return
-            busy = self.core.has_unfinished_requests() or bool(self.arrivals)
-            group_busy = self.group is not None and self.group.busy
-            self._drain(0 if (busy and not stalled) or group_busy else STALLED_POLL_MS if busy else IDLE_POLL_MS)
-            if self.group is None and not self.running:
+            self._drain(self._poll_ms(stalled))
+            if not self._looping():
                 break
-            rounds = self.group.headers if self.group is not None else 0
-            if self.arrivals and self.running:
-                self._admit_arrivals()
+            self._begin_iteration()
             if self.running and self.core.has_unfinished_requests():
-                try:
-                    outputs, scheduled = self.core.step()
-                except ParallelGroupError:
-                    if self.group is None or not self.group.leaving:
-                        raise
-                    break              # another rank stopped the group during this step's re-runs
+                ran = self._step()
+                if ran is None:
+                    break
+                outputs, scheduled = ran
                 stalled = not outputs and not scheduled   # only feature downloads are in flight
                 stats = self._stats_if(due=time.monotonic() - self._last_stats_time >= STATS_INTERVAL_S)
                 if outputs or stats is not None:
@@ -89,15 +65,52 @@ class EngineLoop:
                 stats = self._stats_if(due=time.monotonic() - self._last_stats_time >= HEARTBEAT_S, changed=True)
                 if stats is not None:
                     self._send([P.STATS, stats])
-            if self.group is not None:
-                if self.group.headers == rounds:     # no pass of ours this iteration: join the round
-                    self.group.idle_round(leaving=not self.running)
-                if self.group.leaving:
-                    if self.running:
-                        logger.warning("another rank of the expert-parallel group is stopping; so does this one")
-                    break
+            if self._end_iteration():
+                break
         # told to shut down: free every request's blocks before the process goes
         self.core.abort_requests(list(self.core.scheduler.requests), RequestStatus.FINISHED_ABORTED)
+
+    # -- the hooks a lockstep loop overrides ------------------------------------------------------
+
+    def _looping(self) -> bool:
+        """Whether the loop goes on (checked before and after each drain): until told to shut down."""
+        return self.running
+
+    def _has_work(self) -> bool:
+        return self.core.has_unfinished_requests()
+
+    def _poll_ms(self, stalled: bool) -> int:
+        """How long a drain may wait for a message: not at all with work to do, a little when the
+        work is stalled (downloads in flight), a heartbeat's while when idle."""
+        busy = self._has_work()
+        if busy and not stalled:
+            return 0
+        return STALLED_POLL_MS if busy else IDLE_POLL_MS
+
+    def _begin_iteration(self) -> None:
+        """Before this iteration's step, if any."""
+
+    def _step(self) -> tuple[list, bool] | None:
+        """One engine step: ``(outputs, scheduled)``; None ends the loop."""
+        return self.core.step()
+
+    def _end_iteration(self) -> bool:
+        """After this iteration; True ends the loop."""
+        return False
+
+    def _add(self, request: Request) -> bool:
+        """A request arrived: True if the core took it now (else it was queued for later)."""
+        self.core.add_request(request)
+        return True
+
+    def _abort(self, request_ids: list[str], status: RequestStatus) -> None:
+        self.core.abort_requests(request_ids, status)
+
+    def _waiting_elsewhere(self) -> int:
+        """Requests received and not yet handed to the core (they count as waiting in the stats)."""
+        return 0
+
+    # -- messages ---------------------------------------------------------------------------------
 
     def _drain(self, timeout_ms: int) -> None:
         if not self.poller.poll(timeout_ms):
@@ -117,28 +130,17 @@ class EngineLoop:
             self._send([P.ADMITTED, admitted, rejected])
 
     def _handle(self, message: list, admitted: list[str], rejected: list[list]) -> None:
-        from fdplug.core.request import RequestStatus
-
         tag = message[0]
         if tag == P.ADD:
             for item in message[1]:
                 try:
                     request = P.decode_request(item)
-                    if self.group is not None:     # checked now, handed to the core by the batching window
-                        self.core.validate(request, also_waiting=len(self.arrivals))
-                        self.arrivals.append(request)
-                        continue
-                    self.core.add_request(request)
-                    admitted.append(request.request_id)
+                    if self._add(request):
+                        admitted.append(request.request_id)
                 except Exception as exc:  # noqa: BLE001 -- refused (typed), or unreadable: keep serving
-                    rejected.append([_request_id(item), _refusal(exc)])
+                    rejected.append([_request_id(item), refusal(exc)])
         elif tag == P.ABORT:
-            if self.group is not None:     # in the window's queue (filtered in place: a pull may be reading it)
-                self.aborted.update(message[1])
-                kept = [r for r in self.arrivals if r.request_id not in self.aborted]
-                self.arrivals.clear()
-                self.arrivals.extend(kept)
-            self.core.abort_requests(message[1], RequestStatus(message[2]))
+            self._abort(message[1], RequestStatus(message[2]))
         elif tag == P.WAKE:
             pass       # a peer rank got work: the poll that read this ends, the round follows
         elif tag == P.SHUTDOWN:
@@ -146,44 +148,11 @@ class EngineLoop:
         else:
             logger.error("ignoring an unknown message %r", tag)
 
-    def _admit_arrivals(self) -> None:
-        """Expert parallel: hand the core what the batching window takes (waiting for more only
-        when the whole group is idle: this rank's next step starts a round every rank joins; a busy
-        peer is never kept waiting). A head the window cannot fit while the core is empty goes
-        anyway: admission judges it."""
-        from fdplug.core.scheduler.batching_window import WindowBudget
-
-        core = self.core
-        idle = not core.has_unfinished_requests()
-        self.window.timeout = self.window_seconds if idle and not self.group.busy else 0.0
-        config = core.scheduler.config
-        budget = WindowBudget(config.max_num_batched_tokens,
-                              core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
-                              config.block_size, max(1, config.max_num_seqs - len(core.scheduler.requests)))
-        self.aborted.clear()
-        taken = [r for r in self.window.pull(self.arrivals, budget).requests if r.request_id not in self.aborted]
-        if not taken and idle and self.arrivals:
-            taken = [self.arrivals.popleft()]
-        admitted: list[str] = []
-        rejected: list[list] = []
-        for request in taken:
-            try:
-                core.add_request(request)
-                admitted.append(request.request_id)
-            except Exception as exc:  # noqa: BLE001 -- refused, this request only
-                rejected.append([request.request_id, _refusal(exc)])
-        if admitted or rejected:
-            self._send([P.ADMITTED, admitted, rejected])
-
-    def _wait_for_more(self, seconds: float) -> None:
-        """The batching window's sleep: read messages for up to ``seconds`` (new requests join the queue)."""
-        self._drain(max(1, int(seconds * 1000)))
-
     def _stats_if(self, due: bool, changed: bool = False) -> dict | None:
         if not (due or changed):
             return None
         stats = P.encode_stats(self.core.stats())
-        stats["num_waiting"] += len(self.arrivals)     # expert parallel: in the batching window's queue
+        stats["num_waiting"] += self._waiting_elsewhere()
         if due or (changed and stats != self._last_stats):
             self._last_stats, self._last_stats_time = stats, time.monotonic()
             return stats
@@ -193,7 +162,7 @@ class EngineLoop:
         self.output.send(P.pack(message), copy=False)
 
 
-def _refusal(exc: Exception) -> Any:
+def refusal(exc: Exception) -> Any:
     """Why a request was not admitted, as the API process reads it: its typed error, or (not a
     request the engine can read: a bug in the sender) an InvalidRequestError saying so."""
     if isinstance(exc, FdplugError):

@@ -29,6 +29,7 @@ import zmq
 from fdplug.core.heap import freeze_startup_heap
 from fdplug.errors import FdplugError
 from fdplug.server.engine import protocol as P
+from fdplug.server.engine.lockstep_loop import LockstepEngineLoop
 from fdplug.server.engine.loop import EngineLoop
 from fdplug.server.engine.os_timeslice import shorten_scheduler_slice
 from fdplug.server.engine.spec import EngineSpec
@@ -82,8 +83,9 @@ def run_engine(spec: EngineSpec) -> int:
             output_socket.send(P.pack([P.STARTUP_ERROR, P.encode_error(exc)]))
             return 1
         output_socket.send(P.pack([P.READY, info.to_dict()]))
-        loop = EngineLoop(core, input_socket, output_socket, spec.parent_pid, group,
-                          env("FD_EP_BATCHED_TOKEN_TIMEOUT") if group is not None else 0.0)
+        loop = (EngineLoop(core, input_socket, output_socket, spec.parent_pid) if group is None else
+                LockstepEngineLoop(core, input_socket, output_socket, spec.parent_pid, group,
+                                   env("FD_EP_BATCHED_TOKEN_TIMEOUT")))
         freeze_startup_heap()
         # after paddle's import (which installs its own SIGTERM handler): SIGTERM, also what the parent's
         # death sends, ends the loop after its current step, so the cleanup below runs. While the API
