@@ -40,7 +40,7 @@ import zmq
 
 from fdplug.core.kv_transfer.peers import sender_address
 from fdplug.core.kv_transfer.tcp import TCPSender
-from fdplug.core.kv_transfer.tcp_receiver import TCPReceiver, _Pull
+from fdplug.core.kv_transfer.tcp_receiver import Pull, TCPReceiver
 from fdplug.core.kv_transfer.wire import header as _header
 from fdplug.core.portable.kv_blocks import put_blocks, take_blocks
 from fdplug.plugin_api.kv_connector import KVCaches
@@ -218,7 +218,7 @@ class ShmReceiver(TCPReceiver):
             return {"via": "shm", "arena": path}       # the sender stages there only if it is its own
         return {}
 
-    def _land(self, frames: list, pull: _Pull, done: set[str], failed: dict[str, str]) -> None:
+    def _land(self, frames: list, pull: Pull, done: set[str], failed: dict[str, str]) -> None:
         header = self._parse(frames)
         if header is None or header["op"] != "staged":
             return super()._land(frames, pull, done, failed)
@@ -233,7 +233,7 @@ class ShmReceiver(TCPReceiver):
         del self.pulls[tid]
         self._send_release(pull.socket, tid)       # the extent back to the sender; the socket goes with it
 
-    def _copy_staged(self, header: dict, pull: _Pull) -> str | None:
+    def _copy_staged(self, header: dict, pull: Pull) -> str | None:
         shape = self._shape(header, pull)
         offset, generation = header.get("offset"), header.get("generation")
         if isinstance(shape, str) or header.get("layers") != len(self.caches) \

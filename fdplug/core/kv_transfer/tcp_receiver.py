@@ -41,7 +41,7 @@ RELEASE_LINGER_MS = 1000
 
 
 @dataclass(slots=True)
-class _Pull:
+class Pull:
     block_ids: list[int]
     last_heard: float
     conn: dict
@@ -67,7 +67,7 @@ class TCPReceiver:
                  context: zmq.Context | None = None, peers: frozenset[tuple[str, int]] | None = None) -> None:
         self.caches, self.layout, self.stall_timeout, self.peers = caches, layout, stall_timeout, peers
         self.context = context or zmq.Context.instance()
-        self.pulls: dict[str, _Pull] = {}
+        self.pulls: dict[str, Pull] = {}
         key = caches[0][0]
         self.sizes = {axis: int(key.shape[i]) for i, axis in enumerate(layout)}
         self.dtype, self.word = key.dtype, word_dtype(key)
@@ -112,7 +112,7 @@ class TCPReceiver:
         except zmq.ZMQError as exc:
             socket.close(0)
             raise ValueError(f"the pull could not be queued ({exc})") from None
-        self.pulls[transfer_id] = _Pull(list(block_ids), time.monotonic(), conn, socket)
+        self.pulls[transfer_id] = Pull(list(block_ids), time.monotonic(), conn, socket)
 
     def _pull_options(self, conn: dict) -> dict:
         """More fields of a pull (a subclass's way of asking for another data path)."""
@@ -153,7 +153,7 @@ class TCPReceiver:
             raise
         return socket
 
-    def _end(self, transfer_id: str) -> _Pull:
+    def _end(self, transfer_id: str) -> Pull:
         """A pull is over: out of ``pulls``, its socket closed at once (whatever is in flight is dropped)."""
         pull = self.pulls.pop(transfer_id)
         pull.socket.close(0)
@@ -184,7 +184,7 @@ class TCPReceiver:
         except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
             return None
 
-    def _land(self, frames: list, pull: _Pull, done: set[str], failed: dict[str, str]) -> None:
+    def _land(self, frames: list, pull: Pull, done: set[str], failed: dict[str, str]) -> None:
         """One message on ``pull``'s socket: only ``pull``'s own transfer counts (a sender answers a
         pull on its connection; anything else there is dropped)."""
         header = self._parse(frames)
@@ -202,7 +202,7 @@ class TCPReceiver:
             failed[tid] = problem or f"the sender said {header.get('code', header['op'])!r}"
         self._end(tid)
 
-    def _check(self, header: dict, frames: list, pull: _Pull) -> str | None:
+    def _check(self, header: dict, frames: list, pull: Pull) -> str | None:
         op = header["op"]
         if op == "done":
             return None if len(pull.layers_done) == len(self.caches) == header.get("layers") else "layers missing"
@@ -218,7 +218,7 @@ class TCPReceiver:
             return f"layer {layer}: the data does not match its header"
         return None
 
-    def _shape(self, header: dict, pull: _Pull) -> list[int] | str:
+    def _shape(self, header: dict, pull: Pull) -> list[int] | str:
         """The shape the header's keys (and values) must have for this pull, or why they cannot."""
         try:
             layout = check_layout(header.get("layout"))
@@ -229,7 +229,7 @@ class TCPReceiver:
             return f"{header.get('dtype')} {header.get('shape')}, expected {self.dtype} {shape}"
         return shape
 
-    def _write(self, header: dict, frames: list, pull: _Pull) -> None:
+    def _write(self, header: dict, frames: list, pull: Pull) -> None:
         """Put one checked layer's keys and values into the pull's blocks."""
         key_cache, value_cache = self.caches[header["layer"]]
         for cache, frame in ((key_cache, frames[1]), (value_cache, frames[2])):

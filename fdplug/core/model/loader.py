@@ -20,7 +20,7 @@ from typing import Any
 
 import paddle
 
-from fdplug.core.model.checkpoint.config import _DIR_FIX, ModelConfig
+from fdplug.core.model.checkpoint.config import DIR_FIX, ModelConfig
 from fdplug.core.model.checkpoint.gguf_file import gguf_path, open_gguf
 from fdplug.core.model.checkpoint.rope import rope_permutation
 from fdplug.core.model.gguf_loader import load_gguf_weights
@@ -139,7 +139,7 @@ def weight_files(model_dir: str | Path) -> list[Path]:
     other = sorted(p.name for p in model_dir.glob("*.bin")) + sorted(p.name for p in model_dir.glob("*.pdparams"))
     hint = f" (found {', '.join(other[:3])}: only safetensors are read)" if other else ""
     raise ModelLoadError(f"no weights in {str(model_dir)!r}: expected {SINGLE_FILE} or {INDEX_FILE}{hint}.",
-                         fix=_DIR_FIX + " Convert .bin/.pdparams checkpoints to safetensors first.")
+                         fix=DIR_FIX + " Convert .bin/.pdparams checkpoints to safetensors first.")
 
 
 def load_weights(model: DecoderForCausalLM, cfg: ModelConfig, files: list[Path], *, show_progress: bool = True) -> None:

@@ -99,9 +99,9 @@ class ModelConfig:
         model_dir = Path(model_dir)
         path = model_dir / "config.json"
         if not model_dir.is_dir():
-            raise ModelLoadError(f"model directory {str(model_dir)!r} does not exist.", fix=_DIR_FIX)
+            raise ModelLoadError(f"model directory {str(model_dir)!r} does not exist.", fix=DIR_FIX)
         if not path.is_file():
-            raise ModelLoadError(f"{str(path)!r} is missing: a model directory needs its config.json.", fix=_DIR_FIX)
+            raise ModelLoadError(f"{str(path)!r} is missing: a model directory needs its config.json.", fix=DIR_FIX)
         raw = _read_json(path)
         gen_path = model_dir / "generation_config.json"
         cfg = cls.from_dict(raw, _read_json(gen_path) if gen_path.is_file() else None)
@@ -209,7 +209,7 @@ class ModelConfig:
 
 
 _CONFIG_FIX = "fix the model's config.json (compare with the original checkpoint's)."
-_DIR_FIX = ("pass a local Hugging Face model directory holding config.json and model.safetensors (or "
+DIR_FIX = ("pass a local Hugging Face model directory holding config.json and model.safetensors (or "
             "model.safetensors.index.json and its shards), e.g. from `huggingface-cli download ORG/NAME "
             "--local-dir DIR`.")
 

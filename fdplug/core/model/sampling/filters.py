@@ -24,12 +24,12 @@ paddle = import_paddle()
 TOP_P_WINDOW = 1024   # sorted candidates searched for a top_p / min_p cut before a full sort
 
 
-def _take(x, rows: np.ndarray):
+def take_rows(x, rows: np.ndarray):
     """Rows of a paddle tensor, without a copy when that is all of them."""
     return x if rows.size == x.shape[0] else paddle.index_select(x, paddle.to_tensor(rows))
 
 
-def _pick(x, cols: np.ndarray) -> np.ndarray:
+def pick_cols(x, cols: np.ndarray) -> np.ndarray:
     """x[i, cols[i, j]] as numpy: a flat gather (take_along_axis copies all of x on CPU)."""
     flat = np.arange(cols.shape[0])[:, None] * x.shape[1] + cols
     return paddle.gather(x.reshape([-1]), paddle.to_tensor(flat.reshape(-1))).numpy().reshape(cols.shape)
@@ -40,7 +40,7 @@ def _on_cpu(x) -> bool:
     return x.place.is_cpu_place()
 
 
-def _topk(x, k: int) -> tuple[np.ndarray, np.ndarray]:
+def row_topk(x, k: int) -> tuple[np.ndarray, np.ndarray]:
     """The k largest values per row, descending, and their ids. On CPU numpy's argpartition (zero-copy
     through dlpack) is ~3x faster than Paddle's topk; which of several ids tied at the k-th place
     come back may differ, and no result here depends on it."""
@@ -72,7 +72,7 @@ def _nucleus_cut(vals, mass, top_p, width, total=None) -> np.ndarray:
 
 
 @dataclass(slots=True)
-class _Cut:
+class Cut:
     """Random rows' filters as one threshold on scaled logits, and where each row is drawn from.
 
     A ``bounded`` row keeps only tokens of its own window (``width`` = top_k + 1 or TOP_P_WINDOW) and
@@ -96,7 +96,7 @@ class _Cut:
         self.bounded = (self.width == vocab) | ((self.width > 0) & (self.thresh > self.last))
 
 
-def _cut(logits, meta: SamplingMetadata) -> _Cut:
+def cut_for(logits, meta: SamplingMetadata) -> Cut:
     """Temperature, min_p, top_k and top_p of random rows as one threshold per row."""
     num_reqs, vocab = logits.shape
     rows = np.arange(num_reqs)
@@ -106,7 +106,7 @@ def _cut(logits, meta: SamplingMetadata) -> _Cut:
     width = np.where(k_on, np.minimum(meta.top_k + 1, vocab), np.where(p_on | mp_on, min(TOP_P_WINDOW, vocab), 0))
     vals, ids = np.zeros((num_reqs, 1), np.float32), np.zeros((num_reqs, 1), np.int64)
     if width.any():   # topk before scaling: same order, and only the window gets scaled
-        vals, ids = _topk(logits, int(width.max()))
+        vals, ids = row_topk(logits, int(width.max()))
         vals = vals * inv_t[:, None]
     thresh = np.full(num_reqs, -np.inf, np.float32)
     if mp_on.any():   # p >= min_p * p_max  <=>  s >= s_max + log(min_p)
@@ -115,7 +115,7 @@ def _cut(logits, meta: SamplingMetadata) -> _Cut:
     if k_on.any():
         kth = vals[rows, np.clip(meta.top_k - 1, 0, vals.shape[1] - 1)]
         thresh = np.where(k_on, np.maximum(thresh, kth), thresh)
-    cut = _Cut(thresh, vals, ids, width, vals[rows, np.maximum(width - 1, 0)], None, None)
+    cut = Cut(thresh, vals, ids, width, vals[rows, np.maximum(width - 1, 0)], None, None)
     cut.rebound(vocab)
     cut.full = np.nonzero(~cut.bounded)[0]
     if cut.full.size:
@@ -125,9 +125,9 @@ def _cut(logits, meta: SamplingMetadata) -> _Cut:
     return cut
 
 
-def _full_probs(cut: _Cut, logits, inv_t: np.ndarray) -> None:
+def _full_probs(cut: Cut, logits, inv_t: np.ndarray) -> None:
     """Softmax over the vocabulary for rows not bounded to a window, masked at their threshold."""
-    cut.scaled = _take(logits, cut.full)
+    cut.scaled = take_rows(logits, cut.full)
     if (inv_t[cut.full] != 1).any():
         cut.scaled = cut.scaled * paddle.to_tensor(inv_t[cut.full, None])
     cut.probs = paddle.nn.functional.softmax(cut.scaled, axis=1)
@@ -136,7 +136,7 @@ def _full_probs(cut: _Cut, logits, inv_t: np.ndarray) -> None:
         cut.probs = paddle.masked_fill(cut.probs, cut.scaled < paddle.to_tensor(cut.masked[:, None]), 0.0)
 
 
-def _top_p(cut: _Cut, top_p: np.ndarray, vocab: int) -> None:
+def _top_p(cut: Cut, top_p: np.ndarray, vocab: int) -> None:
     """Raise each top_p row's threshold to its nucleus: from the window when the kept set fits in it,
     else with the full row's mass, sorting the row fully only when the window is too narrow."""
     p_on = top_p < 1
@@ -149,14 +149,15 @@ def _top_p(cut: _Cut, top_p: np.ndarray, vocab: int) -> None:
     sel = np.nonzero(p_on[cut.full])[0]   # positions in ``full``
     if sel.size:
         rows = cut.full[sel]
-        probs = _take(cut.probs, sel)
+        probs = take_rows(cut.probs, sel)
         total = probs.sum(axis=1).numpy().astype(np.float64)
-        nucleus[rows] = _nucleus_cut(cut.vals[rows], _pick(probs, cut.ids[rows]), top_p[rows], cut.width[rows],
+        nucleus[rows] = _nucleus_cut(cut.vals[rows], pick_cols(probs, cut.ids[rows]), top_p[rows], cut.width[rows],
                                      total)
         wide = np.isnan(nucleus[rows])
         if wide.any():
             w = sel[wide]
-            nucleus[cut.full[w]] = _nucleus_cut(_sorted_desc(_take(cut.scaled, w)), _sorted_desc(_take(cut.probs, w)),
+            nucleus[cut.full[w]] = _nucleus_cut(_sorted_desc(take_rows(cut.scaled, w)),
+                                                _sorted_desc(take_rows(cut.probs, w)),
                                                 top_p[cut.full[w]], np.full(w.size, vocab), total[wide])
     cut.thresh = np.fmax(cut.thresh, nucleus).astype(np.float32)
     cut.rebound(vocab)

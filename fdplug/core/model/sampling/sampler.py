@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from fdplug.core.model.sampling.filters import _Cut, _cut, _pick, _take, _topk
+from fdplug.core.model.sampling.filters import Cut, cut_for, pick_cols, row_topk, take_rows
 from fdplug.core.model.sampling.metadata import SamplingMetadata
 from fdplug.core.model.sampling.penalties import apply_penalties
 from fdplug.plugin_api.paddle import import_paddle
@@ -63,7 +63,7 @@ def seeded_uniforms(seeds: np.ndarray, steps: np.ndarray) -> np.ndarray:
     return ((h >> np.uint64(11)).astype(np.float64) + 1.0) * 2.0**-53
 
 
-def _draw_window(cut: _Cut, rows: np.ndarray, u: np.ndarray) -> np.ndarray:
+def _draw_window(cut: Cut, rows: np.ndarray, u: np.ndarray) -> np.ndarray:
     """Inverse CDF over a row's kept window in token-id order (canonical, whatever topk's tie order)."""
     vals, ids = cut.vals[rows], cut.ids[rows]
     outside = (np.arange(vals.shape[1]) >= cut.width[rows, None]) | (vals < cut.thresh[rows, None])
@@ -75,11 +75,11 @@ def _draw_window(cut: _Cut, rows: np.ndarray, u: np.ndarray) -> np.ndarray:
     return np.take_along_axis(ids, order, axis=1)[np.arange(len(rows)), pos]
 
 
-def _draw_full(cut: _Cut, sel: np.ndarray, u: np.ndarray) -> np.ndarray:
+def _draw_full(cut: Cut, sel: np.ndarray, u: np.ndarray) -> np.ndarray:
     """Inverse CDF over the whole vocabulary in id order, for positions ``sel`` of ``cut.full``."""
-    probs, thresh = _take(cut.probs, sel), cut.thresh[cut.full[sel]]
+    probs, thresh = take_rows(cut.probs, sel), cut.thresh[cut.full[sel]]
     if (thresh > cut.masked[sel]).any():   # top_p raised the cut since ``probs`` was masked
-        probs = paddle.masked_fill(probs, _take(cut.scaled, sel) < paddle.to_tensor(thresh[:, None]), 0.0)
+        probs = paddle.masked_fill(probs, take_rows(cut.scaled, sel) < paddle.to_tensor(thresh[:, None]), 0.0)
     cdf = paddle.cumsum(probs, axis=1)
     total = cdf[:, -1].contiguous().numpy().astype(np.float64)
     target = np.minimum(u * total, total).astype(np.float32)   # > 0, so never a zero-mass token
@@ -112,7 +112,7 @@ class Sampler:
             tokens = self._argmax(processed)
             if not meta.all_greedy:
                 rand = np.nonzero(~meta.greedy)[0]
-                tokens[rand] = self._sample_random(_take(processed, rand), meta.rows(rand))
+                tokens[rand] = self._sample_random(take_rows(processed, rand), meta.rows(rand))
         out = SamplerOutput(tokens)
         if wants_logprobs:
             _logprobs(logits, tokens, meta.max_num_logprobs, out)
@@ -125,14 +125,14 @@ class Sampler:
         rand = np.nonzero(~meta.greedy)[0]
         if rand.size == 0:
             return processed
-        sub, sub_meta = _take(processed, rand), meta.rows(rand)
-        thresh = _cut(sub, sub_meta).thresh
+        sub, sub_meta = take_rows(processed, rand), meta.rows(rand)
+        thresh = cut_for(sub, sub_meta).thresh
         scaled = sub * paddle.to_tensor((1.0 / sub_meta.temperature).astype(np.float32)[:, None])
         kept = paddle.masked_fill(scaled, scaled < paddle.to_tensor(thresh[:, None]), float("-inf"))
         return paddle.scatter(processed, paddle.to_tensor(rand), kept, overwrite=True)
 
     def _sample_random(self, logits, meta: SamplingMetadata) -> np.ndarray:
-        cut = _cut(logits, meta)
+        cut = cut_for(logits, meta)
         u = 1.0 - self._rng.random(len(meta.seeded))   # (0, 1]
         if meta.seeded.any():
             u[meta.seeded] = seeded_uniforms(meta.seeds[meta.seeded], meta.steps[meta.seeded])
@@ -151,13 +151,13 @@ def _logprobs(logits, tokens: np.ndarray, num_top: int, out: SamplerOutput) -> N
     Paddle's CPU log_softmax takes seconds and its logsumexp is slower than this."""
     row_max = logits.max(axis=1).numpy()
     lse = row_max - np.log(paddle.nn.functional.softmax(logits, axis=1).max(axis=1).numpy())
-    picked = _pick(logits, tokens[:, None])
+    picked = pick_cols(logits, tokens[:, None])
     ge = logits >= paddle.to_tensor(picked)
     out.sampled_ranks = ge.astype("float32").sum(axis=1).numpy().astype(np.int64)
     out.sampled_logprobs = (picked[:, 0] - lse).astype(np.float32)
     ids, vals = np.zeros((len(tokens), 0), np.int64), np.zeros((len(tokens), 0), np.float32)
     if num_top > 0:
-        vals, ids = _topk(logits, num_top)
+        vals, ids = row_topk(logits, num_top)
         order = np.lexsort((ids, -vals), axis=1)   # ties: lower id first
         vals, ids = np.take_along_axis(vals, order, 1), np.take_along_axis(ids, order, 1)
     out.top_token_ids = ids
