@@ -14,6 +14,7 @@ EXPECTED_HOOKS = {
     "fdplug_register_devices", "fdplug_register_model_runners", "fdplug_register_attention_backends",
     "fdplug_register_moe_backends", "fdplug_register_ops", "fdplug_register_feature_storages",
     "fdplug_register_kv_connectors", "fdplug_register_settings", "fdplug_configure",
+    "fdplug_register_reasoning_parsers", "fdplug_register_tool_parsers",
 }
 
 

@@ -59,6 +59,14 @@ from fdplug.server.http.limits import DEFAULT_STREAM_BACKLOG
 @click.option("--max-stream-backlog", type=click.IntRange(min=1), default=DEFAULT_STREAM_BACKLOG, show_default=True,
               help="Tokens (each logprob alternative one) a stream may hold for a client that stopped reading; past "
                    "it the request is aborted and the connection closed.")
+@click.option("--reasoning-parser", default=None, metavar="NAME",
+              help="Split a thinking model's answer into reasoning_content and content (qwen3, deepseek_r1, ernie, "
+                   "glm45, or a plugin's; `fdplug plugins` lists them).")
+@click.option("--tool-call-parser", default=None, metavar="NAME",
+              help="The model's tool-call format (hermes, ernie, glm45, llama3_json, or a plugin's).")
+@click.option("--enable-auto-tool-choice", is_flag=True,
+              help="Answer requests with tools (tool_choice auto): the model's calls come back as tool_calls "
+                   "(needs --tool-call-parser).")
 @http_front_options
 @user_errors
 def serve_command(host: str, port: int, api_key: str | None, served_model_name: str | None, max_body_bytes: int,
@@ -72,6 +80,7 @@ def serve_command(host: str, port: int, api_key: str | None, served_model_name: 
     logging.getLogger("fdplug").setLevel(min(logging.INFO, logging.getLogger().getEffectiveLevel()))
     front = http_front_settings(kw)
     max_stream_backlog = kw.pop("max_stream_backlog")
+    parsing = {name: kw.pop(name) for name in ("reasoning_parser", "tool_call_parser", "enable_auto_tool_choice")}
     args = engine_kwargs(kw)
     args["max_waiting_requests"] = max_waiting_requests
     if role is not None:
@@ -88,5 +97,5 @@ def serve_command(host: str, port: int, api_key: str | None, served_model_name: 
                               trust_request_chat_template=trust_request_chat_template,
                               data_parallel_size=data_parallel_size, data_parallel_backend=data_parallel_backend,
                               ray_address=ray_address, expert_parallel_size=expert_parallel_size,
-                              max_stream_backlog=max_stream_backlog, **front)
+                              max_stream_backlog=max_stream_backlog, **parsing, **front)
     sys.exit(serve(settings, args))

@@ -1,6 +1,6 @@
 """fdplug's plugin API: everything a plugin author imports, and nothing else.
 
-A plugin is a module with ``FDPLUG_API_VERSION = "4.0"`` and functions decorated with ``hookimpl``,
+A plugin is a module with ``FDPLUG_API_VERSION = "4.1"`` and functions decorated with ``hookimpl``,
 found through the ``fdplug`` entry-point group (``[project.entry-points.fdplug] mychip =
 "fdplug_mychip"``). Its hooks (`hookspecs`) each receive a ``register`` callback taking one spec
 (`specs`). The smallest useful plugin registers one `DeviceSpec`; the core's portable runner,
@@ -21,6 +21,8 @@ register_storages   `FeatureStorageSpec`    `FeatureStorage` (`storage`: bytes b
 register_kv_conn..  `KVConnectorSpec`       `KVSender` / `KVReceiver` (`kv_connector`: moving KV
                                             blocks between prefill and decode instances)
 register_settings   `Setting`               (your environment variables; `settings`)
+register_reasoning  `ReasoningParserSpec`   `ReasoningParser` (`parsers`: reasoning vs answer text)
+register_tool_pars  `ToolParserSpec`        `ToolParser` (`parsers`: a model's tool calls in its text)
 configure           --                      refuse the engine config (`EngineView`) for the `Selection`
 ==================  ======================  ===================================================
 
@@ -71,6 +73,8 @@ _EXPORTS = {
     **dict.fromkeys(("ANY_DEVICE", "AttentionBackendSpec", "DeviceSpec", "FeatureStorageSpec", "KVConnectorSpec",
                      "ModelRunnerSpec", "MoEBackendSpec", "OpSpec", "Probe"), "fdplug.plugin_api.specs"),
     "FeatureStorage": "fdplug.plugin_api.storage", "display_url": "fdplug.plugin_api.storage",
+    **dict.fromkeys(("ParserContext", "ReasoningDelta", "ReasoningParser", "ReasoningParserSpec", "ToolCallDelta",
+                     "ToolDelta", "ToolParser", "ToolParserSpec"), "fdplug.plugin_api.parsers"),
     "EngineView": "fdplug.plugin_api.engine_config", "ModelTraits": "fdplug.plugin_api.engine_config",
     "SamplingParams": "fdplug.plugin_api.sampling_params",
     **dict.fromkeys(("CachedRequestData", "MMPlaceholder", "NewRequestData", "SchedulerOutput"),

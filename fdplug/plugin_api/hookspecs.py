@@ -1,7 +1,7 @@
 """The hooks: what a plugin implements. Read with `fdplug.plugin_api.specs` (what it registers).
 
 A plugin is a module (or object) with functions decorated by ``fdplug.hookimpl`` whose names are
-the hooks below, and a module-level ``FDPLUG_API_VERSION = "4.0"`` naming the API it was written
+the hooks below, and a module-level ``FDPLUG_API_VERSION = "4.1"`` naming the API it was written
 for. Registration hooks are called once, when plugins load, with a ``register`` callback that
 accepts one spec object; the core validates what is registered, so a bad registration fails loudly
 and only that plugin is skipped.
@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Callable  # noqa: UP035
 
 import pluggy
 
+from fdplug.plugin_api.parsers import ReasoningParserSpec, ToolParserSpec
 from fdplug.plugin_api.settings import Setting
 from fdplug.plugin_api.specs import (
     AttentionBackendSpec,
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
     from fdplug.plugin_api.selection import Selection
 
 PROJECT_NAME = "fdplug"
-API_VERSION = "4.0"
+API_VERSION = "4.1"
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
@@ -112,6 +113,20 @@ def fdplug_register_kv_connectors(register: Callable[[KVConnectorSpec], None]) -
     priority for a faster transport (RDMA, NVLink, a chip's DMA). The core keeps the scheduling and
     every deadline; the conformance kit runs the same transfer tests on every connector.
     """
+
+
+@hookspec
+def fdplug_register_reasoning_parsers(register: Callable[[ReasoningParserSpec], None]) -> None:
+    """Register reasoning parsers (`fdplug.plugin_api.parsers`): how a thinking model's reasoning is
+    told from its answer (``fdplug serve --reasoning-parser NAME``). The core registers ``qwen3``,
+    ``deepseek_r1``, ``ernie`` and ``glm45``; names are unique across plugins."""
+
+
+@hookspec
+def fdplug_register_tool_parsers(register: Callable[[ToolParserSpec], None]) -> None:
+    """Register tool-call parsers (`fdplug.plugin_api.parsers`): how a model writes function calls
+    (``fdplug serve --enable-auto-tool-choice --tool-call-parser NAME``). The core registers
+    ``hermes``, ``ernie``, ``glm45`` and ``llama3_json``; names are unique across plugins."""
 
 
 @hookspec

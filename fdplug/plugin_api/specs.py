@@ -14,6 +14,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from fdplug.plugin_api.ops import OPS, PREPARED_OPS
+from fdplug.plugin_api.parsers import ReasoningParserSpec, ToolParserSpec
 from fdplug.plugin_api.settings import Setting
 
 if TYPE_CHECKING:
@@ -208,6 +209,8 @@ SPEC_TYPES: dict[str, type] = {
     "storage": FeatureStorageSpec,
     "kv_connector": KVConnectorSpec,
     "setting": Setting,
+    "reasoning_parser": ReasoningParserSpec,
+    "tool_parser": ToolParserSpec,
 }
 
 
@@ -220,7 +223,7 @@ def validate_spec(spec: Any, expected: type) -> None:
     if not isinstance(spec.name, str) or not _NAME_RE.match(spec.name):
         raise ValueError(f"name {spec.name!r} must be lower-case letters, digits, '_' or '-', "
                          "starting with a letter")
-    if not isinstance(spec.priority, int):
+    if not isinstance(getattr(spec, "priority", 0), int):
         raise TypeError(f"priority of {spec.name!r} must be an int, got {type(spec.priority).__name__}")
     if isinstance(spec, DeviceSpec):
         _require_callable(spec, "probe")

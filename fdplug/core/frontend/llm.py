@@ -25,8 +25,10 @@ from fdplug.core.frontend.processor import (
 )
 from fdplug.core.heap import freeze_startup_heap_once
 from fdplug.core.multimodal.inputs import FeaturePartCollector
+from fdplug.core.parsers.chat_output import parse_whole
 from fdplug.core.request import RequestStatus
 from fdplug.errors import ConfigError
+from fdplug.plugin_api.parsers import ParserContext
 from fdplug.plugin_api.sampling_params import SamplingParams
 
 logger = logging.getLogger("fdplug.llm")
@@ -39,8 +41,14 @@ class LLM:
 
     def __init__(self, model: str | None = None, device: str = "auto", *, runner: str | None = None,
                  attention_backend: str | None = None, moe_backend: str | None = None,
-                 op_kernels: Mapping[str, str] | None = None, **engine_args: Any) -> None:
+                 op_kernels: Mapping[str, str] | None = None, reasoning_parser: str | None = None,
+                 tool_call_parser: str | None = None, **engine_args: Any) -> None:
+        """``reasoning_parser`` / ``tool_call_parser``: as ``fdplug serve``'s flags, for `chat`."""
         from fdplug.core.model.text.tokenizer import Tokenizer
+        from fdplug.core.plugin_loading.loader import current_plugins
+        from fdplug.core.plugin_loading.selection import select_parsers
+
+        self.parsers = select_parsers(current_plugins(), reasoning_parser, tool_call_parser)
 
         # offline, every prompt of a generate() call is queued at once: no waiting limit unless asked for
         engine_args.setdefault("max_waiting_requests", OFFLINE_MAX_WAITING)
@@ -86,18 +94,41 @@ class LLM:
 
     def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
-             chat_template: str | None = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate."""
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             tools: Sequence[Mapping[str, Any]] | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate.
+
+        ``tools`` are shown to the model by its template; with the LLM's ``tool_call_parser`` its
+        calls come back in each output's ``tool_calls`` (finish reason "tool_calls"), and with a
+        ``reasoning_parser`` its reasoning in ``reasoning_content``."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
-        prompts = [self.chat_prompt(c, chat_template, add_generation_prompt) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        prompts = [self.chat_prompt(c, chat_template, add_generation_prompt, tools) for c in conversations]
+        outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        for prompt, output in zip(prompts, outputs):
+            self._parse(output, ParserContext(prompt["prompt"], tuple(tools or ())), tools is not None)
+        return outputs
+
+    def _parse(self, output: RequestOutput, context: ParserContext, with_tools: bool) -> None:
+        for completion in output.outputs:
+            parser = self.parsers.choice(context, with_tools)
+            if parser is None:
+                return
+            answer = parse_whole(parser, completion.text)
+            completion.content, completion.reasoning_content = answer.content, answer.reasoning or None
+            completion.tool_calls = [{"id": c.id, "type": "function", "function": {"name": c.name,
+                                                                                  "arguments": c.arguments}}
+                                     for c in answer.calls]
+            if completion.tool_calls and completion.finish_reason == "stop":
+                completion.finish_reason = "tool_calls"
 
     def chat_prompt(self, conversation: Sequence[Mapping[str, Any]], chat_template: str | None = None,
-                    add_generation_prompt: bool = True) -> dict[str, Any]:
+                    add_generation_prompt: bool = True,
+                    tools: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
         """The prompt ``generate`` takes for a conversation; feature parts become ``mm_items``."""
         collector = FeaturePartCollector(self.model_config.multimodal, self.tokenizer)
         text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                                  chat_template=chat_template, content_part_handler=collector)
+                                                  chat_template=chat_template, content_part_handler=collector,
+                                                  tools=tools)
         return {"prompt": text, "prompt_token_ids": self.input_processor.encode(text, add_special_tokens=False),
                 "mm_items": collector.parts}
 

@@ -24,8 +24,13 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: list[dict[int, Logprob]] | None = None
-    finish_reason: str | None = None   # "stop" | "length" | "abort" | "error"
+    finish_reason: str | None = None   # "stop" | "length" | "abort" | "error" ("tool_calls": `LLM.chat` with tools)
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    # `LLM.chat` with a reasoning or tool parser on: the answer without its reasoning and calls, the
+    # reasoning, and the calls (OpenAI's shape: {"id", "type": "function", "function": {name, arguments}})
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict] | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -3,7 +3,8 @@
 A device plugin that registers nothing but a device gets a working engine from these: the model
 runner (`fdplug.core.worker.model_runner`), the reference attention and MoE and one kernel per op of
 `fdplug.plugin_api.ops` (`fdplug.core.portable`), and the KV connectors ``shm`` and ``tcp``
-(`fdplug.core.kv_transfer.connectors`). They are correct anywhere and fast nowhere in particular: a
+(`fdplug.core.kv_transfer.connectors`), and the output parsers (`fdplug.core.parsers`). They are
+correct anywhere and fast nowhere in particular: a
 device plugin registers faster ones with a higher priority. The plugin loader registers this module
 first, as the plugin ``core``, which cannot be disabled.
 """
@@ -113,3 +114,19 @@ def fdplug_register_kv_connectors(register):
                                          "this machine; TCP to one on another"))
     register(KVConnectorSpec(name="tcp", devices=(ANY_DEVICE,), factory=_connector_factory("tcp"), priority=0,
                              description="ZMQ over TCP (FDPLUG_KV_HOST), layer by layer, through host memory"))
+
+
+@hookimpl
+def fdplug_register_reasoning_parsers(register):
+    from fdplug.core.parsers.reasoning import reasoning_specs
+
+    for spec in reasoning_specs():
+        register(spec)
+
+
+@hookimpl
+def fdplug_register_tool_parsers(register):
+    from fdplug.core.parsers.tool_calls import tool_specs
+
+    for spec in tool_specs():
+        register(spec)

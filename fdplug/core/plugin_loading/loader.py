@@ -51,6 +51,8 @@ REGISTRATION_HOOKS: dict[str, str] = {
     "fdplug_register_feature_storages": "storage",
     "fdplug_register_kv_connectors": "kv_connector",
     "fdplug_register_settings": "setting",
+    "fdplug_register_reasoning_parsers": "reasoning_parser",
+    "fdplug_register_tool_parsers": "tool_parser",
 }
 
 LOADED, FAILED, DISABLED, NOT_ALLOWED = "loaded", "failed", "disabled", "not-allowed"

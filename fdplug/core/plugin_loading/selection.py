@@ -14,10 +14,11 @@ from types import MappingProxyType
 from typing import Any
 
 from fdplug.core.config import EngineConfig
+from fdplug.core.parsers.chat_output import ChatParsers
 from fdplug.core.plugin_loading.loader import PluginSet, current_plugins
 from fdplug.core.plugin_loading.registry import Entry
 from fdplug.core.settings import env
-from fdplug.errors import DeviceUnavailableError, SelectionError, UnknownComponentError
+from fdplug.errors import ConfigError, DeviceUnavailableError, SelectionError, UnknownComponentError
 from fdplug.plugin_api.ops import OPS
 from fdplug.plugin_api.selection import COMPONENT_ROLES, Decision, Selection
 from fdplug.plugin_api.specs import DeviceSpec, FeatureStorageSpec, Probe
@@ -264,3 +265,20 @@ def _unknown(plugins: PluginSet, role: str, name: str, decisions: list[Decision]
         message += f" Disabled or not allowed: {', '.join(disabled)}."
     return UnknownComponentError(message, fix="install the plugin that provides it (`fdplug plugins` lists what is "
                                  "loaded), or fix the failure above.", decisions=tuple(decisions))
+
+
+def select_parsers(plugins: PluginSet, reasoning: str | None = None, tools: str | None = None) -> ChatParsers:
+    """The reasoning and tool parsers named at startup (``--reasoning-parser``, ``--tool-call-parser``)."""
+    return ChatParsers(_parser(plugins, "reasoning_parser", reasoning, "--reasoning-parser"),
+                       _parser(plugins, "tool_parser", tools, "--tool-call-parser"))
+
+
+def _parser(plugins: PluginSet, role: str, name: str | None, flag: str) -> Any:
+    if name is None:
+        return None
+    entry = plugins.registry.get(role, name)
+    if entry is None:
+        known = ", ".join(plugins.registry.names(role)) or "none"
+        raise ConfigError(f"{flag} {name!r} is not a registered {role.replace('_', ' ')} (known: {known}).",
+                          fix=f"name one of {known}, or install the plugin that registers {name!r}.")
+    return entry.spec

@@ -47,6 +47,8 @@ def build_app(client: EngineClient, model_name: str, settings: ServerSettings, a
     app.add_api_route("/v1/models", routes.models, methods=["GET"])
     app.add_api_route("/v1/completions", guarded(routes.completions, metrics), methods=["POST"])
     app.add_api_route("/v1/chat/completions", guarded(routes.chat_completions, metrics), methods=["POST"])
+    app.add_api_route("/tokenize", guarded(routes.tokenize, metrics), methods=["POST"])
+    app.add_api_route("/detokenize", guarded(routes.detokenize, metrics), methods=["POST"])
     answer_unknown_routes(app, metrics)
     return Guard(app, api_key, settings.max_body_bytes, metrics, drain)
 
@@ -62,7 +64,8 @@ class Routes:
         self.kv_role = kv_role
         self.drain = drain
         self.metrics = client.metrics
-        self.jobs = JobBuilder(client, model_name, settings.trust_request_chat_template)
+        self.jobs = JobBuilder(client, model_name, settings.trust_request_chat_template, settings.parsers,
+                               settings.enable_auto_tool_choice)
         self.serving = Serving(client, settings.stream_interval)
         self.started = int(time.time())
 
@@ -99,6 +102,12 @@ class Routes:
     async def chat_completions(self, request: Request) -> Response:
         req, job, prepared, params = await asyncio.to_thread(self._chat_job, await request.body(), tenant(request))
         return await self._run(job, prepared, params, req, request)
+
+    async def tokenize(self, request: Request) -> Response:
+        return JSONResponse(await asyncio.to_thread(self.jobs.tokenize, await request.body(), tenant(request)))
+
+    async def detokenize(self, request: Request) -> Response:
+        return JSONResponse(await asyncio.to_thread(self.jobs.detokenize, await request.body()))
 
     def _completion_job(self, body: bytes) -> tuple:
         req, params = parse_job_request("/v1/completions", body)

@@ -4,15 +4,21 @@ tokenized, before anything is registered with the engine (``app.py`` runs it in 
 
 from __future__ import annotations
 
+import json
+import re
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from fdplug.core.frontend.processor import ProcessedPrompt
 from fdplug.core.model.text.chat_messages import check_template_kwargs
 from fdplug.core.multimodal.inputs import FeaturePartCollector
+from fdplug.core.parsers.chat_output import ChatParsers, ChoiceParser
 from fdplug.errors import InvalidRequestError, ModelNotFoundError
+from fdplug.plugin_api.parsers import ParserContext
 from fdplug.plugin_api.sampling_params import MAX_LOGPROBS, SamplingParams
 from fdplug.server.api import openai_types as T
 from fdplug.server.api.engine_client import EngineClient
@@ -31,15 +37,20 @@ class Job:
     num_logprobs: int | None
     streams: list[RequestStream] = field(default_factory=list)
     prompt_tokens: int = 0
+    parse: Callable[[], ChoiceParser | None] | None = None   # chat: a fresh parser per choice, if any parses
+    reasoning: bool = False      # a reasoning parser reads the answers: they carry reasoning_content
 
     def choice_index(self, stream_index: int, child: int) -> int:
         return stream_index * self.n + child
 
 
 class JobBuilder:
-    def __init__(self, client: EngineClient, model_name: str, trust_request_chat_template: bool = False) -> None:
+    def __init__(self, client: EngineClient, model_name: str, trust_request_chat_template: bool = False,
+                 parsers: ChatParsers | None = None, auto_tool_choice: bool = False) -> None:
         self.client = client
         self.model_name = model_name
+        self.parsers = parsers or ChatParsers()
+        self.auto_tool_choice = auto_tool_choice   # --enable-auto-tool-choice (with a --tool-call-parser)
         # a chat template is code: one from a request runs only if the operator trusts the clients
         # (--trust-request-chat-template, vLLM's flag since CVE-2025-61620); it is budgeted either way
         self.trust_request_chat_template = trust_request_chat_template
@@ -82,6 +93,19 @@ class JobBuilder:
         model = self.check_model(req.model)
         params = self.client.input_processor.check_params(params)
         self.check_sequences(1, params.n)
+        tools = self.check_tools(req)
+        text, prompt = self.chat_prompt(req, tools, tenant)
+        self.client.input_processor.check_length(len(prompt.token_ids), params.max_tokens)
+        job = Job("chat", f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, params.n, params.logprobs)
+        if self.parsers.reasoning is not None or tools is not None:
+            context = ParserContext(text, tuple(tools or ()), dict(req.chat_template_kwargs or {}))
+            job.parse = partial(self.parsers.choice, context, tools is not None)
+            job.reasoning = self.parsers.reasoning is not None
+        return job, [prompt], params
+
+    def chat_prompt(self, req: T.ChatCompletionRequest | T.TokenizeChatRequest, tools: list[dict] | None,
+                    tenant: str = "", add_special_tokens: bool = False) -> tuple[str, ProcessedPrompt]:
+        """The conversation through the chat template (``tools`` shown to the model), tokenized."""
         kwargs = dict(req.chat_template_kwargs or {})
         template, where = req.chat_template, "chat_template"
         if "chat_template" in kwargs:
@@ -91,13 +115,59 @@ class JobBuilder:
         collector = FeaturePartCollector(processor.mm_config, tokenizer, tenant)
         text = tokenizer.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt,
                                              chat_template=template, content_part_handler=collector,
-                                             variables=check_template_kwargs(kwargs))
-        prompt = processor.process({"prompt": text,
-                                    "prompt_token_ids": processor.encode(text, add_special_tokens=False),
-                                    "mm_items": collector.parts}, tenant)
-        processor.check_length(len(prompt.token_ids), params.max_tokens)
-        job = Job("chat", f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, params.n, params.logprobs)
-        return job, [prompt], params
+                                             variables=check_template_kwargs(kwargs), tools=tools)
+        return text, processor.process({"prompt": text, "prompt_token_ids": processor.encode(text, add_special_tokens),
+                                        "mm_items": collector.parts}, tenant)
+
+    def tokenize(self, body: bytes, tenant: str = "") -> dict:
+        """vLLM's ``POST /tokenize``: a prompt, or messages through the chat template (the count is the
+        ``usage.prompt_tokens`` the same request would report)."""
+        try:
+            chat = "messages" in json.loads(body)
+        except (ValueError, TypeError):
+            chat = False      # parse_request says what is wrong with it
+        req = T.parse_request(T.TokenizeChatRequest if chat else T.TokenizeCompletionRequest, body)
+        self.check_model(req.model)
+        processor = self.client.input_processor
+        if chat:
+            if req.tools:
+                check_tool_list(req.tools)
+            ids = self.chat_prompt(req, req.tools or None, tenant, req.add_special_tokens)[1].token_ids
+        else:
+            ids = processor.encode(req.prompt, req.add_special_tokens)
+            ids = processor.process({"prompt": req.prompt, "prompt_token_ids": ids}).token_ids
+        strs = [self.client.tokenizer.id_to_token(i) for i in ids] if req.return_token_strs else None
+        return {"count": len(ids), "max_model_len": self.client.info.max_model_len, "tokens": ids,
+                "token_strs": strs}
+
+    def detokenize(self, body: bytes) -> dict:
+        """vLLM's ``POST /detokenize``: token ids (each checked against the vocabulary) -> text."""
+        req = T.parse_request(T.DetokenizeRequest, body)
+        self.check_model(req.model)
+        ids = self.client.input_processor.tokenize({"prompt_token_ids": req.tokens})[1]
+        return {"prompt": self.client.tokenizer.decode(ids, skip_special_tokens=False)}
+
+    def check_tools(self, req: T.ChatCompletionRequest) -> list[dict] | None:
+        """The tools the template shows the model, checked; None when none may be called."""
+        choice = req.tool_choice
+        if not req.tools:
+            if choice not in (None, "none", "auto"):
+                raise InvalidRequestError("tool_choice names a tool, but the request has no tools.",
+                                          fix="send the tools, or leave tool_choice out.", param="tool_choice")
+            return None
+        check_tool_list(req.tools)
+        if choice == "none":
+            return None
+        if choice != "auto" and choice is not None:
+            raise InvalidRequestError(
+                f"tool_choice {choice!r:.80} is not supported yet: forcing a call needs constrained decoding, "
+                "which fdplug does not have yet.", fix='use tool_choice "auto" (or "none").', param="tool_choice")
+        if not self.auto_tool_choice or self.parsers.tools is None:
+            raise InvalidRequestError(
+                "this server does not answer tools: the model's calls are read by a tool-call parser, and none is on.",
+                fix="start the server with --enable-auto-tool-choice --tool-call-parser NAME, or send "
+                    'tool_choice "none".', param="tools")
+        return req.tools
 
     def check_template(self, template: Any, where: str) -> None:
         """A template named in a request: one of the model's own, or (trusted clients only) its source."""
@@ -158,3 +228,24 @@ def _prompts(prompt: Any) -> list:
     if isinstance(prompt[0], str):
         return list(prompt)
     return [{"prompt_token_ids": ids} for ids in prompt]
+
+
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def check_tool_list(tools: list) -> None:
+    """OpenAI's ``tools``: function definitions with a name and an optional JSON-schema ``parameters``."""
+    for i, tool in enumerate(tools):
+        where = f"tools.{i}"
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(function, dict):
+            raise InvalidRequestError(f"{where} must be {{\"type\": \"function\", \"function\": {{...}}}}.",
+                                      fix="describe each tool as an OpenAI function tool.", param=where)
+        name = function.get("name")
+        if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
+            raise InvalidRequestError(f"{where}.function.name must be 1-64 letters, digits, '_', '.' or '-'.",
+                                      fix="name the function, e.g. get_weather.", param=f"{where}.function.name")
+        if not isinstance(function.get("parameters", {}), dict):
+            raise InvalidRequestError(f"{where}.function.parameters must be a JSON schema object.",
+                                      fix='give e.g. {"type": "object", "properties": {...}}.',
+                                      param=f"{where}.function.parameters")

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fdplug.core.heap import freeze_startup_heap
+from fdplug.core.parsers.chat_output import ChatParsers
 from fdplug.errors import ConfigError
 from fdplug.server.api.server_settings import ServerSettings
 from fdplug.server.engine import protocol as P
@@ -65,6 +66,7 @@ def serve(settings: ServerSettings, engine_kwargs: dict[str, Any]) -> int:
         kwargs.pop("moe_backend", None), ops=kwargs.pop("op_kernels", None),
         kv_connector=kwargs.pop("kv_connector", None), **kwargs)
     logger.info("selection:\n%s", selection.explain())
+    settings.parsers = chat_parsers(settings)
     expert_parallel = expert_parallel_ranks(model_config, ep_size)
     tokenizer = Tokenizer.from_dir(config.model_dir)
     sock = bind_socket(settings.host, settings.port)
@@ -79,6 +81,18 @@ def serve(settings: ServerSettings, engine_kwargs: dict[str, Any]) -> int:
             return runner.run(_serve(settings, spec_args, tokenizer, sock, name))
     finally:
         sock.close()
+
+
+def chat_parsers(settings: ServerSettings) -> ChatParsers:
+    """``--reasoning-parser`` and ``--tool-call-parser`` by name, before the model loads."""
+    from fdplug.core.plugin_loading.loader import current_plugins
+    from fdplug.core.plugin_loading.selection import select_parsers
+
+    if settings.enable_auto_tool_choice and settings.tool_call_parser is None:
+        raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser: the model's format for its calls.",
+                          fix="add --tool-call-parser NAME (hermes for Qwen2.5/Qwen3/ChatML templates; "
+                              "`fdplug plugins` lists the others).")
+    return select_parsers(current_plugins(), settings.reasoning_parser, settings.tool_call_parser)
 
 
 def check_expert_parallel(settings: ServerSettings) -> None:

@@ -89,6 +89,33 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
+class TokenizeCompletionRequest(_Strict):
+    """vLLM's ``POST /tokenize`` of a prompt."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Strict):
+    """vLLM's ``POST /tokenize`` of a conversation, through the chat template as chat completions do."""
+
+    model: str | None = None
+    messages: list[dict[str, Any]]
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
 def parse_request(model: type[BaseModel], body: bytes) -> Any:
     """Validate a JSON body; every problem becomes a 400 ``InvalidRequestError`` naming the field."""
     try:
@@ -153,8 +180,6 @@ def unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
             refuse("best_of", f"best_of must equal n ({req.n}); fdplug does not rank candidates.",
                    "leave best_of out.")
     else:
-        if req.tools and req.tool_choice != "none":
-            refuse("tools", "tool calling is not supported yet.", "leave tools out (or set tool_choice: none).")
         if req.response_format and req.response_format.get("type", "text") != "text":
             refuse("response_format", f"response_format {req.response_format.get('type')!r} is not supported; "
                    "only text is.", "leave response_format out.")
@@ -184,9 +209,19 @@ def completion_choice(index: int, text: str, finish_reason: str | None, logprobs
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": None}
 
 
-def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": text, "refusal": None, "tool_calls": []},
-            "logprobs": logprobs, "finish_reason": finish_reason}
+def chat_choice(index: int, text: str | None, finish_reason: str | None, logprobs: dict | None,
+                reasoning: str | None = None, tool_calls: list[dict] | None = None, parsed: bool = False) -> dict:
+    """``parsed``: a reasoning parser read the text (the message then has ``reasoning_content``)."""
+    message = {"role": "assistant", "content": text, "refusal": None, "tool_calls": tool_calls or []}
+    if parsed:
+        message["reasoning_content"] = reasoning or None
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def tool_call(call: Any, streamed: bool = False) -> dict:
+    """A parsed call (`fdplug.plugin_api.parsers.ToolCallDelta`) as OpenAI shapes it (``index`` in a stream)."""
+    body = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+    return {"index": call.index, **body} if streamed else body
 
 
 def chat_delta_choice(index: int, delta: dict, finish_reason: str | None, logprobs: dict | None) -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from fdplug.core.parsers.chat_output import ChatParsers
 from fdplug.server.http.limits import DEFAULT_STREAM_BACKLOG, ConnectionLimits
 from fdplug.server.settings import DEFAULT_SHUTDOWN_TIMEOUT_S
 
@@ -26,3 +27,7 @@ class ServerSettings:
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S     # SIGTERM: seconds to drain (`drain`)
     max_stream_backlog: int = DEFAULT_STREAM_BACKLOG         # a stream's unsent tokens before its client is cut
     limits: ConnectionLimits = field(default_factory=ConnectionLimits)   # per connection (`connection_guard`)
+    reasoning_parser: str | None = None      # --reasoning-parser: reasoning_content out of a thinking model's text
+    tool_call_parser: str | None = None      # --tool-call-parser: the model's tool-call format
+    enable_auto_tool_choice: bool = False    # --enable-auto-tool-choice: answer tools / tool_choice auto
+    parsers: ChatParsers = field(default_factory=ChatParsers)   # the two, resolved by name at startup

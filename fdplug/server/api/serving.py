@@ -23,6 +23,7 @@ from fdplug.core.frontend.processor import Delta
 from fdplug.errors import EngineRequestError, FdplugError
 from fdplug.plugin_api.sampling_params import SamplingParams
 from fdplug.server.api import openai_types as T
+from fdplug.server.api.chat_answers import ChatDeltas, chat_message_choice
 from fdplug.server.api.engine_client import EngineClient
 from fdplug.server.api.jobs import Job
 from fdplug.server.http.error_responses import error_body
@@ -109,7 +110,7 @@ class Serving:
         lp = self._logprobs(job, token_ids, logprobs)
         if job.kind == "completion":
             return T.completion_choice(index, text, finish_reason, lp)
-        return T.chat_choice(index, text, finish_reason, lp)
+        return chat_message_choice(job, index, text, finish_reason, lp)
 
     def _logprobs(self, job: Job, token_ids: list[int], entries: list | None, offset: int = 0) -> dict | None:
         if job.num_logprobs is None or entries is None:
@@ -167,6 +168,7 @@ class Serving:
         offsets: dict[int, int] = {}
         held: dict[tuple[str, int], Delta] = {}   # --stream-interval: tokens not sent yet, per choice
         started: set[tuple[str, int]] = set()     # choices whose first token went out (never held)
+        chat = ChatDeltas(job)                    # chat: reasoning and tool calls read per choice
 
         # the envelope is the same for every chunk: encode it once, and only the choices per chunk
         head, tail = _dumps(T.envelope(obj, job.id, job.created, job.model, [], None, include_usage)).encode() \
@@ -202,9 +204,10 @@ class Serving:
                     offsets[index] = offsets.get(index, 0) + len(delta.text)
                     if job.kind == "completion":
                         choices.append(T.completion_choice(index, delta.text, delta.finish_reason, lp))
-                    else:
-                        content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
-                        choices.append(T.chat_delta_choice(index, content, delta.finish_reason, lp))
+                        continue
+                    body, finish_reason = chat.delta(key, delta)
+                    if body or finish_reason is not None or lp is not None:
+                        choices.append(T.chat_delta_choice(index, body, finish_reason, lp))
                 if choices:
                     yield chunk(choices)
                 for item in items:

@@ -1,0 +1,60 @@
+"""A chat choice as the API returns it, read by the parsers the server was started with.
+
+With ``--reasoning-parser`` the answer's reasoning goes to ``reasoning_content``; with tools and
+``--tool-call-parser`` the model's calls go to ``tool_calls`` and the choice finishes with
+"tool_calls" (`fdplug.core.parsers`). A whole answer is read as a stream of one piece, so the
+message and the deltas of the same text agree. Without parsers the text is the content, as is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fdplug.core.frontend.processor import Delta
+from fdplug.core.parsers.chat_output import ChoiceParser, parse_whole
+from fdplug.server.api import openai_types as T
+from fdplug.server.api.jobs import Job
+
+
+def chat_message_choice(job: Job, index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
+    """A whole choice: its message."""
+    parser = job.parse() if job.parse is not None else None
+    if parser is None:
+        return T.chat_choice(index, text, finish_reason, logprobs)
+    answer = parse_whole(parser, text)
+    calls = [T.tool_call(call) for call in answer.calls]
+    if calls and finish_reason == "stop":
+        finish_reason = "tool_calls"
+    return T.chat_choice(index, answer.content or (None if calls else ""), finish_reason, logprobs, answer.reasoning,
+                         calls, job.reasoning)
+
+
+class ChatDeltas:
+    """A streamed job's chat deltas: per choice, the parser reading its text and whether it called a tool."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.parsers: dict[tuple[str, int], ChoiceParser | None] = {}
+        self.called: set[tuple[str, int]] = set()
+
+    def delta(self, key: tuple[str, int], delta: Delta) -> tuple[dict, str | None]:
+        """The chunk's ``delta`` and finish reason for one choice: what its text adds to the reasoning,
+        the answer and the calls (text a parser holds, e.g. half a tag, waits for the next chunk)."""
+        finish = delta.finish_reason
+        if key not in self.parsers:
+            self.parsers[key] = self.job.parse() if self.job.parse is not None else None
+        parser = self.parsers[key]
+        if parser is None:
+            return ({"content": delta.text} if delta.text or finish is None else {}), finish
+        part = parser.feed(delta.text)
+        if finish is not None:
+            part.add(parser.end())
+        body: dict[str, Any] = {}
+        if part.reasoning:
+            body["reasoning_content"] = part.reasoning
+        if part.content:
+            body["content"] = part.content
+        if part.calls:
+            body["tool_calls"] = [T.tool_call(call, streamed=True) for call in part.calls]
+            self.called.add(key)
+        return body, ("tool_calls" if finish == "stop" and key in self.called else finish)
