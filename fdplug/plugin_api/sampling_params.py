@@ -8,8 +8,10 @@ Bounds that depend on the model (``top_k`` and stop token ids within the vocabul
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from fdplug.errors import InvalidRequestError, show_value
 
@@ -25,6 +27,9 @@ MAX_TEMPERATURE = 100.0
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 64, 1024
 MAX_STOP_TOKEN_IDS = 1024
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+MAX_STRUCTURED_CHARS = 64 * 1024     # a schema, regex or grammar's text; compiling it is bounded too
+MAX_CHOICES = 256
 
 
 @dataclass(slots=True)
@@ -54,6 +59,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # vLLM's structured outputs: ``{"json": schema}``, ``{"regex": ...}``, ``{"choice": [...]}``,
+    # ``{"grammar": lark}`` or ``{"json_object": True}``, kept as ``(kind, text)`` (plain data for msgpack)
+    structured_outputs: Any = None
 
     def __post_init__(self) -> None:
         # OpenAI clients send a single stop string or lists; store tuples so params can be shared.
@@ -64,6 +72,7 @@ class SamplingParams:
             self.stop = ()
         elif isinstance(self.stop, (list, tuple)):
             self.stop = tuple(self.stop)
+        self.structured_outputs = _structured(self.structured_outputs)
         if self.stop_token_ids is None:
             self.stop_token_ids = ()
         elif isinstance(self.stop_token_ids, (list, tuple)):
@@ -107,6 +116,8 @@ class SamplingParams:
                                           fix=f"pass {flag} as a boolean.", param=flag)
         if self.logprobs is not None:
             _int_in("logprobs", self.logprobs, 0, MAX_LOGPROBS, f"null or an integer in [0, {MAX_LOGPROBS}]")
+        if self.structured_outputs is not None:
+            _check_structured(self.structured_outputs)
         return self
 
     def _validate_stops(self) -> None:
@@ -123,6 +134,50 @@ class SamplingParams:
                                       fix="send fewer stop token ids.", param="stop_token_ids")
         for t in self.stop_token_ids:
             _int_in("stop_token_ids", t, 0, MAX_COUNT, "a list of token ids of this model's vocabulary")
+
+
+def _structured(value: Any) -> Any:
+    """``{"json": {...}}`` (or ``[kind, text]``, as it crosses processes) -> ``(kind, text)``; other
+    values are kept for `validate` to name."""
+    if isinstance(value, dict) and len(value) == 1:
+        (kind, spec), = value.items()
+        if kind == "json_object":
+            return ("json_object", "") if spec is True else value
+        if kind in ("json", "choice") and not isinstance(spec, str):
+            try:
+                spec = json.dumps(spec, ensure_ascii=False)
+            except (TypeError, ValueError):
+                return value
+        return (kind, spec) if isinstance(spec, str) else value
+    if isinstance(value, list) and len(value) == 2:
+        return tuple(value)
+    return value
+
+
+def _check_structured(value: Any) -> None:
+    if not (isinstance(value, tuple) and len(value) == 2 and value[0] in STRUCTURED_KINDS
+            and isinstance(value[1], str)):
+        raise InvalidRequestError(f"structured_outputs must name one of {', '.join(STRUCTURED_KINDS)}, got "
+                                  f"{show_value(value)}.", fix='send e.g. {"json": {"type": "object"}} or '
+                                  '{"regex": "[0-9]+"}.', param="structured_outputs")
+    kind, spec = value
+    if len(spec) > MAX_STRUCTURED_CHARS or (kind != "json_object" and not spec):
+        raise InvalidRequestError(f"structured_outputs {kind} must be 1 to {MAX_STRUCTURED_CHARS} characters.",
+                                  fix="send a smaller schema, regex or grammar.", param="structured_outputs")
+    if kind in ("json", "choice"):
+        try:
+            parsed = json.loads(spec)
+        except ValueError as exc:
+            raise InvalidRequestError(f"structured_outputs {kind} is not JSON ({exc}).", fix="send valid JSON.",
+                                      param="structured_outputs") from None
+        if kind == "json" and not isinstance(parsed, (dict, bool)):
+            raise InvalidRequestError("structured_outputs json must be a JSON schema object.",
+                                      fix='send e.g. {"type": "object", "properties": {...}}.',
+                                      param="structured_outputs")
+        if kind == "choice" and not (isinstance(parsed, list) and 0 < len(parsed) <= MAX_CHOICES
+                                     and all(isinstance(c, str) and c for c in parsed)):
+            raise InvalidRequestError(f"structured_outputs choice must be 1 to {MAX_CHOICES} non-empty strings.",
+                                      fix='send e.g. {"choice": ["yes", "no"]}.', param="structured_outputs")
 
 
 def child_seed(seed: int | None, index: int) -> int | None:

@@ -10,7 +10,7 @@ shares it. Field ranges that do not depend on the model live in ``SamplingParams
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +25,7 @@ class ModelLimits:
 
     vocab_size: int
     max_model_len: int
+    grammars: Callable[[], Any] | None = None   # the model's `GrammarCompiler` (structured outputs), built on use
 
 
 def check_token_ids(ids: Any, vocab_size: int, param: str = "prompt") -> list[int]:
@@ -88,6 +89,8 @@ def check_request(request: Request, limits: ModelLimits) -> None:
             raise InvalidRequestError(f"eos token ids must be integers >= 0, got {show_value(t)}.",
                                       fix="pass the model's eos token ids.")
     _check_items(request.mm_positions, request.mm_inputs)
+    if request.sampling_params.structured_outputs is not None and limits.grammars is not None:
+        limits.grammars().matcher(*request.sampling_params.structured_outputs)   # a 400 if it does not compile
 
 
 def _check_items(positions: Sequence[Any], inputs: Sequence[Any]) -> None:

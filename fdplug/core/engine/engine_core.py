@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from functools import partial
 from typing import Any
 
 from fdplug.core.config import EngineConfig
@@ -40,6 +41,7 @@ from fdplug.core.scheduler.config import SchedulerConfig
 from fdplug.core.scheduler.output import EngineCoreOutput
 from fdplug.core.scheduler.scheduler import Scheduler
 from fdplug.core.scheduler.step_extension import StepExtension
+from fdplug.core.structured.grammars import compiler_for
 from fdplug.errors import (
     EngineRequestError,
     FdplugError,
@@ -65,7 +67,8 @@ class EngineCore:
         self.kv_plan = self.runner.initialize_kv_cache()
         self.scheduler = Scheduler(SchedulerConfig.from_engine_config(config, self.kv_plan.num_blocks))
         self.kv_transfer = make_side(config, selection, self.runner, self.scheduler, model.vocab_size)   # PD
-        self.limits = ModelLimits(model.vocab_size, config.max_model_len)
+        self.limits = ModelLimits(model.vocab_size, config.max_model_len,
+                                  partial(compiler_for, config.model_dir, model.vocab_size))
         self.profiler = StepProfiler()
         self.encoder_cache = EncoderCache(config.encoder_cache_rows)
         self.executor = StepExecutor(self.runner, self.scheduler, self.encoder_cache, model.vocab_size)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -17,14 +18,17 @@ import numpy as np
 from fdplug.core.config import EngineConfig
 from fdplug.core.model.sampling.penalties import penalty_tokens, record_tokens
 from fdplug.core.model.sampling.sampler import Sampler
+from fdplug.core.structured.grammars import compiler_for
+from fdplug.core.worker.grammar_masks import GrammarMasks
 from fdplug.core.worker.input_batch import InputBatch
 from fdplug.core.worker.kv_cache import (
     allocate_kv_caches,
     bytes_per_block,
     plan_kv_cache,
 )
+from fdplug.core.worker.mm_inputs import mm_embeddings, span_offsets
 from fdplug.core.worker.sampling import plain_greedy, sampled_logprobs, sampling_metadata
-from fdplug.errors import ConfigError, RequestStepError
+from fdplug.errors import ConfigError
 from fdplug.plugin_api.attention import AttentionMetadata, cdiv
 from fdplug.plugin_api.model_runner import KVCachePlan, ModelInfo, ModelRunnerOutput, format_bytes
 from fdplug.plugin_api.ops import PREPARED_OPS, Kernels
@@ -135,6 +139,7 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(self.attn_backend, plan, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                                             config.kv_dtype())
         self.batch = self._new_batch()
+        self.grammar = GrammarMasks(partial(compiler_for, config.model_dir, cfg.vocab_size))
         self.sampler = Sampler(seed=config.seed, argmax=self.argmax)
         return plan
 
@@ -150,6 +155,7 @@ class ModelRunner:
         prepared = self.attn_backend.prepare(inputs.meta)
         input_ids = paddle.to_tensor(inputs.input_ids)
         positions = paddle.to_tensor(inputs.positions)
+        masks = self.grammar.start(inputs.sampling_req_ids)   # structured outputs: beside the forward pass
         t1 = time.perf_counter()
         with paddle.no_grad():
             embeds = None
@@ -161,7 +167,7 @@ class ModelRunner:
                 return ModelRunnerOutput({}, timings={"prepare": t1 - t0, "forward": time.perf_counter() - t1})
             rows = hidden if len(inputs.logits_rows) == hidden.shape[0] else \
                 paddle.gather(hidden, paddle.to_tensor(inputs.logits_rows))
-            logits = self.model.compute_logits(rows)
+            logits = self.grammar.apply(masks, self.model.compute_logits(rows), paddle)
         t2 = time.perf_counter()
         if plain_greedy(self.batch, inputs.sampling_slots):
             sampled, logprobs = self.argmax(logits), {}
@@ -171,6 +177,7 @@ class ModelRunner:
             sampled = result.sampled_token_ids
             logprobs = sampled_logprobs(result, meta, inputs.sampling_req_ids)
         self._record_sampled(inputs, sampled)
+        self.grammar.accept(inputs.sampling_req_ids, sampled)
         t3 = time.perf_counter()
         tokens = {rid: [int(t)] for rid, t in zip(inputs.sampling_req_ids, sampled)}
         return ModelRunnerOutput(tokens, logprobs, {"prepare": t1 - t0, "forward": t2 - t1, "sample": t3 - t2})
@@ -179,6 +186,7 @@ class ModelRunner:
         batch = self.batch
         for req_id in (*so.finished_req_ids, *so.preempted_req_ids):
             batch.remove(req_id)
+            self.grammar.remove(req_id)
         for new in so.scheduled_new_reqs:
             self._add_request(new)
         for cached in so.scheduled_cached_reqs:
@@ -204,6 +212,7 @@ class ModelRunner:
         """Forget every request, whatever state the batch is in (the engine then rebuilds them all
         from the scheduler). The KV cache is the scheduler's and stays as it is."""
         self.batch = self._new_batch()
+        self.grammar.clear()
 
     def _new_batch(self) -> InputBatch:
         config = self.config
@@ -229,39 +238,10 @@ class ModelRunner:
         }
         spans = [item for item in new.mm_positions if item.span_length]
         if spans:
-            values["key_end_offset"] = self._span_offsets(spans)
+            values["key_end_offset"] = span_offsets(spans)
+        if params.structured_outputs is not None:   # first: a constraint that fails leaves the batch as it was
+            self.grammar.add(new.req_id, params.structured_outputs, new.output_token_ids)
         self.batch.add(new.req_id, values)
-
-    @staticmethod
-    def _span_offsets(items: list) -> np.ndarray:
-        """Mask spec of bidirectional items: each token sees up to the end of its span (0: causal)."""
-        offsets = np.zeros(max(item.end for item in items), dtype=np.int64)
-        for item in items:
-            pos = np.arange(item.offset, item.end)
-            span_end = np.minimum(item.offset + ((pos - item.offset) // item.span_length + 1) * item.span_length,
-                                  item.end)
-            offsets[pos] = span_end - (pos + 1)
-        return offsets
-
-    def _mm_embeddings(self, so: SchedulerOutput, slots: np.ndarray, start: np.ndarray,
-                       query_start: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None]:
-        """Token rows of this step that fall on multimodal items, and the feature rows that go there."""
-        rows, values = [], []
-        for i, slot in enumerate(slots):
-            lo, hi = start[i], start[i] + query_start[i + 1] - query_start[i]
-            for item in self.batch.mm_positions[slot]:
-                a, b = max(lo, item.offset), min(hi, item.end)
-                if a < b:
-                    features = so.mm_features.get(item.mm_hash)
-                    if features is None or features.shape != (item.length, self.model_config.hidden_size):
-                        raise RequestStepError([self.batch.req_id[slot]], f"the features of item {item.mm_hash} are "
-                                               f"{None if features is None else features.shape}, not "
-                                               f"({item.length}, {self.model_config.hidden_size})")
-                    rows.append(np.arange(a, b) - lo + query_start[i])
-                    values.append(features[a - item.offset:b - item.offset])
-        if not rows:
-            return None, None
-        return np.concatenate(rows), np.concatenate(values)
 
     def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         batch, bs = self.batch, self.config.block_size
@@ -282,7 +262,8 @@ class ModelRunner:
         seq_lens = start + counts
         meta = AttentionMetadata(query_start, seq_lens, positions, key_end, slot_mapping, block_tables, bs)
         samples = seq_lens >= batch.num_tokens[slots]        # the step reaches the last known token
-        mm_rows, mm_values = self._mm_embeddings(so, slots, start, query_start) if so.mm_features else (None, None)
+        mm_rows, mm_values = mm_embeddings(batch, self.model_config.hidden_size, so, slots, start, query_start) \
+            if so.mm_features else (None, None)
         return StepInputs(req_ids, slots, batch.token_ids[token_slots, positions], positions, meta,
                           query_start[1:][samples] - 1, slots[samples],
                           [r for r, s in zip(req_ids, samples) if s], mm_rows, mm_values)

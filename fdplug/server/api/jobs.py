@@ -21,6 +21,7 @@ from fdplug.errors import InvalidRequestError, ModelNotFoundError
 from fdplug.plugin_api.parsers import ParserContext
 from fdplug.plugin_api.sampling_params import MAX_LOGPROBS, SamplingParams
 from fdplug.server.api import openai_types as T
+from fdplug.server.api.constraints import structured_outputs
 from fdplug.server.api.engine_client import EngineClient
 from fdplug.server.api.request_stream import RequestStream
 
@@ -213,7 +214,7 @@ def parse_job_request(path: str, body: bytes) -> tuple[T.CompletionRequest | T.C
         frequency_penalty=pick(req.frequency_penalty, 0.0),
         repetition_penalty=pick(req.repetition_penalty, 1.0), max_tokens=max_tokens, min_tokens=req.min_tokens,
         stop=req.stop or (), stop_token_ids=req.stop_token_ids or (), ignore_eos=req.ignore_eos,
-        logprobs=logprobs, skip_special_tokens=req.skip_special_tokens)
+        logprobs=logprobs, skip_special_tokens=req.skip_special_tokens, structured_outputs=structured_outputs(req))
     return req, params.validate()
 
 

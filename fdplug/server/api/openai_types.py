@@ -63,6 +63,11 @@ class _SamplingRequest(_Strict):
     skip_special_tokens: bool = True
     cache_salt: str | None = None
     kv_transfer_params: dict[str, Any] | None = None   # vLLM's: PD instances only (fdplug serve --role)
+    structured_outputs: dict[str, Any] | None = None   # vLLM's: {"json" | "regex" | "choice" | "grammar": ...}
+    guided_json: dict[str, Any] | str | None = None    # vLLM's older names of the same
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_SamplingRequest):
@@ -180,9 +185,6 @@ def unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
             refuse("best_of", f"best_of must equal n ({req.n}); fdplug does not rank candidates.",
                    "leave best_of out.")
     else:
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            refuse("response_format", f"response_format {req.response_format.get('type')!r} is not supported; "
-                   "only text is.", "leave response_format out.")
         if req.top_logprobs is not None and not req.logprobs:
             refuse("top_logprobs", "top_logprobs needs logprobs: true.", "set logprobs: true.")
 

@@ -1,0 +1,94 @@
+"""The runner's side of structured outputs: one matcher per constrained request, a mask per step.
+
+A request with ``structured_outputs`` gets a matcher when the runner takes it (a copy of the
+compiled constraint, `fdplug.core.structured.grammars`), advanced over the tokens it already has
+(a request resumed after preemption, or rebuilt after a failed step, replays them), and over each
+token it samples. A step's masks are computed on a worker thread while the model runs (llguidance
+releases the GIL) and applied to the logits of the constrained rows only: a row without a
+constraint is never touched, so its tokens are the same with or without constrained neighbours.
+A batch without constrained requests costs one dict lookup per step.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from fdplug.errors import RequestStepError
+
+logger = logging.getLogger("fdplug")
+
+MASK_TIMEOUT_S = 30.0     # a mask is microseconds; this only bounds a wait that must not hang a step
+
+
+class GrammarMasks:
+    """Matchers of the constrained requests of one runner, by request id."""
+
+    def __init__(self, compiler: Any) -> None:
+        """``compiler``: a function returning this model's `GrammarCompiler` (built on first use)."""
+        self._compiler = compiler
+        self.matchers: dict[str, Any] = {}
+        self._pool: ThreadPoolExecutor | None = None
+
+    def add(self, req_id: str, structured: tuple[str, str], output_token_ids: list[int]) -> None:
+        """A matcher for a request the runner takes, advanced over what it generated already."""
+        matcher = self._compiler().matcher(*structured)
+        for token in output_token_ids:
+            if not matcher.consume_token(int(token)):
+                raise RequestStepError([req_id], "its tokens so far do not fit its structured_outputs constraint")
+        self.matchers[req_id] = matcher
+
+    def remove(self, req_id: str) -> None:
+        self.matchers.pop(req_id, None)
+
+    def clear(self) -> None:
+        self.matchers.clear()
+
+    def start(self, sampling_req_ids: list[str]) -> Future | None:
+        """Begin this step's masks (rows of the sampled requests that are constrained); None if none is."""
+        if not self.matchers:
+            return None
+        rows = [(i, self.matchers[rid]) for i, rid in enumerate(sampling_req_ids) if rid in self.matchers]
+        if not rows:
+            return None
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="fdplug-grammar")
+        return self._pool.submit(self._fill, rows)
+
+    def _fill(self, rows: list[tuple[int, Any]]) -> tuple[np.ndarray, np.ndarray]:
+        import llguidance.numpy as lnp
+
+        compiler = self._compiler()
+        bitmask = lnp.allocate_token_bitmask(len(rows), compiler.tokenizer.vocab_size)
+        for k, (_, matcher) in enumerate(rows):
+            lnp.fill_next_token_bitmask(matcher, bitmask, k)
+        allowed = np.unpackbits(bitmask.view(np.uint8), axis=-1, bitorder="little")
+        return np.fromiter((i for i, _ in rows), dtype=np.int64), allowed.view(bool)
+
+    def apply(self, pending: Future | None, logits: Any, paddle: Any) -> Any:
+        """``logits`` with every token a constrained row's grammar forbids at -inf."""
+        if pending is None:
+            return logits
+        rows, allowed = pending.result(timeout=MASK_TIMEOUT_S)
+        width = int(logits.shape[1])
+        mask = np.zeros((len(rows), width), dtype=bool)
+        n = min(width, allowed.shape[1])
+        mask[:, :n] = allowed[:, :n]
+        index = paddle.to_tensor(rows)
+        picked = paddle.gather(logits, index)
+        masked = paddle.where(paddle.to_tensor(mask), picked, paddle.full_like(picked, float("-inf")))
+        return paddle.scatter(logits, index, masked)
+
+    def accept(self, sampling_req_ids: list[str], sampled: np.ndarray) -> None:
+        """Advance each constrained request's matcher over the token it sampled."""
+        if not self.matchers:
+            return
+        for rid, token in zip(sampling_req_ids, sampled):
+            matcher = self.matchers.get(rid)
+            if matcher is not None and not matcher.consume_token(int(token)):
+                logger.warning("request %s sampled token %d outside its constraint (%s); it goes on unconstrained",
+                               rid, int(token), matcher.get_error()[:200])
+                del self.matchers[rid]

@@ -1,0 +1,140 @@
+"""Structured outputs (`fdplug.core.structured`): outputs held to a JSON schema, a regex, a choice.
+
+On the demo model, sampled at temperature 1 with seeds (so the model would wander off on its own),
+through a KV cache small enough that requests are preempted and resumed (their matchers replayed).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+import fdplug
+from fdplug.errors import InvalidRequestError
+from fdplug.plugin_api.sampling_params import SamplingParams
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
+          "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 12},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                         "tags": {"type": "array", "maxItems": 3, "items": {"enum": ["a", "b", "c"]}}}}
+
+
+def conforms(value) -> bool:
+    """The schema above, checked by hand (no jsonschema dependency)."""
+    return (isinstance(value, dict) and set(value) == {"name", "age", "tags"}
+            and isinstance(value["name"], str) and 1 <= len(value["name"]) <= 12
+            and type(value["age"]) is int and 0 <= value["age"] <= 150
+            and isinstance(value["tags"], list) and len(value["tags"]) <= 3
+            and all(t in ("a", "b", "c") for t in value["tags"]))
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return fdplug.LLM(max_model_len=256, num_kv_blocks=48, max_num_seqs=32)
+
+
+def test_64_seeded_requests_all_give_json_of_the_schema_through_preemption(llm):
+    before = llm.engine.scheduler.num_preemptions
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=120, structured_outputs={"json": SCHEMA})
+              for i in range(64)]
+    outs = llm.generate([f"Person {i}: " for i in range(64)], params, use_tqdm=False)
+    values = [json.loads(o.outputs[0].text) for o in outs]
+    assert all(conforms(v) for v in values) and all(o.outputs[0].finish_reason == "stop" for o in outs)
+    assert llm.engine.scheduler.num_preemptions > before     # resumed requests replayed their matchers
+    assert len({json.dumps(v) for v in values}) > 8          # sampled, not one forced answer
+
+
+def test_unconstrained_requests_give_the_same_tokens_beside_constrained_ones(llm):
+    free = [SamplingParams(temperature=0, max_tokens=24), SamplingParams(temperature=0.9, seed=5, max_tokens=24)]
+    prompts = ["The Python tutorial", "Modules are"]
+    alone = [o.outputs[0].token_ids for o in llm.generate(prompts, free, use_tqdm=False)]
+    constrained = [SamplingParams(temperature=1.0, seed=i, max_tokens=60, structured_outputs={"json": SCHEMA})
+                   for i in range(6)]
+    mixed = llm.generate([*prompts, *[f"p{i}" for i in range(6)]], [*free, *constrained], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in mixed[:2]] == alone
+
+
+def test_regex_choice_grammar_and_json_object(llm):
+    def text(constraint, max_tokens=40):
+        params = SamplingParams(temperature=1.0, seed=3, max_tokens=max_tokens, structured_outputs=constraint)
+        out = llm.generate(["Answer: "], params, use_tqdm=False)[0].outputs[0]
+        assert out.finish_reason == "stop", out
+        return out.text
+
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", text({"regex": "[0-9]{3}-[a-z]{2}"}))
+    assert text({"choice": ["yes", "no", "maybe"]}) in ("yes", "no", "maybe")
+    sums = text({"grammar": 'start: sum\nsum: "x" | "(" sum "+" sum ")"'})
+    while "(x+x)" in sums:          # the grammar's language: reduce innermost sums to one x
+        sums = sums.replace("(x+x)", "x")
+    assert sums == "x"
+    assert isinstance(json.loads(text({"json_object": True}, max_tokens=200)), dict)
+
+
+@pytest.mark.parametrize("constraint, says", [
+    ({"regex": "(unclosed"}, "unclosed group"),
+    ({"json": {"type": "strng"}}, "strng"),
+    ({"grammar": "start: ???"}, "grammar"),
+    ({"choice": []}, "1 to 256"),
+    ({"json": "[1"}, "not JSON"),
+    ({"xml": "<a/>"}, "must name one of"),
+    ({"regex": "a" * 70000}, "characters"),
+])
+def test_a_constraint_that_cannot_compile_is_a_typed_error_naming_it(llm, constraint, says):
+    with pytest.raises(InvalidRequestError, match=re.escape(says)) as info:
+        llm.generate(["x"], SamplingParams(structured_outputs=constraint), use_tqdm=False)
+    assert info.value.param == "structured_outputs"
+    assert not llm.engine.has_unfinished_requests()
+
+
+# -- through the server and the official client ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from tests.serverkit import Server
+
+    srv = Server(["--max-model-len", "512"], tmp_path_factory.mktemp("log") / "server.log")
+    try:
+        yield srv.wait_ready()
+    finally:
+        srv.stop()
+
+
+def test_the_openai_client_parses_a_pydantic_model_and_a_stream_agrees(server):
+    from pydantic import BaseModel, Field
+
+    class Person(BaseModel):
+        name: str = Field(min_length=1, max_length=12)
+        age: int = Field(ge=0, le=150)
+
+    client = server.openai()
+    ask = dict(model="demo", messages=[{"role": "user", "content": "A person, please."}], max_tokens=100,
+               temperature=1.0, seed=7)
+    parsed = client.chat.completions.parse(response_format=Person, **ask).choices[0].message.parsed
+    assert isinstance(parsed, Person) and 1 <= len(parsed.name) <= 12
+    whole = client.chat.completions.create(response_format={"type": "json_schema", "json_schema": {
+        "name": "person", "schema": SCHEMA, "strict": True}}, **ask).choices[0].message.content
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}, stream=True,
+        **ask))
+    assert streamed == whole and conforms(json.loads(whole))
+    choice = client.completions.create(model="demo", prompt="Yes or no?", max_tokens=5,
+                                       extra_body={"guided_choice": ["yes", "no"]}).choices[0].text
+    assert choice in ("yes", "no")
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "response_format"),
+    ({"structured_outputs": {"regex": "(bad"}}, "structured_outputs"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ({"guided_json": "{not json"}, "guided_json"),
+])
+def test_a_constraint_the_server_cannot_honour_is_a_400_naming_it(server, extra, param):
+    import httpx
+
+    body = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], **extra}
+    response = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
