@@ -138,3 +138,42 @@ def test_a_constraint_the_server_cannot_honour_is_a_400_naming_it(server, extra,
     response = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["city"],
+    "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 12},
+                   "days": {"type": "integer", "minimum": 1, "maximum": 14}}}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "additionalProperties": False, "properties": {"zone": {"enum": ["UTC", "CET"]}}}}}
+
+
+def weather_args(arguments: str) -> bool:
+    value = json.loads(arguments)
+    return set(value) <= {"city", "days"} and isinstance(value.get("city"), str) and 1 <= len(value["city"]) <= 12 \
+        and (type(value.get("days", 1)) is int and 1 <= value.get("days", 1) <= 14)
+
+
+def test_a_named_or_required_tool_choice_always_gives_valid_calls(server):
+    client = server.openai()
+    ask = dict(model="demo", messages=[{"role": "user", "content": "Weather in Oslo?"}], tools=[WEATHER, CLOCK],
+               max_tokens=80, temperature=1.0)
+    for seed in range(4):
+        named = client.chat.completions.create(tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                               seed=seed, **ask).choices[0]
+        (call,) = named.message.tool_calls
+        assert call.function.name == "get_weather" and weather_args(call.function.arguments)
+        assert named.finish_reason == "tool_calls" and named.message.content is None
+        required = client.chat.completions.create(tool_choice="required", seed=seed, **ask).choices[0]
+        assert required.message.tool_calls and required.finish_reason == "tool_calls"
+        for call in required.message.tool_calls:
+            assert call.function.name in ("get_weather", "get_time")
+            assert weather_args(call.function.arguments) if call.function.name == "get_weather" else \
+                set(json.loads(call.function.arguments)) <= {"zone"}
+    chunks = client.chat.completions.create(tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                            seed=0, stream=True, **ask)
+    streamed = "".join(c.choices[0].delta.tool_calls[0].function.arguments or "" for c in chunks
+                       if c.choices and c.choices[0].delta.tool_calls)
+    whole = client.chat.completions.create(tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                           seed=0, **ask).choices[0].message.tool_calls[0].function.arguments
+    assert streamed == whole

@@ -4,6 +4,7 @@ tokenized, before anything is registered with the engine (``app.py`` runs it in 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import time
@@ -17,6 +18,7 @@ from fdplug.core.frontend.processor import ProcessedPrompt
 from fdplug.core.model.text.chat_messages import check_template_kwargs
 from fdplug.core.multimodal.inputs import FeaturePartCollector
 from fdplug.core.parsers.chat_output import ChatParsers, ChoiceParser
+from fdplug.core.parsers.tool_calls import NamedCallParser, RequiredCallsParser, forced_schema
 from fdplug.errors import InvalidRequestError, ModelNotFoundError
 from fdplug.plugin_api.parsers import ParserContext
 from fdplug.plugin_api.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -98,7 +100,11 @@ class JobBuilder:
         text, prompt = self.chat_prompt(req, tools, tenant)
         self.client.input_processor.check_length(len(prompt.token_ids), params.max_tokens)
         job = Job("chat", f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, params.n, params.logprobs)
-        if self.parsers.reasoning is not None or tools is not None:
+        forced = forced_choice(req)
+        if forced is not None:      # the answer is held to the calls' schema, and read as calls
+            params = forced_params(params, tools, forced)
+            job.parse = partial(forced_parser, forced)
+        elif self.parsers.reasoning is not None or tools is not None:
             context = ParserContext(text, tuple(tools or ()), dict(req.chat_template_kwargs or {}))
             job.parse = partial(self.parsers.choice, context, tools is not None)
             job.reasoning = self.parsers.reasoning is not None
@@ -159,10 +165,8 @@ class JobBuilder:
         check_tool_list(req.tools)
         if choice == "none":
             return None
-        if choice != "auto" and choice is not None:
-            raise InvalidRequestError(
-                f"tool_choice {choice!r:.80} is not supported yet: forcing a call needs constrained decoding, "
-                "which fdplug does not have yet.", fix='use tool_choice "auto" (or "none").', param="tool_choice")
+        if forced_choice(req) is not None:
+            return req.tools
         if not self.auto_tool_choice or self.parsers.tools is None:
             raise InvalidRequestError(
                 "this server does not answer tools: the model's calls are read by a tool-call parser, and none is on.",
@@ -250,3 +254,34 @@ def check_tool_list(tools: list) -> None:
             raise InvalidRequestError(f"{where}.function.parameters must be a JSON schema object.",
                                       fix='give e.g. {"type": "object", "properties": {...}}.',
                                       param=f"{where}.function.parameters")
+
+
+def forced_choice(req: T.ChatCompletionRequest) -> str | None:
+    """``"required"``, the name a ``tool_choice`` object forces (one of the tools), or None."""
+    choice = req.tool_choice
+    if choice is None or choice in ("none", "auto"):
+        return None
+    if choice == "required":
+        return choice
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    names = [t["function"]["name"] for t in req.tools or ()]
+    if choice.get("type", "function") != "function" or name not in names:
+        raise InvalidRequestError(f"tool_choice must name one of the tools ({', '.join(names)}), got {choice!r:.80}.",
+                                  fix='send {"type": "function", "function": {"name": NAME}} for a tool you sent.',
+                                  param="tool_choice")
+    return name
+
+
+def forced_parser(forced: str) -> ChoiceParser:
+    """A fresh parser of one choice's forced calls."""
+    return ChoiceParser(None, RequiredCallsParser() if forced == "required" else NamedCallParser(forced))
+
+
+def forced_params(params: SamplingParams, tools: list[dict], forced: str) -> SamplingParams:
+    """``params`` held to the forced calls' schema (another constraint on the output is a 400)."""
+    if params.structured_outputs is not None:
+        raise InvalidRequestError("tool_choice forces a call, and the request also constrains its output "
+                                  "(response_format, structured_outputs or guided_*).",
+                                  fix="send one of them.", param="tool_choice")
+    schema = forced_schema(tools, None if forced == "required" else forced)
+    return dataclasses.replace(params, structured_outputs=("json", json.dumps(schema))).validate()

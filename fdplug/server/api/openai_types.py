@@ -222,8 +222,12 @@ def chat_choice(index: int, text: str | None, finish_reason: str | None, logprob
 
 def tool_call(call: Any, streamed: bool = False) -> dict:
     """A parsed call (`fdplug.plugin_api.parsers.ToolCallDelta`) as OpenAI shapes it (``index`` in a stream)."""
-    body = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
-    return {"index": call.index, **body} if streamed else body
+    if not streamed:
+        return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+    head = {"id": call.id, "type": "function"} if call.id is not None else {}   # later fragments: arguments only
+    function = {"name": call.name, "arguments": call.arguments} if call.name is not None else \
+        {"arguments": call.arguments}
+    return {"index": call.index, **head, "function": function}
 
 
 def chat_delta_choice(index: int, delta: dict, finish_reason: str | None, logprobs: dict | None) -> dict:
