@@ -76,6 +76,13 @@ def test_reasoning_opened_by_the_template_cut_off_and_split(name):
     check_every_split(chosen, "Hmm.</think>", ("Hmm.", "", []), prompt=opened)
 
 
+def test_a_think_tag_in_the_conversation_does_not_open_the_reasoning():
+    chosen = parsers("qwen3", "hermes")
+    prompt = "<|im_start|>user\nWhat is the <think> tag for?<|im_end|>\n<|im_start|>assistant\n"
+    call = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
+    check_every_split(chosen, "It marks reasoning." + call, ("", "It marks reasoning.", [("f", {})]), prompt=prompt)
+
+
 def test_deepseek_r1_reasons_first_with_or_without_its_tag():
     chosen = parsers("deepseek_r1")
     check_every_split(chosen, "Hmm.\n</think>\nParis", ("Hmm.\n", "Paris", []))
@@ -105,6 +112,32 @@ def test_hermes_calls_with_text_before_them_and_a_malformed_one_as_text():
     unclosed = '<tool_call>\n{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}\n'   # stopped at EOS
     check_every_split(chosen, unclosed, ("", "", [("get_weather", {"city": "Oslo"})]))
     check_every_split(chosen, "No call here, <b>bold</b>.", ("", "No call here, <b>bold</b>.", []))
+
+
+def test_odd_model_output_is_text_never_an_error():
+    chosen = parsers("qwen3", "hermes")
+    deep = "<tool_call>" + "[" * 5000 + "</tool_call>"
+    assert read(chosen, [deep]) == ("", deep, [])
+    nan = '<tool_call>{"name": "f", "arguments": {"v": NaN}}</tool_call>'
+    assert read(chosen, [nan]) == ("", nan, [])
+    assert read(chosen, ['<tool_call>{"name": "f", "parameters": {"a": 1}}</tool_call>']) == ("", "", [("f", {"a": 1})])
+    glm = "<tool_call>f\n" + "<arg_key>a</arg_key><arg_value>x" * 3000 + "</tool_call>"   # linear, not cubic
+    assert read(parsers(tools="glm45"), [glm]) == ("", glm, [])
+
+
+def test_a_parser_that_raises_leaves_the_rest_of_the_answer_as_plain_content():
+    from fdplug.core.parsers.chat_output import ChoiceParser
+
+    class Broken:
+        def feed(self, text):
+            raise RuntimeError("a plugin's bug")
+
+        def end(self):
+            raise RuntimeError("a plugin's bug")
+
+    parser = ChoiceParser(None, Broken())
+    out = parser.feed("Hello ").add(parser.feed("world")).add(parser.end())
+    assert (out.content, out.calls) == ("Hello world", [])
 
 
 def test_glm45_arguments_typed_by_the_tools_schema():

@@ -120,6 +120,10 @@ def test_tokenize_counts_what_a_request_reports_and_detokenize_inverts_it(server
     plain = post(server, "/tokenize", {"prompt": "Hello, Zürich!", "return_token_strs": True}).json()
     assert plain["count"] == len(plain["token_strs"]) > 0
     assert post(server, "/detokenize", {"tokens": plain["tokens"]}).json() == {"prompt": "Hello, Zürich!"}
+    long = post(server, "/tokenize", {"prompt": "word " * 1500}).json()      # counted, not refused
+    assert long["count"] > long["max_model_len"] == 1024
+    deep = httpx.post(server.url + "/tokenize", content=b"[" * 100000, timeout=30)
+    assert deep.status_code == 400
     bad = post(server, "/detokenize", {"tokens": [10 ** 9]})
     assert bad.status_code == 400 and "vocab" in bad.json()["error"]["message"]
     assert post(server, "/tokenize", {"prompt": "x", "model": "other"}).status_code == 404

@@ -105,7 +105,7 @@ class LLM:
         prompts = [self.chat_prompt(c, chat_template, add_generation_prompt, tools) for c in conversations]
         outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
         for prompt, output in zip(prompts, outputs):
-            self._parse(output, ParserContext(prompt["prompt"], tuple(tools or ())), tools is not None)
+            self._parse(output, ParserContext(prompt["prompt"], tuple(tools or ())), bool(tools))
         return outputs
 
     def _parse(self, output: RequestOutput, context: ParserContext, with_tools: bool) -> None:

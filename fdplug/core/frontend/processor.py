@@ -59,11 +59,12 @@ class InputProcessor:
         self.eos_token_ids = tuple(eos_token_ids)
         self.mm_config = mm_config
 
-    def process(self, prompt: PromptType, tenant: str = "") -> ProcessedPrompt:
+    def process(self, prompt: PromptType, tenant: str = "", fit: bool = True) -> ProcessedPrompt:
         """Tokenize, then widen multimodal placeholders: ``{"prompt"|"prompt_token_ids", "mm_items": [parts]}``.
 
         ``mm_items`` are content parts as in chat (``{"type": "image_feature", "image_feature": {...}}``),
-        one per placeholder in the prompt, in order.
+        one per placeholder in the prompt, in order. ``fit``: refuse a prompt longer than ``max_model_len``
+        (``/tokenize`` counts it instead).
         """
         parts = prompt.get("mm_items") if isinstance(prompt, Mapping) else None
         text, ids = self.tokenize(prompt)
@@ -75,7 +76,8 @@ class InputProcessor:
             processed.token_ids, processed.mm_positions = expand_placeholders(ids, collector.items, self.mm_config,
                                                                               self.max_model_len)
             processed.mm_inputs = collector.items
-        self.check_length(len(processed.token_ids))
+        if fit:
+            self.check_length(len(processed.token_ids))
         return processed
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:

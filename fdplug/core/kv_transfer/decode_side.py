@@ -98,8 +98,10 @@ class DecodeSide(StepExtension):
         return bool(self.ready)
 
     def on_free(self, request: Request, blocks: list[Any]) -> None:
-        """A request leaves (finished or aborted): a pull still under way for it is cancelled."""
+        """A request leaves (finished, aborted, or refused after `admit`): a pull still under way for
+        it is cancelled, and an output not yet polled for it is dropped."""
         self.cancel(request.request_id)
+        self.ready = [out for out in self.ready if out.request_id != request.request_id]
 
     def cancel(self, request_id: str) -> None:
         item = self.incoming.pop(request_id, None)

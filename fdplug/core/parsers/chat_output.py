@@ -8,6 +8,7 @@ choice; `parse_whole` is a non-streamed answer read the same way a stream is (on
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from fdplug.plugin_api.parsers import (
@@ -18,6 +19,8 @@ from fdplug.plugin_api.parsers import (
     ToolParser,
     ToolParserSpec,
 )
+
+logger = logging.getLogger("fdplug")
 
 
 @dataclass(slots=True)
@@ -40,18 +43,28 @@ class ChoiceParser:
 
     def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None) -> None:
         self.reasoning, self.tools = reasoning, tools
+        self.failed = False
 
     def feed(self, text: str) -> ChatDelta:
-        if self.reasoning is None:
-            return self._answer(text, end=False)
-        part = self.reasoning.feed(text)
-        return ChatDelta(reasoning=part.reasoning).add(self._answer(part.content, end=False))
+        return self._guarded(text, end=False)
 
     def end(self) -> ChatDelta:
-        if self.reasoning is None:
-            return self._answer("", end=True)
-        part = self.reasoning.end()
-        return ChatDelta(reasoning=part.reasoning).add(self._answer(part.content, end=True))
+        return self._guarded("", end=True)
+
+    def _guarded(self, text: str, end: bool) -> ChatDelta:
+        """A parser that raises (a plugin's bug, a model's pathological output) is switched off: the
+        text goes on as plain content, and the answer is served, never a 500."""
+        if self.failed:
+            return ChatDelta(content=text)
+        try:
+            if self.reasoning is None:
+                return self._answer(text, end)
+            part = self.reasoning.end() if end else self.reasoning.feed(text)
+            return ChatDelta(reasoning=part.reasoning).add(self._answer(part.content, end))
+        except Exception:  # noqa: BLE001 -- any parser's failure is contained to this choice
+            logger.exception("an output parser failed; the rest of this answer is plain content")
+            self.failed = True
+            return ChatDelta(content=text)
 
     def _answer(self, text: str, end: bool) -> ChatDelta:
         if self.tools is None:

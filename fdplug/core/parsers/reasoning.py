@@ -11,8 +11,8 @@ and in what wraps the answer:
 - ``ernie``: ERNIE-4.5 thinking, like ``deepseek_r1``, its answer optionally wrapped in
   ``<response>...</response>`` (``abc</think>\\n\\n<response>\\ndef\\n</response>``).
 
-For all of them a template that opens the reasoning in the prompt (the prompt's last ``<think>`` is
-not closed) starts the output in the reasoning. Rules the tests hold for every split of the text:
+For all of them a template that opens the reasoning in the prompt (the prompt ends with ``<think>``)
+starts the output in the reasoning. Rules the tests hold for every split of the text:
 a start tag counts only before any answer text (a model writing about ``<think>`` later is just
 text); whitespace between the reasoning and the answer is dropped; an output cut off inside its
 reasoning (``max_tokens``) is all reasoning and no tag ever reaches the content.
@@ -36,9 +36,10 @@ def held_prefix(text: str, tag: str) -> int:
     return 0
 
 
-def opened_in(prompt: str, start: str = START, end: str = END) -> bool:
-    """Whether the template left the reasoning open at the end of the prompt."""
-    return prompt.rfind(start) > prompt.rfind(end)
+def opened_in(prompt: str, start: str = START) -> bool:
+    """Whether the template opened the reasoning: the prompt ends with the start tag (a ``<think>``
+    anywhere else, in a user's message or a tool's result, is text)."""
+    return prompt.rstrip().endswith(start)
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,6 @@ text around calls is content, and the whitespace between them is dropped.
 from __future__ import annotations
 
 import json
-import re
 import secrets
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -33,23 +32,24 @@ def call_id() -> str:
 
 def arguments_json(arguments: Any) -> str | None:
     """A call's arguments as the JSON object text the API returns; None if they are not an object."""
-    if isinstance(arguments, str):
-        try:
+    try:
+        if isinstance(arguments, str):
             arguments = json.loads(arguments)
-        except ValueError:
-            return None
-    return json.dumps(arguments, ensure_ascii=False) if isinstance(arguments, dict) else None
+        return json.dumps(arguments, ensure_ascii=False, allow_nan=False) if isinstance(arguments, dict) else None
+    except (ValueError, RecursionError):     # not JSON, NaN (not JSON either), nested past Python's stack
+        return None
 
 
 def json_call(text: str, arguments_key: str = "arguments") -> tuple[str, str] | None:
     """``{"name": ..., "arguments": {...}}`` -> ``(name, arguments JSON)``; None for anything else."""
     try:
         value = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
         return None
-    arguments = arguments_json(value.get(arguments_key, value.get("arguments", {})))
+    other = "parameters" if arguments_key == "arguments" else "arguments"    # models write either
+    arguments = arguments_json(value.get(arguments_key, value.get(other, {})))
     return None if arguments is None else (value["name"], arguments)
 
 
@@ -169,15 +169,12 @@ def _json_calls(text: str) -> list[tuple[str, str]] | None:
             return calls or None
         try:
             value, i = decoder.raw_decode(text, i)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         call = json_call(json.dumps(value), "parameters")
         if call is None:
             return None
         calls.append(call)
-
-
-_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 
 
 def glm45_body(tools: Mapping[str, Mapping[str, str]]) -> Body:
@@ -187,12 +184,45 @@ def glm45_body(tools: Mapping[str, Mapping[str, str]]) -> Body:
         k = text.find("<arg_key>")
         name, rest = (text, "") if k < 0 else (text[:k], text[k:])
         name = name.strip()
-        if not name or "\n" in name or _ARG.sub("", rest).strip():
+        pairs = _glm45_pairs(rest)
+        if not name or "\n" in name or pairs is None:
             return None
         types = tools.get(name, {})
-        arguments = {key.strip(): _typed(value, types.get(key.strip())) for key, value in _ARG.findall(rest)}
-        return name, json.dumps(arguments, ensure_ascii=False)
+        arguments = {key.strip(): _typed(value, types.get(key.strip())) for key, value in pairs}
+        try:
+            return name, json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+        except ValueError:
+            return None
     return body
+
+
+def _glm45_pairs(text: str) -> list[tuple[str, str]] | None:
+    """``<arg_key>K</arg_key><arg_value>V</arg_value>...`` (whitespace between) -> pairs; None if
+    anything else is there. One left-to-right scan: linear in the text, whatever the model wrote."""
+    pairs, i = [], 0
+    while True:
+        while i < len(text) and text[i].isspace():
+            i += 1
+        if i == len(text):
+            return pairs
+        key, i = _tagged(text, i, "arg_key")
+        if key is None:
+            return None
+        while i < len(text) and text[i].isspace():
+            i += 1
+        value, i = _tagged(text, i, "arg_value")
+        if value is None:
+            return None
+        pairs.append((key, value))
+
+
+def _tagged(text: str, i: int, tag: str) -> tuple[str | None, int]:
+    """The content of ``<tag>...</tag>`` starting at ``i``, and where it ends; (None, i) if not there."""
+    open_tag, close_tag = f"<{tag}>", f"</{tag}>"
+    if not text.startswith(open_tag, i):
+        return None, i
+    end = text.find(close_tag, i + len(open_tag))
+    return (None, i) if end < 0 else (text[i + len(open_tag):end], end + len(close_tag))
 
 
 def _typed(value: str, kind: str | None) -> Any:
@@ -200,7 +230,7 @@ def _typed(value: str, kind: str | None) -> Any:
         return value
     try:
         return json.loads(value)
-    except ValueError:
+    except (ValueError, RecursionError):
         return value
 
 
@@ -276,7 +306,7 @@ class RequiredCallsParser:
         out = ToolDelta()
         try:
             listed = json.loads(self.buffer)
-        except ValueError:
+        except (ValueError, RecursionError):
             listed = None
         parsed = [json_call(json.dumps(item), "parameters") for item in listed] if isinstance(listed, list) else [None]
         if not parsed or None in parsed:

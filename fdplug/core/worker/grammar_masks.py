@@ -80,7 +80,7 @@ class GrammarMasks:
         index = paddle.to_tensor(rows)
         picked = paddle.gather(logits, index)
         masked = paddle.where(paddle.to_tensor(mask), picked, paddle.full_like(picked, float("-inf")))
-        return paddle.scatter(logits, index, masked)
+        return logits.scatter_(index, masked)      # in place: a copy of every row would cost ~5 ms a step
 
     def accept(self, sampling_req_ids: list[str], sampled: np.ndarray) -> None:
         """Advance each constrained request's matcher over the token it sampled."""

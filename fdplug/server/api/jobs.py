@@ -111,7 +111,8 @@ class JobBuilder:
         return job, [prompt], params
 
     def chat_prompt(self, req: T.ChatCompletionRequest | T.TokenizeChatRequest, tools: list[dict] | None,
-                    tenant: str = "", add_special_tokens: bool = False) -> tuple[str, ProcessedPrompt]:
+                    tenant: str = "", add_special_tokens: bool = False,
+                    fit: bool = True) -> tuple[str, ProcessedPrompt]:
         """The conversation through the chat template (``tools`` shown to the model), tokenized."""
         kwargs = dict(req.chat_template_kwargs or {})
         template, where = req.chat_template, "chat_template"
@@ -124,14 +125,16 @@ class JobBuilder:
                                              chat_template=template, content_part_handler=collector,
                                              variables=check_template_kwargs(kwargs), tools=tools)
         return text, processor.process({"prompt": text, "prompt_token_ids": processor.encode(text, add_special_tokens),
-                                        "mm_items": collector.parts}, tenant)
+                                        "mm_items": collector.parts}, tenant, fit)
 
     def tokenize(self, body: bytes, tenant: str = "") -> dict:
         """vLLM's ``POST /tokenize``: a prompt, or messages through the chat template (the count is the
-        ``usage.prompt_tokens`` the same request would report)."""
+        ``usage.prompt_tokens`` the same request would report). A prompt longer than ``max_model_len``
+        is counted, not refused: clients ask "does it fit?" (text past what could ever fit is refused
+        before it is tokenized, as everywhere)."""
         try:
             chat = "messages" in json.loads(body)
-        except (ValueError, TypeError):
+        except (ValueError, TypeError, RecursionError):
             chat = False      # parse_request says what is wrong with it
         req = T.parse_request(T.TokenizeChatRequest if chat else T.TokenizeCompletionRequest, body)
         self.check_model(req.model)
@@ -139,10 +142,10 @@ class JobBuilder:
         if chat:
             if req.tools:
                 check_tool_list(req.tools)
-            ids = self.chat_prompt(req, req.tools or None, tenant, req.add_special_tokens)[1].token_ids
+            ids = self.chat_prompt(req, req.tools or None, tenant, req.add_special_tokens, fit=False)[1].token_ids
         else:
             ids = processor.encode(req.prompt, req.add_special_tokens)
-            ids = processor.process({"prompt": req.prompt, "prompt_token_ids": ids}).token_ids
+            ids = processor.process({"prompt": req.prompt, "prompt_token_ids": ids}, fit=False).token_ids
         strs = [self.client.tokenizer.id_to_token(i) for i in ids] if req.return_token_strs else None
         return {"count": len(ids), "max_model_len": self.client.info.max_model_len, "tokens": ids,
                 "token_strs": strs}

@@ -934,7 +934,7 @@ int fdplug_moe_experts(const float *x, const float *gate_up, const float *down, 
 /* ---------------------------------------------------------------------------------------------
  * FP8 block linear for a few rows (decode): out[m, n] = sum_k x[m, k] * W[n, k], where W is an e4m3
  * weight [N, K] (one byte a weight) times its per-row block scales [N, ceil(K / bk)] (the layout of
- * fdplug/core/model/fp8_layers.py). The weights are never dequantized in memory: each 8 are widened
+ * fdplug/core/quant/fp8_rows.py). The weights are never dequantized in memory: each 8 are widened
  * in registers (the 7 magnitude bits placed at float bit 20 and the sign at bit 31 read as a float
  * 2^-120 times the e4m3 value, normals and subnormals alike; times 2^120, then the block's scale;
  * the NaN code 0x7F, which the quantizer never writes, reads as 480) and feed FMAs for up to FP8_MR

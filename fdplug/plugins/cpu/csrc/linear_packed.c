@@ -262,7 +262,7 @@ int fdplug_linear_packed(const float *x, const void *w, int kind, const float *b
 }
 
 /* x [rows, depth] float32 times e4m3 weights packed as above with their block scales [cols,
- * ceil(depth / block_k)] (fp8_layers' layout, unpacked) -> out [rows, cols]. Returns 0, -1 if the
+ * ceil(depth / block_k)] (fp8_rows' layout, unpacked) -> out [rows, cols]. Returns 0, -1 if the
  * scales' transposed copy cannot be allocated, -2 for cols not a multiple of 16 or block_k < 1. */
 int fdplug_linear_packed_fp8(const float *x, const uint8_t *w, const float *scales, const float *bias, float *out,
                              int rows, int cols, int depth, int block_k, int num_threads) {
