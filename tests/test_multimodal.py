@@ -14,6 +14,7 @@ import pytest
 
 from fdplug.core.frontend.llm import LLM
 from fdplug.core.multimodal.inputs import uuid_hash
+from fdplug.core.worker.mm_inputs import span_offsets
 from fdplug.errors import InvalidRequestError
 from fdplug.plugin_api.sampling_params import SamplingParams
 from fdplug.testing.bos_server import LoopbackBos
@@ -149,7 +150,7 @@ def test_mask_offsets_match_a_dense_reference(test_model_dir, feature_dir):
     spans = [(s, min(s + it.span_length, it.end)) for it in prompt.mm_positions
              for s in range(it.offset, it.end, it.span_length)]
     assert [e - s for s, e in spans] == [4, 4, 6]
-    offsets = llm.engine.runner._span_offsets(prompt.mm_positions)
+    offsets = span_offsets([p for p in prompt.mm_positions if p.span_length])
     positions = np.arange(len(prompt.token_ids))
     offsets = np.pad(offsets, (0, len(positions) - len(offsets)))   # causal (0) after the last item
     np.testing.assert_array_equal(positions + 1 + offsets, key_end_with_spans(positions, spans))

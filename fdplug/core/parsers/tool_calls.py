@@ -53,7 +53,7 @@ def json_call(text: str, arguments_key: str = "arguments") -> tuple[str, str] | 
     return None if arguments is None else (value["name"], arguments)
 
 
-class _Calls:
+class CallCollector:
     """Text in, content and whole calls out; whitespace next to a call is held, then dropped."""
 
     def __init__(self) -> None:
@@ -78,7 +78,7 @@ class TaggedParser:
 
     def __init__(self, body: Body, open_tag: str = "<tool_call>", close_tag: str = "</tool_call>") -> None:
         self.body, self.open_tag, self.close_tag = body, open_tag, close_tag
-        self.calls = _Calls()
+        self.calls = CallCollector()
         self.buffer = ""
         self.in_call = False
 
@@ -130,7 +130,7 @@ class BareJsonParser:
     PYTHON_TAG = "<|python_tag|>"
 
     def __init__(self) -> None:
-        self.calls = _Calls()
+        self.calls = CallCollector()
         self.buffer = ""
         self.mode: str | None = None     # "calls" (held to the end) or "text"
 
@@ -256,62 +256,3 @@ def tool_specs() -> list[ToolParserSpec]:
         ToolParserSpec("llama3_json", lambda context: BareJsonParser(),
                        "Llama 3: the answer is {\"name\": ..., \"parameters\": {...}} (several: '; ')"),
     ]
-
-
-# -- tool_choice "required" or a named function: the answer is held to a JSON schema of the calls ------
-
-
-def forced_schema(tools: list[Mapping[str, Any]], name: str | None) -> dict:
-    """The constraint of a forced choice: a named function's arguments, or (``required``) a list
-    of one or more calls ``[{"name": ..., "parameters": {...}}]`` of the offered tools."""
-    params = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools}
-    if name is not None:
-        return params[name]
-    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
-              "properties": {"name": {"const": n}, "parameters": schema}} for n, schema in params.items()]
-    return {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
-
-
-class NamedCallParser:
-    """A named ``tool_choice``: the whole answer is the function's arguments, streamed as they come."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.started = False
-
-    def feed(self, text: str) -> ToolDelta:
-        if not text:
-            return ToolDelta()
-        call = ToolCallDelta(0, arguments=text)
-        if not self.started:
-            call.id, call.name, self.started = call_id(), self.name, True
-        return ToolDelta(calls=[call])
-
-    def end(self) -> ToolDelta:
-        return ToolDelta() if self.started else ToolDelta(calls=[ToolCallDelta(0, call_id(), self.name, "{}")])
-
-
-class RequiredCallsParser:
-    """``tool_choice: "required"``: the answer is a JSON list of calls, read whole at its end."""
-
-    def __init__(self) -> None:
-        self.calls = _Calls()
-        self.buffer = ""
-
-    def feed(self, text: str) -> ToolDelta:
-        self.buffer += text
-        return ToolDelta()
-
-    def end(self) -> ToolDelta:
-        out = ToolDelta()
-        try:
-            listed = json.loads(self.buffer)
-        except (ValueError, RecursionError):
-            listed = None
-        parsed = [json_call(json.dumps(item), "parameters") for item in listed] if isinstance(listed, list) else [None]
-        if not parsed or None in parsed:
-            self.calls.text(out, self.buffer)     # cut off by max_tokens: the text as it is
-        else:
-            for name, arguments in parsed:
-                self.calls.call(out, name, arguments)
-        return out

@@ -18,7 +18,7 @@ from fdplug.core.frontend.processor import ProcessedPrompt
 from fdplug.core.model.text.chat_messages import check_template_kwargs
 from fdplug.core.multimodal.inputs import FeaturePartCollector
 from fdplug.core.parsers.chat_output import ChatParsers, ChoiceParser
-from fdplug.core.parsers.tool_calls import NamedCallParser, RequiredCallsParser, forced_schema
+from fdplug.core.parsers.forced_calls import NamedCallParser, RequiredCallsParser, forced_schema
 from fdplug.errors import InvalidRequestError, ModelNotFoundError
 from fdplug.plugin_api.parsers import ParserContext
 from fdplug.plugin_api.sampling_params import MAX_LOGPROBS, SamplingParams

@@ -1,0 +1,72 @@
+"""``tool_choice: "required"`` or a named function: the answer is held to a JSON schema of the calls
+(structured outputs), so every call is valid, and read back as calls.
+
+A named function's schema is its ``parameters`` (the answer is the arguments, streamed as they are
+generated); ``required`` is a list of one or more ``{"name", "parameters"}`` of the offered tools
+(read whole at the end). An answer cut off by ``max_tokens`` is returned as it is.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from fdplug.core.parsers.tool_calls import CallCollector, call_id, json_call
+from fdplug.plugin_api.parsers import ToolCallDelta, ToolDelta
+
+
+def forced_schema(tools: list[Mapping[str, Any]], name: str | None) -> dict:
+    """The constraint of a forced choice: a named function's arguments, or (``required``) a list
+    of one or more calls ``[{"name": ..., "parameters": {...}}]`` of the offered tools."""
+    params = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools}
+    if name is not None:
+        return params[name]
+    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
+              "properties": {"name": {"const": n}, "parameters": schema}} for n, schema in params.items()]
+    return {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+
+
+class NamedCallParser:
+    """A named ``tool_choice``: the whole answer is the function's arguments, streamed as they come."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.started = False
+
+    def feed(self, text: str) -> ToolDelta:
+        if not text:
+            return ToolDelta()
+        call = ToolCallDelta(0, arguments=text)
+        if not self.started:
+            call.id, call.name, self.started = call_id(), self.name, True
+        return ToolDelta(calls=[call])
+
+    def end(self) -> ToolDelta:
+        return ToolDelta() if self.started else ToolDelta(calls=[ToolCallDelta(0, call_id(), self.name, "{}")])
+
+
+class RequiredCallsParser:
+    """``tool_choice: "required"``: the answer is a JSON list of calls, read whole at its end."""
+
+    def __init__(self) -> None:
+        self.calls = CallCollector()
+        self.buffer = ""
+
+    def feed(self, text: str) -> ToolDelta:
+        self.buffer += text
+        return ToolDelta()
+
+    def end(self) -> ToolDelta:
+        out = ToolDelta()
+        try:
+            listed = json.loads(self.buffer)
+        except (ValueError, RecursionError):
+            listed = None
+        parsed = [json_call(json.dumps(item), "parameters") for item in listed] if isinstance(listed, list) else [None]
+        if not parsed or None in parsed:
+            self.calls.text(out, self.buffer)     # cut off by max_tokens: the text as it is
+        else:
+            for name, arguments in parsed:
+                self.calls.call(out, name, arguments)
+        return out
