@@ -8,7 +8,7 @@ drift hits them alike), each 64 requests of ``--tokens`` tokens (``ignore_eos``:
 every step), and reports the median milliseconds per step and the ratio to the unconstrained batch.
 The constraint is a JSON string (``{"type": "string"}``): it never completes within the budget, so
 its mask is computed and applied at every step. The masks are computed on a worker thread beside
-the forward pass (`fdplug.core.worker.grammar_masks`); what is left on the step is waiting for them
+the forward pass (`fdplug.core.portable.grammar_masks`); what is left on the step is waiting for them
 and applying them to the constrained rows of the logits.
 """
 

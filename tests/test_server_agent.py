@@ -147,3 +147,25 @@ def test_llm_chat_reads_reasoning_and_calls_too(tmp_path, monkeypatch):
     finally:
         loader._cache.clear()
         sys.modules.pop("fdplug_scripted", None)
+
+
+def test_with_a_reasoning_parser_an_output_constraint_waits_for_the_end_tag():
+    from types import SimpleNamespace
+
+    from fdplug.core.plugin_loading.selection import select_parsers
+    from fdplug.server.api.jobs import JobBuilder
+
+    tokenizer = Tokenizer.from_dir(str(DEMO_MODEL_DIR))
+    client = SimpleNamespace(tokenizer=tokenizer)
+    thinking = JobBuilder(client, "demo", parsers=select_parsers(fdplug_plugins(), "qwen3"))
+    held = SamplingParams(structured_outputs={"json_object": True})
+    assert thinking.after_reasoning(held).reasoning_end_token_ids == tuple(
+        tokenizer.encode("</think>", add_special_tokens=False))
+    assert thinking.after_reasoning(SamplingParams()).reasoning_end_token_ids == ()
+    assert JobBuilder(client, "demo").after_reasoning(held).reasoning_end_token_ids == ()
+
+
+def fdplug_plugins():
+    import fdplug
+
+    return fdplug.load_plugins()

@@ -177,3 +177,19 @@ def test_a_named_or_required_tool_choice_always_gives_valid_calls(server):
     whole = client.chat.completions.create(tool_choice={"type": "function", "function": {"name": "get_weather"}},
                                            seed=0, **ask).choices[0].message.tool_calls[0].function.arguments
     assert streamed == whole
+
+
+def test_a_constraint_behind_a_reasoning_gate_holds_only_what_follows_it(llm):
+    """``reasoning_end_token_ids`` (the server sets it to the reasoning parser's end tag): free text
+    until the gate token, then the schema; a prompt that ends with the gate is held from the start."""
+    newline = 10     # the demo tokenizer's "\n", standing in for a thinking model's "</think>"
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=150, structured_outputs={"json": SCHEMA},
+                             reasoning_end_token_ids=[newline]) for i in range(8)]
+    outs = llm.generate([f"Notes on module {i}:" for i in range(8)], params, use_tqdm=False)
+    for out in outs:
+        ids, text = out.outputs[0].token_ids, out.outputs[0].text
+        assert newline in ids and out.outputs[0].finish_reason == "stop", text
+        free = llm.tokenizer.decode(ids[:ids.index(newline) + 1])      # up to the gate (other tokens hold "\n" too)
+        assert text.startswith(free) and conforms(json.loads(text[len(free):])) and not free.startswith("{"), text
+    opened = llm.generate([{"prompt_token_ids": [80, 403, 263, 58, newline]}], params[0], use_tqdm=False)[0]
+    assert conforms(json.loads(opened.outputs[0].text))

@@ -82,11 +82,15 @@ class ToolParser(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class ReasoningParserSpec:
-    """A reasoning parser: ``factory(context)`` returns a fresh `ReasoningParser` for one choice."""
+    """A reasoning parser: ``factory(context)`` returns a fresh `ReasoningParser` for one choice.
+
+    ``end_tag``: the text that ends the reasoning, when it is a fixed one (``</think>``): a
+    structured-output constraint then holds the answer after it, not the reasoning."""
 
     name: str
     factory: Callable[[ParserContext], ReasoningParser]
     description: str = ""
+    end_tag: str = ""
 
     role = "reasoning_parser"
 

@@ -62,6 +62,9 @@ class SamplingParams:
     # vLLM's structured outputs: ``{"json": schema}``, ``{"regex": ...}``, ``{"choice": [...]}``,
     # ``{"grammar": lark}`` or ``{"json_object": True}``, kept as ``(kind, text)`` (plain data for msgpack)
     structured_outputs: Any = None
+    # the constraint starts once these tokens end the output (or the prompt's last 16 tokens hold
+    # them): a reasoning parser's end tag, so a thinking model's answer, not its reasoning, is held
+    reasoning_end_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         # OpenAI clients send a single stop string or lists; store tuples so params can be shared.
@@ -73,6 +76,8 @@ class SamplingParams:
         elif isinstance(self.stop, (list, tuple)):
             self.stop = tuple(self.stop)
         self.structured_outputs = _structured(self.structured_outputs)
+        if isinstance(self.reasoning_end_token_ids, list):
+            self.reasoning_end_token_ids = tuple(self.reasoning_end_token_ids)
         if self.stop_token_ids is None:
             self.stop_token_ids = ()
         elif isinstance(self.stop_token_ids, (list, tuple)):
@@ -118,6 +123,12 @@ class SamplingParams:
             _int_in("logprobs", self.logprobs, 0, MAX_LOGPROBS, f"null or an integer in [0, {MAX_LOGPROBS}]")
         if self.structured_outputs is not None:
             _check_structured(self.structured_outputs)
+        if not isinstance(self.reasoning_end_token_ids, tuple) or len(self.reasoning_end_token_ids) > 16:
+            raise InvalidRequestError("reasoning_end_token_ids must be a list of at most 16 token ids.",
+                                      fix="pass the token ids of the reasoning's end tag.",
+                                      param="reasoning_end_token_ids")
+        for t in self.reasoning_end_token_ids:
+            _int_in("reasoning_end_token_ids", t, 0, MAX_COUNT, "a list of token ids of this model's vocabulary")
         return self
 
     def _validate_stops(self) -> None:

@@ -161,5 +161,5 @@ FAMILIES = {
 
 
 def reasoning_specs() -> list[ReasoningParserSpec]:
-    return [ReasoningParserSpec(name, (lambda context, tags=tags: ThinkParser(tags, context)), description)
+    return [ReasoningParserSpec(name, (lambda context, tags=tags: ThinkParser(tags, context)), description, END)
             for name, (tags, description) in FAMILIES.items()]

@@ -3,7 +3,8 @@
 The reference attention (`attention`), the reference MoE (`moe`) and its routing rule
 (`moe_routing`), one kernel per op of `fdplug.plugin_api.ops` (`ops`), and what a plugin may build
 on: a device probe of the usual shape (`device_probe`), KV block copies between cache layouts
-(`kv_blocks`), parallel downloads in order (`ordered_fetch`). The core registers them for every
+(`kv_blocks`), parallel downloads in order (`ordered_fetch`), structured outputs' token masks
+(`grammar_masks`). The core registers them for every
 device as the plugin ``core`` (`fdplug.core.plugin_loading.core_plugin`); a device plugin
 registers faster ones with a higher priority, and may import and extend these.
 """

@@ -18,8 +18,8 @@ import numpy as np
 from fdplug.core.config import EngineConfig
 from fdplug.core.model.sampling.penalties import penalty_tokens, record_tokens
 from fdplug.core.model.sampling.sampler import Sampler
+from fdplug.core.portable.grammar_masks import GrammarMasks
 from fdplug.core.structured.grammars import compiler_for
-from fdplug.core.worker.grammar_masks import GrammarMasks
 from fdplug.core.worker.input_batch import InputBatch
 from fdplug.core.worker.kv_cache import (
     allocate_kv_caches,
@@ -240,7 +240,8 @@ class ModelRunner:
         if spans:
             values["key_end_offset"] = span_offsets(spans)
         if params.structured_outputs is not None:   # first: a constraint that fails leaves the batch as it was
-            self.grammar.add(new.req_id, params.structured_outputs, new.output_token_ids)
+            self.grammar.add(new.req_id, params.structured_outputs, new.output_token_ids, new.prompt_token_ids,
+                             params.reasoning_end_token_ids)
         self.batch.add(new.req_id, values)
 
     def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:

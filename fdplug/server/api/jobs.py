@@ -105,10 +105,19 @@ class JobBuilder:
             params = forced_params(params, tools, forced)
             job.parse = partial(forced_parser, forced)
         elif self.parsers.reasoning is not None or tools is not None:
+            params = self.after_reasoning(params)
             context = ParserContext(text, tuple(tools or ()), dict(req.chat_template_kwargs or {}))
             job.parse = partial(self.parsers.choice, context, tools is not None)
             job.reasoning = self.parsers.reasoning is not None
         return job, [prompt], params
+
+    def after_reasoning(self, params: SamplingParams) -> SamplingParams:
+        """With a reasoning parser on, an output constraint holds the answer after the reasoning's end tag."""
+        end_tag = self.parsers.reasoning.end_tag if self.parsers.reasoning is not None else ""
+        if params.structured_outputs is None or not end_tag:
+            return params
+        gate = tuple(self.client.tokenizer.encode(end_tag, add_special_tokens=False))
+        return dataclasses.replace(params, reasoning_end_token_ids=gate)
 
     def chat_prompt(self, req: T.ChatCompletionRequest | T.TokenizeChatRequest, tools: list[dict] | None,
                     tenant: str = "", add_special_tokens: bool = False,

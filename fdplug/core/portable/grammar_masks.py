@@ -22,6 +22,7 @@ from fdplug.errors import RequestStepError
 logger = logging.getLogger("fdplug")
 
 MASK_TIMEOUT_S = 30.0     # a mask is microseconds; this only bounds a wait that must not hang a step
+PROMPT_TAIL = 16          # a gate in the prompt's last tokens opens it (thinking switched off by the template)
 
 
 class GrammarMasks:
@@ -31,27 +32,43 @@ class GrammarMasks:
         """``compiler``: a function returning this model's `GrammarCompiler` (built on first use)."""
         self._compiler = compiler
         self.matchers: dict[str, Any] = {}
+        self.gated: dict[str, tuple[tuple[int, ...], list[int]]] = {}   # not yet past their gate: (gate, last tokens)
         self._pool: ThreadPoolExecutor | None = None
 
-    def add(self, req_id: str, structured: tuple[str, str], output_token_ids: list[int]) -> None:
-        """A matcher for a request the runner takes, advanced over what it generated already."""
+    def add(self, req_id: str, structured: tuple[str, str], output_token_ids: list[int],
+            prompt_token_ids: list[int] = (), gate: tuple[int, ...] = ()) -> None:
+        """A matcher for a request the runner takes, advanced over what it generated already.
+
+        ``gate`` (`SamplingParams.reasoning_end_token_ids`): the constraint holds only what follows
+        these tokens (a thinking model's answer after ``</think>``); already open when the prompt's
+        last tokens hold them (a template that closed an empty reasoning: thinking switched off)."""
         matcher = self._compiler().matcher(*structured)
-        for token in output_token_ids:
-            if not matcher.consume_token(int(token)):
+        start = 0 if not gate or _ends_within(list(prompt_token_ids[-PROMPT_TAIL:]), gate) else None
+        for i in range(len(output_token_ids)):
+            if start is None:
+                if _ends_with(output_token_ids, i + 1, gate):
+                    start = i + 1
+                continue
+            if not matcher.consume_token(int(output_token_ids[i])):
                 raise RequestStepError([req_id], "its tokens so far do not fit its structured_outputs constraint")
         self.matchers[req_id] = matcher
+        if start is None:
+            self.gated[req_id] = (gate, list(output_token_ids[-len(gate):]))
 
     def remove(self, req_id: str) -> None:
         self.matchers.pop(req_id, None)
+        self.gated.pop(req_id, None)
 
     def clear(self) -> None:
         self.matchers.clear()
+        self.gated.clear()
 
     def start(self, sampling_req_ids: list[str]) -> Future | None:
         """Begin this step's masks (rows of the sampled requests that are constrained); None if none is."""
         if not self.matchers:
             return None
-        rows = [(i, self.matchers[rid]) for i, rid in enumerate(sampling_req_ids) if rid in self.matchers]
+        rows = [(i, self.matchers[rid]) for i, rid in enumerate(sampling_req_ids)
+                if rid in self.matchers and rid not in self.gated]
         if not rows:
             return None
         if self._pool is None:
@@ -88,7 +105,25 @@ class GrammarMasks:
             return
         for rid, token in zip(sampling_req_ids, sampled):
             matcher = self.matchers.get(rid)
+            if rid in self.gated:      # free until the gate: watch for it
+                gate, tail = self.gated[rid]
+                tail = (tail + [int(token)])[-len(gate):]
+                if tuple(tail) == gate:
+                    del self.gated[rid]
+                else:
+                    self.gated[rid] = (gate, tail)
+                continue
             if matcher is not None and not matcher.consume_token(int(token)):
                 logger.warning("request %s sampled token %d outside its constraint (%s); it goes on unconstrained",
                                rid, int(token), matcher.get_error()[:200])
                 del self.matchers[rid]
+
+
+def _ends_with(tokens: list[int], end: int, gate: tuple[int, ...]) -> bool:
+    """Whether ``tokens[:end]`` ends with ``gate``."""
+    return end >= len(gate) and tuple(tokens[end - len(gate):end]) == gate
+
+
+def _ends_within(tokens: list[int], gate: tuple[int, ...]) -> bool:
+    """Whether ``gate`` occurs in ``tokens``."""
+    return any(_ends_with(tokens, end, gate) for end in range(len(gate), len(tokens) + 1))
