@@ -85,6 +85,17 @@ def test_a_streamed_answer_gives_the_same_parts(server):
     assert [(calls[i]["name"], json.loads(calls[i]["arguments"])) for i in sorted(calls)] == CALLS
 
 
+def test_parallel_tool_calls_false_keeps_the_first_call(server):
+    client = server.openai()
+    out = client.chat.completions.create(model="demo", messages=MESSAGES, tools=TOOLS, max_tokens=200,
+                                         parallel_tool_calls=False)
+    assert calls_of(out.choices[0].message.tool_calls) == CALLS[:1]
+    streamed = [call for chunk in client.chat.completions.create(
+        model="demo", messages=MESSAGES, tools=TOOLS, max_tokens=200, parallel_tool_calls=False, stream=True)
+        for call in chunk.choices[0].delta.tool_calls or []]
+    assert [c.index for c in streamed] == [0]
+
+
 def test_without_tools_the_calls_stay_text_and_max_tokens_cuts_the_reasoning(server):
     client = server.openai()
     out = client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=200)

@@ -74,7 +74,9 @@ def test_regex_choice_grammar_and_json_object(llm):
 
 @pytest.mark.parametrize("constraint, says", [
     ({"regex": "(unclosed"}, "unclosed group"),
-    ({"json": {"type": "strng"}}, "strng"),
+    ({"json": {"type": "strng"}}, "at /type"),
+    ({"json": {"properties": {"age": {"type": "int"}}}}, "at /properties/age/type"),
+    ({"json": {"items": {"anyOf": [{"required": "x"}]}}}, "at /items/anyOf/0/required"),
     ({"grammar": "start: ???"}, "grammar"),
     ({"choice": []}, "1 to 256"),
     ({"json": "[1"}, "not JSON"),
@@ -170,6 +172,8 @@ def test_a_named_or_required_tool_choice_always_gives_valid_calls(server):
             assert call.function.name in ("get_weather", "get_time")
             assert weather_args(call.function.arguments) if call.function.name == "get_weather" else \
                 set(json.loads(call.function.arguments)) <= {"zone"}
+    single = client.chat.completions.create(tool_choice="required", parallel_tool_calls=False, seed=1, **ask)
+    assert len(single.choices[0].message.tool_calls) == 1
     chunks = client.chat.completions.create(tool_choice={"type": "function", "function": {"name": "get_weather"}},
                                             seed=0, stream=True, **ask)
     streamed = "".join(c.choices[0].delta.tool_calls[0].function.arguments or "" for c in chunks

@@ -16,15 +16,16 @@ from fdplug.core.parsers.tool_calls import CallCollector, call_id, json_call
 from fdplug.plugin_api.parsers import ToolCallDelta, ToolDelta
 
 
-def forced_schema(tools: list[Mapping[str, Any]], name: str | None) -> dict:
+def forced_schema(tools: list[Mapping[str, Any]], name: str | None, one_call: bool = False) -> dict:
     """The constraint of a forced choice: a named function's arguments, or (``required``) a list
-    of one or more calls ``[{"name": ..., "parameters": {...}}]`` of the offered tools."""
+    of one or more calls ``[{"name": ..., "parameters": {...}}]`` of the offered tools (exactly one
+    with ``one_call``: ``parallel_tool_calls`` false)."""
     params = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools}
     if name is not None:
         return params[name]
     calls = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
               "properties": {"name": {"const": n}, "parameters": schema}} for n, schema in params.items()]
-    return {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    return {"type": "array", "minItems": 1, **({"maxItems": 1} if one_call else {}), "items": {"anyOf": calls}}
 
 
 class NamedCallParser:

@@ -16,6 +16,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+from fdplug.core.structured.schema_check import check_schema
 from fdplug.errors import InvalidRequestError
 
 CACHED_GRAMMARS = 256
@@ -28,7 +29,9 @@ def grammar_text(kind: str, spec: str) -> str:
 
     matcher = llg.LLMatcher
     if kind == "json":
-        return matcher.grammar_from_json_schema(json.loads(spec), defaults=_JSON_OPTIONS)
+        schema = json.loads(spec)
+        check_schema(schema)
+        return matcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
     if kind == "json_object":
         return matcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
     if kind == "regex":

@@ -22,7 +22,7 @@ def chat_message_choice(job: Job, index: int, text: str, finish_reason: str | No
     if parser is None:
         return T.chat_choice(index, text, finish_reason, logprobs)
     answer = parse_whole(parser, text)
-    calls = [T.tool_call(call) for call in answer.calls]
+    calls = [T.tool_call(call) for call in answer.calls if not job.one_call or call.index == 0]
     if calls and finish_reason == "stop":
         finish_reason = "tool_calls"
     return T.chat_choice(index, answer.content or (None if calls else ""), finish_reason, logprobs, answer.reasoning,
@@ -54,7 +54,8 @@ class ChatDeltas:
             body["reasoning_content"] = part.reasoning
         if part.content:
             body["content"] = part.content
-        if part.calls:
-            body["tool_calls"] = [T.tool_call(call, streamed=True) for call in part.calls]
+        calls = [call for call in part.calls if not self.job.one_call or call.index == 0]
+        if calls:
+            body["tool_calls"] = [T.tool_call(call, streamed=True) for call in calls]
             self.called.add(key)
         return body, ("tool_calls" if finish == "stop" and key in self.called else finish)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import time
 import uuid
 from collections.abc import Callable
@@ -18,7 +17,6 @@ from fdplug.core.frontend.processor import ProcessedPrompt
 from fdplug.core.model.text.chat_messages import check_template_kwargs
 from fdplug.core.multimodal.inputs import FeaturePartCollector
 from fdplug.core.parsers.chat_output import ChatParsers, ChoiceParser
-from fdplug.core.parsers.forced_calls import NamedCallParser, RequiredCallsParser, forced_schema
 from fdplug.errors import InvalidRequestError, ModelNotFoundError
 from fdplug.plugin_api.parsers import ParserContext
 from fdplug.plugin_api.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -26,6 +24,7 @@ from fdplug.server.api import openai_types as T
 from fdplug.server.api.constraints import structured_outputs
 from fdplug.server.api.engine_client import EngineClient
 from fdplug.server.api.request_stream import RequestStream
+from fdplug.server.api.tools import check_tool_list, forced_choice, forced_params, forced_parser
 
 
 @dataclass(slots=True)
@@ -42,6 +41,7 @@ class Job:
     prompt_tokens: int = 0
     parse: Callable[[], ChoiceParser | None] | None = None   # chat: a fresh parser per choice, if any parses
     reasoning: bool = False      # a reasoning parser reads the answers: they carry reasoning_content
+    one_call: bool = False       # parallel_tool_calls false: a choice's first call only
 
     def choice_index(self, stream_index: int, child: int) -> int:
         return stream_index * self.n + child
@@ -101,8 +101,9 @@ class JobBuilder:
         self.client.input_processor.check_length(len(prompt.token_ids), params.max_tokens)
         job = Job("chat", f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, params.n, params.logprobs)
         forced = forced_choice(req)
+        job.one_call = req.parallel_tool_calls is False
         if forced is not None:      # the answer is held to the calls' schema, and read as calls
-            params = forced_params(params, tools, forced)
+            params = forced_params(params, tools, forced, job.one_call)
             job.parse = partial(forced_parser, forced)
         elif self.parsers.reasoning is not None or tools is not None:
             params = self.after_reasoning(params)
@@ -245,55 +246,3 @@ def _prompts(prompt: Any) -> list:
     if isinstance(prompt[0], str):
         return list(prompt)
     return [{"prompt_token_ids": ids} for ids in prompt]
-
-
-_TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-
-
-def check_tool_list(tools: list) -> None:
-    """OpenAI's ``tools``: function definitions with a name and an optional JSON-schema ``parameters``."""
-    for i, tool in enumerate(tools):
-        where = f"tools.{i}"
-        function = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(function, dict):
-            raise InvalidRequestError(f"{where} must be {{\"type\": \"function\", \"function\": {{...}}}}.",
-                                      fix="describe each tool as an OpenAI function tool.", param=where)
-        name = function.get("name")
-        if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
-            raise InvalidRequestError(f"{where}.function.name must be 1-64 letters, digits, '_', '.' or '-'.",
-                                      fix="name the function, e.g. get_weather.", param=f"{where}.function.name")
-        if not isinstance(function.get("parameters", {}), dict):
-            raise InvalidRequestError(f"{where}.function.parameters must be a JSON schema object.",
-                                      fix='give e.g. {"type": "object", "properties": {...}}.',
-                                      param=f"{where}.function.parameters")
-
-
-def forced_choice(req: T.ChatCompletionRequest) -> str | None:
-    """``"required"``, the name a ``tool_choice`` object forces (one of the tools), or None."""
-    choice = req.tool_choice
-    if choice is None or choice in ("none", "auto"):
-        return None
-    if choice == "required":
-        return choice
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
-    names = [t["function"]["name"] for t in req.tools or ()]
-    if choice.get("type", "function") != "function" or name not in names:
-        raise InvalidRequestError(f"tool_choice must name one of the tools ({', '.join(names)}), got {choice!r:.80}.",
-                                  fix='send {"type": "function", "function": {"name": NAME}} for a tool you sent.',
-                                  param="tool_choice")
-    return name
-
-
-def forced_parser(forced: str) -> ChoiceParser:
-    """A fresh parser of one choice's forced calls."""
-    return ChoiceParser(None, RequiredCallsParser() if forced == "required" else NamedCallParser(forced))
-
-
-def forced_params(params: SamplingParams, tools: list[dict], forced: str) -> SamplingParams:
-    """``params`` held to the forced calls' schema (another constraint on the output is a 400)."""
-    if params.structured_outputs is not None:
-        raise InvalidRequestError("tool_choice forces a call, and the request also constrains its output "
-                                  "(response_format, structured_outputs or guided_*).",
-                                  fix="send one of them.", param="tool_choice")
-    schema = forced_schema(tools, None if forced == "required" else forced)
-    return dataclasses.replace(params, structured_outputs=("json", json.dumps(schema))).validate()

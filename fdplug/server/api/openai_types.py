@@ -4,9 +4,8 @@ Unknown-field policy: a request field that is neither OpenAI's nor one of the vL
 rejected with a 400 naming it ("unrecognized request argument supplied: X"), as the OpenAI API
 itself does. Silently ignoring it would hide a typo (``max_token``) or a feature fdplug lacks behind
 a plausible-looking answer. OpenAI fields that only carry bookkeeping (``user``, ``metadata``,
-``store``, ``service_tier``, ``parallel_tool_calls``) are accepted and ignored; OpenAI fields fdplug
-cannot honour (``logit_bias``, ``echo``, ``suffix``, ``best_of`` != ``n``) are rejected by
-``unsupported()``. ``tools`` and the output constraints are checked by the server (`jobs`,
+``store``, ``service_tier``) are accepted and ignored; OpenAI fields fdplug cannot honour
+(``logit_bias``, ``echo``, ``suffix``, ``best_of`` != ``n``) are rejected by ``unsupported()``. ``tools`` and the output constraints are checked by the server (`jobs`,
 `constraints`), which knows its parsers.
 
 Requests are validated from the raw JSON in strict mode: ``"max_tokens": "5"`` is an error, not 5.
