@@ -5,8 +5,9 @@ rejected with a 400 naming it ("unrecognized request argument supplied: X"), as 
 itself does. Silently ignoring it would hide a typo (``max_token``) or a feature fdplug lacks behind
 a plausible-looking answer. OpenAI fields that only carry bookkeeping (``user``, ``metadata``,
 ``store``, ``service_tier``) are accepted and ignored; OpenAI fields fdplug cannot honour
-(``logit_bias``, ``echo``, ``suffix``, ``best_of`` != ``n``) are rejected by ``unsupported()``. ``tools`` and the output constraints are checked by the server (`jobs`,
-`constraints`), which knows its parsers.
+(``logit_bias``, ``echo``, ``suffix``, ``best_of`` != ``n``) are rejected by ``unsupported()``.
+``tools`` and the output constraints are checked by the server (`tools`, `constraints`), which
+knows its parsers.
 
 Requests are validated from the raw JSON in strict mode: ``"max_tokens": "5"`` is an error, not 5.
 Responses are plain dicts (built per chunk on the hot path, where pydantic would cost time).
