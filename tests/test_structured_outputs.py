@@ -197,3 +197,15 @@ def test_a_constraint_behind_a_reasoning_gate_holds_only_what_follows_it(llm):
         assert text.startswith(free) and conforms(json.loads(text[len(free):])) and not free.startswith("{"), text
     opened = llm.generate([{"prompt_token_ids": [80, 403, 263, 58, newline]}], params[0], use_tqdm=False)[0]
     assert conforms(json.loads(opened.outputs[0].text))
+
+
+def test_llm_chat_forces_a_call_offline():
+    llm = fdplug.LLM(max_model_len=1024)      # the tools make the prompt ~420 tokens
+    outs = llm.chat([{"role": "user", "content": "Weather?"}], SamplingParams(temperature=1.0, seed=2, max_tokens=80),
+                    tools=[WEATHER, CLOCK], tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                    use_tqdm=False)
+    (call,) = outs[0].outputs[0].tool_calls
+    assert call["function"]["name"] == "get_weather" and weather_args(call["function"]["arguments"])
+    assert outs[0].outputs[0].finish_reason == "tool_calls" and outs[0].outputs[0].content == ""
+    with pytest.raises(InvalidRequestError, match="tool_choice must name"):
+        llm.chat([{"role": "user", "content": "x"}], tools=[WEATHER], tool_choice={"function": {"name": "nope"}})

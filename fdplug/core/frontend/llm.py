@@ -12,6 +12,7 @@ import itertools
 import logging
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 from fdplug.core.engine.startup import create_engine
@@ -26,6 +27,7 @@ from fdplug.core.frontend.processor import (
 from fdplug.core.heap import freeze_startup_heap_once
 from fdplug.core.multimodal.inputs import FeaturePartCollector
 from fdplug.core.parsers.chat_output import parse_whole
+from fdplug.core.parsers.tool_choice import check_tool_list, forced_choice, forced_params, forced_parser
 from fdplug.core.request import RequestStatus
 from fdplug.errors import ConfigError
 from fdplug.plugin_api.parsers import ParserContext
@@ -95,22 +97,34 @@ class LLM:
     def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool = True,
-             tools: Sequence[Mapping[str, Any]] | None = None) -> list[RequestOutput]:
+             tools: Sequence[Mapping[str, Any]] | None = None, tool_choice: Any = "auto") -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate.
 
-        ``tools`` are shown to the model by its template; with the LLM's ``tool_call_parser`` its
-        calls come back in each output's ``tool_calls`` (finish reason "tool_calls"), and with a
-        ``reasoning_parser`` its reasoning in ``reasoning_content``."""
+        ``tools`` are shown to the model by its template. With ``tool_choice`` "auto" and the LLM's
+        ``tool_call_parser`` its calls come back in each output's ``tool_calls`` (finish reason
+        "tool_calls"); "required" or ``{"type": "function", "function": {"name": ...}}`` holds the
+        answer to valid calls (structured outputs, no parser needed). With a ``reasoning_parser``
+        the reasoning comes back in ``reasoning_content``."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
-        prompts = [self.chat_prompt(c, chat_template, add_generation_prompt, tools) for c in conversations]
-        outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        tools = list(tools or ())
+        if tools:
+            check_tool_list(tools)
+        forced = forced_choice(tool_choice, tools) if tools else None
+        prompts = [self.chat_prompt(c, chat_template, add_generation_prompt, tools or None) for c in conversations]
+        params = self._params_for(len(prompts), sampling_params)
+        if forced is not None:
+            params = [forced_params(p, tools, forced) for p in params]
+        outputs = self.generate(prompts, params, use_tqdm=use_tqdm)
         for prompt, output in zip(prompts, outputs):
-            self._parse(output, ParserContext(prompt["prompt"], tuple(tools or ())), bool(tools))
+            context = ParserContext(prompt["prompt"], tuple(tools))
+            self._parse(output, partial(forced_parser, forced) if forced is not None else
+                        partial(self.parsers.choice, context, bool(tools) and tool_choice != "none"))
         return outputs
 
-    def _parse(self, output: RequestOutput, context: ParserContext, with_tools: bool) -> None:
+    @staticmethod
+    def _parse(output: RequestOutput, parser_for: Any) -> None:
         for completion in output.outputs:
-            parser = self.parsers.choice(context, with_tools)
+            parser = parser_for()
             if parser is None:
                 return
             answer = parse_whole(parser, completion.text)

@@ -17,6 +17,7 @@ from fdplug.core.frontend.processor import ProcessedPrompt
 from fdplug.core.model.text.chat_messages import check_template_kwargs
 from fdplug.core.multimodal.inputs import FeaturePartCollector
 from fdplug.core.parsers.chat_output import ChatParsers, ChoiceParser
+from fdplug.core.parsers.tool_choice import check_tool_list, forced_choice, forced_params, forced_parser
 from fdplug.errors import InvalidRequestError, ModelNotFoundError
 from fdplug.plugin_api.parsers import ParserContext
 from fdplug.plugin_api.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -24,7 +25,6 @@ from fdplug.server.api import openai_types as T
 from fdplug.server.api.constraints import structured_outputs
 from fdplug.server.api.engine_client import EngineClient
 from fdplug.server.api.request_stream import RequestStream
-from fdplug.server.api.tools import check_tool_list, forced_choice, forced_params, forced_parser
 
 
 @dataclass(slots=True)
@@ -100,7 +100,7 @@ class JobBuilder:
         text, prompt = self.chat_prompt(req, tools, tenant)
         self.client.input_processor.check_length(len(prompt.token_ids), params.max_tokens)
         job = Job("chat", f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, params.n, params.logprobs)
-        forced = forced_choice(req)
+        forced = forced_choice(req.tool_choice, req.tools)
         job.one_call = req.parallel_tool_calls is False
         if forced is not None:      # the answer is held to the calls' schema, and read as calls
             params = forced_params(params, tools, forced, job.one_call)
@@ -178,7 +178,7 @@ class JobBuilder:
         check_tool_list(req.tools)
         if choice == "none":
             return None
-        if forced_choice(req) is not None:
+        if forced_choice(req.tool_choice, req.tools) is not None:
             return req.tools
         if not self.auto_tool_choice or self.parsers.tools is None:
             raise InvalidRequestError(

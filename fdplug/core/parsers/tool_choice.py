@@ -1,4 +1,5 @@
-"""A chat request's ``tools`` and ``tool_choice``: the tools checked, and a forced choice made a constraint.
+"""A chat's ``tools`` and ``tool_choice`` (the server's requests and `LLM.chat` alike): the tools
+checked, and a forced choice made a constraint.
 
 ``tool_choice`` ``"required"`` or a named function holds the answer to a JSON schema of the calls
 (`fdplug.core.parsers.forced_calls`), so every call is valid, and reads it back as calls;
@@ -10,12 +11,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from typing import Any
 
 from fdplug.core.parsers.chat_output import ChoiceParser
 from fdplug.core.parsers.forced_calls import NamedCallParser, RequiredCallsParser, forced_schema
 from fdplug.errors import InvalidRequestError
 from fdplug.plugin_api.sampling_params import SamplingParams
-from fdplug.server.api import openai_types as T
 
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
@@ -38,15 +39,14 @@ def check_tool_list(tools: list) -> None:
                                       param=f"{where}.function.parameters")
 
 
-def forced_choice(req: T.ChatCompletionRequest) -> str | None:
+def forced_choice(choice: Any, tools: list[dict] | None) -> str | None:
     """``"required"``, the name a ``tool_choice`` object forces (one of the tools), or None."""
-    choice = req.tool_choice
     if choice is None or choice in ("none", "auto"):
         return None
     if choice == "required":
         return choice
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
-    names = [t["function"]["name"] for t in req.tools or ()]
+    names = [t["function"]["name"] for t in tools or ()]
     if choice.get("type", "function") != "function" or name not in names:
         raise InvalidRequestError(f"tool_choice must name one of the tools ({', '.join(names)}), got {choice!r:.80}.",
                                   fix='send {"type": "function", "function": {"name": NAME}} for a tool you sent.',
