@@ -187,3 +187,22 @@ def test_fdplug_serve_answers_the_openai_client_from_the_gguf_file(smollm2, tmp_
         assert srv.stop() == 0, srv.log()
     log = srv.log()
     assert "GGUF weights: 210 x Q4_1, 1 x Q8_0" in log and "MB of weights held (the file: 98.4 MB)" in log
+
+
+CITY = {"type": "object", "additionalProperties": False, "required": ["city", "country", "population"],
+        "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 30},
+                       "country": {"type": "string", "minLength": 1, "maxLength": 30},
+                       "population": {"type": "integer", "minimum": 0, "maximum": 40000000}}}
+
+
+def test_64_seeded_chats_with_a_json_schema_all_answer_in_it(selected):
+    """Issue 35's bar on a real model: 64 sampled answers, every one JSON of the schema, finished."""
+    chats = [[{"role": "user", "content": f"Give a JSON object about a large city (number {i}): its name, country "
+                                          "and population."}] for i in range(64)]
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=80, structured_outputs={"json": CITY})
+              for i in range(64)]
+    for out in selected.chat(chats, params, use_tqdm=False):
+        value = json.loads(out.outputs[0].text)
+        assert out.outputs[0].finish_reason == "stop" and set(value) == {"city", "country", "population"}
+        assert isinstance(value["city"], str) and isinstance(value["country"], str)
+        assert type(value["population"]) is int and 0 <= value["population"] <= 40_000_000

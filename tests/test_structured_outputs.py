@@ -72,6 +72,12 @@ def test_regex_choice_grammar_and_json_object(llm):
     assert isinstance(json.loads(text({"json_object": True}, max_tokens=200)), dict)
 
 
+def test_a_constraint_that_cannot_finish_within_max_tokens_ends_with_length(llm):
+    out = llm.generate(["x"], SamplingParams(max_tokens=5, structured_outputs={"regex": "[a-z]{200}"}),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "length" and re.fullmatch("[a-z]+", out.text)
+
+
 @pytest.mark.parametrize("constraint, says", [
     ({"regex": "(unclosed"}, "unclosed group"),
     ({"json": {"type": "strng"}}, "at /type"),
