@@ -16,6 +16,7 @@ import pytest
 
 from fdplug.core.model.text.tokenizer import Tokenizer
 from fdplug.demo import DEMO_MODEL_DIR
+from fdplug.errors import InvalidRequestError
 from fdplug.plugin_api.sampling_params import SamplingParams
 from tests.conftest import REPO, write_dist
 from tests.serverkit import Server
@@ -113,6 +114,8 @@ def post(server, path: str, body) -> httpx.Response:
 
 @pytest.mark.parametrize("body, param", [
     ({"tool_choice": {"type": "function", "function": {"name": "not_offered"}}}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": "get_weather"}}, "tool_choice"),
+    ({"tool_choice": {"function": None}}, "tool_choice"),
     ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]}, "tools.0.function.parameters"),
@@ -155,6 +158,8 @@ def test_llm_chat_reads_reasoning_and_calls_too(tmp_path, monkeypatch):
         assert out.text == SCRIPT and out.content == "Let me check both." and out.reasoning_content == REASONING
         assert out.finish_reason == "tool_calls"
         assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in out.tool_calls] == CALLS
+        with pytest.raises(InvalidRequestError, match="cannot hold"):    # a runner that does not say it can
+            llm.generate(["x"], SamplingParams(structured_outputs={"regex": "a+"}), use_tqdm=False)
     finally:
         loader._cache.clear()
         sys.modules.pop("fdplug_scripted", None)

@@ -87,7 +87,7 @@ def test_a_constraint_that_cannot_finish_within_max_tokens_ends_with_length(llm)
     ({"choice": []}, "1 to 256"),
     ({"json": "[1"}, "not JSON"),
     ({"xml": "<a/>"}, "must name one of"),
-    ({"regex": "a" * 70000}, "characters"),
+    ({"regex": "a" * 300_000}, "characters"),
 ])
 def test_a_constraint_that_cannot_compile_is_a_typed_error_naming_it(llm, constraint, says):
     with pytest.raises(InvalidRequestError, match=re.escape(says)) as info:
@@ -138,6 +138,8 @@ def test_the_openai_client_parses_a_pydantic_model_and_a_stream_agrees(server):
     ({"structured_outputs": {"regex": "(bad"}}, "structured_outputs"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
     ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_json": "[" * 5000}, "guided_json"),
+    ({"structured_outputs": {"json": "[" * 5000}}, "structured_outputs"),
 ])
 def test_a_constraint_the_server_cannot_honour_is_a_400_naming_it(server, extra, param):
     import httpx
@@ -215,3 +217,28 @@ def test_llm_chat_forces_a_call_offline():
     assert outs[0].outputs[0].finish_reason == "tool_calls" and outs[0].outputs[0].content == ""
     with pytest.raises(InvalidRequestError, match="tool_choice must name"):
         llm.chat([{"role": "user", "content": "x"}], tools=[WEATHER], tool_choice={"function": {"name": "nope"}})
+
+
+def test_required_tools_with_their_own_defs_and_logprobs_of_masked_tokens():
+    """Pydantic writes ``$defs`` + ``#/$defs/X`` refs: they still resolve in the forced calls' schema;
+    a token the constraint masked has a finite logprob (JSON has no -Infinity)."""
+    llm = fdplug.LLM(max_model_len=1024)
+    point = {"type": "function", "function": {"name": "plot", "parameters": {
+        "$defs": {"P": {"type": "object", "additionalProperties": False, "required": ["x"],
+                        "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}}}},
+        "type": "object", "additionalProperties": False, "required": ["p"],
+        "properties": {"p": {"$ref": "#/$defs/P"}}}}}
+    outs = llm.chat([{"role": "user", "content": "Plot."}], SamplingParams(temperature=1.0, seed=4, max_tokens=60),
+                    tools=[point, CLOCK], tool_choice="required", use_tqdm=False)
+    for call in outs[0].outputs[0].tool_calls:
+        args = json.loads(call["function"]["arguments"])
+        assert args == {} or set(args) <= {"zone"} if call["function"]["name"] == "get_time" else \
+            set(args) == {"p"} and 0 <= args["p"]["x"] <= 9
+    choice = llm.generate(["Pick:"], SamplingParams(max_tokens=4, logprobs=5, structured_outputs={
+        "choice": ["red", "blue"]}), use_tqdm=False)[0].outputs[0]
+    assert choice.text in ("red", "blue")
+    assert all(lp.logprob > float("-inf") for entry in choice.logprobs for lp in entry.values())
+    phone = {"type": "object", "properties": {"n": {"type": "string", "format": "phone", "maxLength": 5}},
+             "required": ["n"], "additionalProperties": False}
+    assert "n" in json.loads(llm.generate(["x"], SamplingParams(max_tokens=30, structured_outputs={"json": phone}),
+                                          use_tqdm=False)[0].outputs[0].text)

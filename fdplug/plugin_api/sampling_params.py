@@ -28,7 +28,8 @@ MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 64, 1024
 MAX_STOP_TOKEN_IDS = 1024
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
-MAX_STRUCTURED_CHARS = 64 * 1024     # a schema, regex or grammar's text; compiling it is bounded too
+MAX_STRUCTURED_CHARS = 256 * 1024    # a schema (a forced tool choice's: every tool's), regex or grammar; compiling
+#                                      it is bounded by the grammar engine's own limits too
 MAX_CHOICES = 256
 
 
@@ -178,7 +179,7 @@ def _check_structured(value: Any) -> None:
     if kind in ("json", "choice"):
         try:
             parsed = json.loads(spec)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise InvalidRequestError(f"structured_outputs {kind} is not JSON ({exc}).", fix="send valid JSON.",
                                       param="structured_outputs") from None
         if kind == "json" and not isinstance(parsed, (dict, bool)):

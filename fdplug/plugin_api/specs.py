@@ -99,10 +99,12 @@ class ModelRunnerSpec(ComponentSpec):
 
     ``weight_formats`` are the formats of the model's linear layers (attention, dense MLPs, shared
     experts) it executes: ``none`` (float), ``fp8_block`` (e4m3 with block scales), ... The routed
-    experts are the MoE backend's (`MoEBackendSpec.weight_formats`).
+    experts are the MoE backend's (`MoEBackendSpec.weight_formats`). ``structured_outputs``: it holds
+    a request to its `SamplingParams.structured_outputs` (else the engine refuses such requests).
     """
 
     weight_formats: tuple[str, ...] = ("none",)
+    structured_outputs: bool = False
 
     role = "runner"
 

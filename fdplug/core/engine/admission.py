@@ -25,7 +25,8 @@ class ModelLimits:
 
     vocab_size: int
     max_model_len: int
-    grammars: Callable[[], Any] | None = None   # the model's `GrammarCompiler` (structured outputs), built on use
+    grammars: Callable[[], Any] | None = None   # the model's `GrammarCompiler` (structured outputs), built on use;
+    runner: str = ""                            # None: the runner cannot hold outputs to a constraint
 
 
 def check_token_ids(ids: Any, vocab_size: int, param: str = "prompt") -> list[int]:
@@ -89,7 +90,11 @@ def check_request(request: Request, limits: ModelLimits) -> None:
             raise InvalidRequestError(f"eos token ids must be integers >= 0, got {show_value(t)}.",
                                       fix="pass the model's eos token ids.")
     _check_items(request.mm_positions, request.mm_inputs)
-    if request.sampling_params.structured_outputs is not None and limits.grammars is not None:
+    if request.sampling_params.structured_outputs is not None:
+        if limits.grammars is None:
+            raise InvalidRequestError(f"the model runner {limits.runner!r} cannot hold an output to a constraint.",
+                                      fix="leave structured_outputs / response_format out, or use a runner that "
+                                          "can (the core's default runner does).", param="structured_outputs")
         limits.grammars().matcher(*request.sampling_params.structured_outputs)   # a 400 if it does not compile
 
 

@@ -67,8 +67,9 @@ class EngineCore:
         self.kv_plan = self.runner.initialize_kv_cache()
         self.scheduler = Scheduler(SchedulerConfig.from_engine_config(config, self.kv_plan.num_blocks))
         self.kv_transfer = make_side(config, selection, self.runner, self.scheduler, model.vocab_size)   # PD
-        self.limits = ModelLimits(model.vocab_size, config.max_model_len,
-                                  partial(compiler_for, config.model_dir, model.vocab_size))
+        grammars = partial(compiler_for, config.model_dir, model.vocab_size) \
+            if getattr(selection.runner, "structured_outputs", False) else None
+        self.limits = ModelLimits(model.vocab_size, config.max_model_len, grammars, selection.runner.name)
         self.profiler = StepProfiler()
         self.encoder_cache = EncoderCache(config.encoder_cache_rows)
         self.executor = StepExecutor(self.runner, self.scheduler, self.encoder_cache, model.vocab_size)

@@ -19,13 +19,29 @@ from fdplug.plugin_api.parsers import ToolCallDelta, ToolDelta
 def forced_schema(tools: list[Mapping[str, Any]], name: str | None, one_call: bool = False) -> dict:
     """The constraint of a forced choice: a named function's arguments, or (``required``) a list
     of one or more calls ``[{"name": ..., "parameters": {...}}]`` of the offered tools (exactly one
-    with ``one_call``: ``parallel_tool_calls`` false)."""
+    with ``one_call``: ``parallel_tool_calls`` false).
+
+    For ``required`` each tool's ``parameters`` moves under the root's ``$defs`` and its local
+    references (``#/$defs/X``, as Pydantic writes them) are rewritten to follow it there."""
     params = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools}
     if name is not None:
         return params[name]
+    defs = {f"tool{i}": _rebased(schema, f"#/$defs/tool{i}") for i, schema in enumerate(params.values())}
     calls = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
-              "properties": {"name": {"const": n}, "parameters": schema}} for n, schema in params.items()]
-    return {"type": "array", "minItems": 1, **({"maxItems": 1} if one_call else {}), "items": {"anyOf": calls}}
+              "properties": {"name": {"const": n}, "parameters": {"$ref": f"#/$defs/tool{i}"}}}
+             for i, n in enumerate(params)]
+    return {"$defs": defs, "type": "array", "minItems": 1, **({"maxItems": 1} if one_call else {}),
+            "items": {"anyOf": calls}}
+
+
+def _rebased(schema: Any, base: str) -> Any:
+    """``schema`` with every local ``$ref`` (``#...``) made relative to ``base`` instead of the root."""
+    if isinstance(schema, dict):
+        return {k: (base + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else _rebased(v, base))
+                for k, v in schema.items()}
+    if isinstance(schema, list):
+        return [_rebased(v, base) for v in schema]
+    return schema
 
 
 class NamedCallParser:

@@ -45,9 +45,10 @@ def forced_choice(choice: Any, tools: list[dict] | None) -> str | None:
         return None
     if choice == "required":
         return choice
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    function = choice.get("function") if isinstance(choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
     names = [t["function"]["name"] for t in tools or ()]
-    if choice.get("type", "function") != "function" or name not in names:
+    if not isinstance(choice, dict) or choice.get("type", "function") != "function" or name not in names:
         raise InvalidRequestError(f"tool_choice must name one of the tools ({', '.join(names)}), got {choice!r:.80}.",
                                   fix='send {"type": "function", "function": {"name": NAME}} for a tool you sent.',
                                   param="tool_choice")

@@ -54,7 +54,7 @@ def _op_factory(op: str):
 @hookimpl
 def fdplug_register_model_runners(register):
     register(ModelRunnerSpec(name="default", devices=(ANY_DEVICE,), factory=_runner_factory, priority=0,
-                             weight_formats=("none", "fp8_block", "gguf"),
+                             weight_formats=("none", "fp8_block", "gguf"), structured_outputs=True,
                              description="the core's device-agnostic Paddle model runner (fp8_block and gguf linears: "
                                          "each dequantized when it runs)"))
 

@@ -34,6 +34,7 @@ class GrammarMasks:
         self.matchers: dict[str, Any] = {}
         self.gated: dict[str, tuple[tuple[int, ...], list[int]]] = {}   # not yet past their gate: (gate, last tokens)
         self._pool: ThreadPoolExecutor | None = None
+        self._pending_ids: list[str] = []     # the constrained requests of the masks under way
 
     def add(self, req_id: str, structured: tuple[str, str], output_token_ids: list[int],
             prompt_token_ids: list[int] = (), gate: tuple[int, ...] = ()) -> None:
@@ -50,7 +51,8 @@ class GrammarMasks:
                     start = i + 1
                 continue
             if not matcher.consume_token(int(output_token_ids[i])):
-                raise RequestStepError([req_id], "its tokens so far do not fit its structured_outputs constraint")
+                logger.warning("request %s has a token outside its constraint; it goes on unconstrained", req_id)
+                return      # as `accept` does: the request goes on, not held (live and replay agree)
         self.matchers[req_id] = matcher
         if start is None:
             self.gated[req_id] = (gate, list(output_token_ids[-len(gate):]))
@@ -73,6 +75,7 @@ class GrammarMasks:
             return None
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="fdplug-grammar")
+        self._pending_ids = [sampling_req_ids[i] for i, _ in rows]
         return self._pool.submit(self._fill, rows)
 
     def _fill(self, rows: list[tuple[int, Any]]) -> tuple[np.ndarray, np.ndarray]:
@@ -89,7 +92,13 @@ class GrammarMasks:
         """``logits`` with every token a constrained row's grammar forbids at -inf."""
         if pending is None:
             return logits
-        rows, allowed = pending.result(timeout=MASK_TIMEOUT_S)
+        try:
+            rows, allowed = pending.result(timeout=MASK_TIMEOUT_S)
+        except Exception as exc:   # noqa: BLE001 -- a mask that failed or hung fails its requests, not the step
+            if isinstance(exc, TimeoutError):
+                self._pool = None      # the hung thread keeps the old pool; later steps get a fresh one
+            blamed = list(self._pending_ids)
+            raise RequestStepError(blamed, f"its structured_outputs mask failed ({type(exc).__name__})") from exc
         width = int(logits.shape[1])
         mask = np.zeros((len(rows), width), dtype=bool)
         n = min(width, allowed.shape[1])

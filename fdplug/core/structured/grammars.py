@@ -20,7 +20,8 @@ from fdplug.core.structured.schema_check import check_schema
 from fdplug.errors import InvalidRequestError
 
 CACHED_GRAMMARS = 256
-_JSON_OPTIONS = {"whitespace_flexible": False}
+_JSON_OPTIONS = {"whitespace_flexible": False, "lenient": True}   # compact; unknown formats and
+# unsupported regex features in a schema are ignored, not refused (tool schemas are written for any engine)
 
 
 def grammar_text(kind: str, spec: str) -> str:

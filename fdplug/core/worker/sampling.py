@@ -35,6 +35,9 @@ def sampling_metadata(batch: InputBatch, slots: np.ndarray) -> SamplingMetadata:
         penalty_token_ids=ids, penalty_token_counts=counts)
 
 
+MIN_LOGPROB = -9999.0    # vLLM's floor for a logprob the response must carry as a JSON number
+
+
 def sampled_logprobs(result: SamplerOutput, meta: SamplingMetadata,
                      req_ids: list[str]) -> dict[str, tuple[list[int], list[float], list[int]]]:
     """Per request that asked: (ids, logprobs, ranks), the sampled token first, then its top N."""
@@ -47,6 +50,7 @@ def sampled_logprobs(result: SamplerOutput, meta: SamplingMetadata,
             continue
         top_ids = result.top_token_ids[row, :n].tolist()
         ids = [int(result.sampled_token_ids[row]), *top_ids]
-        logprobs = [float(result.sampled_logprobs[row]), *result.top_logprobs[row, :n].tolist()]
+        logprobs = [max(float(v), MIN_LOGPROB)   # a token a constraint masked is -inf: JSON has no such number
+                    for v in (result.sampled_logprobs[row], *result.top_logprobs[row, :n].tolist())]
         out[req_id] = (ids, logprobs, [int(result.sampled_ranks[row]), *range(1, len(top_ids) + 1)])
     return out

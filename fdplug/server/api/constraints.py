@@ -35,7 +35,7 @@ def _schema(value: Any) -> Any:
         return value
     try:
         return json.loads(value)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise InvalidRequestError(f"guided_json is a string that is not JSON ({exc}).",
                                   fix="send the JSON schema as an object.", param="guided_json") from None
 
