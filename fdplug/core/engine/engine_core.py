@@ -110,7 +110,7 @@ class EngineCore:
 
     def abort_requests(self, request_ids: Iterable[str],
                        status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
-        self.scheduler.finish_requests([rid for rid in request_ids if rid in self.scheduler.requests], status)
+        self.scheduler.finish_requests(list(request_ids), status)   # (unknown ids are ignored there)
 
     def _on_free(self, request: Request, blocks: list[Any]) -> None:
         """A request leaves the scheduler (finished or aborted): every extension hears of it."""

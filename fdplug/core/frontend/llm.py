@@ -26,7 +26,7 @@ from fdplug.core.frontend.processor import (
 )
 from fdplug.core.heap import freeze_startup_heap_once
 from fdplug.core.multimodal.inputs import FeaturePartCollector
-from fdplug.core.parsers.chat_output import parse_whole
+from fdplug.core.parsers.chat_output import finish_reason, openai_call, parse_whole
 from fdplug.core.parsers.tool_choice import check_tool_list, forced_choice, forced_params, forced_parser
 from fdplug.core.request import RequestStatus
 from fdplug.errors import ConfigError
@@ -129,11 +129,8 @@ class LLM:
                 return
             answer = parse_whole(parser, completion.text)
             completion.content, completion.reasoning_content = answer.content, answer.reasoning or None
-            completion.tool_calls = [{"id": c.id, "type": "function", "function": {"name": c.name,
-                                                                                  "arguments": c.arguments}}
-                                     for c in answer.calls]
-            if completion.tool_calls and completion.finish_reason == "stop":
-                completion.finish_reason = "tool_calls"
+            completion.tool_calls = [openai_call(call) for call in answer.calls]
+            completion.finish_reason = finish_reason(completion.finish_reason, bool(answer.calls))
 
     def chat_prompt(self, conversation: Sequence[Mapping[str, Any]], chat_template: str | None = None,
                     add_generation_prompt: bool = True,

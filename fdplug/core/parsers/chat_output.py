@@ -94,3 +94,19 @@ class ChatParsers:
 def parse_whole(parser: ChoiceParser, text: str) -> ChatDelta:
     """A whole answer, read exactly as a stream of one piece."""
     return parser.feed(text).add(parser.end())
+
+
+def openai_call(call: ToolCallDelta, streamed: bool = False) -> dict:
+    """A parsed call as OpenAI shapes it (with its ``index`` in a stream, where a call's later
+    fragments carry only their arguments)."""
+    if not streamed:
+        return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+    head = {"id": call.id, "type": "function"} if call.id is not None else {}
+    function = {"name": call.name, "arguments": call.arguments} if call.name is not None else \
+        {"arguments": call.arguments}
+    return {"index": call.index, **head, "function": function}
+
+
+def finish_reason(reason: str | None, called: bool) -> str | None:
+    """OpenAI's finish reason of a choice that made tool calls: "tool_calls" where it stopped."""
+    return "tool_calls" if called and reason == "stop" else reason

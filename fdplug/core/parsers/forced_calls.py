@@ -12,7 +12,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from fdplug.core.parsers.tool_calls import CallCollector, call_id, json_call
+from fdplug.core.parsers.tool_calls import CallCollector, call_id, call_of
 from fdplug.plugin_api.parsers import ToolCallDelta, ToolDelta
 
 
@@ -80,7 +80,7 @@ class RequiredCallsParser:
             listed = json.loads(self.buffer)
         except (ValueError, RecursionError):
             listed = None
-        parsed = [json_call(json.dumps(item), "parameters") for item in listed] if isinstance(listed, list) else [None]
+        parsed = [call_of(item, "parameters") for item in listed] if isinstance(listed, list) else [None]
         if not parsed or None in parsed:
             self.calls.text(out, self.buffer)     # cut off by max_tokens: the text as it is
         else:

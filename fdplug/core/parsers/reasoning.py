@@ -22,18 +22,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fdplug.core.model.text.detokenizer import held_prefix
 from fdplug.plugin_api.parsers import ParserContext, ReasoningDelta, ReasoningParserSpec
 
 START, END = "<think>", "</think>"
 _BEFORE, _REASONING, _CONTENT = "before", "reasoning", "content"
-
-
-def held_prefix(text: str, tag: str) -> int:
-    """How many characters at the end of ``text`` could begin ``tag`` (held until the next text)."""
-    for n in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
 
 
 def opened_in(prompt: str, start: str = START) -> bool:
@@ -115,7 +108,7 @@ class ThinkParser:
             self.buffer = self.buffer[i + len(END):]
             self.state, self.leading = _CONTENT, True
             return True
-        self._emit(out, "reasoning", held_prefix(self.buffer, END))
+        self._emit(out, "reasoning", held_prefix(self.buffer, (END,)))
         return False
 
     def _answer(self, out: ReasoningDelta) -> bool:
@@ -139,7 +132,7 @@ class ThinkParser:
             out.content += self.buffer[:i].rstrip()
             self.buffer = self.buffer[i + len(close):]
             return True
-        tag = held_prefix(self.buffer, close)
+        tag = held_prefix(self.buffer, (close,))
         before = self.buffer[:len(self.buffer) - tag]
         self._emit(out, "content", tag + len(before) - len(before.rstrip()))   # whitespace before the tag: held
         return False

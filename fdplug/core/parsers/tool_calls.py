@@ -20,7 +20,7 @@ import secrets
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from fdplug.core.parsers.reasoning import held_prefix
+from fdplug.core.model.text.detokenizer import held_prefix
 from fdplug.plugin_api.parsers import ParserContext, ToolCallDelta, ToolDelta, ToolParserSpec
 
 Body = Callable[[str], "tuple[str, str] | None"]    # a call's text -> (name, arguments JSON), or None
@@ -43,9 +43,13 @@ def arguments_json(arguments: Any) -> str | None:
 def json_call(text: str, arguments_key: str = "arguments") -> tuple[str, str] | None:
     """``{"name": ..., "arguments": {...}}`` -> ``(name, arguments JSON)``; None for anything else."""
     try:
-        value = json.loads(text)
+        return call_of(json.loads(text), arguments_key)
     except (ValueError, RecursionError):
         return None
+
+
+def call_of(value: Any, arguments_key: str = "arguments") -> tuple[str, str] | None:
+    """A decoded call object -> ``(name, arguments JSON)``; None if it is not one."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
         return None
     other = "parameters" if arguments_key == "arguments" else "arguments"    # models write either
@@ -102,7 +106,7 @@ class TaggedParser:
         if not self.in_call:
             i = self.buffer.find(self.open_tag)
             if i < 0:
-                keep = held_prefix(self.buffer, self.open_tag)
+                keep = held_prefix(self.buffer, (self.open_tag,))
                 self.calls.text(out, self.buffer[:len(self.buffer) - keep])
                 self.buffer = self.buffer[len(self.buffer) - keep:]
                 return False
@@ -171,7 +175,7 @@ def _json_calls(text: str) -> list[tuple[str, str]] | None:
             value, i = decoder.raw_decode(text, i)
         except (ValueError, RecursionError):
             return None
-        call = json_call(json.dumps(value), "parameters")
+        call = call_of(value, "parameters")
         if call is None:
             return None
         calls.append(call)

@@ -11,22 +11,20 @@ from __future__ import annotations
 from typing import Any
 
 from fdplug.core.frontend.processor import Delta
-from fdplug.core.parsers.chat_output import ChoiceParser, parse_whole
+from fdplug.core.parsers.chat_output import ChoiceParser, finish_reason, openai_call, parse_whole
 from fdplug.server.api import openai_types as T
 from fdplug.server.api.jobs import Job
 
 
-def chat_message_choice(job: Job, index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
+def chat_message_choice(job: Job, index: int, text: str, reason: str | None, logprobs: dict | None) -> dict:
     """A whole choice: its message."""
     parser = job.parse() if job.parse is not None else None
     if parser is None:
-        return T.chat_choice(index, text, finish_reason, logprobs)
+        return T.chat_choice(index, text, reason, logprobs)
     answer = parse_whole(parser, text)
-    calls = [T.tool_call(call) for call in answer.calls if not job.one_call or call.index == 0]
-    if calls and finish_reason == "stop":
-        finish_reason = "tool_calls"
-    return T.chat_choice(index, answer.content or (None if calls else ""), finish_reason, logprobs, answer.reasoning,
-                         calls, job.reasoning)
+    calls = [openai_call(call) for call in answer.calls if not job.one_call or call.index == 0]
+    return T.chat_choice(index, answer.content or (None if calls else ""), finish_reason(reason, bool(calls)),
+                         logprobs, answer.reasoning, calls, parser.reasoning is not None)
 
 
 class ChatDeltas:
@@ -56,6 +54,6 @@ class ChatDeltas:
             body["content"] = part.content
         calls = [call for call in part.calls if not self.job.one_call or call.index == 0]
         if calls:
-            body["tool_calls"] = [T.tool_call(call, streamed=True) for call in calls]
+            body["tool_calls"] = [openai_call(call, streamed=True) for call in calls]
             self.called.add(key)
-        return body, ("tool_calls" if finish == "stop" and key in self.called else finish)
+        return body, finish_reason(finish, key in self.called)

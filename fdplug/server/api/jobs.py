@@ -40,7 +40,6 @@ class Job:
     streams: list[RequestStream] = field(default_factory=list)
     prompt_tokens: int = 0
     parse: Callable[[], ChoiceParser | None] | None = None   # chat: a fresh parser per choice, if any parses
-    reasoning: bool = False      # a reasoning parser reads the answers: they carry reasoning_content
     one_call: bool = False       # parallel_tool_calls false: a choice's first call only
 
     def choice_index(self, stream_index: int, child: int) -> int:
@@ -54,6 +53,8 @@ class JobBuilder:
         self.model_name = model_name
         self.parsers = parsers or ChatParsers()
         self.auto_tool_choice = auto_tool_choice   # --enable-auto-tool-choice (with a --tool-call-parser)
+        end_tag = self.parsers.reasoning.end_tag if self.parsers.reasoning is not None else ""
+        self.reasoning_gate = tuple(client.tokenizer.encode(end_tag, add_special_tokens=False)) if end_tag else ()
         # a chat template is code: one from a request runs only if the operator trusts the clients
         # (--trust-request-chat-template, vLLM's flag since CVE-2025-61620); it is budgeted either way
         self.trust_request_chat_template = trust_request_chat_template
@@ -109,16 +110,13 @@ class JobBuilder:
             params = self.after_reasoning(params)
             context = ParserContext(text, tuple(tools or ()), dict(req.chat_template_kwargs or {}))
             job.parse = partial(self.parsers.choice, context, tools is not None)
-            job.reasoning = self.parsers.reasoning is not None
         return job, [prompt], params
 
     def after_reasoning(self, params: SamplingParams) -> SamplingParams:
         """With a reasoning parser on, an output constraint holds the answer after the reasoning's end tag."""
-        end_tag = self.parsers.reasoning.end_tag if self.parsers.reasoning is not None else ""
-        if params.structured_outputs is None or not end_tag:
+        if params.structured_outputs is None or not self.reasoning_gate:
             return params
-        gate = tuple(self.client.tokenizer.encode(end_tag, add_special_tokens=False))
-        return dataclasses.replace(params, reasoning_end_token_ids=gate)
+        return dataclasses.replace(params, reasoning_end_token_ids=self.reasoning_gate)
 
     def chat_prompt(self, req: T.ChatCompletionRequest | T.TokenizeChatRequest, tools: list[dict] | None,
                     tenant: str = "", add_special_tokens: bool = False,

@@ -221,16 +221,6 @@ def chat_choice(index: int, text: str | None, finish_reason: str | None, logprob
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def tool_call(call: Any, streamed: bool = False) -> dict:
-    """A parsed call (`fdplug.plugin_api.parsers.ToolCallDelta`) as OpenAI shapes it (``index`` in a stream)."""
-    if not streamed:
-        return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
-    head = {"id": call.id, "type": "function"} if call.id is not None else {}   # later fragments: arguments only
-    function = {"name": call.name, "arguments": call.arguments} if call.name is not None else \
-        {"arguments": call.arguments}
-    return {"index": call.index, **head, "function": function}
-
-
 def chat_delta_choice(index: int, delta: dict, finish_reason: str | None, logprobs: dict | None) -> dict:
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 

@@ -27,6 +27,19 @@ PROMPT_CONTEXT_TOKENS = 5
 _REPLACEMENT = "\ufffd"
 
 
+def held_prefix(text: str, strings: Sequence[str], longest: int | None = None) -> int:
+    """Length of the longest tail of ``text`` that is a proper prefix of one of ``strings`` (at most
+    ``longest``): text to hold until the next piece shows whether it is one (a stop string here, a
+    tag for the output parsers, `fdplug.core.parsers`)."""
+    if longest is None:
+        longest = max((len(s) for s in strings), default=1) - 1
+    for length in range(min(longest, len(text)), 0, -1):
+        tail = text[-length:]
+        if any(s.startswith(tail) for s in strings):
+            return length
+    return 0
+
+
 class Decoder(Protocol):
     """What the detokenizer needs from a tokenizer (``fdplug.core.model.text.tokenizer.Tokenizer`` has it)."""
 
@@ -131,12 +144,7 @@ class IncrementalDetokenizer:
         return best
 
     def _hold_length(self, text: str) -> int:
-        """Length of the longest tail of ``text`` that is a proper prefix of some stop string."""
-        for length in range(min(self._max_hold, len(text)), 0, -1):
-            tail = text[-length:]
-            if any(stop.startswith(tail) for stop in self.stop):
-                return length
-        return 0
+        return held_prefix(text, self.stop, self._max_hold)
 
     def _returned(self, text: str) -> str:
         if text:
