@@ -29,15 +29,17 @@ def naive_greedy(llm, prompt: Sequence[int], max_tokens: int, spans: Sequence[tu
     return tokens[len(prompt):]
 
 
-def full_logits(llm, tokens: Sequence[int]) -> np.ndarray:
-    """float32 logits ``[len(tokens), vocab]`` of every position, in one forward pass."""
-    hidden = _full_forward(llm, list(tokens), (), ())
+def full_logits(llm, tokens: Sequence[int], features: Sequence[tuple[int, np.ndarray]] = (),
+                rope_positions: np.ndarray | None = None) -> np.ndarray:
+    """float32 logits ``[len(tokens), vocab]`` of every position, in one forward pass
+    (``rope_positions [3, T]``: multimodal RoPE's, else the token indices)."""
+    hidden = _full_forward(llm, list(tokens), (), features, rope_positions)
     with paddle.no_grad():
         return llm.engine.runner.model.compute_logits(hidden).numpy()
 
 
 def _full_forward(llm, tokens: list[int], spans: Sequence[tuple[int, int]],
-                  features: Sequence[tuple[int, np.ndarray]]):
+                  features: Sequence[tuple[int, np.ndarray]], rope_positions: np.ndarray | None = None):
     """The final hidden states of ``tokens`` from a fresh cache, in one pass."""
     runner = llm.engine.runner
     cfg = runner.model_config
@@ -56,5 +58,6 @@ def _full_forward(llm, tokens: list[int], spans: Sequence[tuple[int, int]],
             rows[offset:offset + len(values)] = values
         embeds = paddle.to_tensor(rows)
     with paddle.no_grad():
-        return runner.model(ids, paddle.to_tensor(positions), caches, runner.attn_backend.prepare(meta),
+        rope = positions if rope_positions is None else rope_positions
+        return runner.model(ids, paddle.to_tensor(rope), caches, runner.attn_backend.prepare(meta),
                             inputs_embeds=embeds)

@@ -44,12 +44,18 @@ class MMPlaceholder:
     ``span_length`` > 0 tiles the item into spans of that many tokens (the last may be shorter)
     whose tokens attend bidirectionally within their span (an image: one span; a video: one span
     per 2 frames); 0 means the item's tokens are causal like text.
+
+    ``grid_thw`` is the item's patch grid ``(t, h, w)`` as its encoder saw it and ``modality`` its
+    kind (``image``, ``video``): a model with multimodal RoPE places the item's tokens by them
+    (`fdplug.core.multimodal.positions`); empty for a caller that has no grid (positions as text).
     """
 
     offset: int
     length: int
     mm_hash: str
     span_length: int = 0
+    grid_thw: tuple[int, ...] = ()
+    modality: str = "image"
 
     @property
     def end(self) -> int:

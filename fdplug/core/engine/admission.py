@@ -108,3 +108,7 @@ def _check_items(positions: Sequence[Any], inputs: Sequence[Any]) -> None:
             raise InvalidRequestError(
                 f"multimodal item {i} has {item.num_tokens} tokens but its placeholder is {pos.length} tokens "
                 f"(bidirectional spans of {pos.span_length}).", fix="widen each placeholder to its item's size.")
+        if tuple(pos.grid_thw) not in ((), tuple(item.grid_thw)) or pos.modality != item.modality:
+            raise InvalidRequestError(
+                f"multimodal item {i} is a {item.modality} of grid {list(item.grid_thw)}, but its placeholder says a "
+                f"{pos.modality} of grid {list(pos.grid_thw)}.", fix="keep each placeholder's grid its item's.")

@@ -75,7 +75,8 @@ class EngineCore:
         self.executor = StepExecutor(self.runner, self.scheduler, self.encoder_cache, model.vocab_size)
         self.feature_loader = FeatureLoader(FeatureFetcher(selection.storages, config), self.encoder_cache,
                                             model.hidden_size, workers=config.feature_fetch_workers,
-                                            timeout=config.fetch_timeout)
+                                            timeout=config.fetch_timeout,
+                                            encoder=getattr(self.runner, "image_encoder", None))
         self.extensions = self._extensions()
         self.scheduler.on_free = self._on_free
 

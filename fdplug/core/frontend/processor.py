@@ -33,6 +33,16 @@ from fdplug.plugin_api.scheduled_work import MMPlaceholder
 PromptType = str | Mapping[str, Any]
 
 
+def picture_parts(data: Any) -> list[dict[str, Any]]:
+    """vLLM's ``multi_modal_data``: ``{"image": image or [images]}`` (PIL images) as ``image_pil`` parts."""
+    if not isinstance(data, Mapping) or set(data) - {"image"}:
+        raise InvalidRequestError(f"multi_modal_data takes an 'image' entry (got {sorted(map(str, data))!r})."
+                                  if isinstance(data, Mapping) else "multi_modal_data must be a dict.",
+                                  fix='pass {"image": pil_image} or {"image": [pil_image, ...]}.')
+    images = data.get("image")
+    return [{"type": "image_pil", "image_pil": image} for image in (images if isinstance(images, list) else [images])]
+
+
 def child_id(request_id: str, index: int, n: int) -> str:
     return request_id if n == 1 else f"{request_id}#{index}"
 
@@ -62,11 +72,14 @@ class InputProcessor:
     def process(self, prompt: PromptType, tenant: str = "", fit: bool = True) -> ProcessedPrompt:
         """Tokenize, then widen multimodal placeholders: ``{"prompt"|"prompt_token_ids", "mm_items": [parts]}``.
 
-        ``mm_items`` are content parts as in chat (``{"type": "image_feature", "image_feature": {...}}``),
-        one per placeholder in the prompt, in order. ``fit``: refuse a prompt longer than ``max_model_len``
-        (``/tokenize`` counts it instead).
+        ``mm_items`` are content parts as in chat (``{"type": "image_feature", "image_feature": {...}}``,
+        ``image_url``, ``image_pil``), one per placeholder in the prompt, in order; vLLM's
+        ``multi_modal_data={"image": <PIL image or list>}`` adds pictures after them. ``fit``: refuse a
+        prompt longer than ``max_model_len`` (``/tokenize`` counts it instead).
         """
         parts = prompt.get("mm_items") if isinstance(prompt, Mapping) else None
+        if isinstance(prompt, Mapping) and prompt.get("multi_modal_data") is not None:
+            parts = [*(parts or ()), *picture_parts(prompt["multi_modal_data"])]
         text, ids = self.tokenize(prompt)
         processed = ProcessedPrompt(text, ids)
         if parts:

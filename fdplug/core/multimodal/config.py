@@ -13,10 +13,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from fdplug.core.multimodal.positions import MRopeRule
+from fdplug.core.vision.image_processing import ImageSpec
 from fdplug.errors import InvalidRequestError, ModelLoadError, show_value
 
 MASK_POLICIES = ("causal", "bidirectional_items")
 BIDIRECTIONAL_BY_DEFAULT = ("Ernie4_5_VLMoeForConditionalGeneration",)
+TOKENS_PER_SECOND = {"Qwen2_5_VLForConditionalGeneration": 4.0}   # transformers' vision_config default
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +30,8 @@ class MultimodalConfig:
     vision_end_token_id: int | None
     mask_policy: str = "causal"
     merge_size: int = 2   # a grid [t, h, w] of patches becomes t*h*w / merge_size**2 tokens
+    tokens_per_second: float = 1.0   # multimodal RoPE: temporal positions a second of video spans
+    image_spec: ImageSpec | None = None   # the vision tower's preprocessing, when fdplug runs the tower
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any], architecture: str = "") -> MultimodalConfig | None:
@@ -38,8 +43,16 @@ class MultimodalConfig:
         if policy not in MASK_POLICIES:
             raise ModelLoadError(f"fdplug_mm_mask_policy {policy!r} in config.json is not one of {MASK_POLICIES}.",
                                  fix="set it to causal or bidirectional_items.")
-        merge = int((raw.get("vision_config") or {}).get("spatial_merge_size", 2))
-        return cls(image, video, raw.get("vision_start_token_id"), raw.get("vision_end_token_id"), policy, merge)
+        vision = raw.get("vision_config") or {}
+        merge = int(vision.get("spatial_merge_size", 2))
+        per_second = float(vision.get("tokens_per_second", TOKENS_PER_SECOND.get(architecture, 1.0)))
+        return cls(image, video, raw.get("vision_start_token_id"), raw.get("vision_end_token_id"), policy, merge,
+                   per_second)
+
+    def mrope_rule(self) -> MRopeRule:
+        """Multimodal RoPE positions for this model's items; a video's temporal patch is taken to
+        span one second (transformers' default without the processor's ``second_per_grid_ts``)."""
+        return MRopeRule(self.merge_size, self.tokens_per_second)
 
     def pad_token(self, modality: str) -> int:
         token = self.image_token_id if modality == "image" else self.video_token_id

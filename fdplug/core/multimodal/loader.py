@@ -1,4 +1,4 @@
-"""Fetching a request's features off the step loop, into the encoder cache.
+"""Fetching a request's features off the step loop, into the encoder cache; pictures are encoded there.
 
 ``submit`` pins what the encoder cache already holds and sends the rest to a thread pool (one task
 per request; the storage parallelises the links of one request). ``poll`` is called by the step
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
@@ -19,6 +20,7 @@ from fdplug.core.multimodal.encoder_cache import EncoderCache
 from fdplug.core.multimodal.features import decode_feature, validate_feature
 from fdplug.core.multimodal.fetch import FeatureFetcher
 from fdplug.core.multimodal.inputs import MMFeatureInput, content_hash
+from fdplug.core.multimodal.pictures import picture_hash
 from fdplug.core.request import Request
 from fdplug.errors import (
     FdplugError,
@@ -42,8 +44,11 @@ class Fetched:
 
 class FeatureLoader:
     def __init__(self, fetcher: FeatureFetcher, cache: EncoderCache, hidden_size: int, *, workers: int,
-                 timeout: float) -> None:
+                 timeout: float, encoder: Callable[[bytes, str], np.ndarray] | None = None) -> None:
+        """``encoder``: a picture's bytes -> its features (the model's vision tower); None: the
+        model takes features only (the API refuses pictures before they get here)."""
         self.fetcher = fetcher
+        self.encoder = encoder
         self.cache = cache
         self.hidden_size = hidden_size
         self.timeout = timeout
@@ -121,11 +126,15 @@ class FeatureLoader:
     # -- worker thread ----------------------------------------------------------------------------
 
     def _fetch(self, request: Request, indices: list[int]) -> list[Fetched]:
-        """All links of the request's missing items in one ordered, parallel fetch; rows joined per item."""
+        """All links of the request's missing items in one ordered, parallel fetch; rows joined per item;
+        pictures encoded."""
         items = [request.mm_inputs[i] for i in indices]
         blobs = iter(self.fetcher.fetch_many([u for item in items for u in item.urls], timeout=self.timeout))
         out = []
         for i, item in zip(indices, items):
+            if item.data:
+                out.append(self._encode(i, item))
+                continue
             parts = [next(blobs) for _ in item.urls]
             arrays, rows = [], 0
             for data, url in zip(parts, item.urls):   # checked piece by piece, before joining them
@@ -142,6 +151,16 @@ class FeatureLoader:
                              len(item.urls) > 1 else ""), item.num_tokens, self.hidden_size)
             out.append(Fetched(i, item.mm_hash or content_hash(parts), np.ascontiguousarray(features, np.float32)))
         return out
+
+
+    def _encode(self, index: int, item: MMFeatureInput) -> Fetched:
+        name = f"image item {index}"
+        if self.encoder is None:
+            raise InvalidRequestError(f"{name} is a picture, but this model's vision tower does not run here.",
+                                      fix="send pre-encoded features (image_feature).", param="messages")
+        features = self.encoder(item.data, name)
+        validate_feature(features, name, item.num_tokens, self.hidden_size)
+        return Fetched(index, item.mm_hash or picture_hash(item.data), features)
 
 
 def _check_rows(index: int, item: MMFeatureInput, rows: int) -> None:

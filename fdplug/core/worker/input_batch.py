@@ -41,6 +41,8 @@ SLOT_FIELDS: tuple[SlotField, ...] = (
     SlotField("num_blocks", np.int64, 0),
     SlotField("key_end_offset", np.int64, 0, "max_model_len"), # mask spec minus causal (0: causal)
     SlotField("mm_positions", object, ()),                      # the request's MMPlaceholders
+    SlotField("rope_delta", np.int64, 0),                      # multimodal RoPE: position - index after the items
+    SlotField("items_end", np.int64, 0),                       # multimodal RoPE: tokens before it need the items
     SlotField("temperature", np.float32, 1.0),
     SlotField("top_p", np.float32, 1.0),
     SlotField("top_k", np.int64, 0),

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from fdplug.core.multimodal.positions import MRopeRule
 from fdplug.errors import RequestStepError
 from fdplug.plugin_api.scheduled_work import SchedulerOutput
 
@@ -41,3 +42,27 @@ def mm_embeddings(batch: Any, hidden_size: int, so: SchedulerOutput, slots: np.n
     if not rows:
         return None, None
     return np.concatenate(rows), np.concatenate(values)
+
+
+def rope_slot_values(rule: MRopeRule, items: tuple) -> dict[str, int]:
+    """A new request's ``rope_delta`` and ``items_end`` slot values (`mrope_positions`)."""
+    placed = [item for item in items if item.grid_thw]
+    return {"rope_delta": rule.position_delta(placed), "items_end": max((item.end for item in placed), default=0)}
+
+
+def mrope_positions(batch: Any, rule: MRopeRule, positions: np.ndarray, token_slots: np.ndarray,
+                    num_positions: int) -> np.ndarray:
+    """``[3, T]`` multimodal RoPE positions of a step's tokens: past its items a token sits at index +
+    ``rope_delta`` (every decode token: one add); a token before the end of its request's last item
+    (a prefill) is placed by the items (`MRopeRule.positions`). A request whose positions would run
+    past the RoPE tables (a long video's time spacing) fails alone."""
+    out = np.broadcast_to(positions + batch.rope_delta[token_slots], (3, len(positions))).copy()
+    placed = positions < batch.items_end[token_slots]
+    for slot in np.unique(token_slots[placed]):
+        rows = placed & (token_slots == slot)
+        out[:, rows] = rule.positions(positions[rows], batch.mm_positions[slot])
+    if len(positions) and int(out.max()) >= num_positions:
+        slots = np.unique(token_slots[(out >= num_positions).any(axis=0)])
+        raise RequestStepError([batch.req_id[s] for s in slots], f"multimodal RoPE positions reach "
+                               f"{int(out.max())}, past the {num_positions} the model's tables hold")
+    return out

@@ -26,7 +26,7 @@ from fdplug.core.worker.kv_cache import (
     bytes_per_block,
     plan_kv_cache,
 )
-from fdplug.core.worker.mm_inputs import mm_embeddings, span_offsets
+from fdplug.core.worker.mm_inputs import mm_embeddings, mrope_positions, rope_slot_values, span_offsets
 from fdplug.core.worker.sampling import plain_greedy, sampled_logprobs, sampling_metadata
 from fdplug.errors import ConfigError
 from fdplug.plugin_api.attention import AttentionMetadata, cdiv
@@ -83,6 +83,7 @@ class StepInputs:
     sampling_req_ids: list[str]
     mm_rows: np.ndarray | None = None      # token rows whose embedding is a feature row
     mm_values: np.ndarray | None = None    # [len(mm_rows), hidden] those feature rows
+    rope_positions: np.ndarray | None = None   # [3, T] with multimodal RoPE (`meta` keeps the token indices)
 
 
 class ModelRunner:
@@ -93,6 +94,8 @@ class ModelRunner:
         self.selection = selection
         self.paddle = import_paddle()
         self.place = selection.device.paddle_place_name(config.device_index)
+        self.mrope = None   # multimodal RoPE's rule (`MRopeRule`), set by `load_model` for such a model
+        self.image_encoder = None   # a picture's bytes -> features (`ImageEncoder`), for a vision-language model
 
     # -- setup ------------------------------------------------------------------------------------
 
@@ -123,6 +126,14 @@ class ModelRunner:
                                                    weight_dtype=self.config.weight_dtype, expert_parallel=group,
                                                    linear_plan=linear_plan)
         self.model.eval()
+        mm = self.model_config.multimodal
+        self.mrope = mm.mrope_rule() if mm is not None and self.model_config.rope.mrope_section else None
+        if mm is not None and mm.image_spec is not None:   # pictures in: the model's vision tower
+            from fdplug.core.model.loader import weight_files
+            from fdplug.core.vision.encoder import ImageEncoder
+
+            self.image_encoder = ImageEncoder(self.config.model_dir, weight_files(self.config.model_dir),
+                                              mm.image_spec)
         logger.info(attach_stack(self.model, kernels, self.selection))
         # The routed experts live in the MoE backend's layout, not as parameters: count them as loaded.
         params = sum(int(np.prod(p.shape)) * p.element_size() for p in self.model.parameters())
@@ -154,7 +165,7 @@ class ModelRunner:
         inputs = self._prepare_inputs(so)
         prepared = self.attn_backend.prepare(inputs.meta)
         input_ids = paddle.to_tensor(inputs.input_ids)
-        positions = paddle.to_tensor(inputs.positions)
+        positions = paddle.to_tensor(inputs.positions if inputs.rope_positions is None else inputs.rope_positions)
         masks = self.grammar.start(inputs.sampling_req_ids)   # structured outputs: beside the forward pass
         t1 = time.perf_counter()
         with paddle.no_grad():
@@ -236,6 +247,8 @@ class ModelRunner:
             "mm_positions": tuple(new.mm_positions), "penalty_ids": penalty_ids, "penalty_counts": penalty_counts,
             "num_penalty_ids": len(penalty_ids),
         }
+        if self.mrope is not None:
+            values |= rope_slot_values(self.mrope, tuple(new.mm_positions))
         spans = [item for item in new.mm_positions if item.span_length]
         if spans:
             values["key_end_offset"] = span_offsets(spans)
@@ -265,9 +278,11 @@ class ModelRunner:
         samples = seq_lens >= batch.num_tokens[slots]        # the step reaches the last known token
         mm_rows, mm_values = mm_embeddings(batch, self.model_config.hidden_size, so, slots, start, query_start) \
             if so.mm_features else (None, None)
+        rope = None if self.mrope is None else mrope_positions(batch, self.mrope, positions, token_slots,
+                                                               self.config.max_model_len)
         return StepInputs(req_ids, slots, batch.token_ids[token_slots, positions], positions, meta,
                           query_start[1:][samples] - 1, slots[samples],
-                          [r for r, s in zip(req_ids, samples) if s], mm_rows, mm_values)
+                          [r for r, s in zip(req_ids, samples) if s], mm_rows, mm_values, rope)
 
     def _record_sampled(self, inputs: StepInputs, sampled: np.ndarray) -> None:
         batch = self.batch

@@ -5,6 +5,7 @@ tokenized, before anything is registered with the engine (``app.py`` runs it in 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
 import uuid
@@ -58,6 +59,22 @@ class JobBuilder:
         # a chat template is code: one from a request runs only if the operator trusts the clients
         # (--trust-request-chat-template, vLLM's flag since CVE-2025-61620); it is budgeted either way
         self.trust_request_chat_template = trust_request_chat_template
+
+    @functools.cached_property
+    def _storages(self) -> tuple[Any, float]:
+        from fdplug.core.config import EngineConfig
+        from fdplug.core.multimodal.fetch import FeatureFetcher
+        from fdplug.core.plugin_loading.loader import current_plugins
+        from fdplug.core.plugin_loading.selection import select_storages
+
+        config = EngineConfig()
+        return FeatureFetcher(select_storages(current_plugins()), config), config.fetch_timeout
+
+    def fetch_image(self, url: str) -> bytes:
+        """An http(s) ``image_url``'s bytes, through the storage that serves feature URLs of its scheme
+        (its host allow-list, size limit and timeout), on this request's worker thread."""
+        fetcher, timeout = self._storages
+        return next(iter(fetcher.fetch_many([url], timeout=timeout)))
 
     def check_model(self, model: str | None) -> str:
         if model is not None and model != self.model_name:
@@ -128,7 +145,7 @@ class JobBuilder:
             template, where = kwargs.pop("chat_template"), "chat_template_kwargs.chat_template"
         self.check_template(template, where)
         tokenizer, processor = self.client.tokenizer, self.client.input_processor
-        collector = FeaturePartCollector(processor.mm_config, tokenizer, tenant)
+        collector = FeaturePartCollector(processor.mm_config, tokenizer, tenant, self.fetch_image)
         text = tokenizer.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt,
                                              chat_template=template, content_part_handler=collector,
                                              variables=check_template_kwargs(kwargs), tools=tools)

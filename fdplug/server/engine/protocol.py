@@ -71,16 +71,18 @@ def encode_request(request: Request) -> list:
     params = request.sampling_params
     return [request.request_id, request.prompt_token_ids, {name: getattr(params, name) for name in _PARAM_FIELDS},
             list(request.eos_token_ids), request.cache_salt, request.arrival_time,
-            [[m.offset, m.length, m.mm_hash, m.span_length] for m in request.mm_positions],
-            [[i.modality, list(i.urls), list(i.grid_thw), i.num_tokens, i.mm_hash] for i in request.mm_inputs],
+            [[m.offset, m.length, m.mm_hash, m.span_length, list(m.grid_thw), m.modality]
+             for m in request.mm_positions],
+            [[i.modality, list(i.urls), list(i.grid_thw), i.num_tokens, i.mm_hash, i.data] for i in request.mm_inputs],
             request.kv_transfer_params]
 
 
 def decode_request(item: list) -> Request:
     request_id, prompt_ids, params, eos, cache_salt, arrival_time, mm, inputs, kv_transfer_params = item
     return Request(request_id, prompt_ids, SamplingParams(**params), tuple(eos), arrival_time=arrival_time,
-                   cache_salt=cache_salt, mm_positions=[MMPlaceholder(*m) for m in mm],
-                   mm_inputs=[MMFeatureInput(m, tuple(u), tuple(g), n, h) for m, u, g, n, h in inputs],
+                   cache_salt=cache_salt, mm_positions=[MMPlaceholder(o, n, h, s, tuple(g), m)
+                                                 for o, n, h, s, g, m in mm],
+                   mm_inputs=[MMFeatureInput(m, tuple(u), tuple(g), n, h, d) for m, u, g, n, h, d in inputs],
                    kv_transfer_params=kv_transfer_params)
 
 

@@ -54,6 +54,12 @@ ARCHITECTURES |= {
     "Glm4MoeForCausalLM": Arch(default_kv_heads=8, default_eps=1e-5, default_max_positions=131072, o_bias=False,
                                 qk_norm="use_qk_norm", default_partial_rotary=0.5),
 }
+# Vision-language models: the language side is the dense decoder above with multimodal RoPE
+# (`rope.RopeConfig.mrope_section`); the vision tower is `fdplug.core.vision`.
+ARCHITECTURES |= {
+    "Qwen2_5_VLForConditionalGeneration": replace(ARCHITECTURES["Qwen2ForCausalLM"], default_kv_heads=8,
+                                                  default_eps=1e-5),
+}
 
 # Names the same architecture goes by (Baidu's remote-code configs say Ernie4_5_ForCausalLM).
 ALIASES = {"Ernie4_5_ForCausalLM": "Ernie4_5ForCausalLM"}

@@ -32,6 +32,7 @@ from fdplug.core.model.checkpoint.quant_config import (
 )
 from fdplug.core.model.checkpoint.rope import RopeConfig, parse_rope
 from fdplug.core.multimodal.config import MultimodalConfig
+from fdplug.core.vision.image_processing import PIXEL_ARCHITECTURES, ImageSpec
 from fdplug.errors import ConfigError, ModelLoadError
 from fdplug.plugin_api.engine_config import ModelTraits
 
@@ -105,6 +106,9 @@ class ModelConfig:
         raw = _read_json(path)
         gen_path = model_dir / "generation_config.json"
         cfg = cls.from_dict(raw, _read_json(gen_path) if gen_path.is_file() else None)
+        if cfg.multimodal is not None and cfg.architecture in PIXEL_ARCHITECTURES:   # fdplug runs its vision tower
+            spec = ImageSpec.from_dir(model_dir, raw.get("vision_config") or {})
+            cfg.multimodal = dataclasses.replace(cfg.multimodal, image_spec=spec)
         cfg.quant = with_quantization(cfg.quant, quantization)
         return cfg
 
@@ -128,6 +132,7 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
         """Build from parsed config.json (and generation_config.json) dicts."""
+        raw = language_side(raw)
         arch_name, arch = pick_architecture(raw)
         check_supported(raw, arch_name)
         hidden, heads = _need_int(raw, "hidden_size"), _need_int(raw, "num_attention_heads")
@@ -177,6 +182,10 @@ class ModelConfig:
         if rotary < 2 or rotary % 2:
             raise ModelLoadError(f"partial_rotary_factor={self.rope.partial:g} of head_dim={self.head_dim} rotates "
                                  f"{rotary} dims; RoPE needs a positive even number.", fix=_CONFIG_FIX)
+        if self.rope.mrope_section and sum(self.rope.mrope_section) != rotary // 2:
+            raise ModelLoadError(f"mrope_section {list(self.rope.mrope_section)} sums to "
+                                 f"{sum(self.rope.mrope_section)}, but head_dim={self.head_dim} has {rotary // 2} "
+                                 "rotary frequencies.", fix=_CONFIG_FIX)
         if self.rope.freq_factors and len(self.rope.freq_factors) != rotary // 2:
             raise ModelLoadError(f"{len(self.rope.freq_factors)} RoPE frequency factors (rope_freqs) for "
                                  f"{rotary // 2} frequencies.", fix="the GGUF file's rope_freqs tensor does not "
@@ -212,6 +221,16 @@ _CONFIG_FIX = "fix the model's config.json (compare with the original checkpoint
 DIR_FIX = ("pass a local Hugging Face model directory holding config.json and model.safetensors (or "
             "model.safetensors.index.json and its shards), e.g. from `huggingface-cli download ORG/NAME "
             "--local-dir DIR`.")
+
+
+def language_side(raw: dict[str, Any]) -> dict[str, Any]:
+    """A vision-language config.json as the language model's: transformers 5 nests its keys in
+    ``text_config`` (4.x checkpoints keep them at the top); the top level keeps the architecture,
+    the multimodal token ids and ``vision_config``."""
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        return raw
+    return {**raw, **{k: v for k, v in text.items() if k not in ("architectures", "model_type")}}
 
 
 def _read_json(path: Path) -> dict[str, Any]:

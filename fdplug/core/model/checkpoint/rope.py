@@ -44,6 +44,10 @@ class RopeConfig:
     truncate: bool = True
     interleaved: bool = False
     partial: float = 1.0
+    mrope_section: tuple[int, ...] = ()
+    """Multimodal RoPE (Qwen2-VL family): how many of the ``rotary_dim // 2`` frequencies rotate by
+    the temporal, height and width position of a token (each token then has three positions, equal
+    for text); empty: one position per token."""
     freq_factors: tuple[float, ...] = ()
     """Per-frequency divisors of the inverse frequencies, as a GGUF file stores Llama 3.1's scaling
     (``rope_freqs.weight``: llama.cpp's converter computes them from the ``llama3`` parameters, which
@@ -66,6 +70,9 @@ def parse_rope(raw: dict[str, Any], *, default_theta: float, max_position_embedd
     params = dict(raw.get("rope_scaling") or raw.get("rope_parameters") or {})
     theta = params.get("rope_theta", raw.get("rope_theta", default_theta))
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    mrope = params.get("mrope_section")
+    if rope_type == "mrope":   # transformers 4.x's name for default RoPE with an mrope_section
+        rope_type = "default"
     partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", default_partial))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedModelError(f"RoPE type {rope_type!r} is not supported (supported: "
@@ -80,6 +87,8 @@ def parse_rope(raw: dict[str, Any], *, default_theta: float, max_position_embedd
     kw: dict[str, Any] = {"theta": float(theta), "type": rope_type, "interleaved": interleaved,
                           "partial": float(partial),
                           "original_max_position_embeddings": int(original)}
+    if mrope is not None:
+        kw["mrope_section"] = _mrope_section(mrope)
     if rope_type == "linear":
         kw["factor"] = float(_need(params, "factor", rope_type))
     elif rope_type == "llama3":
@@ -94,6 +103,15 @@ def parse_rope(raw: dict[str, Any], *, default_theta: float, max_position_embedd
         for key in ("attention_factor", "mscale", "mscale_all_dim"):
             kw[key] = None if params.get(key) is None else float(params[key])
     return RopeConfig(**kw)
+
+
+def _mrope_section(value: Any) -> tuple[int, ...]:
+    if (not isinstance(value, (list, tuple)) or len(value) != 3
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)):
+        raise ModelLoadError(f"mrope_section={value!r} must be three non-negative integers (temporal, height, "
+                             "width frequencies).", fix="fix the model's config.json (compare with the original "
+                             "checkpoint's).")
+    return tuple(value)
 
 
 def _need(params: dict[str, Any], key: str, rope_type: str) -> Any:

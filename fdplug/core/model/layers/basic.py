@@ -112,3 +112,26 @@ class RotaryEmbedding(nn.Layer):
     def forward(self, x: Any, cos: Any, sin: Any) -> Any:
         """Rotate ``x [T, heads, head_dim]``."""
         return self.kernel(x, cos, sin)
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """Multimodal RoPE (Qwen2-VL family): each token has three positions (temporal, height, width)
+    and frequency ``f`` rotates by the one its ``mrope_section`` assigns it (the first ``s0``
+    frequencies the temporal, the next ``s1`` the height, the rest the width), in both halves of the
+    NeoX layout. The rows are picked from the same tables by masks of ones and zeros, so a text
+    token (three equal positions) gets exactly `RotaryEmbedding`'s rows."""
+
+    def __init__(self, rope: RopeConfig, head_dim: int, num_positions: int, dtype: str, heads: int = 1,
+                 kernels: Kernels = PORTABLE) -> None:
+        super().__init__(rope, head_dim, num_positions, dtype, heads, kernels)
+        axis = np.repeat(np.arange(3), rope.mrope_section)
+        axis = np.concatenate([axis, np.full(head_dim // 2 - len(axis), 2)])   # partial rotary: passing dims
+        masks = (np.tile(axis, 2)[None, :] == np.arange(3)[:, None]).astype(np.float32)
+        self.register_buffer("axis_masks", paddle.to_tensor(masks[:, None, :]).astype(dtype), persistable=False)
+
+    def lookup(self, positions: Any) -> tuple[Any, Any]:
+        """``positions [3, T]`` (temporal, height, width) -> ``cos``, ``sin`` ``[T, heads, head_dim]``."""
+        num = positions.shape[-1]
+        flat = positions.reshape([-1])
+        return tuple((paddle.gather(table, flat).reshape([3, num, -1]) * self.axis_masks).sum(axis=0)
+                     .unsqueeze(1).tile([1, self.heads, 1]) for table in (self.cos, self.sin))

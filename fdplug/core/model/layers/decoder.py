@@ -19,7 +19,7 @@ from paddle import nn
 
 from fdplug.core.model.checkpoint.config import ModelConfig
 from fdplug.core.model.checkpoint.quant_config import fused_quant, mlp_quant
-from fdplug.core.model.layers.basic import RMSNorm, RotaryEmbedding, SwiGLU, make_linear
+from fdplug.core.model.layers.basic import MRotaryEmbedding, RMSNorm, RotaryEmbedding, SwiGLU, make_linear
 from fdplug.core.model.layers.gguf_linear import embedding_rows
 from fdplug.core.model.layers.linear import Linear, empty_parameter
 from fdplug.core.model.layers.moe_block import SparseMoEBlock
@@ -144,7 +144,8 @@ class DecoderForCausalLM(nn.Layer):
                         else make_linear(cfg.hidden_size, cfg.vocab_size, False, dtype, head_quant, kernels)
                         if head_quant is not None
                         else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, kernels.linear, table_dtype))
-        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions or cfg.max_position_embeddings, dtype,
+        rotary = MRotaryEmbedding if cfg.rope.mrope_section else RotaryEmbedding
+        self.rotary = rotary(cfg.rope, cfg.head_dim, max_positions or cfg.max_position_embeddings, dtype,
                                       heads=cfg.num_heads + cfg.num_kv_heads, kernels=kernels)  # q, k together
         self.eval()
 
@@ -158,7 +159,8 @@ class DecoderForCausalLM(nn.Layer):
 
     def forward(self, input_ids: Any, positions: Any, kv_caches: list[tuple[Any, Any]], attn_prepared: Any,
                 inputs_embeds: Any | None = None) -> Any:
-        """``input_ids [T]``, ``positions [T]`` (int64) -> final hidden states ``[T, hidden]``.
+        """``input_ids [T]``, ``positions [T]`` (int64; ``[3, T]`` with multimodal RoPE) -> final hidden
+        states ``[T, hidden]``.
 
         ``kv_caches[i]`` is layer ``i``'s ``(key_cache, value_cache)`` in the backend's layout;
         ``attn_prepared`` is ``backend.prepare(meta)`` for this step.
