@@ -29,7 +29,7 @@ import json
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import transformers
 from transformers import AutoConfig
@@ -87,8 +87,34 @@ def _glm_moe(c: Any) -> dict[str, Any]:
             "routed_scaling": float(c.routed_scaling_factor), "num_groups": c.n_group, "topk_groups": c.topk_group}
 
 
-# fdplug architecture -> (model_type, keys to leave out with their full-config values, biases, MoE facts)
-SPECS: dict[str, tuple[str, dict[str, Any], Callable[[Any], dict], Callable[[Any], dict] | None]] = {
+class Spec(NamedTuple):
+    """One architecture: its model_type, the keys left out in turn with their full-config values (None:
+    the opposite of the bare config's), biases, MoE facts, more of the config.json that is never left
+    out (it overrides ``_REQUIRED``), and the config the language model is built from."""
+
+    model_type: str
+    keys: dict[str, Any]
+    biases: Callable[[Any], dict]
+    moe: Callable[[Any], dict] | None = None
+    fixed: dict[str, Any] | None = None
+    language: Callable[[Any], Any] = lambda c: c
+
+
+# Qwen2.5-VL as Qwen/Qwen2.5-VL-*-Instruct's config.json has it: flat (4.x style), the language keys at
+# the top, which Qwen2_5_VLConfig moves into its text_config; tie_word_embeddings stays on the outer
+# config (where transformers 5 ties lm_head). Its text attention takes head_dim = hidden_size //
+# heads and rotates all of it (a head_dim or partial_rotary_factor key would stay on the outer config,
+# unread, and Hub checkpoints have neither: not left out). hidden 2048 / 64 heads: head_dim 32, so
+# the mrope_section sums to 16 frequencies; token ids within the vocabulary.
+_QWEN2_5_VL = {"hidden_size": 2048, "bos_token_id": 248, "eos_token_id": 249,
+               "rope_scaling": {"type": "mrope", "mrope_section": [4, 6, 6]},
+               "vision_config": {"depth": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 4,
+                                 "out_hidden_size": 2048, "fullatt_block_indexes": [1], "tokens_per_second": 2},
+               "image_token_id": 250, "video_token_id": 251, "vision_start_token_id": 252,
+               "vision_end_token_id": 253}
+
+# fdplug architecture -> Spec (or a plain tuple of its first four fields)
+SPECS: dict[str, tuple] = {
     "LlamaForCausalLM": ("llama", {**_ATTENTION, "attention_bias": None, "mlp_bias": None},
                          _bias("attention_bias", "attention_bias", "mlp_bias", False), None),
     "Qwen2ForCausalLM": ("qwen2", _ATTENTION, _bias(True, False, False, False), None),
@@ -114,6 +140,9 @@ SPECS: dict[str, tuple[str, dict[str, Any], Callable[[Any], dict], Callable[[Any
                                         "n_shared_experts": 2, "routed_scaling_factor": 2.5, "n_group": 2,
                                         "topk_group": 1, "first_k_dense_replace": 2, "norm_topk_prob": None},
                            _bias("attention_bias", False, False, "use_qk_norm"), _glm_moe),
+    "Qwen2_5_VLForConditionalGeneration": Spec(
+        "qwen2_5_vl", {k: v for k, v in _ATTENTION.items() if k not in ("head_dim", "partial_rotary_factor")},
+        _bias(True, False, False, False), fixed=_QWEN2_5_VL, language=lambda c: c.text_config),
 }
 
 
@@ -124,29 +153,31 @@ def _load(raw: dict[str, Any]) -> Any:
         return AutoConfig.from_pretrained(tmp)
 
 
-def facts(c: Any, spec: tuple) -> dict[str, Any]:
-    """The quantities fdplug's ModelConfig holds, as transformers' modeling code reads them."""
-    _, _, biases, moe = spec
-    rope = dict(getattr(c, "rope_parameters", None) or {})   # 5.x; 4.x keeps them as attributes
-    out = {"head_dim": getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
-           "num_kv_heads": c.num_key_value_heads,
-           "rope_theta": float(rope.get("rope_theta", getattr(c, "rope_theta", None))),
-           "partial_rotary": float(rope.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", None)) or 1.0),
-           "rms_norm_eps": c.rms_norm_eps, "max_positions": c.max_position_embeddings,
-           "tie_word_embeddings": bool(c.tie_word_embeddings), **biases(c)}
-    return out | (moe(c) if moe else {})
+def facts(c: Any, spec: Spec) -> dict[str, Any]:
+    """The quantities fdplug's ModelConfig holds, as transformers' modeling code reads them: from the
+    language model's config, but tie_word_embeddings from the model's own (transformers 5 ties there)."""
+    t = spec.language(c)
+    rope = dict(getattr(t, "rope_parameters", None) or {})   # 5.x; 4.x keeps them as attributes
+    out = {"head_dim": getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads,
+           "num_kv_heads": t.num_key_value_heads,
+           "rope_theta": float(rope.get("rope_theta", getattr(t, "rope_theta", None))),
+           "partial_rotary": float(rope.get("partial_rotary_factor", getattr(t, "partial_rotary_factor", None)) or 1.0),
+           "rms_norm_eps": t.rms_norm_eps, "max_positions": t.max_position_embeddings,
+           "tie_word_embeddings": bool(c.tie_word_embeddings), **spec.biases(t)}
+    return out | (spec.moe(t) if spec.moe else {})
 
 
-def build(arch: str, spec: tuple) -> dict[str, Any]:
+def build(arch: str, spec: Spec) -> dict[str, Any]:
     """One architecture's entry: the full config.json, its facts, and what leaving each key out changes."""
-    model_type, keys, _, _ = spec
-    bare = _load({**_REQUIRED, "architectures": [arch], "model_type": model_type})
-    full = {**_REQUIRED, "architectures": [arch], "model_type": model_type}
-    for key, value in keys.items():
-        full[key] = (not bool(getattr(bare, key))) if value is None else value
+    fixed = spec.fixed or {}
+    bare = _load({**_REQUIRED, "architectures": [arch], "model_type": spec.model_type, **fixed})
+    full = {**_REQUIRED, "architectures": [arch], "model_type": spec.model_type, **fixed}
+    for key, value in spec.keys.items():
+        full[key] = value if value is not None else not bool(getattr(bare, key) if hasattr(bare, key)
+                                                             else getattr(spec.language(bare), key))
     full_facts = facts(_load(full), spec)
     left_out = {}
-    for key in keys:
+    for key in spec.keys:
         got = facts(_load({k: v for k, v in full.items() if k != key}), spec)
         left_out[key] = {name: value for name, value in got.items() if full_facts[name] != value}
     return {"config": full, "facts": full_facts, "left_out": left_out}
@@ -154,7 +185,7 @@ def build(arch: str, spec: tuple) -> dict[str, Any]:
 
 def main() -> None:
     out = {"generated_by": "tools/make_config_defaults.py", "transformers": transformers.__version__,
-           "architectures": {arch: build(arch, spec) for arch, spec in SPECS.items()}}
+           "architectures": {arch: build(arch, Spec(*spec)) for arch, spec in SPECS.items()}}
     OUT.write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {OUT} (transformers {transformers.__version__})")
 

@@ -63,7 +63,8 @@ TEXT = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_h
 IMAGES = {"image_a": ((60, 90), [1, 4, 6]), "image_b": ((130, 200), [1, 10, 14])}
 # each case: text pieces with the images between them, in order
 CASES = [
-    ["<|im_start|>user\n", "image_a", "Describe the picture.<|im_end|>\n<|im_start|>assistant\n"],
+    # as fdplug's chat renders [image part, text part]: parts joined by a newline (vLLM's string format)
+    ["<|im_start|>user\n", "image_a", "\nDescribe the picture.<|im_end|>\n<|im_start|>assistant\n"],
     ["<|im_start|>user\nCompare this:", "image_b", "\nwith this one:", "image_a",
      "\nWhat changed?<|im_end|>\n<|im_start|>assistant\n"],
     ["<|im_start|>user\nWrite one line about colours.<|im_end|>\n<|im_start|>assistant\n"],

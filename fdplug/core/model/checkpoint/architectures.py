@@ -57,8 +57,10 @@ ARCHITECTURES |= {
 # Vision-language models: the language side is the dense decoder above with multimodal RoPE
 # (`rope.RopeConfig.mrope_section`); the vision tower is `fdplug.core.vision`.
 ARCHITECTURES |= {
-    "Qwen2_5_VLForConditionalGeneration": replace(ARCHITECTURES["Qwen2ForCausalLM"], default_kv_heads=8,
-                                                  default_eps=1e-5),
+    # Qwen2_5_VLTextConfig: rope_theta 1e6 (its default_theta), 8 kv heads, eps 1e-5; its attention
+    # takes head_dim = hidden_size // heads (Hub configs have no head_dim).
+    "Qwen2_5_VLForConditionalGeneration": replace(ARCHITECTURES["Qwen2ForCausalLM"], default_theta=1000000.0,
+                                                  default_kv_heads=8, default_eps=1e-5),
 }
 
 # Names the same architecture goes by (Baidu's remote-code configs say Ernie4_5_ForCausalLM).

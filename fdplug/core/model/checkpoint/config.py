@@ -226,11 +226,15 @@ DIR_FIX = ("pass a local Hugging Face model directory holding config.json and mo
 def language_side(raw: dict[str, Any]) -> dict[str, Any]:
     """A vision-language config.json as the language model's: transformers 5 nests its keys in
     ``text_config`` (4.x checkpoints keep them at the top); the top level keeps the architecture,
-    the multimodal token ids and ``vision_config``."""
+    the multimodal token ids and ``vision_config``. ``tie_word_embeddings`` is the top level's (where
+    transformers ties ``lm_head``), true also when only ``text_config`` says so (pre-v5 saves)."""
     text = raw.get("text_config")
     if not isinstance(text, dict):
         return raw
-    return {**raw, **{k: v for k, v in text.items() if k not in ("architectures", "model_type")}}
+    merged = {**raw, **{k: v for k, v in text.items() if k not in ("architectures", "model_type")}}
+    if raw.get("tie_word_embeddings"):
+        merged["tie_word_embeddings"] = True
+    return merged
 
 
 def _read_json(path: Path) -> dict[str, Any]:
