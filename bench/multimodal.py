@@ -1,7 +1,9 @@
-"""Multimodal serving: encoder cache + prefix caching on against off, and parallel video download.
+"""Multimodal serving: encoder cache + prefix caching on against off, and parallel video download;
+with ``--pictures``, the vision tower: image encode time and an image prompt's TTFT.
 
     python bench/multimodal.py                    # 200 requests over 20 images, 30 ms per object
     python bench/multimodal.py --requests 60      # a quicker run
+    python bench/multimodal.py --pictures         # Qwen2.5-VL's tower (3B's widths, --vision-depth deep)
 
 Features live in a loopback BOS server (real bce-python-sdk) that answers every object after
 ``--latency`` seconds. Requests (a chat turn with one image, identified by a uuid) arrive in a
@@ -13,7 +15,9 @@ with FD_BOS_DOWNLOAD_PARALLEL=8 against =1.
 from __future__ import annotations
 
 import argparse
+import base64
 import io
+import json
 import logging
 import os
 import tempfile
@@ -79,8 +83,87 @@ def video_ttft(model_dir: Path, bos: LoopbackBos, urls: list[str], parallel: int
     return ttfts[0]
 
 
+def write_vl_model(out_dir: Path, depth: int) -> None:
+    """A random Qwen2.5-VL: Qwen2.5-VL-3B's vision tower widths (``depth`` blocks deep) on a small
+    language side (4 layers of 512), the demo tokenizer; the language and tower in two shards."""
+    from safetensors.numpy import save_file
+
+    from fdplug.core.vision.qwen2_5_vl import VisionConfig
+
+    vision = {"depth": depth, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
+              "out_hidden_size": 512, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
+              "window_size": 112, "fullatt_block_indexes": list(range(depth // 4 - 1, depth, depth // 4 or 1)),
+              "tokens_per_second": 2, "hidden_act": "silu"}
+    write_random_model(out_dir, architectures=["Qwen2_5_VLForConditionalGeneration"], model_type="qwen2_5_vl",
+                       hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
+                       num_key_value_heads=2, rope_scaling={"type": "mrope", "mrope_section": [8, 12, 12]},
+                       vision_config=vision, fdplug_mm_mask_policy="causal")
+    rng = np.random.default_rng(0)
+    tower = {"visual." + name: (np.ones(shape) if len(shape) == 1 and "norm" in name else
+                                rng.standard_normal(shape) * 0.02).astype(np.float32)
+             for name, shape in VisionConfig.from_hf({"vision_config": vision}).weight_shapes().items()}
+    (out_dir / "model.safetensors").rename(out_dir / "model-00001-of-00002.safetensors")
+    save_file(tower, str(out_dir / "model-00002-of-00002.safetensors"))
+    from safetensors import safe_open
+
+    with safe_open(str(out_dir / "model-00001-of-00002.safetensors"), "numpy") as f:
+        names = {name: "model-00001-of-00002.safetensors" for name in f.keys()}
+    names |= {name: "model-00002-of-00002.safetensors" for name in tower}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": names}))
+
+
+def picture_bench(depth: int, repeat: int) -> None:
+    """Encode time per picture size (preprocess + tower), then TTFT of a chat turn with one picture:
+    new (encoded), repeated (encoder cache and prefix cache hit), and a text prompt of as many tokens."""
+    from PIL import Image
+
+    from fdplug.core.vision.image_processing import ImageSpec, decode, patchify
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / "vl"
+        model_dir.mkdir()
+        write_vl_model(model_dir, depth)
+        llm = LLM(str(model_dir), max_model_len=2048, kv_cache_memory=0.5)
+        encoder = llm.engine.runner.image_encoder
+        rng = np.random.default_rng(1)
+        pictures = {}
+        print(f"Qwen2.5-VL tower, 3B widths (hidden 1280, 16 heads, MLP 3420), {depth} blocks; float32, CPU")
+        for width, height in ((224, 224), (448, 448), (672, 896)):
+            buf = io.BytesIO()
+            Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buf, format="PNG")
+            data = pictures[width, height] = buf.getvalue()
+            prep, full = [], []
+            for _ in range(repeat):
+                t0 = time.perf_counter()
+                patchify(decode(data, "bench"), ImageSpec())
+                t1 = time.perf_counter()
+                features = encoder(data, "bench")
+                prep.append(t1 - t0)
+                full.append(time.perf_counter() - t1)
+            print(f"  {width}x{height}: {len(features)} tokens, preprocess {np.median(prep) * 1e3:7.1f} ms, "
+                  f"preprocess + tower {np.median(full) * 1e3:8.1f} ms (median of {repeat})")
+        greedy = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+
+        def ttft(prompt: dict) -> tuple[float, int]:
+            t0 = time.perf_counter()
+            out = llm.generate(prompt, greedy, use_tqdm=False)[0]
+            return time.perf_counter() - t0, len(out.prompt_token_ids)
+
+        data = pictures[448, 448]
+        part = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(data).decode()}}
+        turn = [{"role": "user", "content": [part, {"type": "text", "text": "Describe it."}]}]
+        new, tokens = ttft(llm.chat_prompt(turn))
+        again, _ = ttft(llm.chat_prompt(turn))
+        text, _ = ttft({"prompt_token_ids": rng.integers(0, 500, tokens).tolist()})
+        print(f"  TTFT, a chat turn with one 448x448 picture ({tokens} tokens): new {new * 1e3:.0f} ms, repeated "
+              f"{again * 1e3:.0f} ms (encoder + prefix cache); a text prompt of {tokens} tokens {text * 1e3:.0f} ms")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pictures", action="store_true", help="bench the vision tower instead")
+    parser.add_argument("--vision-depth", type=int, default=8, help="tower blocks (Qwen2.5-VL-3B has 32)")
+    parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--images", type=int, default=20)
     parser.add_argument("--latency", type=float, default=0.03)
@@ -88,6 +171,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     args = parser.parse_args()
     logging.disable(logging.INFO)
+    if args.pictures:
+        picture_bench(args.vision_depth, args.repeat)
+        return
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as tmp, LoopbackBos(access_key=AK, latency=args.latency) as bos:
         os.environ.update({"FDPLUG_BOS_ENDPOINT": bos.endpoint, "FDPLUG_BOS_AK": AK, "FDPLUG_BOS_SK": SK})

@@ -202,7 +202,8 @@ def test_a_plugin_that_registers_only_a_device_gets_the_portable_components():
     chosen = {d.role: d.plugin for d in selection.decisions if d.chosen and d.role != "storage"}
     assert chosen == {"device": "dev", "runner": "core", "attention": "core", "moe": "core", "op:swiglu": "core",
                       "op:rms_norm": "core", "op:fp8_linear": "core", "op:linear": "core", "op:add_rms_norm": "core",
-                      "op:rope": "core", "op:argmax": "core", "op:gguf_linear": "core", "op:decoder_stack": "core"}
+                      "op:rope": "core", "op:argmax": "core", "op:gguf_linear": "core", "op:decoder_stack": "core",
+                      "op:vision_attention": "core"}
     assert load_plugins(deny=["core"]).infos["core"].status == "loaded"   # the core's cannot be disabled
 
 

@@ -101,6 +101,22 @@ def test_the_vision_tower_gives_transformers_features(llm):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * float(np.abs(want).max()))
 
 
+def test_portable_vision_attention_is_softmax_within_each_segment():
+    import paddle
+
+    from fdplug.core.portable.vision_attention import vision_attention
+
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((41, 2, 8)).astype(np.float32) for _ in range(3))
+    bounds = np.array([0, 16, 32, 40, 41])
+    got = vision_attention(*(paddle.to_tensor(t) for t in (q, k, v)), bounds, 0.3).numpy()
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        scores = np.einsum("qhd,khd->hqk", q[a:b], k[a:b]) * 0.3
+        weights = np.exp(scores - scores.max(-1, keepdims=True))
+        want = np.einsum("hqk,khd->qhd", weights / weights.sum(-1, keepdims=True), v[a:b])
+        np.testing.assert_allclose(got[a:b], want, rtol=1e-5, atol=1e-6)
+
+
 def items(case: dict) -> list[MMPlaceholder]:
     return [MMPlaceholder(offset, int(np.prod(grid)) // 4, "", 0, tuple(grid), "image")
             for offset, grid in zip(case["image_offsets"], case["image_grid_thw"])]

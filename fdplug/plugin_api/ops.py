@@ -74,6 +74,12 @@ Contracts (``T`` tokens as rows; inputs are never modified; results in the input
     None to decline that step (a step it does not run: prefill, another backend's metadata) before
     writing anything.
 
+``vision_attention(q, k, v, bounds, scale) -> out``
+    ``q``, ``k``, ``v`` ``[N, heads, D]`` (a vision tower's patches, RoPE applied), ``bounds`` a numpy
+    int64 array ``[0, ..., N]`` of segment boundaries (a tower's windows, or its frames) ->
+    ``out [N, heads, D]``: each token's softmax(q k^T * scale) v over the tokens of its own segment
+    (bidirectional, no cache). The vision encoder's attention (`fdplug.core.vision`).
+
 A kernel must agree with the portable implementation to float32 rounding (relative 1e-5); the
 conformance kit (`fdplug.testing`) checks every registered op against it.
 """
@@ -85,7 +91,7 @@ from dataclasses import dataclass
 from typing import Any
 
 OPS: tuple[str, ...] = ("swiglu", "rms_norm", "fp8_linear", "linear", "add_rms_norm", "rope", "argmax",
-                        "gguf_linear", "decoder_stack")
+                        "gguf_linear", "decoder_stack", "vision_attention")
 """Every op a plugin may override, in the order `Kernels` lists them."""
 PREPARED_OPS: tuple[str, ...] = ("linear", "fp8_linear", "gguf_linear")
 """The ops whose kernels may lay out the layers' weights once at load (`OpSpec.prepare`)."""
@@ -130,6 +136,7 @@ class Kernels:
     argmax: Callable[[Any], Any]
     gguf_linear: Callable[[Any, Any, str, int], Any]
     decoder_stack: Callable[[Any], Callable[..., tuple[Any, Any] | None] | str]
+    vision_attention: Callable[[Any, Any, Any, Any, float], Any]
     prepare_linear: Callable[[Any], PreparedWeight | None] | None = None
     prepare_fp8_linear: Callable[[Any], PreparedWeight | None] | None = None
     prepare_gguf_linear: Callable[[Any, str], PreparedWeight | None] | None = None

@@ -94,6 +94,9 @@ def fdplug_register_ops(register):
     register(OpSpec(name="paddle_layer_by_layer", op="decoder_stack", devices=(ANY_DEVICE,),
                     factory=_op_factory("decoder_stack"),
                     description="no fused stack: each layer's ops run one by one through their selected kernels"))
+    register(OpSpec(name="paddle_vision_attention", op="vision_attention", devices=(ANY_DEVICE,),
+                    factory=_op_factory("vision_attention"),
+                    description="softmax attention per segment, equal-length segments batched in one matmul"))
     register(OpSpec(name=PORTABLE_LINEAR, op="linear", devices=(ANY_DEVICE,), factory=_op_factory("linear"),
                     description="one paddle matmul of the weights as stored (bf16 weights under float32 "
                                 "activations: cast first, a copy per call)"))

@@ -7,6 +7,7 @@ from typing import Any
 import paddle
 import paddle.nn.functional as F
 
+from fdplug.core.portable.vision_attention import vision_attention
 from fdplug.plugin_api.ops import Kernels
 
 
@@ -61,5 +62,5 @@ def decoder_stack(stack: Any) -> str:
 
 PORTABLE = Kernels(swiglu=swiglu, rms_norm=rms_norm, fp8_linear=fp8_linear, linear=linear,
                    add_rms_norm=add_rms_norm, rope=rope, argmax=argmax, gguf_linear=gguf_linear,
-                   decoder_stack=decoder_stack)
+                   decoder_stack=decoder_stack, vision_attention=vision_attention)
 """The table a model gets when nobody chose kernels for it (tests, tools)."""

@@ -1,7 +1,8 @@
-"""Vision towers in Paddle, and the image preprocessing that feeds them.
+"""Vision towers in Paddle, and the image preprocessing that feeds them. Their attention is the
+``vision_attention`` op (`fdplug.plugin_api.ops`; portable: `fdplug.core.portable.vision_attention`),
+which a device plugin may replace with a faster kernel.
 
     image_processing.py  bytes -> header probe (size, format), PIL -> patches (transformers' values)
-    segments.py          attention within windows / frames, batched by segment length
     qwen2_5_vl.py        Qwen2.5-VL's tower (windowed attention, 2-D RoPE, patch merger)
     tower.py             which tower a checkpoint has, loaded from its ``visual.`` tensors
     encoder.py           a picture's bytes -> its placeholder tokens' features

@@ -7,6 +7,7 @@ tower holds no state between calls, so several pictures may encode at once.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -15,8 +16,8 @@ from fdplug.core.vision.tower import load_tower
 
 
 class ImageEncoder:
-    def __init__(self, model_dir: str | Path, files: list[Path], spec: ImageSpec) -> None:
-        self.tower = load_tower(model_dir, files)
+    def __init__(self, model_dir: str | Path, files: list[Path], spec: ImageSpec, attention: Any) -> None:
+        self.tower = load_tower(model_dir, files, attention)
         self.spec = spec
 
     def __call__(self, data: bytes, name: str) -> np.ndarray:

@@ -17,6 +17,7 @@ One item at a time (the encoder cache holds items), float32.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +25,6 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
-from fdplug.core.vision.segments import segment_attention
 from fdplug.errors import ModelLoadError
 
 FULL_ATTENTION_BLOCKS = (7, 15, 23, 31)   # transformers' default (Qwen2.5-VL-7B's)
@@ -119,8 +119,10 @@ def rotary_angles(grid: tuple[int, int, int], cfg: VisionConfig) -> np.ndarray:
 class Qwen25VisionTower:
     """The tower's weights (float32 paddle tensors by name) and `encode`."""
 
-    def __init__(self, cfg: VisionConfig, weights: dict[str, Any]) -> None:
+    def __init__(self, cfg: VisionConfig, weights: dict[str, Any], attention: Callable[..., Any]) -> None:
+        """``attention``: the selected ``vision_attention`` op (`fdplug.plugin_api.ops`)."""
         self.cfg = cfg
+        self.attention = attention
         # linear weights [out, in] transposed once, for x @ w
         self.w = {name: value.t().contiguous() if len(value.shape) == 2 else value for name, value in weights.items()}
         self.patch_weight = weights["patch_embed.proj.weight"].reshape([cfg.hidden_size, -1]).t().contiguous()
@@ -155,7 +157,7 @@ class Qwen25VisionTower:
         qkv = F.linear(h, w[p + "attn.qkv.weight"], w[p + "attn.qkv.bias"]).reshape([0, 3, heads, -1])
         q, k, v = (qkv[:, i] for i in range(3))
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        attn = segment_attention(q, k, v, bounds, self.cfg.head_dim ** -0.5).reshape([0, -1])
+        attn = self.attention(q, k, v, bounds, self.cfg.head_dim ** -0.5).reshape([0, -1])
         x = x + F.linear(attn, w[p + "attn.proj.weight"], w[p + "attn.proj.bias"])
         h = _rms_norm(x, w[p + "norm2.weight"])
         gate = F.linear(h, w[p + "mlp.gate_proj.weight"], w[p + "mlp.gate_proj.bias"])

@@ -29,8 +29,9 @@ def language_name(name: str) -> str:
     return name.removeprefix("model.") if name.startswith("model.visual.") else name
 
 
-def load_tower(model_dir: str | Path, files: list[Path]) -> Any:
-    """The tower of the checkpoint in ``model_dir`` (its safetensors ``files``), float32 paddle tensors."""
+def load_tower(model_dir: str | Path, files: list[Path], attention: Any) -> Any:
+    """The tower of the checkpoint in ``model_dir`` (its safetensors ``files``), float32 paddle tensors;
+    ``attention``: the selected ``vision_attention`` op."""
     from safetensors import safe_open
 
     raw = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
@@ -62,4 +63,4 @@ def load_tower(model_dir: str | Path, files: list[Path]) -> Any:
     if missing:
         raise WeightMismatchError(f"{len(missing)} vision tensor(s) missing, first 'visual.{missing[0]}'.",
                                   tensor="visual." + missing[0], fix="download the checkpoint again.")
-    return tower_type(cfg, weights)
+    return tower_type(cfg, weights, attention)

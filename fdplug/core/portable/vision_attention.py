@@ -1,4 +1,5 @@
-"""Bidirectional attention within segments of a flat token sequence (a vision tower's windows, frames).
+"""The portable ``vision_attention`` op: bidirectional attention within segments of a flat token
+sequence (a vision tower's windows and frames).
 
 Segments of equal length are gathered into one batched matmul, so an image of many windows costs
 a handful of Paddle calls (its full windows, and the few cut at the right and bottom edges), not
@@ -14,7 +15,7 @@ import paddle
 import paddle.nn.functional as F
 
 
-def segment_attention(q: Any, k: Any, v: Any, bounds: np.ndarray, scale: float) -> Any:
+def vision_attention(q: Any, k: Any, v: Any, bounds: np.ndarray, scale: float) -> Any:
     """``q, k, v [N, heads, D]``; ``bounds``: segment boundaries ``[0, ..., N]`` -> ``[N, heads, D]``,
     each token attending to every token of its segment and to no other."""
     bounds = np.asarray(bounds, dtype=np.int64)
