@@ -75,7 +75,8 @@ def test_explain_a_bare_device_gets_the_core_components(tmp_path):
     assert names["ops"] == {"swiglu": "paddle_swiglu", "rms_norm": "paddle_rms_norm",
                             "fp8_linear": "paddle_fp8_linear", "linear": "paddle_linear",
                             "add_rms_norm": "paddle_add_rms_norm", "rope": "paddle_rope", "argmax": "paddle_argmax",
-                            "gguf_linear": "paddle_gguf_linear", "decoder_stack": "paddle_layer_by_layer"}
+                            "gguf_linear": "paddle_gguf_linear", "decoder_stack": "paddle_layer_by_layer",
+                            "vision_attention": "paddle_vision_attention"}
 
 
 def test_explain_unknown_component_exits_nonzero():

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fdplug.core.multimodal.positions import MRopeRule
-from fdplug.core.vision.image_processing import ImageSpec
 from fdplug.errors import InvalidRequestError, ModelLoadError, show_value
+
+if TYPE_CHECKING:   # (numpy: not imported before the engine process sets its scheduler slice)
+    from fdplug.core.multimodal.positions import MRopeRule
+    from fdplug.core.vision.image_processing import ImageSpec
 
 MASK_POLICIES = ("causal", "bidirectional_items")
 BIDIRECTIONAL_BY_DEFAULT = ("Ernie4_5_VLMoeForConditionalGeneration",)
@@ -52,6 +54,8 @@ class MultimodalConfig:
     def mrope_rule(self) -> MRopeRule:
         """Multimodal RoPE positions for this model's items; a video's temporal patch is taken to
         span one second (transformers' default without the processor's ``second_per_grid_ts``)."""
+        from fdplug.core.multimodal.positions import MRopeRule
+
         return MRopeRule(self.merge_size, self.tokens_per_second)
 
     def pad_token(self, modality: str) -> int:

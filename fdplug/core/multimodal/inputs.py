@@ -18,7 +18,6 @@ from typing import Any
 
 from fdplug.core.multimodal.config import MultimodalConfig
 from fdplug.core.multimodal.pictures import UrlFetcher, image_url_bytes, picture_hash, pil_bytes
-from fdplug.core.vision.image_processing import probe
 from fdplug.errors import InvalidRequestError, show_value
 from fdplug.plugin_api.scheduled_work import MMPlaceholder
 
@@ -40,6 +39,8 @@ class MMFeatureInput:
     @classmethod
     def picture(cls, data: bytes, name: str, mm_config: MultimodalConfig) -> MMFeatureInput:
         """A picture's item, its grid from the header (nothing is decoded here)."""
+        from fdplug.core.vision.image_processing import probe  # (numpy: only once a picture comes)
+
         check_pictures(mm_config, name)
         grid = mm_config.image_spec.grid(*probe(data, name))
         return cls("image", (), grid, mm_config.num_tokens("image", grid), picture_hash(data), data)

@@ -45,9 +45,20 @@ class RopeConfig:
     interleaved: bool = False
     partial: float = 1.0
     mrope_section: tuple[int, ...] = ()
-    """Multimodal RoPE (Qwen2-VL family): how many of the ``rotary_dim // 2`` frequencies rotate by
-    the temporal, height and width position of a token (each token then has three positions, equal
-    for text); empty: one position per token."""
+    """Multimodal RoPE: how many of the ``rotary_dim // 2`` frequencies rotate by the temporal,
+    height and width position of a token (each token then has three positions, equal for text);
+    empty: one position per token. `mrope_axes` says which frequency follows which."""
+    mrope_interleaved_hw: bool = False
+    """ERNIE-4.5-VL's assignment: ``mrope_section`` is (height, width, temporal) sizes, and the
+    first ``height + width`` frequencies alternate height, width; Qwen2-VL's: (temporal, height,
+    width) in consecutive runs."""
+
+    def mrope_axes(self) -> np.ndarray:
+        """The position axis (0 temporal, 1 height, 2 width) each rotary frequency rotates by."""
+        if not self.mrope_interleaved_hw:
+            return np.repeat(np.arange(3), self.mrope_section)
+        hw = self.mrope_section[0] + self.mrope_section[1]
+        return np.concatenate([1 + np.arange(hw) % 2, np.zeros(self.mrope_section[2], dtype=np.int64)])
     freq_factors: tuple[float, ...] = ()
     """Per-frequency divisors of the inverse frequencies, as a GGUF file stores Llama 3.1's scaling
     (``rope_freqs.weight``: llama.cpp's converter computes them from the ``llama3`` parameters, which
@@ -59,7 +70,8 @@ class RopeConfig:
 
 
 def parse_rope(raw: dict[str, Any], *, default_theta: float, max_position_embeddings: int,
-               interleaved: bool = False, default_partial: float = 1.0) -> RopeConfig:
+               interleaved: bool = False, default_partial: float = 1.0, mrope_interleaved_hw: bool = False,
+               default_mrope: tuple[int, ...] = ()) -> RopeConfig:
     """Read RoPE settings from an HF ``config.json`` dict, transformers 4.x or 5.x style.
 
     4.x keeps ``rope_theta`` at the top level and scaling in ``rope_scaling`` (``type`` or
@@ -70,7 +82,7 @@ def parse_rope(raw: dict[str, Any], *, default_theta: float, max_position_embedd
     params = dict(raw.get("rope_scaling") or raw.get("rope_parameters") or {})
     theta = params.get("rope_theta", raw.get("rope_theta", default_theta))
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
-    mrope = params.get("mrope_section")
+    mrope = params.get("mrope_section", default_mrope or None)
     if rope_type == "mrope":   # transformers 4.x's name for default RoPE with an mrope_section
         rope_type = "default"
     partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", default_partial))
@@ -88,7 +100,7 @@ def parse_rope(raw: dict[str, Any], *, default_theta: float, max_position_embedd
                           "partial": float(partial),
                           "original_max_position_embeddings": int(original)}
     if mrope is not None:
-        kw["mrope_section"] = _mrope_section(mrope)
+        kw["mrope_section"], kw["mrope_interleaved_hw"] = _mrope_section(mrope), mrope_interleaved_hw
     if rope_type == "linear":
         kw["factor"] = float(_need(params, "factor", rope_type))
     elif rope_type == "llama3":

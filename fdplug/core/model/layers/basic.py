@@ -115,16 +115,15 @@ class RotaryEmbedding(nn.Layer):
 
 
 class MRotaryEmbedding(RotaryEmbedding):
-    """Multimodal RoPE (Qwen2-VL family): each token has three positions (temporal, height, width)
-    and frequency ``f`` rotates by the one its ``mrope_section`` assigns it (the first ``s0``
-    frequencies the temporal, the next ``s1`` the height, the rest the width), in both halves of the
-    NeoX layout. The rows are picked from the same tables by masks of ones and zeros, so a text
+    """Multimodal RoPE (Qwen2-VL, ERNIE-4.5-VL): each token has three positions (temporal, height,
+    width) and frequency ``f`` rotates by the one `RopeConfig.mrope_axes` assigns it, in both halves
+    of the NeoX layout. The rows are picked from the same tables by masks of ones and zeros, so a text
     token (three equal positions) gets exactly `RotaryEmbedding`'s rows."""
 
     def __init__(self, rope: RopeConfig, head_dim: int, num_positions: int, dtype: str, heads: int = 1,
                  kernels: Kernels = PORTABLE) -> None:
         super().__init__(rope, head_dim, num_positions, dtype, heads, kernels)
-        axis = np.repeat(np.arange(3), rope.mrope_section)
+        axis = rope.mrope_axes()
         axis = np.concatenate([axis, np.full(head_dim // 2 - len(axis), 2)])   # partial rotary: passing dims
         masks = (np.tile(axis, 2)[None, :] == np.arange(3)[:, None]).astype(np.float32)
         self.register_buffer("axis_masks", paddle.to_tensor(masks[:, None, :]).astype(dtype), persistable=False)
