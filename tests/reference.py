@@ -30,16 +30,18 @@ def naive_greedy(llm, prompt: Sequence[int], max_tokens: int, spans: Sequence[tu
 
 
 def full_logits(llm, tokens: Sequence[int], features: Sequence[tuple[int, np.ndarray]] = (),
-                rope_positions: np.ndarray | None = None) -> np.ndarray:
+                rope_positions: np.ndarray | None = None, modality_rows: tuple | None = None) -> np.ndarray:
     """float32 logits ``[len(tokens), vocab]`` of every position, in one forward pass
-    (``rope_positions [3, T]``: multimodal RoPE's, else the token indices)."""
-    hidden = _full_forward(llm, list(tokens), (), features, rope_positions)
+    (``rope_positions [3, T]``: multimodal RoPE's, else the token indices; ``modality_rows``: the
+    text and vision rows of a model with modality experts)."""
+    hidden = _full_forward(llm, list(tokens), (), features, rope_positions, modality_rows)
     with paddle.no_grad():
         return llm.engine.runner.model.compute_logits(hidden).numpy()
 
 
 def _full_forward(llm, tokens: list[int], spans: Sequence[tuple[int, int]],
-                  features: Sequence[tuple[int, np.ndarray]], rope_positions: np.ndarray | None = None):
+                  features: Sequence[tuple[int, np.ndarray]], rope_positions: np.ndarray | None = None,
+                  modality_rows: tuple | None = None):
     """The final hidden states of ``tokens`` from a fresh cache, in one pass."""
     runner = llm.engine.runner
     cfg = runner.model_config
@@ -59,5 +61,6 @@ def _full_forward(llm, tokens: list[int], spans: Sequence[tuple[int, int]],
         embeds = paddle.to_tensor(rows)
     with paddle.no_grad():
         rope = positions if rope_positions is None else rope_positions
+        modality = None if modality_rows is None else tuple(paddle.to_tensor(r) for r in modality_rows)
         return runner.model(ids, paddle.to_tensor(rope), caches, runner.attn_backend.prepare(meta),
-                            inputs_embeds=embeds)
+                            inputs_embeds=embeds, modality_rows=modality)

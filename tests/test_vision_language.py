@@ -1,9 +1,10 @@
-"""Vision-language models end to end, against transformers: Qwen2.5-VL's language side (3-D RoPE
-positions), its Paddle vision tower and the image preprocessing, pictures in through ``LLM``.
+"""Vision-language models end to end, against transformers: the language sides of Qwen2.5-VL and
+ERNIE-4.5-VL (3-D RoPE positions; ERNIE's text and vision experts), their Paddle vision towers and
+the image preprocessing, pictures in through ``LLM``.
 
-The fixture (tests/fixtures/vision/qwen2_5_vl, `tools/make_vl_golden.py`) is a tiny random
-Qwen2.5-VL with transformers' pixel values, image features, 3-D positions, logits and greedy runs
-for three prompts: one image, two images, text only.
+The fixtures (tests/fixtures/vision/<model>, `tools/make_vl_golden.py`) are tiny random models with
+transformers' pixel values, image features, 3-D positions, logits and greedy runs for three
+prompts: one image, two images, text only.
 """
 
 from __future__ import annotations
@@ -13,50 +14,62 @@ import itertools
 import json
 import struct
 import zlib
+from functools import cache
 
 import numpy as np
 import pytest
 from PIL import Image
 
 from fdplug.core.frontend.llm import LLM
-from fdplug.core.multimodal.positions import MRopeRule
-from fdplug.core.vision.image_processing import ImageSpec, decode, patchify
+from fdplug.core.vision.image_processing import PIXEL_ARCHITECTURES, decode, patchify
+from fdplug.core.vision.tower import TOWERS
 from fdplug.errors import InvalidRequestError
 from fdplug.plugin_api.sampling_params import SamplingParams
 from fdplug.plugin_api.scheduled_work import MMPlaceholder
 from tests.conftest import REPO
 from tests.reference import full_logits
 
-VL = REPO / "tests" / "fixtures" / "vision" / "qwen2_5_vl"
-GOLD = json.loads((VL / "golden.json").read_text())
-CASES = GOLD["cases"]
-PAD = GOLD["token_ids"]["image_pad"]
+FIXTURES = REPO / "tests" / "fixtures" / "vision"
+MODELS = ["qwen2_5_vl", "ernie4_5_vl"]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
-def picture_bytes(name: str) -> bytes:
-    return (VL / GOLD["images"][name]["file"]).read_bytes()
+class Fixture:
+    """One model's fixture: its directory, transformers' records, and prompts made from them."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.dir = name, FIXTURES / name
+        self.gold = json.loads((self.dir / "golden.json").read_text())
+        self.cases = self.gold["cases"]
+        self.pad = self.gold["token_ids"]["image_pad"]
+
+    def picture_bytes(self, image: str) -> bytes:
+        return (self.dir / self.gold["images"][image]["file"]).read_bytes()
+
+    def collapse(self, ids: list[int]) -> list[int]:
+        """The prompt as a client sends it: one pad token per image (the engine widens it)."""
+        return [t for key, run in itertools.groupby(ids) for t in ([key] if key == self.pad else list(run))]
+
+    def prompt(self, case: dict, images: list | None = None) -> dict:
+        out = {"prompt_token_ids": self.collapse(case["prompt"])}
+        images = [Image.open(self.dir / self.gold["images"][n]["file"]) for n in case["images"]] \
+            if images is None else images
+        if images:
+            out["multi_modal_data"] = {"image": images}
+        return out
+
+    def make_llm(self, **kw) -> LLM:
+        return LLM(str(self.dir), **{"max_model_len": 256, "num_kv_blocks": 64, **kw})
 
 
-def collapse(ids: list[int]) -> list[int]:
-    """The prompt as a client sends it: one pad token per image (the engine widens it)."""
-    return [t for key, run in itertools.groupby(ids) for t in ([key] if key == PAD else list(run))]
-
-
-def prompt(case: dict, images: list | None = None) -> dict:
-    out = {"prompt_token_ids": collapse(case["prompt"])}
-    images = [Image.open(VL / GOLD["images"][n]["file"]) for n in case["images"]] if images is None else images
-    if images:
-        out["multi_modal_data"] = {"image": images}
-    return out
+QWEN = Fixture("qwen2_5_vl")
+# (the Qwen fixture's, for the tests of what both models share; the server test imports them)
+CASES, PAD, VL = QWEN.cases, QWEN.pad, QWEN.dir
+picture_bytes, collapse, prompt, make_llm = QWEN.picture_bytes, QWEN.collapse, QWEN.prompt, QWEN.make_llm
 
 
 def data_url(data: bytes, kind: str = "png") -> dict:
     return {"type": "image_url", "image_url": {"url": f"data:image/{kind};base64," + base64.b64encode(data).decode()}}
-
-
-def make_llm(**kw) -> LLM:
-    return LLM(str(VL), **{"max_model_len": 256, "num_kv_blocks": 64, **kw})
 
 
 class CountingEncoder:
@@ -71,9 +84,20 @@ class CountingEncoder:
         return self.inner(data, name)
 
 
-@pytest.fixture(scope="module")
+@cache
+def loaded(name: str) -> tuple[Fixture, LLM]:
+    fixture = Fixture(name)
+    return fixture, fixture.make_llm()
+
+
+@pytest.fixture(params=MODELS)
+def model(request) -> tuple[Fixture, LLM]:
+    return loaded(request.param)
+
+
+@pytest.fixture
 def llm() -> LLM:
-    return make_llm()
+    return loaded("qwen2_5_vl")[1]
 
 
 def tokens(llm: LLM, prompts: list[dict]) -> list[list[int]]:
@@ -83,21 +107,28 @@ def tokens(llm: LLM, prompts: list[dict]) -> list[list[int]]:
 # -- the parts, each against transformers ---------------------------------------------------------------
 
 
-def test_preprocessing_is_transformers_value_for_value():
-    patches, grid = patchify(decode(picture_bytes("image_a"), "a"), ImageSpec())
-    assert list(grid) == GOLD["images"]["image_a"]["image_grid_thw"]
-    np.testing.assert_allclose(patches, np.load(VL / "pixel_values_a.npy"), rtol=0, atol=1e-6)
-    patches, grid = patchify(decode(picture_bytes("image_b"), "b"), ImageSpec())
-    summary = GOLD["pixel_values_b"]
-    assert list(patches.shape) == summary["shape"] and list(grid) == GOLD["images"]["image_b"]["image_grid_thw"]
+def test_every_architecture_with_pixels_has_its_tower():
+    assert set(PIXEL_ARCHITECTURES) == set(TOWERS)
+
+
+def test_preprocessing_is_transformers_value_for_value(model):
+    fx, llm = model
+    spec = llm.model_config.multimodal.image_spec
+    patches, grid = patchify(decode(fx.picture_bytes("image_a"), "a"), spec)
+    assert list(grid) == fx.gold["images"]["image_a"]["image_grid_thw"]
+    np.testing.assert_allclose(patches, np.load(fx.dir / "pixel_values_a.npy"), rtol=0, atol=1e-6)
+    patches, grid = patchify(decode(fx.picture_bytes("image_b"), "b"), spec)
+    summary = fx.gold["pixel_values_b"]
+    assert list(patches.shape) == summary["shape"] and list(grid) == fx.gold["images"]["image_b"]["image_grid_thw"]
     np.testing.assert_allclose(patches.ravel()[summary["sample_index"]], summary["sample_value"], atol=1e-6)
     assert abs(float(np.abs(patches).sum(dtype=np.float64)) - summary["abs_sum"]) < 1e-6 * summary["abs_sum"]
 
 
-def test_the_vision_tower_gives_transformers_features(llm):
+def test_the_vision_tower_gives_transformers_features(model):
+    fx, llm = model
     for name, path in (("image_a", "features_a.npy"), ("image_b", "features_b.npy")):
-        want = np.load(VL / path)
-        got = llm.engine.runner.image_encoder(picture_bytes(name), name)
+        want = np.load(fx.dir / path)
+        got = llm.engine.runner.image_encoder(fx.picture_bytes(name), name)
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * float(np.abs(want).max()))
 
 
@@ -123,9 +154,10 @@ def items(case: dict) -> list[MMPlaceholder]:
 
 
 @pytest.mark.parametrize("index", [0, 1])
-def test_3d_positions_are_transformers_and_any_chunk_gets_its_own(index):
-    case, rule = CASES[index], MRopeRule(merge_size=2, video_interval=2.0)
-    want = np.load(VL / f"position_ids_{index}.npy").reshape(3, -1)
+def test_3d_positions_are_transformers_and_any_chunk_gets_its_own(model, index):
+    fx, llm = model
+    case, rule = fx.cases[index], llm.model_config.multimodal.mrope_rule()
+    want = np.load(fx.dir / f"position_ids_{index}.npy").reshape(3, -1)
     n = len(case["prompt"])
     assert np.array_equal(rule.positions(np.arange(n), items(case)), want)
     assert rule.position_delta(items(case)) == case["rope_delta"] == want.max() + 1 - n
@@ -138,18 +170,26 @@ def test_3d_positions_are_transformers_and_any_chunk_gets_its_own(index):
 
 
 @pytest.mark.parametrize("index", [0, 1, 2])
-def test_logits_match_transformers(llm, index):
-    case = CASES[index]
+def test_logits_match_transformers(model, index):
+    """Every prompt position; ERNIE's vision experts take the rows transformers' processor marks."""
+    fx, llm = model
+    case = fx.cases[index]
     encoder = llm.engine.runner.image_encoder
-    features = [(offset, encoder(picture_bytes(name), name)) for offset, name in zip(case["image_offsets"],
-                                                                                        case["images"])]
-    rope = MRopeRule(2, 2.0).positions(np.arange(len(case["prompt"])), items(case))
-    got = full_logits(llm, case["prompt"], features, rope)
-    np.testing.assert_allclose(got, np.load(VL / f"logits_{index}.npy"), rtol=0, atol=1e-4)
+    features = [(offset, encoder(fx.picture_bytes(name), name)) for offset, name in zip(case["image_offsets"],
+                                                                                           case["images"])]
+    rope = llm.model_config.multimodal.mrope_rule().positions(np.arange(len(case["prompt"])), items(case))
+    types = fx.dir / f"moe_token_types_{index}.npy"
+    modality = None
+    if types.is_file():
+        kinds = np.load(types).ravel()
+        modality = (np.flatnonzero(kinds == 0), np.flatnonzero(kinds != 0))
+    got = full_logits(llm, case["prompt"], features, rope, modality)
+    np.testing.assert_allclose(got, np.load(fx.dir / f"logits_{index}.npy"), rtol=0, atol=1e-4)
 
 
-def test_greedy_tokens_match_transformers(llm):
-    assert tokens(llm, [prompt(case) for case in CASES]) == [case["greedy"] for case in CASES]
+def test_greedy_tokens_match_transformers(model):
+    fx, llm = model
+    assert tokens(llm, [fx.prompt(case) for case in fx.cases]) == [case["greedy"] for case in fx.cases]
 
 
 # -- the engine around them -----------------------------------------------------------------------------
@@ -159,11 +199,12 @@ def test_greedy_tokens_match_transformers(llm):
     dict(max_num_batched_tokens=8, max_num_seqs=3),                      # chunks cut the images
     dict(max_model_len=128, num_kv_blocks=10, max_num_seqs=3, enable_prefix_caching=False),  # preempted
 ], ids=["chunked", "preempted"])
-def test_same_tokens_when_prefill_cuts_an_image_or_is_preempted(llm, engine_args):
+def test_same_tokens_when_prefill_cuts_an_image_or_is_preempted(model, engine_args):
+    fx, llm = model
     longer = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    want = [o.outputs[0].token_ids for o in llm.generate([prompt(c) for c in CASES], longer, use_tqdm=False)]
-    assert [w[:12] for w in want] == [case["greedy"] for case in CASES]
-    small = make_llm(**engine_args)
+    want = [o.outputs[0].token_ids for o in llm.generate([fx.prompt(c) for c in fx.cases], longer, use_tqdm=False)]
+    assert [w[:12] for w in want] == [case["greedy"] for case in fx.cases]
+    small = fx.make_llm(**engine_args)
     seen = []
     real = small.engine.runner.execute_model
 
@@ -174,7 +215,7 @@ def test_same_tokens_when_prefill_cuts_an_image_or_is_preempted(llm, engine_args
     small.engine.runner.execute_model = spy
     for _ in range(2):   # the second time every picture is in the encoder cache: all admitted at once
         before = small.engine.scheduler.num_preemptions
-        got = small.generate([prompt(case) for case in CASES], longer, use_tqdm=False)
+        got = small.generate([fx.prompt(case) for case in fx.cases], longer, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in got] == want
     if "num_kv_blocks" in engine_args:
         assert small.engine.scheduler.num_preemptions > before
@@ -182,28 +223,31 @@ def test_same_tokens_when_prefill_cuts_an_image_or_is_preempted(llm, engine_args
         assert max(seen) <= 8
 
 
-def test_a_repeated_picture_is_encoded_once_and_hits_the_prefix_cache():
-    llm = make_llm()
+@pytest.mark.parametrize("name", MODELS)
+def test_a_repeated_picture_is_encoded_once_and_hits_the_prefix_cache(name):
+    fx = Fixture(name)
+    llm = fx.make_llm()
     counter = CountingEncoder(llm)
-    first = llm.generate(prompt(CASES[1]), GREEDY, use_tqdm=False)[0]
-    again = llm.generate(prompt(CASES[1]), GREEDY, use_tqdm=False)[0]
-    assert first.outputs[0].token_ids == again.outputs[0].token_ids == CASES[1]["greedy"]
+    first = llm.generate(fx.prompt(fx.cases[1]), GREEDY, use_tqdm=False)[0]
+    again = llm.generate(fx.prompt(fx.cases[1]), GREEDY, use_tqdm=False)[0]
+    assert first.outputs[0].token_ids == again.outputs[0].token_ids == fx.cases[1]["greedy"]
     assert counter.calls == 2                         # image_b and image_a, each once
     assert again.num_cached_tokens >= 64              # past both images' blocks
-    other = Image.fromarray(255 - np.asarray(Image.open(VL / "image_a.png")))   # same size, other pixels
-    changed = llm.generate(prompt(CASES[0], [other]), GREEDY, use_tqdm=False)[0]
+    other = Image.fromarray(255 - np.asarray(Image.open(fx.dir / "image_a.png")))   # same size, other pixels
+    changed = llm.generate(fx.prompt(fx.cases[0], [other]), GREEDY, use_tqdm=False)[0]
     assert counter.calls == 3
-    assert changed.num_cached_tokens <= CASES[0]["image_offsets"][0]   # no block holding the image is shared
-    assert changed.outputs[0].token_ids != CASES[0]["greedy"]
+    assert changed.num_cached_tokens <= fx.cases[0]["image_offsets"][0]   # no block holding the image is shared
+    assert changed.outputs[0].token_ids != fx.cases[0]["greedy"]
 
 
-def test_pixels_and_their_features_give_the_same_tokens(llm, tmp_path):
+def test_pixels_and_their_features_give_the_same_tokens(model, tmp_path):
+    fx, llm = model
     path = tmp_path / "a.npy"
-    np.save(path, llm.engine.runner.image_encoder(picture_bytes("image_a"), "a"))
-    features = make_llm(allowed_feature_paths=(str(tmp_path),))
+    np.save(path, llm.engine.runner.image_encoder(fx.picture_bytes("image_a"), "a"))
+    features = fx.make_llm(allowed_feature_paths=(str(tmp_path),))
     part = {"type": "image_feature", "image_feature": {"url": path.as_uri(), "grid_thw": [1, 4, 6]}}
-    case = CASES[0]
-    out = features.generate({"prompt_token_ids": collapse(case["prompt"]), "mm_items": [part]}, GREEDY,
+    case = fx.cases[0]
+    out = features.generate({"prompt_token_ids": fx.collapse(case["prompt"]), "mm_items": [part]}, GREEDY,
                             use_tqdm=False)
     assert out[0].outputs[0].token_ids == case["greedy"]
 

@@ -32,7 +32,7 @@ from fdplug.core.model.layers.linear_shapes import LinearShape
 from fdplug.core.model.weight_slots import Slot, assign_pieces, hand_over_experts, weight_slots
 from fdplug.core.portable.ops import PORTABLE
 from fdplug.core.quant.fp8_rows import expand_scale_rows, fp8_rows
-from fdplug.core.vision.tower import VISION_PREFIX, language_name
+from fdplug.core.vision.tower import VISION_PREFIXES, language_name
 from fdplug.errors import ModelLoadError, WeightMismatchError
 from fdplug.plugin_api.ops import Kernels
 
@@ -160,7 +160,7 @@ def load_weights(model: DecoderForCausalLM, cfg: ModelConfig, files: list[Path],
         for name, read, shape, path in _iter_tensors(files):
             bar.update(1)
             name = language_name(name)
-            slot = None if name.startswith(VISION_PREFIX) else _claim(slots, name, cfg, path)
+            slot = None if name.startswith(VISION_PREFIXES) else _claim(slots, name, cfg, path)
             if slot is None:
                 continue
             if tuple(shape) != slot.shape:

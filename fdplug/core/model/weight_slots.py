@@ -93,7 +93,9 @@ def weight_slots(cfg: ModelConfig, fused_experts: bool = False) -> dict[str, Slo
             for name, (start, stop) in (("q", (0, heads)), ("k", (heads, heads + kv))):
                 slots[src + f"self_attn.{name}_norm.weight"] = Slot(dst + "self_attn.qk_norm.weight", (d,),
                                                                     "heads", start, stop, permute_qk)
-        if cfg.moe is not None and i in cfg.moe.layers:
+        if cfg.moe is not None and i in cfg.moe.layers and cfg.moe.vision is not None:
+            slots |= modality_moe_slots(cfg, src + "mlp.", dst + "mlp.")
+        elif cfg.moe is not None and i in cfg.moe.layers:
             slots |= moe_slots(cfg, src + "mlp.", dst + "mlp.", fused_experts)
         else:
             slots |= swiglu_slots(src + "mlp.", dst + "mlp.", hid, inter, cfg.mlp_bias, cfg.quant)
@@ -146,18 +148,44 @@ def moe_slots(cfg: ModelConfig, src: str, dst: str, fused_experts: bool) -> dict
                 slots[src + f"experts.{name}_scale_inv"] = Slot(dst + param + "_scale", (e, -(-n // bn), -(-k // bk)),
                                                                 "copy", 0, n, scale_rows=bn)
         return slots
-    for x in range(e):   # rows of the stacked [E * 2I, H] and [E * H, I] matrices
+    return slots | per_expert_slots(src, dst, e, inter, hid, quant)
+
+
+def per_expert_slots(src: str, dst: str, e: int, inter: int, hid: int, quant: QuantConfig | None = None,
+                     first: int = 0) -> dict[str, Slot]:
+    """Experts ``first..first+e-1`` stored one by one (``experts.X.gate_proj.weight``...) as rows of the
+    block's stacked ``[E * 2I, H]`` and ``[E * H, I]`` matrices (its experts ``0..e-1``)."""
+    slots = {}
+    for x in range(e):
         gate_rows, up_rows = (2 * x * inter, (2 * x + 1) * inter), ((2 * x + 1) * inter, (2 * x + 2) * inter)
         for name, rows, shape, param in (("gate", gate_rows, (inter, hid), "experts_gate_up"),
                                          ("up", up_rows, (inter, hid), "experts_gate_up"),
                                          ("down", (x * hid, (x + 1) * hid), (hid, inter), "experts_down")):
-            key = src + f"experts.{x}.{name}_proj."
+            key = src + f"experts.{first + x}.{name}_proj."
             slots[key + "weight"] = Slot(dst + param, shape, "stack", *rows)
             if quant is not None:
                 (bn, bk), (n, k) = quant.block, shape
                 slots[key + "weight_scale_inv"] = Slot(dst + param + "_scale", (-(-n // bn), -(-k // bk)), "stack",
                                                        *rows, scale_rows=bn)
     return slots
+
+
+def modality_moe_slots(cfg: ModelConfig, src: str, dst: str) -> dict[str, Slot]:
+    """ERNIE-4.5-VL's MoE MLP (`modality_moe.ModalityMoE`) as its checkpoint stores it: the text
+    experts ``0..E-1`` then the vision experts, routers ``gate.weight`` and ``gate.weight_1`` stored
+    ``[hidden, E]``, one ``[2, E]`` selection bias, the shared experts."""
+    moe, hid = cfg.moe, cfg.hidden_size
+    slots = {src + "gate.weight": Slot(dst + "text.router", (hid, moe.num_experts)),
+             src + "gate.weight_1": Slot(dst + "vision.router", (hid, moe.vision.num_experts))}
+    if moe.routing.bias:
+        slots[src + "moe_statics.e_score_correction_bias"] = Slot(dst + "e_score_correction_bias",
+                                                                  (2, moe.num_experts))
+    if moe.shared_intermediate_size:
+        slots |= swiglu_slots(src + "shared_experts.", dst + "shared_expert.", hid, moe.shared_intermediate_size,
+                              cfg.mlp_bias)
+    slots |= per_expert_slots(src, dst + "text.", moe.num_experts, moe.intermediate_size, hid)
+    return slots | per_expert_slots(src, dst + "vision.", moe.vision.num_experts, moe.vision.intermediate_size, hid,
+                                    first=moe.num_experts)
 
 
 def assign_pieces(param: Any, parts: list[tuple[Slot, Any]]) -> None:

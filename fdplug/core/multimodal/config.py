@@ -1,10 +1,11 @@
 """What a model declares about multimodal inputs: placeholder tokens, token counts, mask policy.
 
 Read from ``config.json`` with Qwen2-VL's key names (``image_token_id``, ``video_token_id``,
-``vision_start_token_id``, ``vision_end_token_id``, ``vision_config.spatial_merge_size``) plus
-``fdplug_mm_mask_policy``: ``causal`` (image tokens attend like text) or ``bidirectional_items``
-(every token of an image sees the whole image, as ERNIE-VL does; a video is bidirectional within
-each row of 2 frames).
+``vision_start_token_id``, ``vision_end_token_id``, ``vision_config.spatial_merge_size``; ERNIE-4.5-VL's
+``image_start_token_id``/``image_end_token_id``) plus ``fdplug_mm_mask_policy``: ``causal`` (image
+tokens attend like text: the default, as transformers runs Qwen2.5-VL and ERNIE-4.5-VL) or
+``bidirectional_items`` (every token of an image sees the whole image; a video is bidirectional
+within each row of 2 frames).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ if TYPE_CHECKING:   # (numpy: not imported before the engine process sets its sc
     from fdplug.core.vision.image_processing import ImageSpec
 
 MASK_POLICIES = ("causal", "bidirectional_items")
-BIDIRECTIONAL_BY_DEFAULT = ("Ernie4_5_VLMoeForConditionalGeneration",)
 TOKENS_PER_SECOND = {"Qwen2_5_VLForConditionalGeneration": 4.0}   # transformers' vision_config default
 
 
@@ -34,29 +34,31 @@ class MultimodalConfig:
     merge_size: int = 2   # a grid [t, h, w] of patches becomes t*h*w / merge_size**2 tokens
     tokens_per_second: float = 1.0   # multimodal RoPE: temporal positions a second of video spans
     image_spec: ImageSpec | None = None   # the vision tower's preprocessing, when fdplug runs the tower
+    temporal_merge: int = 1   # a video's temporal patches per token row (ERNIE-4.5-VL merges 2)
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any], architecture: str = "") -> MultimodalConfig | None:
         image, video = raw.get("image_token_id"), raw.get("video_token_id")
         if image is None and video is None:
             return None
-        default = "bidirectional_items" if architecture in BIDIRECTIONAL_BY_DEFAULT else "causal"
-        policy = raw.get("fdplug_mm_mask_policy", default)
+        policy = raw.get("fdplug_mm_mask_policy", "causal")
         if policy not in MASK_POLICIES:
             raise ModelLoadError(f"fdplug_mm_mask_policy {policy!r} in config.json is not one of {MASK_POLICIES}.",
                                  fix="set it to causal or bidirectional_items.")
         vision = raw.get("vision_config") or {}
         merge = int(vision.get("spatial_merge_size", 2))
         per_second = float(vision.get("tokens_per_second", TOKENS_PER_SECOND.get(architecture, 1.0)))
-        return cls(image, video, raw.get("vision_start_token_id"), raw.get("vision_end_token_id"), policy, merge,
-                   per_second)
+        start = raw.get("vision_start_token_id", raw.get("image_start_token_id"))   # (ERNIE-4.5-VL's names)
+        end = raw.get("vision_end_token_id", raw.get("image_end_token_id"))
+        temporal = int(vision.get("temporal_merge_size", 1))
+        return cls(image, video, start, end, policy, merge, per_second, temporal_merge=temporal)
 
     def mrope_rule(self) -> MRopeRule:
         """Multimodal RoPE positions for this model's items; a video's temporal patch is taken to
         span one second (transformers' default without the processor's ``second_per_grid_ts``)."""
         from fdplug.core.multimodal.positions import MRopeRule
 
-        return MRopeRule(self.merge_size, self.tokens_per_second)
+        return MRopeRule(self.merge_size, self.tokens_per_second, self.temporal_merge)
 
     def pad_token(self, modality: str) -> int:
         token = self.image_token_id if modality == "image" else self.video_token_id
@@ -65,7 +67,8 @@ class MultimodalConfig:
         return token
 
     def num_tokens(self, modality: str, grid_thw: Sequence[int]) -> int:
-        """Placeholder tokens of an item: t*h*w / merge²; h and w must be multiples of the merge size."""
+        """Placeholder tokens of an item: t*h*w / merge² (a video's t / temporal_merge); h and w must be
+        multiples of the merge size (t of the temporal merge)."""
         t, h, w = _grid(grid_thw)
         if h % self.merge_size or w % self.merge_size:
             raise InvalidRequestError(f"{modality} grid_thw {show_value(list(grid_thw))}: h and w must be multiples "
@@ -74,7 +77,12 @@ class MultimodalConfig:
         if modality == "image" and t != 1:
             raise InvalidRequestError(f"image grid_thw {show_value(list(grid_thw))} must have t == 1.",
                                       fix="use [1, h, w].")
-        return t * h * w // self.merge_size ** 2
+        if modality == "video" and t % self.temporal_merge:
+            raise InvalidRequestError(f"video grid_thw {show_value(list(grid_thw))}: t must be a multiple of the "
+                                      f"temporal merge size {self.temporal_merge}.", fix="send the grid the encoder "
+                                      "used.")
+        frames = t // self.temporal_merge if modality == "video" else t
+        return frames * h * w // self.merge_size ** 2
 
     def span_length(self, modality: str, grid_thw: Sequence[int]) -> int:
         """Bidirectional span size: 0 (causal), the whole image, or one temporal row (2 frames) of a video.

@@ -34,13 +34,15 @@ class MRopeRule:
 
     merge_size: int = 2
     video_interval: float = 1.0   # tokens_per_second * seconds per temporal patch
+    temporal_merge: int = 1       # a video's temporal patches per token row (ERNIE-4.5-VL: 2)
 
     def interval(self, item: MMPlaceholder) -> float:
         return self.video_interval if item.modality == "video" else 1.0
 
     def merged_grid(self, item: MMPlaceholder) -> tuple[int, int, int]:
         t, h, w = item.grid_thw
-        return t, h // self.merge_size, w // self.merge_size
+        frames = t // self.temporal_merge if item.modality == "video" else t
+        return frames, h // self.merge_size, w // self.merge_size
 
     def span(self, item: MMPlaceholder) -> int:
         """Positions the item occupies: its largest (t, h, w) offset + 1."""

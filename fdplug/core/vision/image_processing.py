@@ -32,7 +32,11 @@ FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 MAX_SOURCE_PIXELS = 64 * 1024 * 1024   # an image decoded larger than this is refused from its header
 MAX_ASPECT = 200
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 28 * 28 * 1280   # transformers' defaults
-PIXEL_ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration",)   # whose vision towers fdplug runs (`tower`)
+# whose vision towers fdplug runs (`tower`), and their processors' defaults that differ from Qwen2-VL's
+PIXEL_ARCHITECTURES: dict[str, dict[str, int]] = {
+    "Qwen2_5_VLForConditionalGeneration": {},
+    "Ernie4_5_VLMoeForConditionalGeneration": {"temporal_patch_size": 1, "max_pixels": 28 * 28 * 6177},
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,15 +52,17 @@ class ImageSpec:
     std: tuple[float, ...] = CLIP_STD
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path, vision: dict[str, Any]) -> ImageSpec:
+    def from_dir(cls, model_dir: str | Path, vision: dict[str, Any], architecture: str) -> ImageSpec:
         path = Path(model_dir) / "preprocessor_config.json"
         raw = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
         size = raw.get("size") or {}
+        own = PIXEL_ARCHITECTURES[architecture]
+        temporal = vision.get("temporal_patch_size", own.get("temporal_patch_size", 2))
         return cls(patch_size=int(raw.get("patch_size", vision.get("patch_size", 14))),
                    merge_size=int(raw.get("merge_size", vision.get("spatial_merge_size", 2))),
-                   temporal_patch_size=int(raw.get("temporal_patch_size", vision.get("temporal_patch_size", 2))),
+                   temporal_patch_size=int(raw.get("temporal_patch_size", temporal)),
                    min_pixels=int(raw.get("min_pixels", size.get("shortest_edge", MIN_PIXELS))),
-                   max_pixels=int(raw.get("max_pixels", size.get("longest_edge", MAX_PIXELS))),
+                   max_pixels=int(raw.get("max_pixels", size.get("longest_edge", own.get("max_pixels", MAX_PIXELS)))),
                    mean=tuple(raw.get("image_mean", CLIP_MEAN)), std=tuple(raw.get("image_std", CLIP_STD)))
 
     def grid(self, width: int, height: int) -> tuple[int, int, int]:

@@ -103,15 +103,15 @@ def window_order(grid: tuple[int, int, int], cfg: VisionConfig) -> tuple[np.ndar
     return order, bounds
 
 
-def rotary_angles(grid: tuple[int, int, int], cfg: VisionConfig) -> np.ndarray:
-    """``[patches, head_dim]`` rotary angles of each patch in block order: height, width, repeated."""
+def rotary_angles(grid: tuple[int, int, int], m: int, head_dim: int, theta: float) -> np.ndarray:
+    """``[patches, head_dim]`` rotary angles of each patch in block order (``m x m`` merge blocks):
+    height, width, repeated; every frame alike (the towers' axial 2-D RoPE)."""
     t, h, w = grid
-    m = cfg.spatial_merge_size
     hpos, wpos = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
     blocks = (h // m, m, w // m, m)
     hpos, wpos = (p.reshape(blocks).transpose(0, 2, 1, 3).ravel() for p in (hpos, wpos))
-    spatial = cfg.head_dim // 2
-    inv = 1.0 / cfg.rope_theta ** (np.arange(0, spatial, 2, dtype=np.float32) / spatial)
+    spatial = head_dim // 2
+    inv = 1.0 / theta ** (np.arange(0, spatial, 2, dtype=np.float32) / spatial)
     freqs = np.concatenate([hpos[:, None].astype(np.float32) * inv, wpos[:, None].astype(np.float32) * inv], axis=1)
     return np.tile(np.tile(freqs, (t, 1)), (1, 2))
 
@@ -135,9 +135,7 @@ class Qwen25VisionTower:
         patch_order = (order[:, None] * unit + np.arange(unit)).ravel()
         frame = grid[1] * grid[2]
         frame_bounds = np.arange(grid[0] + 1) * frame
-        angles = rotary_angles(grid, cfg)[patch_order]
-        cos = paddle.to_tensor(np.cos(angles))[:, None, :]
-        sin = paddle.to_tensor(np.sin(angles))[:, None, :]
+        cos, sin = rotary_tables(rotary_angles(grid, cfg.spatial_merge_size, cfg.head_dim, cfg.rope_theta)[patch_order])
         with paddle.no_grad():
             x = paddle.to_tensor(np.ascontiguousarray(patches[patch_order], dtype=np.float32)) @ self.patch_weight
             for b in range(cfg.depth):
@@ -156,7 +154,7 @@ class Qwen25VisionTower:
         h = _rms_norm(x, w[p + "norm1.weight"])
         qkv = F.linear(h, w[p + "attn.qkv.weight"], w[p + "attn.qkv.bias"]).reshape([0, 3, heads, -1])
         q, k, v = (qkv[:, i] for i in range(3))
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         attn = self.attention(q, k, v, bounds, self.cfg.head_dim ** -0.5).reshape([0, -1])
         x = x + F.linear(attn, w[p + "attn.proj.weight"], w[p + "attn.proj.bias"])
         h = _rms_norm(x, w[p + "norm2.weight"])
@@ -165,11 +163,16 @@ class Qwen25VisionTower:
         return x + F.linear(F.silu(gate) * up, w[p + "mlp.down_proj.weight"], w[p + "mlp.down_proj.bias"])
 
 
+def rotary_tables(angles: np.ndarray) -> tuple[Any, Any]:
+    """``cos``, ``sin`` ``[patches, 1, head_dim]`` (broadcast over the heads)."""
+    return paddle.to_tensor(np.cos(angles))[:, None, :], paddle.to_tensor(np.sin(angles))[:, None, :]
+
+
+def rotate(x: Any, cos: Any, sin: Any) -> Any:
+    """NeoX rotation of ``x [N, heads, D]``: ``x * cos + rotate_half(x) * sin``."""
+    half = x.shape[-1] // 2
+    return x * cos + paddle.concat([-x[..., half:], x[..., :half]], axis=-1) * sin
+
+
 def _rms_norm(x: Any, weight: Any, eps: float = 1e-6) -> Any:
     return weight * (x * paddle.rsqrt(x.pow(2).mean(axis=-1, keepdim=True) + eps))
-
-
-def _rotate(x: Any, cos: Any, sin: Any) -> Any:
-    half = x.shape[-1] // 2
-    rotated = paddle.concat([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos + rotated * sin

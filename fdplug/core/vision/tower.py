@@ -13,33 +13,38 @@ from typing import Any
 
 import paddle
 
+from fdplug.core.vision.ernie4_5_vl import Ernie45VisionTower, ErnieVisionConfig
 from fdplug.core.vision.qwen2_5_vl import Qwen25VisionTower, VisionConfig
 from fdplug.errors import UnsupportedModelError, WeightMismatchError
 
-TOWERS = {"Qwen2_5_VLForConditionalGeneration": (VisionConfig, Qwen25VisionTower)}
-VISION_PREFIX = "visual."
+# architecture -> (its config, its tower, the prefix its weight names drop)
+TOWERS = {"Qwen2_5_VLForConditionalGeneration": (VisionConfig, Qwen25VisionTower, "visual."),
+          "Ernie4_5_VLMoeForConditionalGeneration": (ErnieVisionConfig, Ernie45VisionTower, "")}
+# the vision side's tensors: Qwen2.5-VL's tower; ERNIE-4.5-VL's tower and resampler
+VISION_PREFIXES = ("visual.", "vision_model.", "resampler_model.")
 
 
 def language_name(name: str) -> str:
     """A checkpoint tensor's name as fdplug reads it: transformers 5 saves a vision-language model's
-    language side under ``model.language_model.`` and its tower under ``model.visual.`` (the
-    original checkpoints: ``model.`` and ``visual.``); the language loader leaves ``visual.`` here."""
+    language side under ``model.language_model.`` and Qwen2.5-VL's tower under ``model.visual.`` (the
+    original checkpoints: ``model.`` and ``visual.``; ERNIE-4.5-VL's: ``model.vision_model.`` and
+    ``model.resampler_model.``); the language loader leaves the `VISION_PREFIXES` here."""
     if name.startswith("model.language_model."):
         return "model." + name.removeprefix("model.language_model.")
-    return name.removeprefix("model.") if name.startswith("model.visual.") else name
+    stripped = name.removeprefix("model.")
+    return stripped if stripped.startswith(VISION_PREFIXES) else name
 
 
-def load_tower(model_dir: str | Path, files: list[Path], attention: Any) -> Any:
-    """The tower of the checkpoint in ``model_dir`` (its safetensors ``files``), float32 paddle tensors;
-    ``attention``: the selected ``vision_attention`` op."""
+def load_tower(model_dir: str | Path, files: list[Path], architecture: str, attention: Any) -> Any:
+    """The tower of the ``architecture`` checkpoint in ``model_dir`` (its safetensors ``files``), float32
+    paddle tensors; ``attention``: the selected ``vision_attention`` op."""
     from safetensors import safe_open
 
     raw = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
-    arch = next((name for name in raw.get("architectures") or () if name in TOWERS), None)
-    if arch is None:
-        raise UnsupportedModelError(f"no vision tower for architectures {raw.get('architectures')}; fdplug runs "
-                                    f"the towers of {', '.join(TOWERS)}.", fix="send pre-encoded features instead.")
-    config_type, tower_type = TOWERS[arch]
+    if architecture not in TOWERS:
+        raise UnsupportedModelError(f"no vision tower for {architecture}; fdplug runs the towers of "
+                                    f"{', '.join(TOWERS)}.", fix="send pre-encoded features instead.")
+    config_type, tower_type, strip = TOWERS[architecture]
     cfg = config_type.from_hf(raw)
     shapes = cfg.weight_shapes()
     weights: dict[str, Any] = {}
@@ -47,9 +52,9 @@ def load_tower(model_dir: str | Path, files: list[Path], attention: Any) -> Any:
         with safe_open(str(path), framework="numpy") as f:
             for stored in f.keys():
                 name = language_name(stored)
-                if not name.startswith(VISION_PREFIX):
+                if not name.startswith(VISION_PREFIXES):
                     continue
-                name = name.removeprefix(VISION_PREFIX)
+                name = name.removeprefix(strip)
                 if name not in shapes:
                     raise WeightMismatchError(f"unexpected vision tensor {stored!r} in {path.name}.", tensor=stored,
                                               fix="check that config.json's vision_config matches the checkpoint.")
@@ -61,6 +66,6 @@ def load_tower(model_dir: str | Path, files: list[Path], attention: Any) -> Any:
                 weights[name] = paddle.to_tensor(array.astype("float32"))
     missing = sorted(set(shapes) - set(weights))
     if missing:
-        raise WeightMismatchError(f"{len(missing)} vision tensor(s) missing, first 'visual.{missing[0]}'.",
-                                  tensor="visual." + missing[0], fix="download the checkpoint again.")
+        raise WeightMismatchError(f"{len(missing)} vision tensor(s) missing, first {strip + missing[0]!r}.",
+                                  tensor=strip + missing[0], fix="download the checkpoint again.")
     return tower_type(cfg, weights, attention)

@@ -66,3 +66,25 @@ def mrope_positions(batch: Any, rule: MRopeRule, positions: np.ndarray, token_sl
         raise RequestStepError([batch.req_id[s] for s in slots], f"multimodal RoPE positions reach "
                                f"{int(out.max())}, past the {num_positions} the model's tables hold")
     return out
+
+
+def modality_rows(batch: Any, mm: Any, slots: np.ndarray, start: np.ndarray,
+                  query_start: np.ndarray) -> tuple[np.ndarray | None, np.ndarray] | None:
+    """The text and the vision rows of a step, for modality experts (ERNIE-4.5-VL): an item's tokens
+    and the start and end tokens around it are vision, as its processor marks them; None: no
+    vision row this step."""
+    vision = []
+    for i, slot in enumerate(slots):
+        lo, hi = int(start[i]), int(start[i] + query_start[i + 1] - query_start[i])
+        for item in batch.mm_positions[slot]:
+            tokens = batch.token_ids[slot]
+            first = item.offset - (item.offset > 0 and tokens[item.offset - 1] == mm.vision_start_token_id)
+            end = item.end + (tokens[item.end] == mm.vision_end_token_id)
+            a, b = max(lo, first), min(hi, end)
+            if a < b:
+                vision.append(np.arange(a, b) - lo + query_start[i])
+    if not vision:
+        return None
+    rows = np.concatenate(vision)
+    text = np.setdiff1d(np.arange(int(query_start[-1])), rows)
+    return (text if len(text) else None), rows

@@ -11,7 +11,6 @@ import logging
 import time
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
 
 import numpy as np
 
@@ -26,49 +25,23 @@ from fdplug.core.worker.kv_cache import (
     bytes_per_block,
     plan_kv_cache,
 )
-from fdplug.core.worker.mm_inputs import mm_embeddings, mrope_positions, rope_slot_values, span_offsets
+from fdplug.core.worker.load_checks import check_weights_fit, expert_parallel_group
+from fdplug.core.worker.mm_inputs import (
+    mm_embeddings,
+    modality_rows,
+    mrope_positions,
+    rope_slot_values,
+    span_offsets,
+)
 from fdplug.core.worker.sampling import plain_greedy, sampled_logprobs, sampling_metadata
-from fdplug.errors import ConfigError
 from fdplug.plugin_api.attention import AttentionMetadata, cdiv
-from fdplug.plugin_api.model_runner import KVCachePlan, ModelInfo, ModelRunnerOutput, format_bytes
+from fdplug.plugin_api.model_runner import KVCachePlan, ModelInfo, ModelRunnerOutput
 from fdplug.plugin_api.ops import PREPARED_OPS, Kernels
 from fdplug.plugin_api.paddle import import_paddle
 from fdplug.plugin_api.scheduled_work import NewRequestData, SchedulerOutput
 from fdplug.plugin_api.selection import Selection
 
 logger = logging.getLogger("fdplug")
-
-
-def check_weights_fit(cfg: Any, dtype: str, selection: Selection, expert_shards: int = 1) -> Any:
-    """The weights' footprint from config.json (``expert_shards``: the routed experts split over
-    that many ranks); a ConfigError with the numbers, before anything is read, if the device has
-    less free memory than they need."""
-    from fdplug.core.model.checkpoint.footprint import weight_footprint
-
-    footprint = weight_footprint(cfg, dtype, expert_shards)
-    free = selection.device.free_memory(0) if selection.device.free_memory else None
-    if free is not None and footprint.total_bytes > free:
-        raise ConfigError(f"the model's weights need {footprint.describe(cfg)} as {dtype}, but only "
-                          f"{format_bytes(free)} are free on device {selection.device.name!r}.",
-                          fix="use a device with more memory, a smaller model, or free memory on this one.")
-    return footprint
-
-
-def expert_parallel_group(config: EngineConfig, cfg: Any) -> Any:
-    """This engine's expert-parallel group (`lockstep.current_group`), None when it runs alone; a
-    ConfigError when ``expert_parallel_size`` asks for one this process is not part of."""
-    from fdplug.core.parallel.lockstep import current_group
-
-    if config.expert_parallel_size == 1:
-        return None
-    group = current_group()
-    if group is None or group.size != config.expert_parallel_size:
-        raise ConfigError(f"expert_parallel_size={config.expert_parallel_size}, but this process is not a rank of "
-                          "such a group.", fix="run expert parallel through `fdplug serve --expert-parallel-size N`.")
-    if cfg.moe is None:
-        raise ConfigError(f"--expert-parallel-size {group.size} shards a MoE model's experts, and "
-                          f"{cfg.architecture} has none.", fix="use --data-parallel-size for a dense model.")
-    return group
 
 
 @dataclass(slots=True)
@@ -84,6 +57,7 @@ class StepInputs:
     mm_rows: np.ndarray | None = None      # token rows whose embedding is a feature row
     mm_values: np.ndarray | None = None    # [len(mm_rows), hidden] those feature rows
     rope_positions: np.ndarray | None = None   # [3, T] with multimodal RoPE (`meta` keeps the token indices)
+    modality_rows: tuple | None = None     # modality experts: (text rows, vision rows)
 
 
 class ModelRunner:
@@ -133,7 +107,7 @@ class ModelRunner:
             from fdplug.core.vision.encoder import ImageEncoder
 
             self.image_encoder = ImageEncoder(self.config.model_dir, weight_files(self.config.model_dir),
-                                              mm.image_spec, kernels.vision_attention)
+                                              self.model_config.architecture, mm.image_spec, kernels.vision_attention)
         logger.info(attach_stack(self.model, kernels, self.selection))
         # The routed experts live in the MoE backend's layout, not as parameters: count them as loaded.
         params = sum(int(np.prod(p.shape)) * p.element_size() for p in self.model.parameters())
@@ -173,7 +147,10 @@ class ModelRunner:
             if inputs.mm_rows is not None:  # features replace their placeholders' embeddings
                 embeds = paddle.scatter(self.model.embed(input_ids), paddle.to_tensor(inputs.mm_rows),
                                         paddle.to_tensor(inputs.mm_values).astype(self.config.dtype))
-            hidden = self.model(input_ids, positions, self.kv_caches, prepared, inputs_embeds=embeds)
+            modality = None if inputs.modality_rows is None else \
+                tuple(None if rows is None else paddle.to_tensor(rows) for rows in inputs.modality_rows)
+            hidden = self.model(input_ids, positions, self.kv_caches, prepared, inputs_embeds=embeds,
+                                modality_rows=modality)
             if len(inputs.logits_rows) == 0:
                 return ModelRunnerOutput({}, timings={"prepare": t1 - t0, "forward": time.perf_counter() - t1})
             rows = hidden if len(inputs.logits_rows) == hidden.shape[0] else \
@@ -280,9 +257,12 @@ class ModelRunner:
             if so.mm_features else (None, None)
         rope = None if self.mrope is None else mrope_positions(batch, self.mrope, positions, token_slots,
                                                                self.config.max_model_len)
+        mm = self.model_config.multimodal
+        modality = modality_rows(batch, mm, slots, start, query_start) if self.model_config.moe is not None and \
+            self.model_config.moe.vision is not None else None
         return StepInputs(req_ids, slots, batch.token_ids[token_slots, positions], positions, meta,
                           query_start[1:][samples] - 1, slots[samples],
-                          [r for r, s in zip(req_ids, samples) if s], mm_rows, mm_values, rope)
+                          [r for r, s in zip(req_ids, samples) if s], mm_rows, mm_values, rope, modality)
 
     def _record_sampled(self, inputs: StepInputs, sampled: np.ndarray) -> None:
         batch = self.batch

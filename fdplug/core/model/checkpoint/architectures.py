@@ -32,6 +32,8 @@ class Arch:
     qk_norm: _Rule = False
     interleaved_rope: bool = False
     default_partial_rotary: float = 1.0
+    mrope_interleaved_hw: bool = False       # ERNIE-4.5-VL's multimodal RoPE (`rope.RopeConfig.mrope_axes`)
+    default_mrope: tuple[int, ...] = ()      # its mrope_section when config.json has none
 
 
 ARCHITECTURES: dict[str, Arch] = {
@@ -61,10 +63,14 @@ ARCHITECTURES |= {
     # takes head_dim = hidden_size // heads (Hub configs have no head_dim).
     "Qwen2_5_VLForConditionalGeneration": replace(ARCHITECTURES["Qwen2ForCausalLM"], default_theta=1000000.0,
                                                   default_kv_heads=8, default_eps=1e-5),
+    # ERNIE-4.5-VL: ERNIE-4.5-MoE's attention with 3-D RoPE, and text and vision experts (`moe_config`)
+    "Ernie4_5_VLMoeForConditionalGeneration": replace(ARCHITECTURES["Ernie4_5_MoeForCausalLM"], default_kv_heads=4,
+                                                      mrope_interleaved_hw=True, default_mrope=(22, 22, 20)),
 }
 
 # Names the same architecture goes by (Baidu's remote-code configs say Ernie4_5_ForCausalLM).
-ALIASES = {"Ernie4_5_ForCausalLM": "Ernie4_5ForCausalLM"}
+ALIASES = {"Ernie4_5_ForCausalLM": "Ernie4_5ForCausalLM",
+           "Ernie4_5_VL_MoeForConditionalGeneration": "Ernie4_5_VLMoeForConditionalGeneration"}
 
 
 def pick_architecture(raw: dict[str, Any]) -> tuple[str, Arch]:

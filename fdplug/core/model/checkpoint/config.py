@@ -107,7 +107,7 @@ class ModelConfig:
         gen_path = model_dir / "generation_config.json"
         cfg = cls.from_dict(raw, _read_json(gen_path) if gen_path.is_file() else None)
         if cfg.multimodal is not None and cfg.architecture in PIXEL_ARCHITECTURES:   # fdplug runs its vision tower
-            spec = ImageSpec.from_dir(model_dir, raw.get("vision_config") or {})
+            spec = ImageSpec.from_dir(model_dir, raw.get("vision_config") or {}, cfg.architecture)
             cfg.multimodal = dataclasses.replace(cfg.multimodal, image_spec=spec)
         cfg.quant = with_quantization(cfg.quant, quantization)
         return cfg
@@ -152,7 +152,8 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=float(raw.get("rms_norm_eps", arch.default_eps)),
             rope=parse_rope(raw, default_theta=arch.default_theta, max_position_embeddings=max_pos,
-                            interleaved=arch.interleaved_rope, default_partial=arch.default_partial_rotary),
+                            interleaved=arch.interleaved_rope, default_partial=arch.default_partial_rotary,
+                            mrope_interleaved_hw=arch.mrope_interleaved_hw, default_mrope=arch.default_mrope),
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", arch.default_tie)),
             attention_bias=flag(raw, arch.qkv_bias),

@@ -8,7 +8,7 @@ config.json leaves out are transformers' own, as everywhere in `fdplug.core.mode
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fdplug.errors import ModelLoadError
@@ -30,10 +30,14 @@ class MoEConfig:
     layers: tuple[int, ...]
     shared_intermediate_size: int = 0
     shared_gate: bool = False
+    vision: MoEConfig | None = None
+    """Modality experts (ERNIE-4.5-VL): the experts, width and routing of the vision tokens, which
+    never reach the experts above (the text tokens'); the shared experts serve both."""
 
     def expert_parameters(self, hidden_size: int) -> int:
         """Parameters of the routed experts in all MoE layers (gate, up and down of each expert)."""
-        return len(self.layers) * self.num_experts * 3 * self.intermediate_size * hidden_size
+        own = len(self.layers) * self.num_experts * 3 * self.intermediate_size * hidden_size
+        return own + (self.vision.expert_parameters(hidden_size) if self.vision is not None else 0)
 
 
 def _int(raw: dict[str, Any], key: str, default: int) -> int:
@@ -93,6 +97,35 @@ def _ernie4_5_moe(raw: dict[str, Any], num_layers: int) -> MoEConfig | None:
                      shared_intermediate_size=width * _int(raw, "moe_num_shared_experts", 2))
 
 
+def _ernie4_5_vl_moe(raw: dict[str, Any], num_layers: int) -> MoEConfig | None:
+    """ERNIE-4.5-VL: ERNIE-4.5-MoE's routing, twice: text experts for text tokens, vision experts
+    (their own count and width: ``moe_num_experts`` and ``moe_intermediate_size`` may be
+    [text, vision] pairs) for an item's tokens; the sparse layers are ``mlp_layer_types``' (else
+    ERNIE-4.5-MoE's rule)."""
+    text = _ernie4_5_moe(raw | {"moe_num_experts": _pair(raw, "moe_num_experts", 64)[0],
+                                "moe_intermediate_size": _pair(raw, "moe_intermediate_size", (1536, 512))[0]},
+                         num_layers)
+    types = raw.get("mlp_layer_types")
+    if isinstance(types, list):
+        layers = tuple(i for i, kind in enumerate(types[:num_layers]) if kind == "sparse")
+    else:
+        layers = text.layers if text is not None else ()
+    if text is None or not layers:
+        return None
+    experts, width = _pair(raw, "moe_num_experts", 64)[1], _pair(raw, "moe_intermediate_size", (1536, 512))[1]
+    return replace(text, layers=layers, vision=MoEConfig(experts, width, text.routing, layers))
+
+
+def _pair(raw: dict[str, Any], key: str, default: int | tuple[int, int]) -> tuple[int, int]:
+    """A (text, vision) pair from an int (both) or a two-element list."""
+    value = raw.get(key, default)
+    values = value if isinstance(value, (list, tuple)) else (value, value)
+    if len(values) != 2:
+        raise ModelLoadError(f"config.json's {key!r} must be an integer or a [text, vision] pair (got {value!r}).",
+                             fix="fix the model's config.json (compare with the original checkpoint's).")
+    return _int({key: values[0]}, key, 0), _int({key: values[1]}, key, 0)
+
+
 def _glm4_moe(raw: dict[str, Any], num_layers: int) -> MoEConfig | None:
     """GLM-4.5-MoE: layers from ``first_k_dense_replace`` on; grouped sigmoid routing in float32
     (selection bias, ``topk_group`` of ``n_group`` groups), renormalised when ``norm_topk_prob``
@@ -121,6 +154,7 @@ PARSERS: dict[str, Callable[[dict[str, Any], int], MoEConfig | None]] = {
     "Qwen3MoeForCausalLM": _qwen3_moe,
     "Ernie4_5_MoeForCausalLM": _ernie4_5_moe,
     "Glm4MoeForCausalLM": _glm4_moe,
+    "Ernie4_5_VLMoeForConditionalGeneration": _ernie4_5_vl_moe,
 }
 
 
@@ -128,10 +162,12 @@ def parse_moe(raw: dict[str, Any], architecture: str, num_layers: int) -> MoECon
     """The checkpoint's MoE config, None for a dense model (or a MoE one whose layers are all dense)."""
     parser = PARSERS.get(architecture)
     moe = parser(raw, num_layers) if parser else None
-    if moe is not None:
-        problems = moe.routing.problems(moe.num_experts)
-        if moe.intermediate_size <= 0:
-            problems.append(f"moe_intermediate_size={moe.intermediate_size} must be positive")
+    for part in (moe, moe.vision if moe is not None else None):
+        if part is None:
+            continue
+        problems = part.routing.problems(part.num_experts)
+        if part.intermediate_size <= 0:
+            problems.append(f"moe_intermediate_size={part.intermediate_size} must be positive")
         if problems:
             raise ModelLoadError(f"{architecture}'s MoE config is inconsistent: {'; '.join(problems)}.",
                                  fix="fix the model's config.json (compare with the original checkpoint's).")

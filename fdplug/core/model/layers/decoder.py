@@ -22,6 +22,7 @@ from fdplug.core.model.checkpoint.quant_config import fused_quant, mlp_quant
 from fdplug.core.model.layers.basic import MRotaryEmbedding, RMSNorm, RotaryEmbedding, SwiGLU, make_linear
 from fdplug.core.model.layers.gguf_linear import embedding_rows
 from fdplug.core.model.layers.linear import Linear, empty_parameter
+from fdplug.core.model.layers.modality_moe import ModalityMoE
 from fdplug.core.model.layers.moe_block import SparseMoEBlock
 from fdplug.core.portable.ops import PORTABLE
 from fdplug.plugin_api.ops import Kernels
@@ -69,7 +70,10 @@ class DecoderLayer(nn.Layer):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
         self.self_attn = Attention(cfg, attn_backend, dtype, kernels, prefix)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
-        if moe_backend is not None:
+        if moe_backend is not None and cfg.moe.vision is not None:
+            self.mlp = ModalityMoE(cfg.hidden_size, cfg.moe, moe_backend, dtype, kernels, cfg.mlp_bias, prefix,
+                                   cfg.bf16_weights)
+        elif moe_backend is not None:
             self.mlp = SparseMoEBlock(cfg.hidden_size, cfg.moe, moe_backend, dtype, kernels, cfg.quant, prefix,
                                       cfg.bf16_weights, expert_parallel)
         else:
@@ -77,7 +81,7 @@ class DecoderLayer(nn.Layer):
                               mlp_quant(cfg.quant, prefix + "mlp."), cfg.bf16_weights)
 
     def forward(self, x: Any, residual: Any | None, cos: Any, sin: Any, rope: RotaryEmbedding,
-                kv_cache: tuple[Any, Any], prepared: Any) -> tuple[Any, Any]:
+                kv_cache: tuple[Any, Any], prepared: Any, modality_rows: Any = None) -> tuple[Any, Any]:
         """``x``: the previous block's output, ``residual``: the stream it adds to (None before the
         first layer: ``x`` is the embedding) -> this layer's MLP output and the stream before it.
 
@@ -90,7 +94,7 @@ class DecoderLayer(nn.Layer):
             h, residual = self.input_layernorm.add(x, residual)
         h = self.self_attn(h, cos, sin, rope, kv_cache, prepared)
         h, residual = self.post_attention_layernorm.add(h, residual)
-        return self.mlp(h), residual
+        return (self.mlp(h, modality_rows) if isinstance(self.mlp, ModalityMoE) else self.mlp(h)), residual
 
 
 class DecoderForCausalLM(nn.Layer):
@@ -158,20 +162,21 @@ class DecoderForCausalLM(nn.Layer):
         return h.astype(self.dtype_name) if self.config.bf16_weights else h
 
     def forward(self, input_ids: Any, positions: Any, kv_caches: list[tuple[Any, Any]], attn_prepared: Any,
-                inputs_embeds: Any | None = None) -> Any:
+                inputs_embeds: Any | None = None, modality_rows: Any = None) -> Any:
         """``input_ids [T]``, ``positions [T]`` (int64; ``[3, T]`` with multimodal RoPE) -> final hidden
         states ``[T, hidden]``.
 
         ``kv_caches[i]`` is layer ``i``'s ``(key_cache, value_cache)`` in the backend's layout;
-        ``attn_prepared`` is ``backend.prepare(meta)`` for this step.
+        ``attn_prepared`` is ``backend.prepare(meta)`` for this step. ``modality_rows``: the text and
+        the vision rows of a model with modality experts (`modality_moe.ModalityMoE`).
         """
         if self.expert_parallel is None:
-            return self._forward(input_ids, positions, kv_caches, attn_prepared, inputs_embeds)
+            return self._forward(input_ids, positions, kv_caches, attn_prepared, inputs_embeds, modality_rows)
         with self.expert_parallel.forward_pass(int((input_ids if inputs_embeds is None else inputs_embeds).shape[0])):
-            return self._forward(input_ids, positions, kv_caches, attn_prepared, inputs_embeds)
+            return self._forward(input_ids, positions, kv_caches, attn_prepared, inputs_embeds, modality_rows)
 
     def _forward(self, input_ids: Any, positions: Any, kv_caches: list[tuple[Any, Any]], attn_prepared: Any,
-                 inputs_embeds: Any | None) -> Any:
+                 inputs_embeds: Any | None, modality_rows: Any = None) -> Any:
         cos, sin = self.rotary.lookup(positions)
         h = inputs_embeds
         if self.fused_stack is not None:
@@ -183,7 +188,7 @@ class DecoderForCausalLM(nn.Layer):
         h = self.embed(input_ids) if h is None else h
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            h, residual = layer(h, residual, cos, sin, self.rotary, kv_cache, attn_prepared)
+            h, residual = layer(h, residual, cos, sin, self.rotary, kv_cache, attn_prepared, modality_rows)
         return self.norm(h) if residual is None else self.norm.add(h, residual)[0]
 
     def compute_logits(self, hidden: Any) -> Any:

@@ -126,12 +126,14 @@ class SparseMoEBlock(nn.Layer):
         self.experts = self.backend.load_weights(weights)
         self.experts_down = None
 
-    def forward(self, x: Any) -> Any:
+    def forward(self, x: Any, correction_bias: Any = None) -> Any:
+        """``correction_bias``: the selection bias ``[1, E]`` when its owner holds it (`modality_moe`)."""
         if self.experts is None:
             raise RuntimeError("the MoE experts were never loaded (a loader bug)")
         router_in = x if x.dtype == self.router.dtype else x.astype(self.router_dtype)
         logits = paddle.matmul(router_in, self.router)
-        weights, ids = select_experts(logits, self.routing, self.e_score_correction_bias)
+        bias = self.e_score_correction_bias if correction_bias is None else correction_bias
+        weights, ids = select_experts(logits, self.routing, bias)
         if self.expert_parallel is None:
             out = self.backend.forward(x, weights, ids, self.experts)
         else:
