@@ -127,7 +127,19 @@ def _facts(cfg: ModelConfig) -> dict:
                 "shared_intermediate_size": cfg.moe.shared_intermediate_size, "shared_gate": cfg.moe.shared_gate,
                 "routed_scaling": routing.scaling, "num_groups": routing.num_groups,
                 "topk_groups": routing.topk_groups, "norm_floor": routing.norm_floor}
+        if cfg.moe.vision is not None:
+            out |= {"vision_experts": cfg.moe.vision.num_experts,
+                    "vision_intermediate_size": cfg.moe.vision.intermediate_size}
+    if cfg.rope.mrope_section:
+        out["mrope_section"] = list(cfg.rope.mrope_section)
     return out
+
+
+def _left_out(entry: dict, key: str) -> dict:
+    """The entry's config.json without ``key``: out of its ``text_config`` if the entry lists it there."""
+    config = json.loads(json.dumps(entry["config"]))
+    (config["text_config"] if key in entry.get("text_config_keys", ()) else config).pop(key, None)
+    return config
 
 
 def test_the_defaults_fixture_covers_every_architecture():
@@ -140,7 +152,7 @@ def test_a_key_left_out_means_what_transformers_makes_of_it(arch, key, tmp_path)
     non-default values: fdplug's reading equals transformers' (ERNIE-4.5-MoE's head_dim is
     hidden_size // heads, dense ERNIE-4.5's 128; Qwen2's num_key_value_heads 32, ...)."""
     entry = DEFAULTS["architectures"][arch]
-    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in entry["config"].items() if k != key}))
+    (tmp_path / "config.json").write_text(json.dumps(_left_out(entry, key)))
     expected = entry["facts"] | (entry["left_out"][key] if key else {})
     got = _facts(ModelConfig.from_dir(tmp_path))
     assert {name: got[name] for name in expected} == expected, f"transformers {DEFAULTS['transformers']}"

@@ -1,6 +1,6 @@
 """Pictures over HTTP: ``image_url`` parts (data URLs, http(s) from allowed hosts) through ``fdplug serve``
-and the official ``openai`` client, on the tiny Qwen2.5-VL of tests/fixtures/vision (transformers'
-greedy tokens), streamed and not; bad pictures as OpenAI error objects naming the item."""
+and the official ``openai`` client, on the tiny Qwen2.5-VL and ERNIE-4.5-VL of tests/fixtures/vision
+(transformers' greedy tokens), streamed and not; bad pictures as OpenAI error objects naming the item."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from tests.serverkit import Server
-from tests.test_vision_language import CASES, GREEDY, VL, make_llm, picture_bytes
+from tests.test_vision_language import GREEDY, MODELS, QWEN, Fixture
 
 # the chat template that spells golden case 0's prompt exactly (no default system message)
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
@@ -22,7 +22,7 @@ TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|i
 @pytest.fixture(scope="module")
 def pictures_host():
     """A loopback http server holding image_a.png (and nothing at any other path)."""
-    body = picture_bytes("image_a")
+    body = QWEN.picture_bytes("image_a")   # (the same file in both fixtures)
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):   # noqa: N802 (the stdlib's name)
@@ -44,11 +44,13 @@ def pictures_host():
     server.shutdown()
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, pictures_host):
-    srv = Server(["--model", str(VL), "--served-model-name", "vl", "--max-model-len", "256", "--num-kv-blocks", "64",
-                  "--trust-request-chat-template"], tmp_path_factory.mktemp("serve") / "vl.log",
-                 FDPLUG_ALLOWED_FEATURE_HOSTS=pictures_host).wait_ready()
+@pytest.fixture(scope="module", params=MODELS)
+def server(request, tmp_path_factory, pictures_host):
+    fixture = Fixture(request.param)
+    srv = Server(["--model", str(fixture.dir), "--served-model-name", "vl", "--max-model-len", "256",
+                  "--num-kv-blocks", "64", "--trust-request-chat-template"],
+                 tmp_path_factory.mktemp("serve") / "vl.log", FDPLUG_ALLOWED_FEATURE_HOSTS=pictures_host).wait_ready()
+    srv.fixture = fixture
     yield srv
     assert srv.stop() == 0, srv.log()
 
@@ -72,13 +74,14 @@ def ask(server, picture: dict, stream: bool = False) -> str:
 
 
 def test_image_url_answers_with_transformers_tokens(server, pictures_host):
-    offline = make_llm()
-    out = offline.chat(messages(data_part(picture_bytes("image_a"))), GREEDY, use_tqdm=False,
+    fx = server.fixture
+    offline = fx.make_llm()
+    out = offline.chat(messages(data_part(fx.picture_bytes("image_a"))), GREEDY, use_tqdm=False,
                        chat_template=TEMPLATE)[0]
-    assert out.prompt_token_ids == CASES[0]["prompt"] and out.outputs[0].token_ids == CASES[0]["greedy"]
+    assert out.prompt_token_ids == fx.cases[0]["prompt"] and out.outputs[0].token_ids == fx.cases[0]["greedy"]
     want = out.outputs[0].text
-    assert ask(server, data_part(picture_bytes("image_a"))) == want
-    assert ask(server, data_part(picture_bytes("image_a")), stream=True) == want
+    assert ask(server, data_part(fx.picture_bytes("image_a"))) == want
+    assert ask(server, data_part(fx.picture_bytes("image_a")), stream=True) == want
     url = {"type": "image_url", "image_url": {"url": f"http://{pictures_host}/a.png"}}
     assert ask(server, url) == want
 

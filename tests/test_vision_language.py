@@ -317,3 +317,10 @@ def test_a_picture_that_fails_to_decode_fails_its_request_alone():
     good, bad = llm.generate([prompt(CASES[1]), truncated], GREEDY, use_tqdm=False)
     assert good.outputs[0].token_ids == CASES[1]["greedy"]
     assert bad.outputs[0].finish_reason == "error" and "could not be decoded" in str(bad.error)
+
+
+def test_ernie_modality_experts_run_on_the_reference_moe_backend_too():
+    fx = Fixture("ernie4_5_vl")
+    llm = fx.make_llm(moe_backend="reference")
+    assert llm.engine.selection.moe.name == "reference"
+    assert tokens(llm, [fx.prompt(case) for case in fx.cases]) == [case["greedy"] for case in fx.cases]

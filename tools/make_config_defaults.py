@@ -78,6 +78,17 @@ def _ernie_moe(c: Any) -> dict[str, Any]:
             "norm_floor": c.moe_norm_min}
 
 
+def _ernie_vl_moe(c: Any) -> dict[str, Any]:
+    """modeling_ernie4_5_vl_moe.py: layer i is MoE when mlp_layer_types[i] is "sparse" (absent: all
+    but layer 0); text experts of moe_intermediate_size[0] (the shared ones too), as many vision
+    experts of moe_intermediate_size[1]; ERNIE-4.5-MoE's routing (always renormalised, floored)."""
+    text, vision = c.moe_intermediate_size
+    return {"num_experts": c.moe_num_experts, "moe_intermediate_size": text, "top_k": c.moe_k, "renormalize": True,
+            "moe_layers": [i for i, kind in enumerate(c.mlp_layer_types) if kind == "sparse"],
+            "shared_intermediate_size": text * c.moe_num_shared_experts, "shared_gate": False,
+            "norm_floor": c.moe_norm_min, "vision_experts": c.moe_num_experts, "vision_intermediate_size": vision}
+
+
 def _glm_moe(c: Any) -> dict[str, Any]:
     """modeling_glm4_moe.py: MoE from first_k_dense_replace on; grouped routing, scaled."""
     return {"num_experts": c.n_routed_experts, "moe_intermediate_size": c.moe_intermediate_size,
@@ -90,7 +101,9 @@ def _glm_moe(c: Any) -> dict[str, Any]:
 class Spec(NamedTuple):
     """One architecture: its model_type, the keys left out in turn with their full-config values (None:
     the opposite of the bare config's), biases, MoE facts, more of the config.json that is never left
-    out (it overrides ``_REQUIRED``), and the config the language model is built from."""
+    out (it overrides ``_REQUIRED``), the config the language model is built from, whether the
+    language keys (``_REQUIRED``, ``fixed["text_config"]`` and ``keys`` but ``_OUTER``) are nested in
+    ``text_config`` (the fixture lists those left out there as ``text_config_keys``), and further facts."""
 
     model_type: str
     keys: dict[str, Any]
@@ -98,6 +111,12 @@ class Spec(NamedTuple):
     moe: Callable[[Any], dict] | None = None
     fixed: dict[str, Any] | None = None
     language: Callable[[Any], Any] = lambda c: c
+    text_config: bool = False
+    more: Callable[[Any], dict] | None = None
+
+
+# Read from the outer config of a nested one: transformers 5 ties lm_head there.
+_OUTER = ("tie_word_embeddings",)
 
 
 # Qwen2.5-VL as Qwen/Qwen2.5-VL-*-Instruct's config.json has it: flat (4.x style), the language keys at
@@ -112,6 +131,24 @@ _QWEN2_5_VL = {"hidden_size": 2048, "bos_token_id": 248, "eos_token_id": 249,
                                  "out_hidden_size": 2048, "fullatt_block_indexes": [1], "tokens_per_second": 2},
                "image_token_id": 250, "video_token_id": 251, "vision_start_token_id": 252,
                "vision_end_token_id": 253}
+
+# ERNIE-4.5-VL (MoE) as transformers 5 saves it (and as Ernie4_5_VLMoeConfig reads it): the language
+# keys nested in text_config. A flat config.json (4.x style, model_type ernie4_5_vl_moe) reads the same
+# (the outer config builds its text_config from them when it has none), but transformers never wrote
+# one; Baidu's remote-code config.json (model_type ernie4_5_moe_vl) is not transformers'. lm_head is
+# tied by the outer tie_word_embeddings (default true); text_config's own, which transformers saves as
+# true when only the outer says false, ties nothing. Attention and RoPE take head_dim = getattr(config,
+# "head_dim", hidden // heads), and mrope_section (default [22, 22, 20], 64 frequencies) must sum to
+# head_dim / 2: no config.json leaving head_dim out or mrope_section out is valid unless hidden // heads
+# is 128, so head_dim is not left out (8192 / 64 heads: 128) and rope_parameters (the mrope_section)
+# is. moe_num_experts is one count for the text and the vision experts, moe_intermediate_size their
+# [text, vision] widths; the sparse layers are mlp_layer_types' (absent: all but layer 0), never read from
+# ERNIE-4.5-MoE's moe_layer_* keys (one is set to show it).
+_ERNIE4_5_VL = {"image_start_token_id": 248, "image_end_token_id": 249, "image_token_id": 250,
+                "video_start_token_id": 251, "video_end_token_id": 252, "video_token_id": 253,
+                "vision_config": {"depth": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 4,
+                                  "patch_size": 14, "spatial_merge_size": 2, "temporal_merge_size": 2},
+                "text_config": {"hidden_size": 8192, "tie_word_embeddings": True, "moe_layer_start_index": 3}}
 
 # fdplug architecture -> Spec (or a plain tuple of its first four fields)
 SPECS: dict[str, tuple] = {
@@ -143,6 +180,15 @@ SPECS: dict[str, tuple] = {
     "Qwen2_5_VLForConditionalGeneration": Spec(
         "qwen2_5_vl", {k: v for k, v in _ATTENTION.items() if k not in ("head_dim", "partial_rotary_factor")},
         _bias(True, False, False, False), fixed=_QWEN2_5_VL, language=lambda c: c.text_config),
+    "Ernie4_5_VLMoeForConditionalGeneration": Spec(
+        "ernie4_5_vl_moe",
+        {**{k: v for k, v in _ATTENTION.items() if k not in ("head_dim", "partial_rotary_factor")}, "use_bias": None,
+         "rope_parameters": {"rope_type": "default", "mrope_section": [20, 20, 24]}, "moe_num_experts": 6, "moe_k": 2,
+         "moe_intermediate_size": [48, 24], "moe_num_shared_experts": 1, "moe_norm_min": 1e-6,
+         "mlp_layer_types": ["dense", "dense", "sparse", "dense", "sparse", "sparse"]},
+        _bias("use_bias", "use_bias", "use_bias", False), _ernie_vl_moe, fixed=_ERNIE4_5_VL,
+        language=lambda c: c.text_config, text_config=True,
+        more=lambda t: {"mrope_section": t.rope_parameters.get("mrope_section", [22, 22, 20])}),
 }
 
 
@@ -164,23 +210,43 @@ def facts(c: Any, spec: Spec) -> dict[str, Any]:
            "partial_rotary": float(rope.get("partial_rotary_factor", getattr(t, "partial_rotary_factor", None)) or 1.0),
            "rms_norm_eps": t.rms_norm_eps, "max_positions": t.max_position_embeddings,
            "tie_word_embeddings": bool(c.tie_word_embeddings), **spec.biases(t)}
-    return out | (spec.moe(t) if spec.moe else {})
+    return out | (spec.moe(t) if spec.moe else {}) | (spec.more(t) if spec.more else {})
 
 
 def build(arch: str, spec: Spec) -> dict[str, Any]:
     """One architecture's entry: the full config.json, its facts, and what leaving each key out changes."""
-    fixed = spec.fixed or {}
-    bare = _load({**_REQUIRED, "architectures": [arch], "model_type": spec.model_type, **fixed})
-    full = {**_REQUIRED, "architectures": [arch], "model_type": spec.model_type, **fixed}
+    fixed = dict(spec.fixed or {})
+    head = {"architectures": [arch], "model_type": spec.model_type}
+    if spec.text_config:
+        text = {**_REQUIRED, **fixed.pop("text_config", {})}
+        full = {**head, **fixed}
+        bare = _load({**full, "text_config": text})
+    else:
+        bare = _load({**_REQUIRED, **head, **fixed})
+        full = {**_REQUIRED, **head, **fixed}
+    nested = [key for key in spec.keys if spec.text_config and key not in _OUTER]
     for key, value in spec.keys.items():
-        full[key] = value if value is not None else not bool(getattr(bare, key) if hasattr(bare, key)
-                                                             else getattr(spec.language(bare), key))
+        if key in nested:
+            text[key] = value if value is not None else not bool(getattr(spec.language(bare), key))
+        else:
+            full[key] = value if value is not None else not bool(getattr(bare, key) if hasattr(bare, key)
+                                                                 else getattr(spec.language(bare), key))
+    if spec.text_config:
+        full["text_config"] = text
     full_facts = facts(_load(full), spec)
     left_out = {}
     for key in spec.keys:
-        got = facts(_load({k: v for k, v in full.items() if k != key}), spec)
+        got = facts(_load(_without(full, key, key in nested)), spec)
         left_out[key] = {name: value for name, value in got.items() if full_facts[name] != value}
-    return {"config": full, "facts": full_facts, "left_out": left_out}
+    entry = {"config": full, "facts": full_facts, "left_out": left_out}
+    return entry | ({"text_config_keys": nested} if nested else {})
+
+
+def _without(raw: dict[str, Any], key: str, nested: bool) -> dict[str, Any]:
+    """The config.json without ``key``: left out of its ``text_config`` when ``nested``."""
+    if nested:
+        return {**raw, "text_config": {k: v for k, v in raw["text_config"].items() if k != key}}
+    return {k: v for k, v in raw.items() if k != key}
 
 
 def main() -> None:

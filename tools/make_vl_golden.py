@@ -43,6 +43,7 @@ in each modality.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shutil
 import sys
@@ -55,8 +56,13 @@ import tokenizers
 import torch
 import transformers
 from PIL import Image
-from transformers import (Ernie4_5_VLMoeConfig, Ernie4_5_VLMoeForConditionalGeneration, GenerationConfig,
-                          Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration)
+from transformers import (
+    Ernie4_5_VLMoeConfig,
+    Ernie4_5_VLMoeForConditionalGeneration,
+    GenerationConfig,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+)
 from transformers.models.ernie4_5_vl_moe.image_processing_pil_ernie4_5_vl_moe import Ernie4_5_VLMoeImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -472,7 +478,7 @@ def build_ernie(out: Path) -> None:
         reloaded = ernie_load(out)
         for (n, a), b in zip(model.state_dict().items(), reloaded.state_dict().values()):
             assert torch.equal(a, b), f"{n} changed on save/reload"
-        make_inputs = lambda case: ernie_inputs(case, reloaded.config, pixels)  # noqa: E731
+        make_inputs = functools.partial(ernie_inputs, config=reloaded.config, pixels=pixels)
         results = run(reloaded, cases, make_inputs)
         routing = [ernie_routing(reloaded, make_inputs(c)) if c["images"] else None for c in cases]
         for r, route in zip(results, routing):

@@ -50,7 +50,10 @@ class DeviceSpec:
     ``probe`` must be cheap, side-effect free and honest: never report available when a kernel
     launch would fail. ``paddle_device`` is the prefix given to ``paddle.set_device`` (``cpu``,
     ``gpu``, ``xpu``, or a custom device type). ``setup`` does process-level initialisation (threads,
-    env knobs) and is called once, in the process that will run the engine, before the model is built.
+    env knobs) and is called in the process that will run the engine, before the model is built, and
+    again at the start of each thread that computes off the engine's main thread (the feature
+    loader's, which run vision towers: thread counts and OpenMP settings are per thread), so it
+    must be idempotent.
     ``free_memory(index)`` returns the bytes free on that device (None: unknown); the engine uses it
     to say, with numbers, when the model and the KV cache cannot fit. ``dtypes`` are the compute
     dtypes it runs, preferred first: ``dtype="auto"`` takes the model's if listed, else the first.

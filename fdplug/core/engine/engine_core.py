@@ -76,7 +76,8 @@ class EngineCore:
         self.feature_loader = FeatureLoader(FeatureFetcher(selection.storages, config), self.encoder_cache,
                                             model.hidden_size, workers=config.feature_fetch_workers,
                                             timeout=config.fetch_timeout,
-                                            encoder=getattr(self.runner, "image_encoder", None))
+                                            encoder=getattr(self.runner, "image_encoder", None),
+                                            thread_setup=selection.device.setup)
         self.extensions = self._extensions()
         self.scheduler.on_free = self._on_free
 

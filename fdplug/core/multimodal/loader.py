@@ -44,15 +44,19 @@ class Fetched:
 
 class FeatureLoader:
     def __init__(self, fetcher: FeatureFetcher, cache: EncoderCache, hidden_size: int, *, workers: int,
-                 timeout: float, encoder: Callable[[bytes, str], np.ndarray] | None = None) -> None:
+                 timeout: float, encoder: Callable[[bytes, str], np.ndarray] | None = None,
+                 thread_setup: Callable[[], None] | None = None) -> None:
         """``encoder``: a picture's bytes -> its features (the model's vision tower); None: the
-        model takes features only (the API refuses pictures before they get here)."""
+        model takes features only (the API refuses pictures before they get here). ``thread_setup``
+        runs once in each worker thread (the device's `DeviceSpec.setup`: thread counts and OpenMP
+        settings are per thread, and the tower computes there)."""
         self.fetcher = fetcher
         self.encoder = encoder
         self.cache = cache
         self.hidden_size = hidden_size
         self.timeout = timeout
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fdplug-features")
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fdplug-features",
+                                        initializer=thread_setup)
         self._pending: dict[str, tuple[Request, Future]] = {}
         self._lock = threading.Lock()
 

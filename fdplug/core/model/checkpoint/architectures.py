@@ -34,6 +34,7 @@ class Arch:
     default_partial_rotary: float = 1.0
     mrope_interleaved_hw: bool = False       # ERNIE-4.5-VL's multimodal RoPE (`rope.RopeConfig.mrope_axes`)
     default_mrope: tuple[int, ...] = ()      # its mrope_section when config.json has none
+    text_config_ties: bool = False           # a text_config's tie_word_embeddings true ties too (`language_side`)
 
 
 ARCHITECTURES: dict[str, Arch] = {
@@ -60,9 +61,10 @@ ARCHITECTURES |= {
 # (`rope.RopeConfig.mrope_section`); the vision tower is `fdplug.core.vision`.
 ARCHITECTURES |= {
     # Qwen2_5_VLTextConfig: rope_theta 1e6 (its default_theta), 8 kv heads, eps 1e-5; its attention
-    # takes head_dim = hidden_size // heads (Hub configs have no head_dim).
+    # takes head_dim = hidden_size // heads (Hub configs have no head_dim). Qwen2_5_VLConfig forwards a
+    # text_config's tie_word_embeddings true to the outer config (pre-v5 saves kept it there).
     "Qwen2_5_VLForConditionalGeneration": replace(ARCHITECTURES["Qwen2ForCausalLM"], default_theta=1000000.0,
-                                                  default_kv_heads=8, default_eps=1e-5),
+                                                  default_kv_heads=8, default_eps=1e-5, text_config_ties=True),
     # ERNIE-4.5-VL: ERNIE-4.5-MoE's attention with 3-D RoPE, and text and vision experts (`moe_config`)
     "Ernie4_5_VLMoeForConditionalGeneration": replace(ARCHITECTURES["Ernie4_5_MoeForCausalLM"], default_kv_heads=4,
                                                       mrope_interleaved_hw=True, default_mrope=(22, 22, 20)),

@@ -132,8 +132,8 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
         """Build from parsed config.json (and generation_config.json) dicts."""
-        raw = language_side(raw)
         arch_name, arch = pick_architecture(raw)
+        raw = language_side(raw, arch.text_config_ties)
         check_supported(raw, arch_name)
         hidden, heads = _need_int(raw, "hidden_size"), _need_int(raw, "num_attention_heads")
         head_dim = raw["head_dim"] if "head_dim" in raw else arch.default_head_dim
@@ -224,16 +224,19 @@ DIR_FIX = ("pass a local Hugging Face model directory holding config.json and mo
             "--local-dir DIR`.")
 
 
-def language_side(raw: dict[str, Any]) -> dict[str, Any]:
+def language_side(raw: dict[str, Any], text_config_ties: bool = False) -> dict[str, Any]:
     """A vision-language config.json as the language model's: transformers 5 nests its keys in
     ``text_config`` (4.x checkpoints keep them at the top); the top level keeps the architecture,
     the multimodal token ids and ``vision_config``. ``tie_word_embeddings`` is the top level's (where
-    transformers ties ``lm_head``), true also when only ``text_config`` says so (pre-v5 saves)."""
+    transformers ties ``lm_head``; absent, the architecture's default): ``text_config``'s ties nothing
+    (transformers 5 saves ERNIE-4.5-VL's as true when only the outer one is false) unless
+    ``text_config_ties`` (Qwen2.5-VL's config forwards a true one: pre-v5 saves kept it there)."""
     text = raw.get("text_config")
     if not isinstance(text, dict):
         return raw
-    merged = {**raw, **{k: v for k, v in text.items() if k not in ("architectures", "model_type")}}
-    if raw.get("tie_word_embeddings"):
+    outer = ("architectures", "model_type", "tie_word_embeddings")
+    merged = {**raw, **{k: v for k, v in text.items() if k not in outer}}
+    if text_config_ties and text.get("tie_word_embeddings"):
         merged["tie_word_embeddings"] = True
     return merged
 

@@ -47,8 +47,9 @@ def parameter_counts(cfg: ModelConfig) -> tuple[int, int]:
         if moe is None or i not in moe.layers:
             total += _mlp(h, cfg.intermediate_size, cfg.mlp_bias)
             continue
-        total += h * moe.num_experts + (moe.num_experts if moe.routing.bias else 0)
-        total += moe.num_experts * _mlp(h, moe.intermediate_size, False)
+        for part in (moe, moe.vision) if moe.vision is not None else (moe,):   # (modality experts: two sets)
+            total += h * part.num_experts + (part.num_experts if part.routing.bias else 0)
+            total += part.num_experts * _mlp(h, part.intermediate_size, False)
         total += _mlp(h, moe.shared_intermediate_size, False) if moe.shared_intermediate_size else 0
         total += h if moe.shared_gate else 0
     experts = moe.expert_parameters(h) if moe else 0
@@ -108,6 +109,9 @@ def model_summary(cfg: ModelConfig, dtype: str, moe_backend: str, ops: Mapping[s
         lines.append("moe: unused (a dense model)")
     else:
         shared = f", shared expert of width {moe.shared_intermediate_size}" if moe.shared_intermediate_size else ""
+        vision = (f"; for vision tokens {moe.vision.num_experts} experts of width {moe.vision.intermediate_size}"
+                  if moe.vision is not None else "")
         lines.append(f"moe: {moe_backend} runs the routed experts: {moe.num_experts} experts of width "
-                     f"{moe.intermediate_size} in layers {list(moe.layers)}, routing {moe.routing.describe()}{shared}")
+                     f"{moe.intermediate_size} in layers {list(moe.layers)}, routing {moe.routing.describe()}{shared}"
+                     f"{vision}")
     return "\n".join(lines)

@@ -100,12 +100,17 @@ def _ernie4_5_moe(raw: dict[str, Any], num_layers: int) -> MoEConfig | None:
 def _ernie4_5_vl_moe(raw: dict[str, Any], num_layers: int) -> MoEConfig | None:
     """ERNIE-4.5-VL: ERNIE-4.5-MoE's routing, twice: text experts for text tokens, vision experts
     (their own count and width: ``moe_num_experts`` and ``moe_intermediate_size`` may be
-    [text, vision] pairs) for an item's tokens; the sparse layers are ``mlp_layer_types``' (else
-    ERNIE-4.5-MoE's rule)."""
+    [text, vision] pairs) for an item's tokens; the sparse layers are ``mlp_layer_types``'. Absent,
+    transformers' config (model_type ``ernie4_5_vl_moe``) makes all but layer 0 sparse and reads no
+    ``moe_layer_*`` key; Baidu's remote-code config.json (``ernie4_5_moe_vl``) has ERNIE-4.5-MoE's rule."""
+    types = raw.get("mlp_layer_types")
+    if types is None and raw.get("model_type") == "ernie4_5_vl_moe":
+        types = ["dense"] + ["sparse"] * (num_layers - 1)
+    if isinstance(types, list):   # every layer a candidate: the types pick
+        raw = raw | {"moe_layer_start_index": 0, "moe_layer_end_index": -1, "moe_layer_interval": 1}
     text = _ernie4_5_moe(raw | {"moe_num_experts": _pair(raw, "moe_num_experts", 64)[0],
                                 "moe_intermediate_size": _pair(raw, "moe_intermediate_size", (1536, 512))[0]},
                          num_layers)
-    types = raw.get("mlp_layer_types")
     if isinstance(types, list):
         layers = tuple(i for i, kind in enumerate(types[:num_layers]) if kind == "sparse")
     else:
