@@ -169,6 +169,25 @@ def test_3d_positions_are_transformers_and_any_chunk_gets_its_own(model, index):
     assert np.array_equal(rule.positions(decode_index, items(case)), np.tile(decode_index + case["rope_delta"], (3, 1)))
 
 
+def test_video_positions_follow_each_models_time_rule():
+    """A pre-encoded video: Qwen2.5-VL spaces its temporal patches ``tokens_per_second`` apart (one
+    second each) and ERNIE-4.5-VL merges two frames per token row; the text after a video continues
+    from its largest position + 1 (the original Qwen2.5-VL code and vLLM)."""
+    from fdplug.core.multimodal.positions import MRopeRule
+
+    for rule, grid, rows in ((MRopeRule(2, 2.0), (3, 4, 6), 3), (MRopeRule(2, 1.0, temporal_merge=2), (6, 4, 6), 3)):
+        item = MMPlaceholder(4, rows * 2 * 3, "", 0, grid, "video")
+        index = np.arange(item.end + 2)
+        got = rule.positions(index, [item])
+        k = np.arange(item.length)
+        t, h, w = (k // 6) * (2 if rule.temporal_merge == 1 else 1), (k // 3) % 2, k % 3
+        assert np.array_equal(got[:, :4], np.tile(np.arange(4), (3, 1)))
+        assert np.array_equal(got[:, 4:item.end], 4 + np.stack([t, h, w]))
+        after = 4 + max(int(t.max()), 1, 2) + 1
+        assert np.array_equal(got[:, item.end:], np.tile([after, after + 1], (3, 1)))
+        assert rule.position_delta([item]) == after - item.end
+
+
 @pytest.mark.parametrize("index", [0, 1, 2])
 def test_logits_match_transformers(model, index):
     """Every prompt position; ERNIE's vision experts take the rows transformers' processor marks."""

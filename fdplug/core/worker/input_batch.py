@@ -42,7 +42,7 @@ SLOT_FIELDS: tuple[SlotField, ...] = (
     SlotField("key_end_offset", np.int64, 0, "max_model_len"), # mask spec minus causal (0: causal)
     SlotField("mm_positions", object, ()),                      # the request's MMPlaceholders
     SlotField("rope_delta", np.int64, 0),                      # multimodal RoPE: position - index after the items
-    SlotField("items_end", np.int64, 0),                       # multimodal RoPE: tokens before it need the items
+    SlotField("items_end", np.int64, 0),                       # tokens before it may fall on an item
     SlotField("temperature", np.float32, 1.0),
     SlotField("top_p", np.float32, 1.0),
     SlotField("top_k", np.int64, 0),

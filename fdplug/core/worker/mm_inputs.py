@@ -44,10 +44,13 @@ def mm_embeddings(batch: Any, hidden_size: int, so: SchedulerOutput, slots: np.n
     return np.concatenate(rows), np.concatenate(values)
 
 
-def rope_slot_values(rule: MRopeRule, items: tuple) -> dict[str, int]:
-    """A new request's ``rope_delta`` and ``items_end`` slot values (`mrope_positions`)."""
-    placed = [item for item in items if item.grid_thw]
-    return {"rope_delta": rule.position_delta(placed), "items_end": max((item.end for item in placed), default=0)}
+def item_slot_values(rule: MRopeRule | None, items: tuple) -> dict[str, int]:
+    """A new request's ``items_end`` and (multimodal RoPE) ``rope_delta`` slot values
+    (`mrope_positions`, `modality_rows`)."""
+    values = {"items_end": max((item.end for item in items), default=0)}
+    if rule is not None:
+        values["rope_delta"] = rule.position_delta([item for item in items if item.grid_thw])
+    return values
 
 
 def mrope_positions(batch: Any, rule: MRopeRule, positions: np.ndarray, token_slots: np.ndarray,
@@ -74,7 +77,8 @@ def modality_rows(batch: Any, mm: Any, slots: np.ndarray, start: np.ndarray,
     and the start and end tokens around it are vision, as its processor marks them; None: no
     vision row this step."""
     vision = []
-    for i, slot in enumerate(slots):
+    for i in np.flatnonzero(start <= batch.items_end[slots]):   # (a decode token is past every item)
+        slot = slots[i]
         lo, hi = int(start[i]), int(start[i] + query_start[i + 1] - query_start[i])
         for item in batch.mm_positions[slot]:
             tokens = batch.token_ids[slot]

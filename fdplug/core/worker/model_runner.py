@@ -27,10 +27,10 @@ from fdplug.core.worker.kv_cache import (
 )
 from fdplug.core.worker.load_checks import check_weights_fit, expert_parallel_group
 from fdplug.core.worker.mm_inputs import (
+    item_slot_values,
     mm_embeddings,
     modality_rows,
     mrope_positions,
-    rope_slot_values,
     span_offsets,
 )
 from fdplug.core.worker.sampling import plain_greedy, sampled_logprobs, sampling_metadata
@@ -224,8 +224,8 @@ class ModelRunner:
             "mm_positions": tuple(new.mm_positions), "penalty_ids": penalty_ids, "penalty_counts": penalty_counts,
             "num_penalty_ids": len(penalty_ids),
         }
-        if self.mrope is not None:
-            values |= rope_slot_values(self.mrope, tuple(new.mm_positions))
+        if new.mm_positions:
+            values |= item_slot_values(self.mrope, tuple(new.mm_positions))
         spans = [item for item in new.mm_positions if item.span_length]
         if spans:
             values["key_end_offset"] = span_offsets(spans)
