@@ -17,8 +17,8 @@ from fdplug.core.vision.tower import load_tower
 
 class ImageEncoder:
     def __init__(self, model_dir: str | Path, files: list[Path], architecture: str, spec: ImageSpec,
-                 attention: Any) -> None:
-        self.tower = load_tower(model_dir, files, architecture, attention)
+                 kernels: Any) -> None:
+        self.tower = load_tower(model_dir, files, architecture, kernels)
         self.spec = spec
 
     def __call__(self, data: bytes, name: str) -> np.ndarray:

@@ -14,7 +14,6 @@ As transformers' ``Ernie4_5_VLMoeVisionTransformerPretrainedModel`` and
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,8 +21,9 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
-from fdplug.core.vision.qwen2_5_vl import rotary_angles, rotary_tables, rotate
+from fdplug.core.vision.qwen2_5_vl import rotary_angles, rotary_tables
 from fdplug.errors import ModelLoadError
+from fdplug.plugin_api.ops import Kernels
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,16 +89,17 @@ class ErnieVisionConfig:
 class Ernie45VisionTower:
     """The tower and resampler weights (float32 paddle tensors by name) and `encode`."""
 
-    def __init__(self, cfg: ErnieVisionConfig, weights: dict[str, Any], attention: Callable[..., Any]) -> None:
-        """``attention``: the selected ``vision_attention`` op (`fdplug.plugin_api.ops`)."""
-        self.cfg, self.attention = cfg, attention
+    def __init__(self, cfg: ErnieVisionConfig, weights: dict[str, Any], kernels: Kernels) -> None:
+        """``kernels``: the selected ops (`fdplug.plugin_api.ops`): ``rope``, ``vision_attention``."""
+        self.cfg, self.kernels = cfg, kernels
         self.w = {name: value.t().contiguous() if len(value.shape) == 2 else value for name, value in weights.items()}
 
     def encode(self, patches: np.ndarray, grid: tuple[int, int, int]) -> np.ndarray:
         """``patches [t*h*w, channels * patch²]`` (block order) -> ``[tokens, out_hidden_size]``."""
         cfg, w = self.cfg, self.w
         frame = grid[1] * grid[2]
-        cos, sin = rotary_tables(rotary_angles(grid, cfg.spatial_merge_size, cfg.head_dim, cfg.rope_theta))
+        cos, sin = rotary_tables(rotary_angles(grid, cfg.spatial_merge_size, cfg.head_dim, cfg.rope_theta),
+                                 2 * cfg.num_heads)
         with paddle.no_grad():
             x = paddle.to_tensor(np.ascontiguousarray(patches, dtype=np.float32))
             x = x @ w["vision_model.patch_embed.proj.weight"]
@@ -114,8 +115,9 @@ class Ernie45VisionTower:
     def _block(self, x: Any, p: str, cos: Any, sin: Any, bounds: np.ndarray) -> Any:
         w, heads = self.w, self.cfg.num_heads
         qkv = F.linear(self._layer_norm(x, p + "norm1"), w[p + "attn.qkv.weight"], w[p + "attn.qkv.bias"])
-        q, k, v = (t.squeeze(1) for t in paddle.split(qkv.reshape([0, 3, heads, -1]), 3, axis=1))
-        attn = self.attention(rotate(q, cos, sin), rotate(k, cos, sin), v, bounds, self.cfg.head_dim ** -0.5)
+        qk, v = paddle.split(qkv.reshape([0, 3 * heads, -1]), [2 * heads, heads], axis=1)
+        q, k = paddle.split(self.kernels.rope(qk, cos, sin), 2, axis=1)
+        attn = self.kernels.vision_attention(q, k, v, bounds, self.cfg.head_dim ** -0.5)
         x = x + F.linear(attn.reshape([0, -1]), w[p + "attn.proj.weight"], w[p + "attn.proj.bias"])
         h = F.linear(self._layer_norm(x, p + "norm2"), w[p + "mlp.fc1.weight"], w[p + "mlp.fc1.bias"])
         h = h * F.sigmoid(1.702 * h)    # quick_gelu

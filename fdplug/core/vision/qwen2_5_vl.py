@@ -17,7 +17,6 @@ One item at a time (the encoder cache holds items), float32.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +25,7 @@ import paddle
 import paddle.nn.functional as F
 
 from fdplug.errors import ModelLoadError
+from fdplug.plugin_api.ops import Kernels
 
 FULL_ATTENTION_BLOCKS = (7, 15, 23, 31)   # transformers' default (Qwen2.5-VL-7B's)
 
@@ -119,12 +119,18 @@ def rotary_angles(grid: tuple[int, int, int], m: int, head_dim: int, theta: floa
 class Qwen25VisionTower:
     """The tower's weights (float32 paddle tensors by name) and `encode`."""
 
-    def __init__(self, cfg: VisionConfig, weights: dict[str, Any], attention: Callable[..., Any]) -> None:
-        """``attention``: the selected ``vision_attention`` op (`fdplug.plugin_api.ops`)."""
-        self.cfg = cfg
-        self.attention = attention
-        # linear weights [out, in] transposed once, for x @ w
+    def __init__(self, cfg: VisionConfig, weights: dict[str, Any], kernels: Kernels) -> None:
+        """``kernels``: the selected ops (`fdplug.plugin_api.ops`): ``rms_norm``, ``rope``, ``swiglu``,
+        ``vision_attention``; the linears are paddle's matmuls."""
+        self.cfg, self.kernels = cfg, kernels
+        # linear weights [out, in] transposed once, for x @ w; gate and up fused (the swiglu op's input)
         self.w = {name: value.t().contiguous() if len(value.shape) == 2 else value for name, value in weights.items()}
+        for b in range(cfg.depth):
+            p = f"blocks.{b}.mlp."
+            self.w[p + "gate_up.weight"] = paddle.concat([self.w.pop(p + "gate_proj.weight"),
+                                                          self.w.pop(p + "up_proj.weight")], axis=1)
+            self.w[p + "gate_up.bias"] = paddle.concat([self.w.pop(p + "gate_proj.bias"),
+                                                        self.w.pop(p + "up_proj.bias")])
         self.patch_weight = weights["patch_embed.proj.weight"].reshape([cfg.hidden_size, -1]).t().contiguous()
 
     def encode(self, patches: np.ndarray, grid: tuple[int, int, int]) -> np.ndarray:
@@ -135,13 +141,14 @@ class Qwen25VisionTower:
         patch_order = (order[:, None] * unit + np.arange(unit)).ravel()
         frame = grid[1] * grid[2]
         frame_bounds = np.arange(grid[0] + 1) * frame
-        cos, sin = rotary_tables(rotary_angles(grid, cfg.spatial_merge_size, cfg.head_dim, cfg.rope_theta)[patch_order])
+        angles = rotary_angles(grid, cfg.spatial_merge_size, cfg.head_dim, cfg.rope_theta)[patch_order]
+        cos, sin = rotary_tables(angles, 2 * cfg.num_heads)
         with paddle.no_grad():
             x = paddle.to_tensor(np.ascontiguousarray(patches[patch_order], dtype=np.float32)) @ self.patch_weight
             for b in range(cfg.depth):
                 bounds = frame_bounds if b in cfg.fullatt_block_indexes else window_bounds
                 x = self._block(x, f"blocks.{b}.", cos, sin, bounds)
-            merged = _rms_norm(x, w["merger.ln_q.weight"]).reshape([-1, cfg.hidden_size * unit])
+            merged = self.kernels.rms_norm(x, w["merger.ln_q.weight"], 1e-6).reshape([-1, cfg.hidden_size * unit])
             merged = F.gelu(F.linear(merged, w["merger.mlp.0.weight"], w["merger.mlp.0.bias"]))
             merged = F.linear(merged, w["merger.mlp.2.weight"], w["merger.mlp.2.bias"])
             out = merged.numpy()
@@ -150,29 +157,23 @@ class Qwen25VisionTower:
         return restored
 
     def _block(self, x: Any, p: str, cos: Any, sin: Any, bounds: np.ndarray) -> Any:
-        w, heads = self.w, self.cfg.num_heads
-        h = _rms_norm(x, w[p + "norm1.weight"])
-        qkv = F.linear(h, w[p + "attn.qkv.weight"], w[p + "attn.qkv.bias"]).reshape([0, 3, heads, -1])
-        q, k, v = (qkv[:, i] for i in range(3))
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        attn = self.attention(q, k, v, bounds, self.cfg.head_dim ** -0.5).reshape([0, -1])
+        w, heads, ops = self.w, self.cfg.num_heads, self.kernels
+        h = ops.rms_norm(x, w[p + "norm1.weight"], 1e-6)
+        qkv = F.linear(h, w[p + "attn.qkv.weight"], w[p + "attn.qkv.bias"]).reshape([0, 3 * heads, -1])
+        qk, v = paddle.split(qkv, [2 * heads, heads], axis=1)
+        q, k = paddle.split(ops.rope(qk, cos, sin), 2, axis=1)
+        attn = ops.vision_attention(q, k, v, bounds, self.cfg.head_dim ** -0.5).reshape([0, -1])
         x = x + F.linear(attn, w[p + "attn.proj.weight"], w[p + "attn.proj.bias"])
-        h = _rms_norm(x, w[p + "norm2.weight"])
-        gate = F.linear(h, w[p + "mlp.gate_proj.weight"], w[p + "mlp.gate_proj.bias"])
-        up = F.linear(h, w[p + "mlp.up_proj.weight"], w[p + "mlp.up_proj.bias"])
-        return x + F.linear(F.silu(gate) * up, w[p + "mlp.down_proj.weight"], w[p + "mlp.down_proj.bias"])
+        h = ops.swiglu(F.linear(ops.rms_norm(x, w[p + "norm2.weight"], 1e-6), w[p + "mlp.gate_up.weight"],
+                                w[p + "mlp.gate_up.bias"]))
+        return x + F.linear(h, w[p + "mlp.down_proj.weight"], w[p + "mlp.down_proj.bias"])
 
 
-def rotary_tables(angles: np.ndarray) -> tuple[Any, Any]:
-    """``cos``, ``sin`` ``[patches, 1, head_dim]`` (broadcast over the heads)."""
-    return paddle.to_tensor(np.cos(angles))[:, None, :], paddle.to_tensor(np.sin(angles))[:, None, :]
-
-
-def rotate(x: Any, cos: Any, sin: Any) -> Any:
-    """NeoX rotation of ``x [N, heads, D]``: ``x * cos + rotate_half(x) * sin``."""
-    half = x.shape[-1] // 2
-    return x * cos + paddle.concat([-x[..., half:], x[..., :half]], axis=-1) * sin
-
-
-def _rms_norm(x: Any, weight: Any, eps: float = 1e-6) -> Any:
-    return weight * (x * paddle.rsqrt(x.pow(2).mean(axis=-1, keepdim=True) + eps))
+def rotary_tables(angles: np.ndarray, heads: int) -> tuple[Any, Any]:
+    """``cos``, ``sin`` ``[patches, heads, head_dim]`` as the ``rope`` op takes them (`fdplug.plugin_api.ops`:
+    tiled over the heads, ``sin``'s first half negated)."""
+    half = angles.shape[-1] // 2
+    sin = np.sin(angles)
+    sin[:, :half] *= -1
+    return tuple(paddle.to_tensor(np.ascontiguousarray(np.broadcast_to(t[:, None, :], (len(t), heads, t.shape[-1]))))
+                 for t in (np.cos(angles), sin))

@@ -35,9 +35,9 @@ def language_name(name: str) -> str:
     return stripped if stripped.startswith(VISION_PREFIXES) else name
 
 
-def load_tower(model_dir: str | Path, files: list[Path], architecture: str, attention: Any) -> Any:
+def load_tower(model_dir: str | Path, files: list[Path], architecture: str, kernels: Any) -> Any:
     """The tower of the ``architecture`` checkpoint in ``model_dir`` (its safetensors ``files``), float32
-    paddle tensors; ``attention``: the selected ``vision_attention`` op."""
+    paddle tensors, computing with the selected ops ``kernels`` (`fdplug.plugin_api.ops.Kernels`)."""
     from safetensors import safe_open
 
     raw = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
@@ -68,4 +68,4 @@ def load_tower(model_dir: str | Path, files: list[Path], architecture: str, atte
     if missing:
         raise WeightMismatchError(f"{len(missing)} vision tensor(s) missing, first {strip + missing[0]!r}.",
                                   tensor=strip + missing[0], fix="download the checkpoint again.")
-    return tower_type(cfg, weights, attention)
+    return tower_type(cfg, weights, kernels)

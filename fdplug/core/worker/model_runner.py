@@ -107,7 +107,7 @@ class ModelRunner:
             from fdplug.core.vision.encoder import ImageEncoder
 
             self.image_encoder = ImageEncoder(self.config.model_dir, weight_files(self.config.model_dir),
-                                              self.model_config.architecture, mm.image_spec, kernels.vision_attention)
+                                              self.model_config.architecture, mm.image_spec, kernels)
         logger.info(attach_stack(self.model, kernels, self.selection))
         # The routed experts live in the MoE backend's layout, not as parameters: count them as loaded.
         params = sum(int(np.prod(p.shape)) * p.element_size() for p in self.model.parameters())
