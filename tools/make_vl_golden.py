@@ -240,8 +240,8 @@ def run(model: torch.nn.Module, cases: list[dict], make_inputs) -> list[dict]:
     return results
 
 
-def build(out: Path) -> None:
-    """The Qwen2.5-VL fixture."""
+def begin(out: Path) -> tuple[tokenizers.Tokenizer, dict[str, int]]:
+    """An empty fixture directory holding the demo tokenizer; the tokenizer and its special token ids."""
     tok, tok_config = demo_tokenizer()
     ids = {t: tok.token_to_id(t) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
                                            "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")}
@@ -250,47 +250,107 @@ def build(out: Path) -> None:
     (out / "tokenizer.json").write_text(tok.to_str(pretty=True), encoding="utf-8")
     (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2, ensure_ascii=False) + "\n",
                                                encoding="utf-8")
+    return tok, ids
 
-    processor = Qwen2VLImageProcessorPil()
+
+def preprocess(out: Path, processor, place) -> tuple[dict[str, torch.Tensor], dict[str, list[int]]]:
+    """Each image's pixel values and grid from the PNG ``place(name)`` puts in ``out`` (what the file
+    holds, as a server would read it)."""
     pixels, grids = {}, {}
     for name, (_, want_grid) in IMAGES.items():
-        Image.fromarray(make_image(name)).save(out / f"{name}.png")
-        with Image.open(out / f"{name}.png") as im:          # what the file holds, as a server would read it
+        place(name)
+        with Image.open(out / f"{name}.png") as im:
+            assert np.array_equal(np.asarray(im.convert("RGB")), make_image(name)), f"{name}.png is not make_image's"
             proc = processor(images=[im.convert("RGB")], return_tensors="pt")
         pixels[name], grids[name] = proc["pixel_values"], proc["image_grid_thw"][0].tolist()
         print(f"{name}: {IMAGES[name][0]} -> grid {grids[name]}, pixel_values {tuple(pixels[name].shape)}")
         assert grids[name] == want_grid, (name, grids[name])
-    cases = [prompt(pieces, tok, grids, ids) for pieces in CASES]
+    return pixels, grids
 
+
+def generation_config(ids: dict[str, int]) -> dict[str, int]:
+    return {"bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"],
+            "pad_token_id": ids["<|endoftext|>"]}
+
+
+def weights(path: Path) -> bool:
+    """What save_pretrained writes that the fixture keeps."""
+    return path.name == "config.json" or path.name.endswith((".safetensors", ".safetensors.index.json"))
+
+
+def save_and_reload(model: torch.nn.Module, out: Path, generation: dict, load) -> torch.nn.Module:
+    """``model`` written into ``out`` (replacing an earlier seed's weights) and read back with ``load``,
+    every tensor checked unchanged."""
+    for path in out.iterdir():
+        if weights(path):
+            path.unlink()
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp, max_shard_size=SHARD)
+        for path in sorted(Path(tmp).iterdir()):
+            if weights(path):
+                shutil.copy(path, out / path.name)
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    reloaded = load(out)
+    for (n, a), b in zip(model.state_dict().items(), reloaded.state_dict().values()):
+        assert torch.equal(a, b), f"{n} changed on save/reload"
+    return reloaded
+
+
+def write_outputs(out: Path, model: torch.nn.Module, pixels: dict, grids: dict, cases: list[dict],
+                  results: list[dict], seed: int, sample_seed: int, gap: float, ids: dict[str, int],
+                  extra_meta: dict, readme: str) -> None:
+    """Features, pixel values, logits, positions, golden.json and README.md of a chosen seed's model."""
+    out_dim = model.config.text_config.hidden_size
+    with torch.no_grad():
+        for name in IMAGES:
+            grid = torch.tensor([grids[name]])
+            feats = model.model.get_image_features(pixels[name], grid).pooler_output[0]
+            assert feats.shape == (int(np.prod(grids[name])) // 4, out_dim), feats.shape
+            np.save(out / f"features_{name[-1]}.npy", feats.numpy().astype(np.float32))
+    np.save(out / "pixel_values_a.npy", pixels["image_a"].numpy().astype(np.float32))
+    flat = pixels["image_b"].numpy().astype(np.float64).ravel()
+    sample = np.sort(np.random.default_rng(sample_seed).choice(flat.size, 16, replace=False))
+    pixel_b = {"shape": list(pixels["image_b"].shape), "sum": float(flat.sum()), "abs_sum": float(np.abs(flat).sum()),
+               "sample_index": sample.tolist(), "sample_value": [float(np.float32(v)) for v in flat[sample]]}
+    for i, r in enumerate(results):
+        np.save(out / f"logits_{i}.npy", r["logits"])
+        if "position_ids" in r:
+            np.save(out / f"position_ids_{i}.npy", r["position_ids"])
+    meta = {"torch": torch.__version__, "transformers": transformers.__version__,
+            "tokenizers": tokenizers.__version__, "seed": seed, "min_logit_gap": gap,
+            "token_ids": {k.strip("<|>"): v for k, v in ids.items()}, **extra_meta,
+            "images": {n: {"file": f"{n}.png", "size_hw": list(IMAGES[n][0]), "image_grid_thw": grids[n]}
+                       for n in IMAGES},
+            "pixel_values_b": pixel_b,
+            "cases": [{**c, "rope_delta": r.get("rope_delta"), "greedy": r["greedy"],
+                       "min_logit_gap": r["min_logit_gap"], **({"routing": r["routing"]} if "routing" in r else {})}
+                      for c, r in zip(cases, results)]}
+    (out / "golden.json").write_text(json.dumps(meta, indent=1) + "\n")
+    (out / "README.md").write_text(readme)
+    for path in sorted(out.iterdir()):
+        assert path.stat().st_size < 300_000, f"{path.name}: {path.stat().st_size} bytes"
+    size = sum(p.stat().st_size for p in out.iterdir())
+    print(f"{out.name} {size / 1024:.1f} KiB  {sorted(p.name for p in out.iterdir())}")
+
+
+def build(out: Path) -> None:
+    """The Qwen2.5-VL fixture."""
+    tok, ids = begin(out)
+    pixels, grids = preprocess(out, Qwen2VLImageProcessorPil(),
+                               lambda name: Image.fromarray(make_image(name)).save(out / f"{name}.png"))
+    cases = [prompt(pieces, tok, grids, ids) for pieces in CASES]
     text = {**TEXT, "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"],
             "pad_token_id": ids["<|endoftext|>"]}
     config = Qwen2_5_VLConfig(text_config=text, vision_config=VISION, image_token_id=ids["<|image_pad|>"],
                               video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
                               vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
     config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
-    generation = {"bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"],
-                  "pad_token_id": ids["<|endoftext|>"]}
-
-    def weights(path: Path) -> bool:   # what save_pretrained writes that the fixture keeps
-        return path.name == "config.json" or path.name.endswith((".safetensors", ".safetensors.index.json"))
-
     for attempt in range(MAX_SEEDS):
         seed = SEED + attempt
-        for path in out.iterdir():
-            if weights(path):
-                path.unlink()
         torch.manual_seed(seed)
         model = Qwen2_5_VLForConditionalGeneration(config).float()
         randomize(model, seed)
-        with tempfile.TemporaryDirectory() as tmp:
-            model.save_pretrained(tmp, max_shard_size=SHARD)
-            for path in sorted(Path(tmp).iterdir()):
-                if weights(path):
-                    shutil.copy(path, out / path.name)
-        (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-        reloaded = load(out)
-        for (n, a), b in zip(model.state_dict().items(), reloaded.state_dict().values()):
-            assert torch.equal(a, b), f"{n} changed on save/reload"
+        reloaded = save_and_reload(model, out, generation_config(ids), load)
         results = run(reloaded, cases, lambda case: inputs(case, ids["<|image_pad|>"], pixels))
         gap = min(r["min_logit_gap"] for r in results)
         ok = gap >= MIN_LOGIT_GAP and all(len(set(r["greedy"])) > 1 for r in results)
@@ -300,42 +360,12 @@ def build(out: Path) -> None:
             break
     else:
         raise RuntimeError(f"no seed in {SEED}..{SEED + MAX_SEEDS - 1} gave the margins")
-
-    with torch.no_grad():
-        for name in IMAGES:
-            grid = torch.tensor([grids[name]])
-            feats = reloaded.model.get_image_features(pixels[name], grid).pooler_output[0]
-            assert feats.shape == (int(np.prod(grids[name])) // 4, VISION["out_hidden_size"]), feats.shape
-            np.save(out / f"features_{name[-1]}.npy", feats.numpy().astype(np.float32))
-    np.save(out / "pixel_values_a.npy", pixels["image_a"].numpy().astype(np.float32))
-    flat = pixels["image_b"].numpy().astype(np.float64).ravel()
-    sample = np.sort(np.random.default_rng(SEED).choice(flat.size, 16, replace=False))
-    pixel_b = {"shape": list(pixels["image_b"].shape), "sum": float(flat.sum()), "abs_sum": float(np.abs(flat).sum()),
-               "sample_index": sample.tolist(), "sample_value": [float(np.float32(v)) for v in flat[sample]]}
-    for i, r in enumerate(results):
-        np.save(out / f"logits_{i}.npy", r["logits"])
-        if "position_ids" in r:
-            np.save(out / f"position_ids_{i}.npy", r["position_ids"])
-    meta = {"torch": torch.__version__, "transformers": transformers.__version__,
-            "tokenizers": tokenizers.__version__, "seed": seed, "min_logit_gap": gap,
-            "token_ids": {k.strip("<|>"): v for k, v in ids.items()},
-            "images": {n: {"file": f"{n}.png", "size_hw": list(IMAGES[n][0]), "image_grid_thw": grids[n]}
-                       for n in IMAGES},
-            "pixel_values_b": pixel_b,
-            "cases": [{**c, "rope_delta": r.get("rope_delta"), "greedy": r["greedy"],
-                       "min_logit_gap": r["min_logit_gap"]} for c, r in zip(cases, results)]}
-    (out / "golden.json").write_text(json.dumps(meta, indent=1) + "\n")
-    (out / "README.md").write_text(
+    write_outputs(out, reloaded, pixels, grids, cases, results, seed, SEED, gap, ids, {},
         "Generated by `tools/make_vl_golden.py` (torch + transformers + pillow; CI does not): do not edit, rerun it.\n"
         "A tiny random float32 Qwen2.5-VL (config, generation config, sharded safetensors, demo tokenizer), two\n"
         "test images (`image_{a,b}.png`), and transformers' outputs: `logits_<i>.npy` per prompt position,\n"
         "`position_ids_<i>.npy` (3-D M-RoPE), `features_{a,b}.npy`, `pixel_values_a.npy`; prompts, greedy runs in "
         "`golden.json`.\n")
-    for path in sorted(out.iterdir()):
-        assert path.stat().st_size < 300_000, f"{path.name}: {path.stat().st_size} bytes"
-    size = sum(p.stat().st_size for p in out.iterdir())
-    print(f"{out.name} {size / 1024:.1f} KiB  {sorted(p.name for p in out.iterdir())}")
-
 
 
 # ------------------------------------------------------------------------------------------------ ERNIE-4.5-VL
@@ -422,30 +452,13 @@ def ernie_routing(model: torch.nn.Module, kw: dict) -> dict:
 
 def build_ernie(out: Path) -> None:
     """The ERNIE-4.5-VL fixture: the Qwen fixture's tokenizer, images and prompt texts."""
-    tok, tok_config = demo_tokenizer()
-    ids = {t: tok.token_to_id(t) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
-                                           "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")}
     for name in IMAGES:
         assert (OUT / f"{name}.png").is_file(), f"{OUT / name}.png missing: build the qwen2_5_vl fixture first"
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
-    (out / "tokenizer.json").write_text(tok.to_str(pretty=True), encoding="utf-8")
-    (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2, ensure_ascii=False) + "\n",
-                                               encoding="utf-8")
-
-    processor = Ernie4_5_VLMoeImageProcessorPil()
-    pixels, grids = {}, {}
-    for name, (_, want_grid) in IMAGES.items():
-        shutil.copyfile(OUT / f"{name}.png", out / f"{name}.png")
-        with Image.open(out / f"{name}.png") as im:
-            assert np.array_equal(np.asarray(im.convert("RGB")), make_image(name)), f"{name}.png is not make_image's"
-            proc = processor(images=[im.convert("RGB")], return_tensors="pt")
-        pixels[name], grids[name] = proc["pixel_values"], proc["image_grid_thw"][0].tolist()
-        print(f"{name}: {IMAGES[name][0]} -> grid {grids[name]}, pixel_values {tuple(pixels[name].shape)}")
-        assert grids[name] == want_grid, (name, grids[name])
+    tok, ids = begin(out)
+    pixels, grids = preprocess(out, Ernie4_5_VLMoeImageProcessorPil(),
+                               lambda name: shutil.copyfile(OUT / f"{name}.png", out / f"{name}.png"))
     # an image's placeholders: t*h*w / merge_size**2 (the temporal merge only applies to videos)
     cases = [prompt(pieces, tok, grids, ids) for pieces in CASES]
-
     text = {**ERNIE_TEXT, "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"],
             "pad_token_id": ids["<|endoftext|>"]}
     config = Ernie4_5_VLMoeConfig(
@@ -454,30 +467,14 @@ def build_ernie(out: Path) -> None:
         video_token_id=ids["<|video_pad|>"], video_start_token_id=ids["<|vision_start|>"],
         video_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
     config.architectures = ["Ernie4_5_VLMoeForConditionalGeneration"]
-    generation = {"bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"],
-                  "pad_token_id": ids["<|endoftext|>"]}
     specials = {ids[t] for t in ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")}
-
-    def weights(path: Path) -> bool:   # what save_pretrained writes that the fixture keeps
-        return path.name == "config.json" or path.name.endswith((".safetensors", ".safetensors.index.json"))
 
     for attempt in range(MAX_SEEDS):
         seed = ERNIE_SEED + attempt
-        for path in out.iterdir():
-            if weights(path):
-                path.unlink()
         torch.manual_seed(seed)
         model = Ernie4_5_VLMoeForConditionalGeneration(config).float()
         ernie_randomize(model, seed)
-        with tempfile.TemporaryDirectory() as tmp:
-            model.save_pretrained(tmp, max_shard_size=SHARD)
-            for path in sorted(Path(tmp).iterdir()):
-                if weights(path):
-                    shutil.copy(path, out / path.name)
-        (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-        reloaded = ernie_load(out)
-        for (n, a), b in zip(model.state_dict().items(), reloaded.state_dict().values()):
-            assert torch.equal(a, b), f"{n} changed on save/reload"
+        reloaded = save_and_reload(model, out, generation_config(ids), ernie_load)
         make_inputs = functools.partial(ernie_inputs, config=reloaded.config, pixels=pixels)
         results = run(reloaded, cases, make_inputs)
         routing = [ernie_routing(reloaded, make_inputs(c)) if c["images"] else None for c in cases]
@@ -495,38 +492,14 @@ def build_ernie(out: Path) -> None:
     else:
         raise RuntimeError(f"no seed in {ERNIE_SEED}..{ERNIE_SEED + MAX_SEEDS - 1} gave the margins")
 
-    out_dim = config.text_config.hidden_size
-    with torch.no_grad():
-        for name in IMAGES:
-            grid = torch.tensor([grids[name]])
-            feats = reloaded.model.get_image_features(pixels[name], grid).pooler_output[0]
-            assert feats.shape == (int(np.prod(grids[name])) // 4, out_dim), feats.shape
-            np.save(out / f"features_{name[-1]}.npy", feats.numpy().astype(np.float32))
-    np.save(out / "pixel_values_a.npy", pixels["image_a"].numpy().astype(np.float32))
-    flat = pixels["image_b"].numpy().astype(np.float64).ravel()
-    sample = np.sort(np.random.default_rng(ERNIE_SEED).choice(flat.size, 16, replace=False))
-    pixel_b = {"shape": list(pixels["image_b"].shape), "sum": float(flat.sum()), "abs_sum": float(np.abs(flat).sum()),
-               "sample_index": sample.tolist(), "sample_value": [float(np.float32(v)) for v in flat[sample]]}
-    for i, (case, r) in enumerate(zip(cases, results)):
-        np.save(out / f"logits_{i}.npy", r["logits"])
-        if "position_ids" in r:
-            np.save(out / f"position_ids_{i}.npy", r["position_ids"])
+    for i, case in enumerate(cases):
+        if case["images"]:
             moe = ernie_inputs(case, reloaded.config, pixels)["moe_mm_token_type_ids"][0]
             np.save(out / f"moe_token_types_{i}.npy", moe.numpy().astype(np.int64))
-    meta = {"torch": torch.__version__, "transformers": transformers.__version__,
-            "tokenizers": tokenizers.__version__, "seed": seed, "min_logit_gap": gap,
-            "token_ids": {k.strip("<|>"): v for k, v in ids.items()},
-            "config_token_ids": {k: getattr(config, k) for k in (
-                "image_token_id", "image_start_token_id", "image_end_token_id", "video_token_id",
-                "video_start_token_id", "video_end_token_id")},
-            "images": {n: {"file": f"{n}.png", "size_hw": list(IMAGES[n][0]), "image_grid_thw": grids[n]}
-                       for n in IMAGES},
-            "pixel_values_b": pixel_b,
-            "cases": [{**c, "rope_delta": r.get("rope_delta"), "greedy": r["greedy"],
-                       "min_logit_gap": r["min_logit_gap"], "routing": r["routing"]}
-                      for c, r in zip(cases, results)]}
-    (out / "golden.json").write_text(json.dumps(meta, indent=1) + "\n")
-    (out / "README.md").write_text(
+    token_ids = {k: getattr(config, k) for k in ("image_token_id", "image_start_token_id", "image_end_token_id",
+                                                  "video_token_id", "video_start_token_id", "video_end_token_id")}
+    write_outputs(out, reloaded, pixels, grids, cases, results, seed, ERNIE_SEED, gap, ids,
+                  {"config_token_ids": token_ids},
         "Generated by `tools/make_vl_golden.py` (torch + transformers + pillow; CI does not): do not edit, rerun it.\n"
         "A tiny random float32 ERNIE-4.5-VL MoE (config, generation config, sharded safetensors in the original\n"
         "checkpoint layout, demo tokenizer), the Qwen2.5-VL fixture's test images (`image_{a,b}.png`), and\n"
@@ -534,10 +507,7 @@ def build_ernie(out: Path) -> None:
         "`moe_token_types_<i>.npy` (1: routed to the vision experts: image pads and their start/end tokens),\n"
         "`features_{a,b}.npy` (vision tower + resampler), `pixel_values_a.npy`; prompts, greedy runs in "
         "`golden.json`.\n")
-    for path in sorted(out.iterdir()):
-        assert path.stat().st_size < 300_000, f"{path.name}: {path.stat().st_size} bytes"
-    size = sum(p.stat().st_size for p in out.iterdir())
-    print(f"{out.name} {size / 1024:.1f} KiB  {sorted(p.name for p in out.iterdir())}")
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])

@@ -38,10 +38,10 @@ class MMFeatureInput:
 
     @classmethod
     def picture(cls, data: bytes, name: str, mm_config: MultimodalConfig) -> MMFeatureInput:
-        """A picture's item, its grid from the header (nothing is decoded here)."""
+        """A picture's item, its grid from the header (nothing is decoded here), for a model whose
+        tower runs here (`check_pictures`, which the collector asks before it fetches anything)."""
         from fdplug.core.vision.image_processing import probe  # (numpy: only once a picture comes)
 
-        check_pictures(mm_config, name)
         grid = mm_config.image_spec.grid(*probe(data, name))
         return cls("image", (), grid, mm_config.num_tokens("image", grid), picture_hash(data), data)
 

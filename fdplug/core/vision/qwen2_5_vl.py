@@ -68,10 +68,6 @@ class VisionConfig:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
-    @property
-    def patch_dim(self) -> int:
-        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
-
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor of the tower (names under ``visual.``) and its shape."""
         d, i, m = self.hidden_size, self.intermediate_size, self.hidden_size * self.spatial_merge_size ** 2
@@ -134,7 +130,8 @@ class Qwen25VisionTower:
         self.patch_weight = weights["patch_embed.proj.weight"].reshape([cfg.hidden_size, -1]).t().contiguous()
 
     def encode(self, patches: np.ndarray, grid: tuple[int, int, int]) -> np.ndarray:
-        """``patches [t*h*w, patch_dim]`` (block order) -> features ``[t*h*w / merge², out_hidden_size]``."""
+        """``patches [t*h*w, channels * temporal_patch * patch²]`` (block order) -> features
+        ``[t*h*w / merge², out_hidden_size]``."""
         cfg, w = self.cfg, self.w
         unit = cfg.spatial_merge_size ** 2
         order, window_bounds = window_order(grid, cfg)

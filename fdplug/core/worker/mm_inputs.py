@@ -80,8 +80,8 @@ def modality_rows(batch: Any, mm: Any, slots: np.ndarray, start: np.ndarray,
     for i in np.flatnonzero(start <= batch.items_end[slots]):   # (a decode token is past every item)
         slot = slots[i]
         lo, hi = int(start[i]), int(start[i] + query_start[i + 1] - query_start[i])
+        tokens = batch.token_ids[slot]
         for item in batch.mm_positions[slot]:
-            tokens = batch.token_ids[slot]
             first = item.offset - (item.offset > 0 and tokens[item.offset - 1] == mm.vision_start_token_id)
             end = item.end + (tokens[item.end] == mm.vision_end_token_id)
             a, b = max(lo, first), min(hi, end)
