@@ -179,6 +179,7 @@ _X86 = platform.machine().lower() in ("x86_64", "amd64")
 
 # Other builds of the same source: AVX2 without AVX-512's registers (6-row tiles), portable C, and
 # scratch so small that every few tokens make a chunk of their own.
+@pytest.mark.own_build
 @pytest.mark.parametrize("extra", [
     pytest.param(("-mno-avx512f",), id="avx2-only", marks=pytest.mark.skipif(not _X86, reason="x86 flag")),
     pytest.param(("-march=x86-64",), id="portable-c", marks=pytest.mark.skipif(not _X86, reason="x86 flag")),
