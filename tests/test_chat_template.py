@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from fdplug.core.model.text import chat_template, template_budget
+from fdplug.core.model.text import chat_template, content_format, template_budget
+from fdplug.core.model.text.chat_messages import normalize_messages
 from fdplug.core.model.text.chat_template import render_template
 from fdplug.errors import InvalidRequestError
 
@@ -150,3 +151,36 @@ def test_python_internals_stay_out_of_reach():
     for source in ("{{ ''.__class__ }}", "{{ x.__init__ }}", "{{ cycler.__init__.__globals__ }}"):
         with pytest.raises(InvalidRequestError, match="sandbox forbids|rendering the chat template failed"):
             render_template(source, {"x": 1})
+
+
+@pytest.mark.parametrize("source, parts", [
+    ("{% for m in messages %}{% for p in m['content'] %}{{ p['text'] }}{% endfor %}{% endfor %}", True),
+    ("{% for m in messages %}{% for p in m.content | selectattr('type', 'eq', 'text') %}{% endfor %}{% endfor %}",
+     True),
+    ("{% for m in messages %}{% set c = m['content'] %}{% for p in c %}{{ p }}{% endfor %}{% endfor %}", True),
+    ("{% for m in messages %}{{ m['content'] }}{% endfor %}", False),                  # a string template
+    ("{% for m in messages %}{% for x in m['tool_calls'] %}{% endfor %}{{ m.content }}{% endfor %}", False),
+    ("{% set c = messages[0]['content'] %}{% for m in messages %}{{ c }}{% endfor %}", False),
+    ("{% for p in m['content'] %", False),                       # not Jinja: rendering says so, not this
+])
+def test_the_content_format_is_read_from_the_template(source, parts):
+    """A template that loops over a message's content gets the list of parts (content_format.py)."""
+    assert content_format.reads_content_parts(source) is parts
+
+
+def test_a_parts_reading_template_gets_text_and_item_parts():
+    recorded = []
+    messages = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {}},
+                                             {"type": "video_feature", "video_feature": {}}]},
+                {"role": "assistant", "content": "b"}]
+
+    def handler(part, index):
+        recorded.append((part["type"], index))
+        return "<pad>"
+
+    got = normalize_messages(messages, handler, content_parts=True)
+    assert got[0]["content"] == [{"type": "text", "text": "a"}, {"type": "image"}, {"type": "video"}]
+    assert got[1]["content"] == "b" and recorded == [("image_url", 0), ("video_feature", 0)]
+    assert normalize_messages(messages, handler)[0]["content"] == "a\n<pad>\n<pad>"
+    with pytest.raises(InvalidRequestError, match="text part without a text string"):
+        normalize_messages([{"role": "user", "content": [{"type": "text"}]}], content_parts=True)

@@ -281,6 +281,32 @@ def test_chat_with_image_url_parts_equals_the_token_prompt(llm):
         "prompt_token_ids": spelled["prompt_token_ids"]}])[0]
 
 
+# The shape of Qwen2.5-VL's processor template (chat_template.json): it loops over a message's parts
+# and writes each item's placeholder itself, the text right after it.
+PARTS_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+                  "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% set parts = m['content'] %}"
+                  "{% for part in parts %}{% if part['type'] == 'image' %}"
+                  "<|vision_start|><|image_pad|><|vision_end|>{% elif part['type'] == 'text' %}{{ part['text'] }}"
+                  "{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
+
+
+def test_a_template_that_renders_the_parts_gets_them_as_transformers_gives_them(llm):
+    """No newline between a picture's placeholder and the text after it, none between text parts:
+    what transformers' processor renders from the same messages (a joined string would add them)."""
+    messages = [{"role": "user", "content": [data_url(picture_bytes("image_a")), {"type": "text", "text": "Describe"},
+                                             {"type": "text", "text": " it."}]}]
+    spelled = llm.chat_prompt(messages, chat_template=PARTS_TEMPLATE)
+    body = "<|vision_start|><|image_pad|><|vision_end|>Describe it."
+    assert spelled["prompt"] == f"<|im_start|>user\n{body}<|im_end|>\n<|im_start|>assistant"
+    assert len(spelled["mm_items"]) == 1
+    string_template = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    joined = llm.chat_prompt(messages, chat_template=string_template)["prompt"]
+    assert "<|vision_end|>\nDescribe\n it.<|im_end|>" in joined
+    chat = llm.chat(messages, GREEDY, use_tqdm=False, chat_template=PARTS_TEMPLATE)[0]
+    assert chat.outputs[0].token_ids == tokens(llm, [prompt(CASES[0]) | {
+        "prompt_token_ids": spelled["prompt_token_ids"]}])[0]
+
+
 # -- bad input: a 400 naming the item, before anything is encoded ---------------------------------------
 
 

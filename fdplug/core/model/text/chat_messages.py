@@ -42,20 +42,24 @@ def check_template_kwargs(kwargs: Mapping[str, Any] | None, param: str = "chat_t
     return kwargs
 
 
-def normalize_messages(messages: Sequence[Mapping[str, Any]],
-                       content_part_handler: ContentPartHandler | None = None) -> list[dict[str, Any]]:
+def normalize_messages(messages: Sequence[Mapping[str, Any]], content_part_handler: ContentPartHandler | None = None,
+                       content_parts: bool = False) -> list[dict[str, Any]]:
     """Validated copies of OpenAI-style messages in the shape HF templates expect.
 
-    Content becomes a string (text parts joined by newlines, other parts through the handler); a
-    tool call's JSON ``arguments`` string becomes a dict, since templates render it with ``tojson``.
+    A list of content parts becomes a string (text parts joined by newlines, other parts through the
+    handler), or with ``content_parts`` (a template that renders the parts itself: content_format.py)
+    stays a list of ``{"type": "text", "text"}`` and ``{"type": "image"|"video"}`` parts, each item
+    still recorded by the handler. A tool call's JSON ``arguments`` string becomes a dict, since
+    templates render it with ``tojson``.
     """
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise InvalidRequestError("messages must be a non-empty list of {role, content} objects.",
                                   fix='send e.g. [{"role": "user", "content": "Hello"}].')
-    return [_normalize_message(m, i, content_part_handler) for i, m in enumerate(messages)]
+    return [_normalize_message(m, i, content_part_handler, content_parts) for i, m in enumerate(messages)]
 
 
-def _normalize_message(message: Any, index: int, handler: ContentPartHandler | None) -> dict[str, Any]:
+def _normalize_message(message: Any, index: int, handler: ContentPartHandler | None,
+                       as_parts: bool) -> dict[str, Any]:
     if not isinstance(message, Mapping):
         raise InvalidRequestError(f"messages[{index}] is a {type(message).__name__}, not an object.",
                                   fix='give each message as {"role": ..., "content": ...}.')
@@ -64,13 +68,14 @@ def _normalize_message(message: Any, index: int, handler: ContentPartHandler | N
         raise InvalidRequestError(f"messages[{index}] has role {show_value(role)}.", fix=f"use one of {sorted(ROLES)}.",
                                   param=f"messages.{index}.role")
     out = dict(message)
-    out["content"] = _content_text(message.get("content"), index, role, handler)
+    out["content"] = _content(message.get("content"), index, role, handler, as_parts)
     if message.get("tool_calls") is not None:
         out["tool_calls"] = _normalize_tool_calls(message["tool_calls"], f"messages.{index}.tool_calls")
     return out
 
 
-def _content_text(content: Any, index: int, role: str, handler: ContentPartHandler | None) -> str:
+def _content(content: Any, index: int, role: str, handler: ContentPartHandler | None,
+             as_parts: bool) -> str | list[dict[str, str]]:
     if isinstance(content, str):
         return content
     if content is None:
@@ -78,6 +83,8 @@ def _content_text(content: Any, index: int, role: str, handler: ContentPartHandl
             return ""  # an assistant turn may carry only tool calls (or be a prefill)
         raise InvalidRequestError(f"messages[{index}] ({role}) has no content.", fix="give it a content string.")
     if isinstance(content, Sequence) and not isinstance(content, (str, bytes)):
+        if as_parts:
+            return [_template_part(part, index, handler) for part in content]
         return "\n".join(_part_text(part, index, handler) for part in content)
     raise InvalidRequestError(f"messages[{index}].content is a {type(content).__name__}.",
                               fix="give content as a string or a list of content parts.")
@@ -96,6 +103,15 @@ def _part_text(part: Any, index: int, handler: ContentPartHandler | None) -> str
         raise InvalidRequestError(f"messages[{index}].content has a {part['type']!r} part; this model takes text only.",
                                   fix="send text parts only, or serve a multimodal model.")
     return handler(part, index)
+
+
+def _template_part(part: Any, index: int, handler: ContentPartHandler | None) -> dict[str, str]:
+    """A part as a parts-reading template gets it: its text, or its item's modality (the handler
+    records the item; the template writes its placeholder)."""
+    text = _part_text(part, index, handler)
+    if part["type"] == "text":
+        return {"type": "text", "text": text}
+    return {"type": "video" if part["type"].startswith("video") else "image"}
 
 
 _TOOL_CALL_SHAPE = '{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{\\"a\\": 1}"}}'

@@ -237,6 +237,7 @@ def _environment() -> _Sandbox:
 
 
 _ENV = _environment()
+parse_template = _ENV.parse   # the syntax tree of a source (content_format reads it); raises TemplateSyntaxError
 
 
 CACHED_SOURCE_CHARS = 256 << 10   # a model's template is a few KB; a larger one is compiled each time

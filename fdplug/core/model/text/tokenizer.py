@@ -23,6 +23,7 @@ from fdplug.core.model.text.chat_messages import (
     normalize_messages,
 )
 from fdplug.core.model.text.chat_template import render_template
+from fdplug.core.model.text.content_format import reads_content_parts
 from fdplug.core.model.text.gguf_tokenizer import tokenizer_from_gguf
 from fdplug.errors import InvalidRequestError, ModelLoadError
 
@@ -180,7 +181,7 @@ class Tokenizer:
             **self.special_tokens,
             **(variables or {}),
             **kwargs,
-            "messages": normalize_messages(messages, content_part_handler),
+            "messages": normalize_messages(messages, content_part_handler, reads_content_parts(source)),
             "tools": check_dicts(tools, "tools"),
             "documents": check_dicts(documents, "documents"),
             "add_generation_prompt": add_generation_prompt,
