@@ -445,3 +445,15 @@ def test_bad_metadata_names_key(kv, key):
     with pytest.raises(ModelLoadError, match=key.replace(".", r"\.")) as err:
         tokenizer_from_gguf(kv)
     assert not isinstance(err.value, UnsupportedModelError) and err.value.fix
+
+
+@pytest.mark.parametrize("text", ["é hello", "hello\nworld", "日本"])
+def test_token_bytes_are_the_pieces_own(spm_file, text):
+    """Logprobs' ``bytes``: a byte-fallback piece is its byte (half a character), ``▁`` a space; joined,
+    the text (token_bytes.py). The byte-level rule is checked over HTTP (test_server_api.py)."""
+    tok = Tokenizer.from_gguf_metadata(read_metadata(spm_file))
+    ids = tok.encode(text, add_special_tokens=False)
+    pieces = [tok.token_bytes(i) for i in ids]
+    assert b"".join(pieces) == (" " + text).encode()      # (SentencePiece's leading "▁")
+    assert any(len(p) == 1 and p[0] >= 0x80 for p in pieces) == (not text.isascii())
+    assert tok.token_bytes(TOOL) == b"<tool>" and tok.token_bytes(2) == b"</s>"

@@ -242,3 +242,104 @@ def test_the_data_parallel_rank_header_names_the_one_engine_or_is_a_400(server):
                        headers={**server.headers, "X-Data-Parallel-Rank": "1"})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "X-Data-Parallel-Rank", reply.text
     assert "(0..0)" in reply.json()["error"]["message"]
+
+
+# -- OpenAI's nullable fields, vLLM's extras ----------------------------------------------------------
+
+
+def test_null_is_a_field_left_out(server):
+    """OpenAI types its optional fields "or null"; clients send unset ones so (the openai client's
+    ``max_tokens=None``): each takes its default, and completions' max_tokens stays OpenAI's 16."""
+    chat = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "stream": None,
+                                                 "n": None, "logprobs": None, "max_tokens": 3, "stream_options": None})
+    assert chat.status_code == 200 and len(chat.json()["choices"]) == 1, chat.text
+    assert chat.json()["choices"][0]["logprobs"] is None
+    done = post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": None, "echo": None, "ignore_eos": True,
+                                            "min_tokens": None, "temperature": None})
+    assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 16, done.text
+
+
+def test_stop_reason_names_the_stop_string_or_token(server):
+    body = {"prompt": "A class definition", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    text = post(server, "/v1/completions", body).json()["choices"][0]["text"]
+    stop = text[3:6]
+    assert len(stop) == 3 and text.index(stop) == 3
+    choice = post(server, "/v1/completions", {**body, "stop": [stop, "@@@"]}).json()["choices"][0]
+    assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == (text[:3], "stop", stop)
+    kept = post(server, "/v1/completions", {**body, "stop": stop, "include_stop_str_in_output": True}).json()
+    assert kept["choices"][0]["text"] == text[:6]
+    first = post(server, "/tokenize", {"prompt": "Hello", "add_special_tokens": False}).json()["tokens"][0]
+    chat = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5,
+                                                 "guided_choice": ["Hello"], "stop_token_ids": [first]}).json()
+    assert (chat["choices"][0]["finish_reason"], chat["choices"][0]["stop_reason"]) == ("stop", first)
+    assert post(server, "/v1/completions", {**body, "max_tokens": 2}).json()["choices"][0]["stop_reason"] is None
+    assert_error(post(server, "/v1/completions", {**body, "stop": ""}), 400, param="stop")
+
+
+def test_logprob_bytes_rebuild_a_character_its_tokens_split(server):
+    """Each byte-level token of a CJK character decodes alone to U+FFFD; its ``bytes`` are its own, so
+    joined they are the text (OpenAI's reason for the field), and ``text_offset`` counts characters."""
+    body = {"max_tokens": 24, "guided_choice": ["日本語"], "temperature": 0}
+    chat = post(server, "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": "Hi"}],
+                                                 "logprobs": True, "top_logprobs": 2}).json()["choices"][0]
+    content = chat["logprobs"]["content"]
+    assert chat["message"]["content"] == "日本語" and any(t["token"] == "\ufffd" for t in content)
+    assert b"".join(bytes(t["bytes"]) for t in content) == "日本語<|im_end|>".encode()    # (the end token's text)
+    assert all(top["bytes"] for t in content for top in t["top_logprobs"])
+    done = post(server, "/v1/completions", {**body, "prompt": "Hi", "logprobs": 1}).json()["choices"][0]
+    offsets = done["logprobs"]["text_offset"]
+    assert done["text"] == "日本語" and len(offsets) == len(content)
+    assert offsets[0] == 0 and offsets == sorted(offsets) and set(offsets[:-1]) <= {0, 1, 2} and offsets[-1] == 3
+    streamed = []
+    with httpx.stream("POST", server.url + "/v1/completions", headers=server.headers, timeout=30,
+                      json={**body, "prompt": "Hi", "logprobs": 1, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                streamed += choice["logprobs"]["text_offset"] if choice["logprobs"] else []
+    assert streamed == offsets
+
+
+def test_response_format_on_completions(server):
+    done = post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 40, "temperature": 0,
+                                            "response_format": {"type": "json_schema", "json_schema": {
+                                                "name": "a", "schema": {"enum": ["yes", "no"]}}}})
+    assert done.status_code == 200 and done.json()["choices"][0]["text"] in ('"yes"', '"no"'), done.text
+
+
+def test_one_model_by_name(server):
+    card = httpx.get(server.url + "/v1/models/demo", headers=server.headers).json()
+    assert card["id"] == "demo" and card["object"] == "model"
+    error = assert_error(httpx.get(server.url + "/v1/models/gpt-9", headers=server.headers), 404, param="model")
+    assert error["code"] == "model_not_found"
+
+
+def test_chat_fields_vllm_and_openai_clients_send(server):
+    """The developer role is the system role for a template without one; ``continue_final_message``
+    leaves the last message open; a prompt over the limit is the messages' fault."""
+    def rendered(messages, **kw):
+        tokens = post(server, "/tokenize", {"messages": messages, **kw}).json()["tokens"]
+        return post(server, "/detokenize", {"tokens": tokens}).json()["prompt"]
+
+    user = {"role": "user", "content": "Hi"}
+    assert rendered([{"role": "developer", "content": "Be brief."}, user]) == \
+        rendered([{"role": "system", "content": "Be brief."}, user])
+    opened = rendered([user, {"role": "assistant", "content": "The answer is"}], add_generation_prompt=False,
+                      continue_final_message=True)
+    assert opened.endswith("The answer is")
+    both = post(server, "/v1/chat/completions", {"messages": [user, {"role": "assistant", "content": "The"}],
+                                                 "continue_final_message": True, "max_tokens": 2})
+    assert_error(both, 400, param="continue_final_message")
+    long = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "go " * 600}]})
+    assert_error(long, 400, param="messages")
+    assert_error(post(server, "/v1/chat/completions", {"messages": []}), 400, param="messages")
+
+
+def test_continuous_usage_stats(server):
+    body = {"prompt": "A class definition", "max_tokens": 6, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", server.url + "/v1/completions", headers=server.headers, timeout=30, json=body) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert all(c["usage"] is not None for c in chunks) and counts == sorted(counts) and counts[-1] == 6
+    assert all(c["usage"]["prompt_tokens"] == chunks[-1]["usage"]["prompt_tokens"] > 0 for c in chunks)

@@ -60,6 +60,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False   # vLLM's: the matched stop string stays in the text
     # vLLM's structured outputs: ``{"json": schema}``, ``{"regex": ...}``, ``{"choice": [...]}``,
     # ``{"grammar": lark}`` or ``{"json_object": True}``, kept as ``(kind, text)`` (plain data for msgpack)
     structured_outputs: Any = None
@@ -116,7 +117,7 @@ class SamplingParams:
                 f"min_tokens ({self.min_tokens}) is greater than max_tokens ({self.max_tokens}).",
                 fix="make min_tokens <= max_tokens.", param="min_tokens")
         self._validate_stops()
-        for flag in ("ignore_eos", "skip_special_tokens"):
+        for flag in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, flag), bool):
                 raise InvalidRequestError(f"{flag} must be true or false, got {show_value(getattr(self, flag))}.",
                                           fix=f"pass {flag} as a boolean.", param=flag)

@@ -97,20 +97,23 @@ class LLM:
     def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool = True,
-             tools: Sequence[Mapping[str, Any]] | None = None, tool_choice: Any = "auto") -> list[RequestOutput]:
+             tools: Sequence[Mapping[str, Any]] | None = None, tool_choice: Any = "auto",
+             continue_final_message: bool = False) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate.
 
         ``tools`` are shown to the model by its template. With ``tool_choice`` "auto" and the LLM's
         ``tool_call_parser`` its calls come back in each output's ``tool_calls`` (finish reason
         "tool_calls"); "required" or ``{"type": "function", "function": {"name": ...}}`` holds the
         answer to valid calls (structured outputs, no parser needed). With a ``reasoning_parser``
-        the reasoning comes back in ``reasoning_content``."""
+        the reasoning comes back in ``reasoning_content``. ``continue_final_message`` (with
+        ``add_generation_prompt=False``) has the model go on writing the last message."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         tools = list(tools or ())
         if tools:
             check_tool_list(tools)
         forced = forced_choice(tool_choice, tools) if tools else None
-        prompts = [self.chat_prompt(c, chat_template, add_generation_prompt, tools or None) for c in conversations]
+        prompts = [self.chat_prompt(c, chat_template, add_generation_prompt, tools or None, continue_final_message)
+                   for c in conversations]
         params = self._params_for(len(prompts), sampling_params)
         if forced is not None:
             params = [forced_params(p, tools, forced) for p in params]
@@ -134,12 +137,13 @@ class LLM:
 
     def chat_prompt(self, conversation: Sequence[Mapping[str, Any]], chat_template: str | None = None,
                     add_generation_prompt: bool = True,
-                    tools: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
+                    tools: Sequence[Mapping[str, Any]] | None = None,
+                    continue_final_message: bool = False) -> dict[str, Any]:
         """The prompt ``generate`` takes for a conversation; feature parts become ``mm_items``."""
         collector = FeaturePartCollector(self.model_config.multimodal, self.tokenizer)
         text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
                                                   chat_template=chat_template, content_part_handler=collector,
-                                                  tools=tools)
+                                                  tools=tools, continue_final_message=continue_final_message)
         return {"prompt": text, "prompt_token_ids": self.input_processor.encode(text, add_special_tokens=False),
                 "mm_items": collector.parts}
 

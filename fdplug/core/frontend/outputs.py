@@ -8,11 +8,13 @@ from typing import Any
 
 @dataclass(slots=True)
 class Logprob:
-    """One candidate token's log-probability under the model, its rank, and its text."""
+    """One candidate token's log-probability under the model, its rank, its text, and its bytes (the
+    text of a token that holds part of a character is U+FFFD; its bytes are what it holds)."""
 
     logprob: float
     rank: int
     decoded_token: str | None = None
+    token_bytes: bytes | None = None
 
 
 @dataclass(slots=True)

@@ -182,7 +182,8 @@ class OutputProcessor:
         parent = _Parent(RequestOutput(request_id, prompt, prompt_ids, []))
         for i in range(params.n):
             detok = IncrementalDetokenizer.for_request(self.tokenizer, prompt_ids, stop=params.stop,
-                                                       skip_special_tokens=params.skip_special_tokens)
+                                                       skip_special_tokens=params.skip_special_tokens,
+                                                       include_stop_str_in_output=params.include_stop_str_in_output)
             out = CompletionOutput(i, "", [], logprobs=[] if params.logprobs is not None else None,
                                    cumulative_logprob=0.0 if params.logprobs is not None else None)
             parent.children.append(_Child(out, detok, params.logprobs is not None))
@@ -264,9 +265,9 @@ class OutputProcessor:
                      error)
 
     def _logprobs(self, out: EngineCoreOutput) -> list[dict[int, Logprob]]:
-        entries = []
+        entries, tok = [], self.tokenizer
         for ids, logprobs, ranks in out.new_logprobs or ():
-            entries.append({tid: Logprob(lp, rank, self.tokenizer.decode([tid], skip_special_tokens=False))
+            entries.append({tid: Logprob(lp, rank, tok.decode([tid], skip_special_tokens=False), tok.token_bytes(tid))
                             for tid, lp, rank in zip(ids, logprobs, ranks)})
         return entries
 

@@ -45,6 +45,7 @@ def build_app(client: EngineClient, model_name: str, settings: ServerSettings, a
     app.add_api_route("/version", routes.version, methods=["GET"])
     app.add_api_route("/metrics", routes.metrics_route, methods=["GET"])
     app.add_api_route("/v1/models", routes.models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", guarded(routes.model, metrics), methods=["GET"])
     app.add_api_route("/v1/completions", guarded(routes.completions, metrics), methods=["POST"])
     app.add_api_route("/v1/chat/completions", guarded(routes.chat_completions, metrics), methods=["POST"])
     app.add_api_route("/tokenize", guarded(routes.tokenize, metrics), methods=["POST"])
@@ -87,9 +88,16 @@ class Routes:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     async def models(self) -> Response:
+        return JSONResponse({"object": "list", "data": [self._card()]})
+
+    async def model(self, request: Request) -> Response:
+        """OpenAI's ``GET /v1/models/{model}``: the served model's card, or a 404 naming the one asked for."""
+        self.jobs.check_model(request.path_params["model_id"])
+        return JSONResponse(self._card())
+
+    def _card(self) -> dict:
         info = self.client.info
-        card = T.model_card(self.model_name, self.started, info.model_dir, info.max_model_len)
-        return JSONResponse({"object": "list", "data": [card]})
+        return T.model_card(self.model_name, self.started, info.model_dir, info.max_model_len)
 
     # Parsing, the chat template and tokenizing run in a worker thread: a large body or a long
     # conversation costs its sender time, not every stream on the event loop (/health included).
@@ -133,6 +141,7 @@ class Routes:
             lambda: connection is None or connection.write_paused)
         serving.submit(job, prepared, params, queue, req.cache_salt, rank)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        job.usage_every_chunk = include_usage and req.stream_options.continuous_usage_stats
         return await serving.stream(job, queue, include_usage, request)
 
 

@@ -16,15 +16,16 @@ from fdplug.server.api import openai_types as T
 from fdplug.server.api.jobs import Job
 
 
-def chat_message_choice(job: Job, index: int, text: str, reason: str | None, logprobs: dict | None) -> dict:
+def chat_message_choice(job: Job, index: int, text: str, reason: str | None, logprobs: dict | None,
+                        stop_reason: int | str | None = None) -> dict:
     """A whole choice: its message."""
     parser = job.parse() if job.parse is not None else None
     if parser is None:
-        return T.chat_choice(index, text, reason, logprobs)
+        return T.chat_choice(index, text, reason, logprobs, stop_reason=stop_reason)
     answer = parse_whole(parser, text)
     calls = [openai_call(call) for call in answer.calls if not job.one_call or call.index == 0]
     return T.chat_choice(index, answer.content or (None if calls else ""), finish_reason(reason, bool(calls)),
-                         logprobs, answer.reasoning, calls, parser.reasoning is not None)
+                         logprobs, answer.reasoning, calls, parser.reasoning is not None, stop_reason)
 
 
 class ChatDeltas:

@@ -42,6 +42,7 @@ class Job:
     prompt_tokens: int = 0
     parse: Callable[[], ChoiceParser | None] | None = None   # chat: a fresh parser per choice, if any parses
     one_call: bool = False       # parallel_tool_calls false: a choice's first call only
+    usage_every_chunk: bool = False  # stream_options.continuous_usage_stats (with include_usage)
 
     def choice_index(self, stream_index: int, child: int) -> int:
         return stream_index * self.n + child
@@ -115,8 +116,13 @@ class JobBuilder:
         params = self.client.input_processor.check_params(params)
         self.check_sequences(1, params.n)
         tools = self.check_tools(req)
-        text, prompt = self.chat_prompt(req, tools, tenant)
-        self.client.input_processor.check_length(len(prompt.token_ids), params.max_tokens)
+        try:
+            text, prompt = self.chat_prompt(req, tools, tenant)
+            self.client.input_processor.check_length(len(prompt.token_ids), params.max_tokens)
+        except InvalidRequestError as exc:      # the chat's prompt is its messages
+            if getattr(exc, "param", None) == "prompt":
+                exc.param = "messages"  # type: ignore[attr-defined]
+            raise
         job = Job("chat", f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, params.n, params.logprobs)
         forced = forced_choice(req.tool_choice, req.tools)
         job.one_call = req.parallel_tool_calls is False
@@ -148,7 +154,8 @@ class JobBuilder:
         collector = FeaturePartCollector(processor.mm_config, tokenizer, tenant, self.fetch_image)
         text = tokenizer.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt,
                                              chat_template=template, content_part_handler=collector,
-                                             variables=check_template_kwargs(kwargs), tools=tools)
+                                             variables=check_template_kwargs(kwargs), tools=tools,
+                                             continue_final_message=req.continue_final_message)
         return text, processor.process({"prompt": text, "prompt_token_ids": processor.encode(text, add_special_tokens),
                                         "mm_items": collector.parts}, tenant, fit)
 
@@ -245,8 +252,9 @@ def parse_job_request(path: str, body: bytes) -> tuple[T.CompletionRequest | T.C
         min_p=pick(req.min_p, 0.0), seed=req.seed, presence_penalty=pick(req.presence_penalty, 0.0),
         frequency_penalty=pick(req.frequency_penalty, 0.0),
         repetition_penalty=pick(req.repetition_penalty, 1.0), max_tokens=max_tokens, min_tokens=req.min_tokens,
-        stop=req.stop or (), stop_token_ids=req.stop_token_ids or (), ignore_eos=req.ignore_eos,
-        logprobs=logprobs, skip_special_tokens=req.skip_special_tokens, structured_outputs=structured_outputs(req))
+        stop=() if req.stop is None else req.stop, stop_token_ids=req.stop_token_ids or (), ignore_eos=req.ignore_eos,
+        logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output, structured_outputs=structured_outputs(req))
     return req, params.validate()
 
 

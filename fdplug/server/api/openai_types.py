@@ -15,9 +15,10 @@ Responses are plain dicts (built per chunk on the hot path, where pydantic would
 
 from __future__ import annotations
 
+import codecs
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from fdplug.errors import InvalidRequestError, show_value
 
@@ -29,9 +30,17 @@ from fdplug.errors import InvalidRequestError, show_value
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_left_out(cls, data: Any) -> Any:
+        """OpenAI types its optional fields "or null": a null is the field left out, so it takes the
+        default (``"stream": null`` is a plain request, ``"max_tokens": null`` on completions is 16)."""
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False   # vLLM's: with include_usage, the usage so far in every chunk
 
 
 class _SamplingRequest(_Strict):
@@ -49,6 +58,7 @@ class _SamplingRequest(_Strict):
     frequency_penalty: float | None = None
     seed: int | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None   # completions too, as vLLM takes it
     # accepted and ignored: bookkeeping only
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -62,6 +72,7 @@ class _SamplingRequest(_Strict):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     cache_salt: str | None = None
     kv_transfer_params: dict[str, Any] | None = None   # vLLM's: PD instances only (fdplug serve --role)
     structured_outputs: dict[str, Any] | None = None   # vLLM's: {"json" | "regex" | "choice" | "grammar": ...}
@@ -85,12 +96,12 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     # vLLM extras
     add_generation_prompt: bool = True
+    continue_final_message: bool = False   # the last message left open: the model goes on writing it
     chat_template: str | None = None     # a model template's name, or (--trust-request-chat-template) source
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -110,6 +121,7 @@ class TokenizeChatRequest(_Strict):
     model: str | None = None
     messages: list[dict[str, Any]]
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     add_special_tokens: bool = False
     return_token_strs: bool = False
     chat_template: str | None = None
@@ -208,21 +220,28 @@ def model_card(name: str, created: int, root: str, max_model_len: int) -> dict:
             "parent": None, "max_model_len": max_model_len}
 
 
-def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": None}
+def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None,
+                      stop_reason: int | str | None = None) -> dict:
+    """``stop_reason`` (vLLM's): the stop string or stop token id that ended the choice; None for EOS."""
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+            "stop_reason": stop_reason}
 
 
 def chat_choice(index: int, text: str | None, finish_reason: str | None, logprobs: dict | None,
-                reasoning: str | None = None, tool_calls: list[dict] | None = None, parsed: bool = False) -> dict:
+                reasoning: str | None = None, tool_calls: list[dict] | None = None, parsed: bool = False,
+                stop_reason: int | str | None = None) -> dict:
     """``parsed``: a reasoning parser read the text (the message then has ``reasoning_content``)."""
     message = {"role": "assistant", "content": text, "refusal": None, "tool_calls": tool_calls or []}
     if parsed:
         message["reasoning_content"] = reasoning or None
-    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
+            "stop_reason": stop_reason}
 
 
-def chat_delta_choice(index: int, delta: dict, finish_reason: str | None, logprobs: dict | None) -> dict:
-    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+def chat_delta_choice(index: int, delta: dict, finish_reason: str | None, logprobs: dict | None,
+                      stop_reason: int | str | None = None) -> dict:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
+            "stop_reason": stop_reason}
 
 
 def envelope(object_: str, id_: str, created: int, model: str, choices: list, usage_: dict | None = None,
@@ -237,19 +256,42 @@ def _top(entry: dict, k: int) -> list:
     return sorted(entry.items(), key=lambda item: item[1].rank)[:k]
 
 
-def completion_logprobs(token_ids: list[int], entries: list[dict], k: int, offset: int = 0) -> dict:
+class TextOffsets:
+    """One choice's ``text_offset``: the characters before each token, its bytes decoded as UTF-8
+    one token at a time (a token that holds part of a character adds none until the character is
+    whole, as the text itself shows it). Kept across a stream's chunks."""
+
+    __slots__ = ("chars", "decoder")
+
+    def __init__(self) -> None:
+        self.chars = 0
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def next(self, token_bytes: bytes) -> int:
+        at = self.chars
+        self.chars += len(self.decoder.decode(token_bytes))
+        return at
+
+
+def completion_logprobs(token_ids: list[int], entries: list[dict], k: int, offsets: TextOffsets | None = None) -> dict:
     """The legacy completions shape: parallel lists, top alternatives as {token: logprob}."""
+    offsets = offsets or TextOffsets()
     tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
     for tid, entry in zip(token_ids, entries):
         sampled = entry.get(tid)
-        text = sampled.decoded_token if sampled is not None else ""
-        tokens.append(text)
+        tokens.append(sampled.decoded_token if sampled is not None else "")
         token_logprobs.append(sampled.logprob if sampled is not None else None)
         top_logprobs.append(_top_by_text(entry, k) if k else None)
-        text_offset.append(offset)
-        offset += len(text or "")
+        text_offset.append(offsets.next(_bytes(sampled)))
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": text_offset}
+
+
+def _bytes(lp: Any) -> bytes:
+    """A candidate's own bytes (its text's where a caller gave none)."""
+    if lp is None:
+        return b""
+    return lp.token_bytes if lp.token_bytes is not None else (lp.decoded_token or "").encode("utf-8", "replace")
 
 
 def _top_by_text(entry: dict, k: int) -> dict[str, float]:
@@ -265,11 +307,9 @@ def chat_logprobs(token_ids: list[int], entries: list[dict], k: int) -> dict:
     content = []
     for tid, entry in zip(token_ids, entries):
         sampled = entry.get(tid)
-        token = sampled.decoded_token if sampled is not None else ""
         content.append({
-            "token": token, "logprob": sampled.logprob if sampled is not None else None,
-            "bytes": list(token.encode("utf-8", "replace")),
-            "top_logprobs": [{"token": lp.decoded_token, "logprob": lp.logprob,
-                              "bytes": list((lp.decoded_token or "").encode("utf-8", "replace"))}
+            "token": sampled.decoded_token if sampled is not None else "",
+            "logprob": sampled.logprob if sampled is not None else None, "bytes": list(_bytes(sampled)),
+            "top_logprobs": [{"token": lp.decoded_token, "logprob": lp.logprob, "bytes": list(_bytes(lp))}
                              for _, lp in _top(entry, k)]})
     return {"content": content, "refusal": None}

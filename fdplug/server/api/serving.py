@@ -18,7 +18,7 @@ from typing import Any
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, StreamingResponse
 
-from fdplug.core.frontend.outputs import RequestOutput
+from fdplug.core.frontend.outputs import CompletionOutput, RequestOutput
 from fdplug.core.frontend.processor import Delta
 from fdplug.errors import EngineRequestError, FdplugError
 from fdplug.plugin_api.sampling_params import SamplingParams
@@ -96,8 +96,7 @@ class Serving:
             for c in output.outputs:
                 _raise_if_failed(c.finish_reason, c.stop_reason, output.error)
                 completion_tokens += len(c.token_ids)
-                choices.append(self._choice(job, job.choice_index(i, c.index), c.text, c.finish_reason,
-                                            c.token_ids, c.logprobs))
+                choices.append(self._choice(job, job.choice_index(i, c.index), c, c.finish_reason))
         obj = "text_completion" if job.kind == "completion" else "chat.completion"
         body = T.envelope(obj, job.id, job.created, job.model, choices, T.usage(job.prompt_tokens, completion_tokens,
                                                                                cached))
@@ -105,18 +104,18 @@ class Serving:
             body["kv_transfer_params"] = outputs[0].kv_transfer_params
         return JSONResponse(body)
 
-    def _choice(self, job: Job, index: int, text: str, finish_reason: str | None, token_ids: list[int],
-                logprobs: list | None) -> dict:
-        lp = self._logprobs(job, token_ids, logprobs)
+    def _choice(self, job: Job, index: int, out: CompletionOutput, finish_reason: str | None) -> dict:
+        lp = self._logprobs(job, out.token_ids, out.logprobs)
         if job.kind == "completion":
-            return T.completion_choice(index, text, finish_reason, lp)
-        return chat_message_choice(job, index, text, finish_reason, lp)
+            return T.completion_choice(index, out.text, finish_reason, lp, out.stop_reason)
+        return chat_message_choice(job, index, out.text, finish_reason, lp, out.stop_reason)
 
-    def _logprobs(self, job: Job, token_ids: list[int], entries: list | None, offset: int = 0) -> dict | None:
+    def _logprobs(self, job: Job, token_ids: list[int], entries: list | None,
+                  offsets: T.TextOffsets | None = None) -> dict | None:
         if job.num_logprobs is None or entries is None:
             return None
         if job.kind == "completion":
-            return T.completion_logprobs(token_ids, entries, job.num_logprobs, offset)
+            return T.completion_logprobs(token_ids, entries, job.num_logprobs, offsets)
         return T.chat_logprobs(token_ids, entries, job.num_logprobs)
 
     # -- streaming --------------------------------------------------------------------------------
@@ -165,7 +164,7 @@ class Serving:
         index_of = {s.request_id: i for i, s in enumerate(job.streams)}
         active = set(index_of)
         completion_tokens, cached = 0, 0
-        offsets: dict[int, int] = {}
+        offsets: dict[int, T.TextOffsets] = {}
         held: dict[tuple[str, int], Delta] = {}   # --stream-interval: tokens not sent yet, per choice
         started: set[tuple[str, int]] = set()     # choices whose first token went out (never held)
         chat = ChatDeltas(job)                    # chat: reasoning and tool calls read per choice
@@ -200,16 +199,19 @@ class Serving:
                     completion_tokens += len(delta.token_ids)
                     if not delta.token_ids and not delta.text and delta.finish_reason is None:
                         continue   # a chunk per step with tokens, even while the detokenizer holds text back
-                    lp = self._logprobs(job, delta.token_ids, delta.logprobs, offsets.get(index, 0))
-                    offsets[index] = offsets.get(index, 0) + len(delta.text)
+                    offset = offsets.setdefault(index, T.TextOffsets())
+                    lp = self._logprobs(job, delta.token_ids, delta.logprobs, offset)
                     if job.kind == "completion":
-                        choices.append(T.completion_choice(index, delta.text, delta.finish_reason, lp))
+                        choices.append(T.completion_choice(index, delta.text, delta.finish_reason, lp,
+                                                           delta.stop_reason))
                         continue
                     body, finish_reason = chat.delta(key, delta)
                     if body or finish_reason is not None or lp is not None:
-                        choices.append(T.chat_delta_choice(index, body, finish_reason, lp))
+                        choices.append(T.chat_delta_choice(index, body, finish_reason, lp,
+                                                           delta.stop_reason if finish_reason else None))
                 if choices:
-                    yield chunk(choices)
+                    so_far = T.usage(job.prompt_tokens, completion_tokens) if job.usage_every_chunk else None
+                    yield chunk(choices, so_far)
                 for item in items:
                     if isinstance(item, RequestOutput):
                         active.discard(item.request_id)

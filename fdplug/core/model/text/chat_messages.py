@@ -54,7 +54,7 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]], content_part_handl
     """
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise InvalidRequestError("messages must be a non-empty list of {role, content} objects.",
-                                  fix='send e.g. [{"role": "user", "content": "Hello"}].')
+                                  fix='send e.g. [{"role": "user", "content": "Hello"}].', param="messages")
     return [_normalize_message(m, i, content_part_handler, content_parts) for i, m in enumerate(messages)]
 
 
@@ -81,7 +81,8 @@ def _content(content: Any, index: int, role: str, handler: ContentPartHandler | 
     if content is None:
         if role == "assistant":
             return ""  # an assistant turn may carry only tool calls (or be a prefill)
-        raise InvalidRequestError(f"messages[{index}] ({role}) has no content.", fix="give it a content string.")
+        raise InvalidRequestError(f"messages[{index}] ({role}) has no content.", fix="give it a content string.",
+                                  param=f"messages.{index}.content")
     if isinstance(content, Sequence) and not isinstance(content, (str, bytes)):
         if as_parts:
             return [_template_part(part, index, handler) for part in content]
@@ -112,6 +113,21 @@ def _template_part(part: Any, index: int, handler: ContentPartHandler | None) ->
     if part["type"] == "text":
         return {"type": "text", "text": text}
     return {"type": "video" if part["type"].startswith("video") else "image"}
+
+
+def open_final_message(prompt: str, messages: Sequence[Mapping[str, Any]]) -> str:
+    """The rendered ``prompt`` cut right after the last message's text (``continue_final_message``:
+    the model goes on writing that message, no end-of-turn after it), as transformers cuts it."""
+    content = messages[-1]["content"]
+    if not isinstance(content, str):    # a parts-reading template's list: its last text part
+        content = next((p["text"] for p in reversed(content) if p.get("type") == "text"), "")
+    for final in (content, content.strip()):
+        if final and (at := prompt.rfind(final)) >= 0:
+            return prompt[:at + len(final)]
+    raise InvalidRequestError("continue_final_message is set, but the last message's text is not in the prompt the "
+                              "chat template made (the template rewrites or drops it).",
+                              fix="give the last message a text the template keeps, or leave continue_final_message "
+                                  "out.", param="continue_final_message")
 
 
 _TOOL_CALL_SHAPE = '{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{\\"a\\": 1}"}}'

@@ -21,10 +21,12 @@ from fdplug.core.model.text.chat_messages import (
     ContentPartHandler,
     check_dicts,
     normalize_messages,
+    open_final_message,
 )
 from fdplug.core.model.text.chat_template import render_template
 from fdplug.core.model.text.content_format import reads_content_parts
 from fdplug.core.model.text.gguf_tokenizer import tokenizer_from_gguf
+from fdplug.core.model.text.token_bytes import TokenBytes
 from fdplug.errors import InvalidRequestError, ModelLoadError
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
@@ -41,6 +43,7 @@ class Tokenizer:
     special_token_ids: frozenset[int]
     add_bos_token: bool | None = None  # None: as tokenizer.json's post-processor does
     _max_token_chars: int | None = field(default=None, init=False, repr=False)
+    _token_bytes: TokenBytes | None = field(default=None, init=False, repr=False)
 
     # ------------------------------------------------------------------------------------------------
     # loading
@@ -122,6 +125,12 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes (logprobs' ``bytes``): part of a character where it splits one."""
+        if self._token_bytes is None:
+            self._token_bytes = TokenBytes(self.backend)
+        return self._token_bytes(token_id)
+
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``. Special-token text in ``text`` (``<|im_start|>``) becomes its id.
 
@@ -166,7 +175,8 @@ class Tokenizer:
                             tools: Sequence[Mapping[str, Any]] | None = None, *,
                             chat_template: str | None = None, documents: Sequence[Mapping[str, Any]] | None = None,
                             content_part_handler: ContentPartHandler | None = None,
-                            variables: Mapping[str, Any] | None = None, **kwargs: Any) -> str:
+                            variables: Mapping[str, Any] | None = None, continue_final_message: bool = False,
+                            **kwargs: Any) -> str:
         """The prompt text for a conversation, rendered by the model's chat template in a sandbox.
 
         ``chat_template`` is a template name (``"tool_use"``) or a template's source; ``variables``
@@ -174,19 +184,28 @@ class Tokenizer:
         name of it can collide with an argument of this method) and ``kwargs`` become template
         variables (e.g. ``enable_thinking``). Raises ``InvalidRequestError`` for a malformed
         conversation, a model without a template, or a template that fails, raises or goes over its
-        work budget.
+        work budget. ``continue_final_message`` leaves the last message open (transformers' and vLLM's
+        option): the prompt ends right after its text, so the model goes on writing it.
         """
+        if continue_final_message and add_generation_prompt:
+            raise InvalidRequestError("continue_final_message and add_generation_prompt are both true.",
+                                      fix="set add_generation_prompt: false to continue the last message.",
+                                      param="continue_final_message")
         source = self._select_template(chat_template, tools)
+        messages = normalize_messages(messages, content_part_handler, reads_content_parts(source))
+        if "developer" not in source:   # OpenAI's newer name of the system role, for templates that predate it
+            messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
         context = {
             **self.special_tokens,
             **(variables or {}),
             **kwargs,
-            "messages": normalize_messages(messages, content_part_handler, reads_content_parts(source)),
+            "messages": messages,
             "tools": check_dicts(tools, "tools"),
             "documents": check_dicts(documents, "documents"),
             "add_generation_prompt": add_generation_prompt,
         }
-        return render_template(source, context)
+        prompt = render_template(source, context)
+        return open_final_message(prompt, messages) if continue_final_message else prompt
 
     def is_named_template(self, chat_template: str) -> bool:
         """Whether ``chat_template`` names one of the model's own templates (not a template's source)."""
