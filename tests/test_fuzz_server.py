@@ -264,3 +264,23 @@ def test_hostile_bodies_never_get_a_5xx_nor_hang_nor_disturb_others(server):
     log = server.log()
     assert "bug while serving" not in log, log[-3000:]                           # no 500 from the API process
     assert "finding the requests that caused it" not in log, log[-3000:]       # nothing got past admission
+
+
+def test_reasoning_effort_reaches_the_template_as_vllm_passes_it(server):
+    """OpenAI's ``reasoning_effort`` becomes the template variable of that name (gpt-oss templates
+    read it); ``chat_template_kwargs`` naming it wins."""
+    def prompt_tokens(**extra):
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                "chat_template": "{{ messages[0]['content'] }} effort={{ reasoning_effort | default('unset') }}"}
+        r = httpx.post(server.url + "/v1/chat/completions", json={**body, **extra}, timeout=TIMEOUT)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens"]
+
+    def count(text):
+        r = httpx.post(server.url + "/tokenize", json={"prompt": text, "add_special_tokens": False}, timeout=TIMEOUT)
+        return r.json()["count"]
+
+    assert prompt_tokens() == count("hi effort=unset")
+    assert prompt_tokens(reasoning_effort="medium") == count("hi effort=medium")
+    assert prompt_tokens(reasoning_effort="low", chat_template_kwargs={"reasoning_effort": "high"}) == \
+        count("hi effort=high")

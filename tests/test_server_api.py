@@ -330,6 +330,10 @@ def test_chat_fields_vllm_and_openai_clients_send(server):
     both = post(server, "/v1/chat/completions", {"messages": [user, {"role": "assistant", "content": "The"}],
                                                  "continue_final_message": True, "max_tokens": 2})
     assert_error(both, 400, param="continue_final_message")
+    effort = post(server, "/v1/chat/completions", {"messages": [user], "max_tokens": 2, "reasoning_effort": "low"})
+    assert effort.status_code == 200, effort.text     # a template variable: the demo's template ignores it
+    assert_error(post(server, "/v1/chat/completions", {"messages": [user], "reasoning_effort": "max"}), 400,
+                 param="reasoning_effort")
     long = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "go " * 600}]})
     assert_error(long, 400, param="messages")
     assert_error(post(server, "/v1/chat/completions", {"messages": []}), 400, param="messages")

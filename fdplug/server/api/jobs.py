@@ -146,6 +146,8 @@ class JobBuilder:
                     fit: bool = True) -> tuple[str, ProcessedPrompt]:
         """The conversation through the chat template (``tools`` shown to the model), tokenized."""
         kwargs = dict(req.chat_template_kwargs or {})
+        if getattr(req, "reasoning_effort", None) is not None:     # as vLLM passes it (gpt-oss templates read it)
+            kwargs.setdefault("reasoning_effort", req.reasoning_effort)
         template, where = req.chat_template, "chat_template"
         if "chat_template" in kwargs:
             template, where = kwargs.pop("chat_template"), "chat_template_kwargs.chat_template"

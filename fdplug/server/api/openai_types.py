@@ -99,6 +99,7 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None   # a template variable
     # vLLM extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False   # the last message left open: the model goes on writing it
