@@ -59,8 +59,10 @@ def test_the_quantized_inputs_are_llama_cpp_q8_in_runs_of_4():
     assert np.abs(steps).max() <= 127.0 + 1e-4
 
 
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K", "Q6_K", "Q8_0", "Q5_0"])
+@pytest.mark.parametrize("qtype", QUANTIZED)
 def test_the_same_bits_whatever_the_batch_or_the_threads(qtype):
+    """A row alone (the register route: its blocks decoded in registers) and in a batch of 301 (at
+    AVX2, the panel route: decoded once into a panel every row tile reads) give the same bits."""
     k = depths(qtype)[-1]
     w = weights(qtype, 45, k, seed=34)[0]
     x = np.random.default_rng(35).standard_normal((301, k)).astype(np.float32)

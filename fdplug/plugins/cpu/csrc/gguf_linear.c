@@ -31,8 +31,8 @@
  * Work items are pieces of output columns taken from one counter (as the FP8 GEMV's).
  *
  * Two other maths, each with one summation order of its own: bf16 (gguf_linear_bf16.c, AVX512-BF16)
- * and q8 (gguf_q8.c: x quantized to 8 bits per 4 values, integer sums; the register route at
- * every row count).
+ * and q8 (gguf_q8.c: x quantized to 8 bits per 4 values, integer sums; its blocks decoded to bytes,
+ * in registers or, with AVX2 and more than one row tile, once a call into a panel of bytes).
  *
  * The block decoders (gguf_bytes.c) are 128-bit SSE4.1/SSSE3 code shared by the AVX-512 tiles
  * (gguf_linear_avx512.c) and the AVX2 + FMA ones (gguf_linear_avx2.c); elsewhere (other x86 levels,
@@ -212,6 +212,20 @@ static void gg_bf16_piece(const gg_job *job, int begin, int end) {
 }
 #endif
 
+#ifdef GG_Q8_PANEL
+/* q8 math's panel route for columns [begin, end); 0 where there is no memory for the panel (the
+ * register route then runs them: the same bits) */
+static int gg_q8_panel_piece(const gg_job *job, int begin, int end) {
+    uint8_t *panel = (uint8_t *)gg_panel_buffer(((end - begin) * gg_q8_panel_stride(job->depth / 32) + 3) / 4);
+    if (panel == NULL) return 0;
+    gg_q8_panel_fill(job, begin, end, panel);
+    const int step = gg_q8_rows(job->qtype);
+    for (int m0 = 0; m0 < job->rows; m0 += step)
+        gg_q8_panel_columns(job, panel, m0, job->rows - m0 < step ? job->rows - m0 : step, begin, end);
+    return 1;
+}
+#endif
+
 static void *gg_worker(void *arg) {
     gg_job *job = arg;
     for (;;) {
@@ -219,8 +233,11 @@ static void *gg_worker(void *arg) {
         if (begin >= job->cols) return NULL;
         const int end = (int)(begin + job->cols_per_piece < job->cols ? begin + job->cols_per_piece : job->cols);
 #ifdef GG_HAVE_Q8
-        if (job->xq != NULL) { /* q8 math: the register route at every row count (its blocks stay bytes) */
+        if (job->xq != NULL) { /* q8 math: blocks stay bytes; decoded once a call where several row tiles read them */
             const int step = gg_q8_rows(job->qtype);
+#ifdef GG_Q8_PANEL
+            if (job->rows > step && GG_Q8_PANEL_TYPE(job->qtype) && gg_q8_panel_piece(job, (int)begin, end)) continue;
+#endif
             for (int m0 = 0; m0 < job->rows; m0 += step)
                 gg_q8_columns(job, job->w + begin * job->row_bytes, job->row_bytes, job->qtype, m0,
                               job->rows - m0 < step ? job->rows - m0 : step, (int)begin, end);

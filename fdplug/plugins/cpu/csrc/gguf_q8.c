@@ -33,11 +33,12 @@
 #ifndef GG_QMR
 #define GG_QMR 8 /* rows a tile at most */
 #endif
-/* Rows a tile for QT (a tile's result does not depend on it): 8, or 6 for Q4_1, Q4_K and Q5_K,
- * whose scalar o * sx chains then crowd the registers. Measured at 8 and 64 rows against 4 and the
- * other (AVX2, 2 threads): 8 rows 1.05-1.2x 6 for Q4_0, Q5_0, Q5_1, Q6_K; 6 rows 1.05-1.1x 8 for
- * those three; 4 rows 0.85-1.0x the better one throughout. */
-#define GG_Q8_MR(QT) ((QT) == GG_Q4_1 || (QT) == GG_Q4_K || (QT) == GG_Q5_K ? GG_CAP(6, GG_QMR) : GG_QMR)
+/* Rows a tile for QT (a tile's result does not depend on it): 8, or 6 for Q4_1 and Q4_K. Measured at
+ * 8 and 64 rows against 4 and the other (AVX2, 2 threads): 8 rows 1.05-1.2x 6 for Q4_0, Q5_0, Q5_1,
+ * Q6_K; 6 rows 1.05-1.1x 8 for Q4_1, Q4_K, Q5_K while their o * sx chains were scalars; since those
+ * run as one vector (GG_Q8_VEC_MINS), 8 rows 0.89-1.12x 6 for Q4_1 and Q4_K, 1.02-1.24x for Q5_K
+ * (8-256 rows). 4 rows 0.85-1.0x the better one throughout. */
+#define GG_Q8_MR(QT) ((QT) == GG_Q4_1 || (QT) == GG_Q4_K ? GG_CAP(6, GG_QMR) : GG_QMR)
 
 /* The 8 lanes' sum in a fixed pairing (4 + 4, 2 + 2, 1 + 1), the same at every level */
 static inline float gg_q8_hsum(__m256 v) {
@@ -97,20 +98,33 @@ static inline __m256i gg_q6_weights(const uint8_t *blk, int j) {
 
 /* The types whose weights are d * (q - offset): Q4_0, Q5_0, Q6_K (its d per half of 16) */
 #define GG_Q8_OFFSET(QT) ((QT) == GG_Q4_0 ? 8 : (QT) == GG_Q5_0 ? 16 : (QT) == GG_Q6_K ? 32 : 0)
-/* acc[r][C] and mins[r][C] (C: the chain, a compile-time constant) += piece p (weights [32j, 32j + 32)
- * of the block at blk) against each row's quantized x */
-#define GG_Q8_PIECE(blk, j, p, C)                                                                    \
+#define GG_Q8_SIGNED(QT) ((QT) == GG_Q8_0 || GG_Q8_OFFSET(QT))
+
+/* Piece j of the block at blk as the tiles multiply it: its bytes (signed q - offset where the type
+ * has an offset, so no o * sx term), d_w and o; Q6_K's d_w is the super-block's d (q6_d), its halves'
+ * int8 scales go to the pair weights instead */
+static inline __attribute__((always_inline)) __m256i gg_q8_piece(const uint8_t *blk, const int j, const int QT,
+                                                                 const gg_scales *s, float q6_d, float *dw,
+                                                                 float *wo) {
+    __m256i wsign = gg_piece_bytes(blk, j, QT, s, dw, wo);
+    if (GG_Q8_OFFSET(QT)) wsign = _mm256_sub_epi8(wsign, _mm256_set1_epi8(GG_Q8_OFFSET(QT)));
+    if (QT == GG_Q6_K) *dw = q6_d;
+    return wsign;
+}
+
+/* From this many rows a tile, its rows' o * sx chains (the types with a min) run as the lanes of one
+ * vector (sxt: the rows' sx piece by piece, gg_q8_transpose_sx): per lane the FMA each row's scalar
+ * chain does, so the same bits, in one instruction instead of MR: 1.14-1.34x for Q4_1, 1.07-1.30x
+ * for Q4_K and 1.17-1.41x for Q5_1 at 4-256 rows (AMD EPYC, avx512, capped to AVX2, 2 threads, 2
+ * interleaved rounds). Below, each row's scalar chain (at one row reading the lane back cost ~20%). */
+#define GG_Q8_VEC_MINS 4
+/* acc[r][C] and row r's o * sx chain C (C: the chain, a compile-time constant) += the piece p whose
+ * bytes are wsign (gg_q8_piece's), pair weights `weights`, d_w dw and o wo, against each row's
+ * quantized x */
+#define GG_Q8_MULS(wsign, weights, dw, wo, p, C)                                                     \
     do {                                                                                             \
-        float dw, wo;                                                                                \
-        __m256i wsign = gg_piece_bytes(blk, j, QT, &s, &dw, &wo), weights = _mm256_set1_epi16(1);    \
-        if (GG_Q8_OFFSET(QT)) /* q - offset as signed bytes: no o * sx term */                        \
-            wsign = _mm256_sub_epi8(wsign, _mm256_set1_epi8(GG_Q8_OFFSET(QT)));                      \
-        if (QT == GG_Q6_K) { /* each half's int8 scale as the pair weights, the super-block's d */    \
-            weights = gg_q6_weights(blk, j);                                                         \
-            dw = q6_d;                                                                               \
-        }                                                                                            \
-        const int SIGNED = QT == GG_Q8_0 || GG_Q8_OFFSET(QT);                                        \
-        const __m256i wq = SIGNED ? _mm256_abs_epi8(wsign) : wsign; /* |q| * (xq with q's sign) */   \
+        const int SIGNED = GG_Q8_SIGNED(QT);                                                         \
+        const __m256i wq = SIGNED ? _mm256_abs_epi8(wsign) : (wsign); /* |q| * (xq with q's sign) */ \
         GG_UNROLL                                                                                    \
         for (int r = 0; r < MR; ++r) {                                                               \
             __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (int64_t)r * depth + 32 * (p)));   \
@@ -119,8 +133,19 @@ static inline __m256i gg_q6_weights(const uint8_t *blk, int j) {
                                                : gg_dot4(wq, xv);                                    \
             const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(dw), _mm256_loadu_ps(dx + ((int64_t)r * pieces + (p)) * 8)); \
             acc[r][C] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r][C]);                 \
-            if (!SIGNED) mins[r][C] = fmaf(wo, sx[(int64_t)r * pieces + (p)], mins[r][C]);            \
+            if (!SIGNED && MR < GG_Q8_VEC_MINS) mins1[r][C] = fmaf(wo, sx[(int64_t)r * pieces + (p)], mins1[r][C]); \
         }                                                                                            \
+        if (!SIGNED && MR >= GG_Q8_VEC_MINS)                                                         \
+            mins[C] = _mm256_fmadd_ps(_mm256_set1_ps(wo), _mm256_loadu_ps(sxt + 8 * (p)), mins[C]);   \
+    } while (0)
+
+/* GG_Q8_MULS of piece p (weights [32j, 32j + 32) of the block at blk), decoded here */
+#define GG_Q8_PIECE(blk, j, p, C)                                                                    \
+    do {                                                                                             \
+        float dw_, wo_;                                                                              \
+        const __m256i wsign_ = gg_q8_piece(blk, j, QT, &s, q6_d, &dw_, &wo_);                       \
+        const __m256i weights_ = QT == GG_Q6_K ? gg_q6_weights(blk, j) : _mm256_set1_epi16(1);       \
+        GG_Q8_MULS(wsign_, weights_, dw_, wo_, p, C);                                                \
     } while (0)
 
 #if defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
@@ -160,27 +185,40 @@ static inline __m512i gg_dot4_512(__m512i u, __m512i s) {
                                                : gg_dot4_512(wq, xv);                                \
             const __m512 scale = _mm512_mul_ps(dw, _mm512_loadu_ps(dx + ((int64_t)r * pieces + (p)) * 8)); \
             wide[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, wide[r]);                     \
-            if (!SIGNED) {                                                                           \
-                mins[r][0] = fmaf(o0, sx[(int64_t)r * pieces + (p)], mins[r][0]);                    \
-                mins[r][1] = fmaf(o1, sx[(int64_t)r * pieces + (p) + 1], mins[r][1]);                \
+            if (!SIGNED && MR < GG_Q8_VEC_MINS) {                                                    \
+                mins1[r][0] = fmaf(o0, sx[(int64_t)r * pieces + (p)], mins1[r][0]);                  \
+                mins1[r][1] = fmaf(o1, sx[(int64_t)r * pieces + (p) + 1], mins1[r][1]);              \
             }                                                                                        \
+        }                                                                                            \
+        if (!SIGNED && MR >= GG_Q8_VEC_MINS) {                                                       \
+            mins[0] = _mm256_fmadd_ps(_mm256_set1_ps(o0), _mm256_loadu_ps(sxt + 8 * (p)), mins[0]);   \
+            mins[1] = _mm256_fmadd_ps(_mm256_set1_ps(o1), _mm256_loadu_ps(sxt + 8 * ((p) + 1)), mins[1]); \
         }                                                                                            \
     } while (0)
 #endif
 
-/* Rows m0 .. m0 + MR - 1 of output column n, its blocks of QT at src */
+/* Row r's o * sx terms: its two chains added, from the lanes of mins (from GG_Q8_VEC_MINS rows) or
+ * its scalars */
+static inline __attribute__((always_inline)) float gg_q8_min_sum(const __m256 mins[2], const float mins1[][2],
+                                                                 const int MR, int r) {
+    if (MR < GG_Q8_VEC_MINS) return mins1[r][0] + mins1[r][1];
+    float m0[8], m1[8];
+    _mm256_storeu_ps(m0, mins[0]);
+    _mm256_storeu_ps(m1, mins[1]);
+    return m0[r] + m1[r];
+}
+
+/* Rows m0 .. m0 + MR - 1 of output column n, its blocks of QT at src; sxt: the rows' sx, piece by
+ * piece (gg_q8_transpose_sx; the types with a min, from GG_Q8_VEC_MINS rows) */
 static inline __attribute__((always_inline)) void gg_q8_tile(const gg_job *job, const uint8_t *src, const int QT,
-                                                             int m0, const int MR, int n) {
+                                                             int m0, const int MR, int n, const float *sxt) {
     const int depth = job->depth, pieces = depth / 32;
     const int64_t bytes = GG_BYTES(QT);
     const int8_t *xq = job->xq + (int64_t)m0 * depth;
     const float *dx = job->dx + (int64_t)m0 * 8 * pieces, *sx = job->sx + (int64_t)m0 * pieces;
-    __m256 acc[GG_QMR][2];
-    float mins[GG_QMR][2];
-    for (int r = 0; r < MR; ++r) {
-        acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-        mins[r][0] = mins[r][1] = 0.0f;
-    }
+    __m256 acc[GG_QMR][2], mins[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    float mins1[GG_Q8_VEC_MINS][2] = {{0.0f, 0.0f}};
+    for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     gg_scales s;
 #ifdef GG_Q8_512
     __m512 wide[GG_QMR];             /* [chain 0 | chain 1] */
@@ -224,7 +262,7 @@ static inline __attribute__((always_inline)) void gg_q8_tile(const gg_job *job, 
     }
     for (int r = 0; r < MR; ++r)
         job->out[(int64_t)(m0 + r) * job->ld + n] =
-            gg_q8_hsum(_mm256_add_ps(acc[r][0], acc[r][1])) + (mins[r][0] + mins[r][1]);
+            gg_q8_hsum(_mm256_add_ps(acc[r][0], acc[r][1])) + gg_q8_min_sum(mins, mins1, MR, r);
 }
 #undef GG_Q8_PIECE
 #ifdef GG_Q8_512
@@ -232,18 +270,27 @@ static inline __attribute__((always_inline)) void gg_q8_tile(const gg_job *job, 
 #endif
 
 #define GG_COLS(QT, MR) \
-    for (int n = begin; n < end; ++n) gg_q8_tile(job, src + (n - begin) * stride, QT, m0, MR, n)
+    for (int n = begin; n < end; ++n) gg_q8_tile(job, src + (n - begin) * stride, QT, m0, MR, n, sxt)
 #define GG_Q8_ROWS(QT) GG_SWITCH_ROWS(mr, GG_Q8_MR(QT), QT)
+
+/* sxt [pieces][8] = the sx of rows m0 .. m0 + mr - 1, piece by piece (lanes past mr: 0) */
+static void gg_q8_transpose_sx(const gg_job *job, int m0, int mr, float *sxt) {
+    const int pieces = job->depth / 32;
+    for (int p = 0; p < pieces; ++p)
+        for (int r = 0; r < 8; ++r) sxt[8 * p + r] = r < mr ? job->sx[(int64_t)(m0 + r) * pieces + p] : 0.0f;
+}
 /* GG_Q8_MR of a run-time type */
 static int gg_q8_rows(int qtype) {
-    return qtype == GG_Q4_1 ? GG_Q8_MR(GG_Q4_1) : qtype == GG_Q4_K ? GG_Q8_MR(GG_Q4_K)
-         : qtype == GG_Q5_K ? GG_Q8_MR(GG_Q5_K) : GG_QMR;
+    return qtype == GG_Q4_1 ? GG_Q8_MR(GG_Q4_1) : qtype == GG_Q4_K ? GG_Q8_MR(GG_Q4_K) : GG_QMR;
 }
 
 /* Rows m0 .. m0 + mr - 1 (mr <= gg_q8_rows(qtype)) of columns [begin, end) in q8 math, column n's blocks at
  * src + (n - begin) * stride (F16/BF16 rows are not taken: gg_linear refuses them in q8 math) */
 static void gg_q8_columns(const gg_job *job, const uint8_t *src, int64_t stride, int qtype, int m0, int mr, int begin,
                           int end) {
+    const int transposed = !GG_Q8_SIGNED(qtype) && mr >= GG_Q8_VEC_MINS;   /* (the types with a min: o * sx) */
+    float sxt[transposed ? 8 * (job->depth / 32) : 8];
+    if (transposed) gg_q8_transpose_sx(job, m0, mr, sxt);
     switch (qtype) {
     case GG_Q4_0: GG_Q8_ROWS(GG_Q4_0) break;
     case GG_Q4_1: GG_Q8_ROWS(GG_Q4_1) break;
@@ -255,6 +302,8 @@ static void gg_q8_columns(const gg_job *job, const uint8_t *src, int64_t stride,
     default: GG_Q8_ROWS(GG_Q6_K) break;
     }
 }
+#undef GG_COLS
+
+#include "gguf_q8_panel.c"
 #undef GG_Q8_ROWS
 #undef GG_CAP
-#undef GG_COLS
