@@ -15,6 +15,7 @@ from fdplug.core.scheduler.output import EngineCoreOutput, SchedulerStats
 from fdplug.errors import ConfigError, FdplugError, InvalidRequestError, QueueFullError
 from fdplug.plugin_api.sampling_params import SamplingParams
 from fdplug.plugin_api.scheduled_work import MMPlaceholder
+from fdplug.server.api import openai_logprobs as L
 from fdplug.server.api import openai_types as T
 from fdplug.server.api.jobs import _prompts
 from fdplug.server.api.serving import Serving, _merge
@@ -108,11 +109,11 @@ def _entry(sampled, sampled_lp, sampled_rank, *alts):
 
 def test_logprob_shapes():
     entries = [_entry(5, -0.1, 1, (5, -0.1, 1), (6, -2.0, 2)), _entry(9, -3.0, 4, (1, -0.5, 1), (2, -0.9, 2))]
-    chat = T.chat_logprobs([5, 9], entries, 2)["content"]
+    chat = L.chat_logprobs([5, 9], entries, 2)["content"]
     assert [c["token"] for c in chat] == ["t5", "t9"] and chat[1]["logprob"] == -3.0
     assert [t["token"] for t in chat[1]["top_logprobs"]] == ["t1", "t2"]   # the sampled token is not top-2
     assert chat[0]["bytes"] == list(b"t5")
-    comp = T.completion_logprobs([5, 9], entries, 1)
+    comp = L.completion_logprobs([5, 9], entries, 1)
     assert comp["tokens"] == ["t5", "t9"] and comp["token_logprobs"] == [-0.1, -3.0]
     assert comp["top_logprobs"] == [{"t5": -0.1}, {"t1": -0.5}] and comp["text_offset"] == [0, 2]
 

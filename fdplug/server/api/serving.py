@@ -9,23 +9,24 @@ A client that disconnects aborts its sequences, which frees their KV blocks at t
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request as HTTPRequest
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse
 
 from fdplug.core.frontend.outputs import CompletionOutput, RequestOutput
 from fdplug.core.frontend.processor import Delta
 from fdplug.errors import EngineRequestError, FdplugError
 from fdplug.plugin_api.sampling_params import SamplingParams
+from fdplug.server.api import openai_logprobs as L
 from fdplug.server.api import openai_types as T
 from fdplug.server.api.chat_answers import ChatDeltas, chat_message_choice
 from fdplug.server.api.engine_client import EngineClient
 from fdplug.server.api.jobs import Job
+from fdplug.server.http.closing_stream import ClosingStream
 from fdplug.server.http.error_responses import error_body
 
 logger = logging.getLogger("fdplug.server")
@@ -111,12 +112,12 @@ class Serving:
         return chat_message_choice(job, index, out.text, finish_reason, lp, out.stop_reason)
 
     def _logprobs(self, job: Job, token_ids: list[int], entries: list | None,
-                  offsets: T.TextOffsets | None = None) -> dict | None:
+                  offsets: L.TextOffsets | None = None) -> dict | None:
         if job.num_logprobs is None or entries is None:
             return None
         if job.kind == "completion":
-            return T.completion_logprobs(token_ids, entries, job.num_logprobs, offsets)
-        return T.chat_logprobs(token_ids, entries, job.num_logprobs)
+            return L.completion_logprobs(token_ids, entries, job.num_logprobs, offsets)
+        return L.chat_logprobs(token_ids, entries, job.num_logprobs)
 
     # -- streaming --------------------------------------------------------------------------------
 
@@ -164,7 +165,7 @@ class Serving:
         index_of = {s.request_id: i for i, s in enumerate(job.streams)}
         active = set(index_of)
         completion_tokens, cached = 0, 0
-        offsets: dict[int, T.TextOffsets] = {}
+        offsets: dict[int, L.TextOffsets] = {}
         held: dict[tuple[str, int], Delta] = {}   # --stream-interval: tokens not sent yet, per choice
         started: set[tuple[str, int]] = set()     # choices whose first token went out (never held)
         chat = ChatDeltas(job)                    # chat: reasoning and tool calls read per choice
@@ -199,7 +200,7 @@ class Serving:
                     completion_tokens += len(delta.token_ids)
                     if not delta.token_ids and not delta.text and delta.finish_reason is None:
                         continue   # a chunk per step with tokens, even while the detokenizer holds text back
-                    offset = offsets.setdefault(index, T.TextOffsets())
+                    offset = offsets.setdefault(index, L.TextOffsets())
                     lp = self._logprobs(job, delta.token_ids, delta.logprobs, offset)
                     if job.kind == "completion":
                         choices.append(T.completion_choice(index, delta.text, delta.finish_reason, lp,
@@ -227,24 +228,6 @@ class Serving:
             self.abort(job)
             raise
         yield b"data: [DONE]\n\n"
-
-
-class ClosingStream(StreamingResponse):
-    """A streaming response that runs ``on_close`` (a function or a coroutine function) when it
-    ends, even if its body never started (a disconnect right after admission cancels the response
-    before the first event): a job's sequences, a relayed upstream stream, end with it."""
-
-    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], Any], **kwargs: Any) -> None:
-        super().__init__(content, **kwargs)
-        self._on_close = on_close
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            result = self._on_close()
-            if inspect.isawaitable(result):
-                await result
 
 
 def _merge(items: list) -> dict[tuple[str, int], Delta]:

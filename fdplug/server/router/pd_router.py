@@ -33,7 +33,8 @@ from starlette.routing import Route
 from fdplug.errors import FdplugError, InvalidRequestError, ServerShuttingDownError
 from fdplug.plugin_api.hookspecs import API_VERSION
 from fdplug.server.api.jobs import parse_job_request
-from fdplug.server.api.serving import ClosingStream, sse_error, wait_disconnect
+from fdplug.server.api.serving import sse_error, wait_disconnect
+from fdplug.server.http.closing_stream import ClosingStream
 from fdplug.server.http.drain import Drain
 from fdplug.server.http.error_responses import answer_unknown_routes, error_response, guarded
 from fdplug.server.router.metrics import RouterMetrics
