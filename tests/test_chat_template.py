@@ -168,6 +168,11 @@ def test_the_content_format_is_read_from_the_template(source, parts):
     assert content_format.reads_content_parts(source) is parts
 
 
+def test_the_developer_role_is_read_from_the_template():
+    assert content_format.names_developer_role("{% if m.role == 'developer' %}x{% endif %}")
+    assert not content_format.names_developer_role("{# developer #}{{ 'Be a developer.' }}x")
+
+
 def test_a_parts_reading_template_gets_text_and_item_parts():
     recorded = []
     messages = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {}},

@@ -273,7 +273,9 @@ def test_stop_reason_names_the_stop_string_or_token(server):
                                                  "guided_choice": ["Hello"], "stop_token_ids": [first]}).json()
     assert (chat["choices"][0]["finish_reason"], chat["choices"][0]["stop_reason"]) == ("stop", first)
     assert post(server, "/v1/completions", {**body, "max_tokens": 2}).json()["choices"][0]["stop_reason"] is None
-    assert_error(post(server, "/v1/completions", {**body, "stop": ""}), 400, param="stop")
+    assert post(server, "/v1/completions", {**body, "stop": ""}).json()["choices"][0]["text"] == text   # (as null)
+    assert_error(post(server, "/v1/completions", {**body, "stop": [""]}), 400, param="stop")
+    assert_error(post(server, "/v1/completions", {**body, "max_token": None}), 400, param="max_token")
 
 
 def test_logprob_bytes_rebuild_a_character_its_tokens_split(server):

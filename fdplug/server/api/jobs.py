@@ -254,7 +254,7 @@ def parse_job_request(path: str, body: bytes) -> tuple[T.CompletionRequest | T.C
         min_p=pick(req.min_p, 0.0), seed=req.seed, presence_penalty=pick(req.presence_penalty, 0.0),
         frequency_penalty=pick(req.frequency_penalty, 0.0),
         repetition_penalty=pick(req.repetition_penalty, 1.0), max_tokens=max_tokens, min_tokens=req.min_tokens,
-        stop=() if req.stop is None else req.stop, stop_token_ids=req.stop_token_ids or (), ignore_eos=req.ignore_eos,
+        stop=req.stop or (), stop_token_ids=req.stop_token_ids or (), ignore_eos=req.ignore_eos,
         logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output, structured_outputs=structured_outputs(req))
     return req, params.validate()

@@ -33,8 +33,11 @@ class _Strict(BaseModel):
     @classmethod
     def _null_is_left_out(cls, data: Any) -> Any:
         """OpenAI types its optional fields "or null": a null is the field left out, so it takes the
-        default (``"stream": null`` is a plain request, ``"max_tokens": null`` on completions is 16)."""
-        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+        default (``"stream": null`` is a plain request, ``"max_tokens": null`` on completions is 16).
+        An unknown field stays, null or not, to be refused by name."""
+        if not isinstance(data, dict):
+            return data
+        return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
 
 
 class StreamOptions(_Strict):
@@ -122,6 +125,7 @@ class TokenizeChatRequest(_Strict):
     messages: list[dict[str, Any]]
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None   # as chat's
     add_special_tokens: bool = False
     return_token_strs: bool = False
     chat_template: str | None = None

@@ -184,7 +184,8 @@ class Serving:
         try:
             if job.kind == "chat":
                 yield chunk([T.chat_delta_choice(job.choice_index(i, c), {"role": "assistant", "content": ""},
-                                                 None, None) for i in range(len(job.streams)) for c in range(job.n)])
+                                                 None, None) for i in range(len(job.streams)) for c in range(job.n)],
+                            T.usage(job.prompt_tokens, 0) if job.usage_every_chunk else None)
             while active:
                 items = [await queue.get()]
                 while not queue.empty():
@@ -200,8 +201,9 @@ class Serving:
                     completion_tokens += len(delta.token_ids)
                     if not delta.token_ids and not delta.text and delta.finish_reason is None:
                         continue   # a chunk per step with tokens, even while the detokenizer holds text back
-                    offset = offsets.setdefault(index, L.TextOffsets())
-                    lp = self._logprobs(job, delta.token_ids, delta.logprobs, offset)
+                    if job.kind == "completion" and delta.logprobs is not None and index not in offsets:
+                        offsets[index] = L.TextOffsets()
+                    lp = self._logprobs(job, delta.token_ids, delta.logprobs, offsets.get(index))
                     if job.kind == "completion":
                         choices.append(T.completion_choice(index, delta.text, delta.finish_reason, lp,
                                                            delta.stop_reason))

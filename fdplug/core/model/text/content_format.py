@@ -46,6 +46,18 @@ def _scan(source: str) -> bool:
 _reads_content_parts = lru_cache(maxsize=32)(_scan)
 
 
+@lru_cache(maxsize=32)
+def names_developer_role(source: str) -> bool:
+    """Whether the template compares a role with ``"developer"`` (OpenAI's newer name of the system
+    role): one that does not gets such messages as ``system`` ones. A string constant in its syntax,
+    so a comment or a default system prompt that mentions the word does not count."""
+    try:
+        tree = parse_template(source)
+    except (TemplateSyntaxError, RecursionError, MemoryError):
+        return False
+    return any(const.value == "developer" for const in tree.find_all(nodes.Const))
+
+
 def _is_content(node: nodes.Node) -> bool:
     """``x['content']`` or ``x.content``, possibly through filters (``message.content | list``)."""
     while isinstance(node, nodes.Filter) and node.node is not None:

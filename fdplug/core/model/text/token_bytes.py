@@ -16,6 +16,7 @@ Special and added tokens (``<|im_end|>``) are their text in every case.
 from __future__ import annotations
 
 import functools
+import json
 import re
 from typing import Any
 
@@ -36,14 +37,32 @@ def _byte_level_alphabet() -> dict[str, int]:
     return chars
 
 
+def _decoder_kinds(decoder: Any) -> set[str]:
+    """The types of a tokenizer's decoder and of those a ``Sequence`` holds, from its JSON (the
+    state every tokenizers version serializes; its repr lists the parts only in newer ones)."""
+    if decoder is None:
+        return set()
+    try:
+        spec = json.loads(decoder.__getstate__())
+    except (AttributeError, TypeError, ValueError):
+        return {type(decoder).__name__}
+    kinds, todo = set(), [spec]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            kinds.add(node.get("type", ""))
+            todo.extend(node.get("decoders") or ())
+    return kinds
+
+
 class TokenBytes:
     """``token_bytes(token_id)``: the token's bytes, by the rule of the tokenizer's decoder."""
 
     def __init__(self, backend: Any) -> None:
         self.backend = backend
-        kind = type(backend.decoder).__name__ if backend.decoder is not None else ""
-        self.byte_level = kind == "ByteLevel"
-        self.byte_fallback = kind == "Sequence" and "ByteFallback" in str(backend.decoder)
+        kinds = _decoder_kinds(backend.decoder)
+        self.byte_level = "ByteLevel" in kinds
+        self.byte_fallback = "ByteFallback" in kinds and not self.byte_level
         self.added = {token.content for token in backend.get_added_tokens_decoder().values()}
         self._bytes = functools.lru_cache(maxsize=1 << 16)(self._compute)
 

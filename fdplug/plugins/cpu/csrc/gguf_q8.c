@@ -21,9 +21,10 @@
  *     sum over lanes l of d_w * d_l * (lane l's integer sum) + o * sx,   sx = sum over l of d_l * sum(xq of run l)
  * the integer sums exact (vpmaddubsw's int16 pair sums cannot saturate: |q| <= 128, |xq| <= 127, and
  * q <= 63 where unsigned). Output (m, n) is two float chains, pieces alternating (piece p into chain
- * p & 1): an 8-lane vector chain of the scaled integer sums and a scalar chain of the o * sx terms,
- * added at the end in one fixed order. Every row count, tile, thread count and level (AVX2, AVX-512)
- * gives the same bits: a token's logits do not depend on its batch.
+ * p & 1): an 8-lane vector chain of the scaled integer sums and a chain of the o * sx terms (a
+ * scalar, or from GG_Q8_VEC_MINS rows a tile one lane of a vector: the same FMAs), added at the end in
+ * one fixed order. Every row count, tile, route (registers or panel), thread count and level (AVX2,
+ * AVX-512) gives the same bits: a token's logits do not depend on its batch.
  *
  * Included by gguf_linear.c where the build has AVX2 (gguf_bytes.c's decoders, gg_job).
  * ------------------------------------------------------------------------------------------- */
