@@ -189,3 +189,32 @@ def test_a_parts_reading_template_gets_text_and_item_parts():
     assert normalize_messages(messages, handler)[0]["content"] == "a\n<pad>\n<pad>"
     with pytest.raises(InvalidRequestError, match="text part without a text string"):
         normalize_messages([{"role": "user", "content": [{"type": "text"}]}], content_parts=True)
+
+
+CHATML = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n{% endfor %}"
+
+
+@pytest.mark.parametrize("text, want", [
+    ("end", "<|im_start|>assistant\nend"),              # also inside "<|im_end|>": cut after the message's own
+    ("  The answer is", "<|im_start|>assistant\nThe answer is"),   # the template trims it
+    ("<|im_start|>", "<|im_start|>assistant\n<|im_start|>"),
+])
+def test_continue_final_message_cuts_after_the_last_messages_text(text, want):
+    from fdplug.core.model.text.tokenizer import Tokenizer
+    from fdplug.demo import DEMO_MODEL_DIR
+
+    tokenizer = Tokenizer.from_dir(str(DEMO_MODEL_DIR))
+    messages = [{"role": "user", "content": "Say end"}, {"role": "assistant", "content": text}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=False, chat_template=CHATML,
+                                           continue_final_message=True)
+    assert prompt == "<|im_start|>user\nSay end<|im_end|>\n" + want
+    parts = [{**messages[0]}, {"role": "assistant", "content": [{"type": "text", "text": text}]}]
+    parts_template = CHATML.replace("{{ m['content'] | trim }}",
+                                    "{% for p in m['content'] %}{{ p['text'] | trim }}{% endfor %}")
+    assert tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": "Say end"}]},
+                                          parts[1]], add_generation_prompt=False, chat_template=parts_template,
+                                         continue_final_message=True).endswith(want)
+    with pytest.raises(InvalidRequestError, match="not in the prompt"):
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"}],
+                                      add_generation_prompt=False, continue_final_message=True,
+                                      chat_template="{% for m in messages %}{{ m['role'] }}{% endfor %}")

@@ -153,6 +153,9 @@ def test_the_router_serves_like_one_instance(pd, router):
     health = httpx.get(router + "/health").json()
     assert health["status"] == "ok" and health["prefill"][0]["alive"] and health["decode"][0]["alive"]
     assert httpx.get(router + "/version").json()["api_version"] == fdplug.API_VERSION
+    assert httpx.get(router + "/v1/models/m").json()["id"] == "m"
+    missing = httpx.get(router + "/v1/models/gpt%209")
+    assert missing.status_code == 404 and "'gpt 9'" in missing.json()["error"]["message"]
     metrics = httpx.get(router + "/metrics").text
     assert 'fdplug_router:requests_total{stage="decode",status="200"} 8.0' in metrics, metrics
     assert 'fdplug_router:requests_total{stage="router",status="400"} 2.0' in metrics

@@ -87,6 +87,7 @@ class PDRouter:
         self.app = Starlette(routes=[Route("/v1/completions", relay, methods=["POST"]),
                                      Route("/v1/chat/completions", relay, methods=["POST"]),
                                      Route("/v1/models", self.models, methods=["GET"]),
+                                     Route("/v1/models/{model_id:path}", self.models, methods=["GET"]),
                                      Route("/health", self.health, methods=["GET"]),
                                      Route("/version", self.version, methods=["GET"]),
                                      Route("/metrics", self.metrics.route, methods=["GET"])])
@@ -234,9 +235,11 @@ class PDRouter:
     # -- the rest ---------------------------------------------------------------------------------
 
     async def models(self, request: Request) -> Response:
+        """``/v1/models`` and ``/v1/models/{model}``: a decode instance's answer (its 404 included)."""
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED}
+        path = request.scope.get("raw_path", b"").decode("latin-1") or request.url.path   # (as the client encoded it)
         try:
-            reply = await self.http.get(self.decode[0].url + "/v1/models", headers=headers,
+            reply = await self.http.get(self.decode[0].url + path, headers=headers,
                                         timeout=httpx.Timeout(10.0, connect=CONNECT_TIMEOUT_S))
         except httpx.HTTPError:
             return error_response(UpstreamError(f"decode instance {self.decode[0].url} did not answer.",

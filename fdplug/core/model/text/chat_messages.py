@@ -115,12 +115,31 @@ def _template_part(part: Any, index: int, handler: ContentPartHandler | None) ->
     return {"type": "video" if part["type"].startswith("video") else "image"}
 
 
-def open_final_message(prompt: str, messages: Sequence[Mapping[str, Any]]) -> str:
+FINAL_MARKER = "\ue000fdplug-final\ue001"   # private-use characters: no template gives them a meaning
+
+
+def open_final_message(prompt: str, messages: Sequence[Mapping[str, Any]],
+                       render: Callable[[list[dict[str, Any]]], str]) -> str:
     """The rendered ``prompt`` cut right after the last message's text (``continue_final_message``:
-    the model goes on writing that message, no end-of-turn after it), as transformers cuts it."""
-    content = messages[-1]["content"]
+    the model goes on writing that message, no end-of-turn after it). Where that text starts is found
+    by rendering the conversation again with FINAL_MARKER as the text (``render``): a short text
+    ("end") could otherwise be found inside the template's own closing tokens. A template that moves
+    the text (the marker's render differs before it) falls back to its last occurrence, as
+    transformers finds it."""
+    last = messages[-1]
+    content, parts = last["content"], None
     if not isinstance(content, str):    # a parts-reading template's list: its last text part
-        content = next((p["text"] for p in reversed(content) if p.get("type") == "text"), "")
+        parts = [i for i, p in enumerate(content) if p.get("type") == "text"]
+        content = content[parts[-1]]["text"] if parts else ""
+    if content:
+        marked = [*last["content"]] if parts else FINAL_MARKER
+        if parts:
+            marked[parts[-1]] = {"type": "text", "text": FINAL_MARKER}
+        rendered = render([*messages[:-1], {**last, "content": marked}])
+        at = rendered.find(FINAL_MARKER)
+        for final in (content, content.strip()):
+            if at >= 0 and rendered[:at] == prompt[:at] and final and prompt.startswith(final, at):
+                return prompt[:at + len(final)]
     for final in (content, content.strip()):
         if final and (at := prompt.rfind(final)) >= 0:
             return prompt[:at + len(final)]

@@ -205,7 +205,10 @@ class Tokenizer:
             "add_generation_prompt": add_generation_prompt,
         }
         prompt = render_template(source, context)
-        return open_final_message(prompt, messages) if continue_final_message else prompt
+        if not continue_final_message:
+            return prompt
+        return open_final_message(prompt, messages,
+                                  lambda marked: render_template(source, {**context, "messages": marked}))
 
     def is_named_template(self, chat_template: str) -> bool:
         """Whether ``chat_template`` names one of the model's own templates (not a template's source)."""
