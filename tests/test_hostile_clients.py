@@ -326,14 +326,18 @@ def test_a_client_that_stops_reading_is_cut_off_and_its_request_aborted(fleet):
     servers, _ = fleet
     plain = servers["plain"]
     pid = plain.proc.pid
+    wait_until(lambda: idle(plain), 60, 0.2, what="the plain instance idle before")   # (earlier tests' requests)
     before_fds, before_rss = fds(pid), rss_mb(pid)
     aborted = metric(plain.url, "fdplug:request_success_total", finished_reason="abort")
     body = {"model": "m", "prompt": "hello", "n": 32, "logprobs": 20, "max_tokens": 1900, "ignore_eos": True,
             "stream": True}
     socks = [raw_request(plain.port, "/v1/completions", body, rcvbuf=4096) for _ in range(2)]
     try:
-        wait_until(lambda: metric(plain.url, "fdplug:request_success_total", finished_reason="abort") >= aborted + 64,
-                   120, 0.2, what="both unread streams aborted")
+        try:
+            wait_until(lambda: metric(plain.url, "fdplug:request_success_total", finished_reason="abort")
+                       >= aborted + 64, 120, 0.2, what="both unread streams aborted")
+        except TimeoutError as exc:     # (what the server did, for whoever reads a failed run)
+            raise AssertionError(f"{exc}; the server's log ends:\n{plain.log()[-4000:]}") from None
         peak = rss_mb(pid)
         wait_until(lambda: idle(plain), 30, 0.2, what="the plain instance idle")
         assert all(closed_by_peer(s) for s in socks), "the server kept a connection nobody reads"
