@@ -182,17 +182,22 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(noise)
 
 
-def load(path: Path) -> torch.nn.Module:
-    """``from_pretrained`` in float32, eager attention everywhere, tensors copied off the mmap (see make_golden)."""
-    model, info = Qwen2_5_VLForConditionalGeneration.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
+def load_eager(model_class: type, path: Path, **kwargs) -> torch.nn.Module:
+    """``from_pretrained`` in float32, eager attention everywhere (text and vision), every key used,
+    tensors copied off the mmap (see make_golden)."""
+    model, info = model_class.from_pretrained(path, dtype=torch.float32, attn_implementation="eager",
+                                              output_loading_info=True, **kwargs)
     assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), f"{path}: {info}"
-    assert model.config.text_config._attn_implementation == "eager", model.config.text_config._attn_implementation
-    assert model.config.vision_config._attn_implementation == "eager", model.config.vision_config._attn_implementation
+    for cfg in (model.config.text_config, model.config.vision_config):
+        assert cfg._attn_implementation == "eager", (cfg.model_type, cfg._attn_implementation)
     with torch.no_grad():
         for t in [*model.parameters(), *model.buffers()]:
             t.data = t.data.clone()
     return model.eval()
+
+
+def load(path: Path) -> torch.nn.Module:
+    return load_eager(Qwen2_5_VLForConditionalGeneration, path)
 
 
 def inputs(case: dict, image_token: int, pixels: dict[str, torch.Tensor]) -> dict:
@@ -391,18 +396,10 @@ def ernie_randomize(model: torch.nn.Module, seed: int) -> None:
 
 
 def ernie_load(path: Path) -> torch.nn.Module:
-    """`load` for ERNIE-4.5-VL: float32, eager attention (text and vision) and eager (per-expert loop) experts."""
-    model, info = Ernie4_5_VLMoeForConditionalGeneration.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager",
-        output_loading_info=True)
-    assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), f"{path}: {info}"
-    for cfg in (model.config.text_config, model.config.vision_config):
-        assert cfg._attn_implementation == "eager", (cfg.model_type, cfg._attn_implementation)
+    """`load` for ERNIE-4.5-VL, with eager (per-expert loop) experts too."""
+    model = load_eager(Ernie4_5_VLMoeForConditionalGeneration, path, experts_implementation="eager")
     assert model.config.text_config._experts_implementation == "eager", model.config.text_config._experts_implementation
-    with torch.no_grad():
-        for t in [*model.parameters(), *model.buffers()]:
-            t.data = t.data.clone()
-    return model.eval()
+    return model
 
 
 def ernie_inputs(case: dict, config: Ernie4_5_VLMoeConfig, pixels: dict[str, torch.Tensor]) -> dict:

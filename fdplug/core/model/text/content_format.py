@@ -16,6 +16,7 @@ data stays with the request's items; the template only writes the item's placeho
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 
 from jinja2 import nodes
@@ -24,38 +25,44 @@ from jinja2.exceptions import TemplateSyntaxError
 from fdplug.core.model.text.chat_template import CACHED_SOURCE_CHARS, parse_template
 
 
+@dataclass(frozen=True, slots=True)
+class TemplateTraits:
+    """What the message normalization needs to know of a template, read from one parse of it."""
+
+    reads_content_parts: bool   # loops over a message's content: it is given the list of parts
+    names_developer_role: bool  # compares a role with "developer"; else such messages become "system"
+
+
+def template_traits(source: str) -> TemplateTraits:
+    """The template's traits; sources up to CACHED_SOURCE_CHARS parsed once (as they are compiled)."""
+    return _cached_traits(source) if len(source) <= CACHED_SOURCE_CHARS else _traits(source)
+
+
 def reads_content_parts(source: str) -> bool:
     """Whether the template loops over a message's content (then it is given the list of parts)."""
-    return _reads_content_parts(source) if len(source) <= CACHED_SOURCE_CHARS else _scan(source)
+    return template_traits(source).reads_content_parts
 
 
-def _scan(source: str) -> bool:
-    try:
-        tree = parse_template(source)
-    except (TemplateSyntaxError, RecursionError, MemoryError):
-        return False      # rendering reports the template's fault with its own error
-    aliases = {assign.target.name for assign in tree.find_all(nodes.Assign)
-               if isinstance(assign.target, nodes.Name) and _is_content(assign.node)}
-    for loop in tree.find_all(nodes.For):
-        target = loop.iter
-        if _is_content(target) or (isinstance(target, nodes.Name) and target.name in aliases):
-            return True
-    return False
-
-
-_reads_content_parts = lru_cache(maxsize=32)(_scan)
-
-
-@lru_cache(maxsize=32)
 def names_developer_role(source: str) -> bool:
     """Whether the template compares a role with ``"developer"`` (OpenAI's newer name of the system
     role): one that does not gets such messages as ``system`` ones. A string constant in its syntax,
     so a comment or a default system prompt that mentions the word does not count."""
+    return template_traits(source).names_developer_role
+
+
+def _traits(source: str) -> TemplateTraits:
     try:
         tree = parse_template(source)
     except (TemplateSyntaxError, RecursionError, MemoryError):
-        return False
-    return any(const.value == "developer" for const in tree.find_all(nodes.Const))
+        return TemplateTraits(False, False)   # rendering reports the template's fault with its own error
+    aliases = {assign.target.name for assign in tree.find_all(nodes.Assign)
+               if isinstance(assign.target, nodes.Name) and _is_content(assign.node)}
+    parts = any(_is_content(loop.iter) or (isinstance(loop.iter, nodes.Name) and loop.iter.name in aliases)
+                for loop in tree.find_all(nodes.For))
+    return TemplateTraits(parts, any(const.value == "developer" for const in tree.find_all(nodes.Const)))
+
+
+_cached_traits = lru_cache(maxsize=32)(_traits)
 
 
 def _is_content(node: nodes.Node) -> bool:

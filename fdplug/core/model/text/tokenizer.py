@@ -24,7 +24,7 @@ from fdplug.core.model.text.chat_messages import (
     open_final_message,
 )
 from fdplug.core.model.text.chat_template import render_template
-from fdplug.core.model.text.content_format import names_developer_role, reads_content_parts
+from fdplug.core.model.text.content_format import template_traits
 from fdplug.core.model.text.gguf_tokenizer import tokenizer_from_gguf
 from fdplug.core.model.text.token_bytes import TokenBytes
 from fdplug.errors import InvalidRequestError, ModelLoadError
@@ -192,8 +192,9 @@ class Tokenizer:
                                       fix="set add_generation_prompt: false to continue the last message.",
                                       param="continue_final_message")
         source = self._select_template(chat_template, tools)
-        messages = normalize_messages(messages, content_part_handler, reads_content_parts(source))
-        if not names_developer_role(source):   # OpenAI's newer name of the system role, for templates before it
+        traits = template_traits(source)
+        messages = normalize_messages(messages, content_part_handler, traits.reads_content_parts)
+        if not traits.names_developer_role:   # OpenAI's newer name of the system role, for templates before it
             messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
         context = {
             **self.special_tokens,

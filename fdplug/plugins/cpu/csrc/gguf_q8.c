@@ -272,7 +272,19 @@ static inline __attribute__((always_inline)) void gg_q8_tile(const gg_job *job, 
 
 #define GG_COLS(QT, MR) \
     for (int n = begin; n < end; ++n) gg_q8_tile(job, src + (n - begin) * stride, QT, m0, MR, n, sxt)
-#define GG_Q8_ROWS(QT) GG_SWITCH_ROWS(mr, GG_Q8_MR(QT), QT)
+#define GG_Q8_ROWS(QT) GG_SWITCH_ROWS(mr, GG_Q8_MR(QT), QT);
+/* BODY(QT) for the integer types q8 math takes (gguf_tiles.c's GG_SWITCH_TYPE less F16 and BF16) */
+#define GG_Q8_SWITCH_TYPE(qtype, BODY)                                                              \
+    switch (qtype) {                                                                                \
+    case GG_Q4_0: BODY(GG_Q4_0) break;                                                              \
+    case GG_Q4_1: BODY(GG_Q4_1) break;                                                              \
+    case GG_Q5_0: BODY(GG_Q5_0) break;                                                              \
+    case GG_Q5_1: BODY(GG_Q5_1) break;                                                              \
+    case GG_Q8_0: BODY(GG_Q8_0) break;                                                              \
+    case GG_Q4_K: BODY(GG_Q4_K) break;                                                              \
+    case GG_Q5_K: BODY(GG_Q5_K) break;                                                              \
+    default: BODY(GG_Q6_K) break;                                                                   \
+    }
 
 /* sxt [pieces][8] = the sx of rows m0 .. m0 + mr - 1, piece by piece (lanes past mr: 0) */
 static void gg_q8_transpose_sx(const gg_job *job, int m0, int mr, float *sxt) {
@@ -292,19 +304,11 @@ static void gg_q8_columns(const gg_job *job, const uint8_t *src, int64_t stride,
     const int transposed = !GG_Q8_SIGNED(qtype) && mr >= GG_Q8_VEC_MINS;   /* (the types with a min: o * sx) */
     float sxt[transposed ? 8 * (job->depth / 32) : 8];
     if (transposed) gg_q8_transpose_sx(job, m0, mr, sxt);
-    switch (qtype) {
-    case GG_Q4_0: GG_Q8_ROWS(GG_Q4_0) break;
-    case GG_Q4_1: GG_Q8_ROWS(GG_Q4_1) break;
-    case GG_Q5_0: GG_Q8_ROWS(GG_Q5_0) break;
-    case GG_Q5_1: GG_Q8_ROWS(GG_Q5_1) break;
-    case GG_Q8_0: GG_Q8_ROWS(GG_Q8_0) break;
-    case GG_Q4_K: GG_Q8_ROWS(GG_Q4_K) break;
-    case GG_Q5_K: GG_Q8_ROWS(GG_Q5_K) break;
-    default: GG_Q8_ROWS(GG_Q6_K) break;
-    }
+    GG_Q8_SWITCH_TYPE(qtype, GG_Q8_ROWS)
 }
 #undef GG_COLS
 
 #include "gguf_q8_panel.c"
+#undef GG_Q8_SWITCH_TYPE
 #undef GG_Q8_ROWS
 #undef GG_CAP

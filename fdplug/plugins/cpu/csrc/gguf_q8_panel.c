@@ -1,6 +1,6 @@
 /* ---------------------------------------------------------------------------------------------
  * q8 math's panel route (gguf_q8.c): a piece of columns decoded once a call into bytes that every
- * row tile reads. Included by gguf_q8.c (GG_Q8_MULS, gg_q8_piece, GG_Q8_ROWS).
+ * row tile reads. Included by gguf_q8.c (GG_Q8_MULS, gg_q8_piece, GG_Q8_ROWS, GG_Q8_SWITCH_TYPE).
  * ------------------------------------------------------------------------------------------- */
 
 #ifndef GG_Q8_512
@@ -79,16 +79,8 @@ static void gg_q8_panel_fill(const gg_job *job, int begin, int end, uint8_t *pan
     const int64_t stride = gg_q8_panel_stride(pieces);
 #define GG_FILL(QT)                                                                                 \
     for (int n = begin; n < end; ++n)                                                               \
-        gg_q8_panel_column(job->w + (int64_t)n * job->row_bytes, QT, pieces, panel + (n - begin) * stride)
-    switch (job->qtype) {
-    case GG_Q4_0: GG_FILL(GG_Q4_0); break;
-    case GG_Q4_1: GG_FILL(GG_Q4_1); break;
-    case GG_Q5_0: GG_FILL(GG_Q5_0); break;
-    case GG_Q5_1: GG_FILL(GG_Q5_1); break;
-    case GG_Q4_K: GG_FILL(GG_Q4_K); break;
-    case GG_Q5_K: GG_FILL(GG_Q5_K); break;
-    default: GG_FILL(GG_Q6_K); break;
-    }
+        gg_q8_panel_column(job->w + (int64_t)n * job->row_bytes, QT, pieces, panel + (n - begin) * stride);
+    GG_Q8_SWITCH_TYPE(job->qtype, GG_FILL)   /* (Q8_0 never comes here: GG_Q8_PANEL_TYPE) */
 #undef GG_FILL
 }
 
@@ -100,15 +92,7 @@ static void gg_q8_panel_columns(const gg_job *job, const uint8_t *panel, int m0,
     const int transposed = !GG_Q8_SIGNED(job->qtype) && mr >= GG_Q8_VEC_MINS;
     float sxt[transposed ? 8 * (job->depth / 32) : 8];
     if (transposed) gg_q8_transpose_sx(job, m0, mr, sxt);
-    switch (job->qtype) {
-    case GG_Q4_0: GG_Q8_ROWS(GG_Q4_0) break;
-    case GG_Q4_1: GG_Q8_ROWS(GG_Q4_1) break;
-    case GG_Q5_0: GG_Q8_ROWS(GG_Q5_0) break;
-    case GG_Q5_1: GG_Q8_ROWS(GG_Q5_1) break;
-    case GG_Q4_K: GG_Q8_ROWS(GG_Q4_K) break;
-    case GG_Q5_K: GG_Q8_ROWS(GG_Q5_K) break;
-    default: GG_Q8_ROWS(GG_Q6_K) break;
-    }
+    GG_Q8_SWITCH_TYPE(job->qtype, GG_Q8_ROWS)
 }
 #undef GG_COLS
 #endif
