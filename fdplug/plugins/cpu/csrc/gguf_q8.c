@@ -15,9 +15,9 @@
  * tiles nothing more than a run of 32's: the per-lane scale vector is loaded either way. Measured on
  * SmolLM2-135M (fixed text, tests/test_smollm2.py): perplexity +0.09% over float32 math with runs
  * of 4 (bf16 math: +0.11%), +0.87% with 16, +1.06% with 32 (llama.cpp's q8_0 size; llama.cpp itself
- * +0.38-0.77% on this file). A piece of 32 weights, q * d_w + o (gguf_bytes.c's gg_pair; Q4_0, Q5_0
- * and Q6_K as signed q - offset, with o = 0; Q6_K's two int8 sub-block scales as vpmaddwd's pair
- * weights and its super-block d as d_w), against its 8 runs gives
+ * +0.38-0.77% on this file). A piece of 32 weights, q * d_w + o (gguf_bytes.c's gg_pair; Q4_0 and
+ * Q5_0 with o = -8 d_w and -16 d_w; Q6_K as signed q - 32, with o = 0, its two int8 sub-block scales
+ * as vpmaddwd's pair weights and its super-block d as d_w), against its 8 runs gives
  *     sum over lanes l of d_w * d_l * (lane l's integer sum) + o * sx,   sx = sum over l of d_l * sum(xq of run l)
  * the integer sums exact (vpmaddubsw's int16 pair sums cannot saturate: |q| <= 128, |xq| <= 127, and
  * q <= 63 where unsigned). Output (m, n) is two float chains, pieces alternating (piece p into chain
@@ -34,12 +34,14 @@
 #ifndef GG_QMR
 #define GG_QMR 8 /* rows a tile at most */
 #endif
-/* Rows a tile for QT (a tile's result does not depend on it): 8, or 6 for Q4_1 and Q4_K. Measured at
+/* Rows a tile for QT (a tile's result does not depend on it): 8, or 6 for the 32-weight types with a
+ * min or an offset but Q5_1 (Q4_0, Q4_1, Q5_0) and Q4_K. Measured at
  * 8 and 64 rows against 4 and the other (AVX2, 2 threads): 8 rows 1.05-1.2x 6 for Q4_0, Q5_0, Q5_1,
  * Q6_K; 6 rows 1.05-1.1x 8 for Q4_1, Q4_K, Q5_K while their o * sx chains were scalars; since those
  * run as one vector (GG_Q8_VEC_MINS), 8 rows 0.89-1.12x 6 for Q4_1 and Q4_K, 1.02-1.24x for Q5_K
- * (8-256 rows). 4 rows 0.85-1.0x the better one throughout. */
-#define GG_Q8_MR(QT) ((QT) == GG_Q4_1 || (QT) == GG_Q4_K ? GG_CAP(6, GG_QMR) : GG_QMR)
+ * (8-256 rows). 4 rows 0.85-1.0x the better one throughout. Q4_0 and Q5_0 since their offsets joined
+ * the o * sx chain: 6 rows 1.1-1.4x 8 at 64-256 rows, 0.8-1.2x at 8 (the same day's drift). */
+#define GG_Q8_MR(QT) ((QT) == GG_Q4_1 || (QT) == GG_Q4_K || (QT) == GG_Q4_0 || (QT) == GG_Q5_0 ? GG_CAP(6, GG_QMR) : GG_QMR)
 
 /* The 8 lanes' sum in a fixed pairing (4 + 4, 2 + 2, 1 + 1), the same at every level */
 static inline float gg_q8_hsum(__m256 v) {
@@ -97,18 +99,27 @@ static inline __m256i gg_q6_weights(const uint8_t *blk, int j) {
     return _mm256_set_m128i(_mm_set1_epi16((int8_t)blk[192 + 2 * j + 1]), _mm_set1_epi16((int8_t)blk[192 + 2 * j]));
 }
 
-/* The types whose weights are d * (q - offset): Q4_0, Q5_0, Q6_K (its d per half of 16) */
-#define GG_Q8_OFFSET(QT) ((QT) == GG_Q4_0 ? 8 : (QT) == GG_Q5_0 ? 16 : (QT) == GG_Q6_K ? 32 : 0)
+/* Q6_K's weights are d * (q - 32) with an int8 scale per half of 16: its bytes go signed, q - 32 */
+#define GG_Q8_OFFSET(QT) ((QT) == GG_Q6_K ? 32 : 0)
+/* Q4_0's and Q5_0's are d * (q - offset) = d * q + o with o = -offset * d: their bytes stay unsigned, as
+ * Q4_1's, and the offset joins the o * sx chain (o exact: the offset a power of two). Against signed
+ * bytes (q - offset, no o * sx term) each row's vpsignb and each piece's vpsubb and vpabsb go: with
+ * 6 rows a tile (GG_Q8_MR), Q5_0 1.1-1.5x and Q4_0 1.1-1.3x at 64-256 rows, ~1.1x at one row (AMD
+ * EPYC, avx512, capped to AVX2, 2 threads, SmolLM2's shapes, 4 interleaved rounds; this machine
+ * drifted +-20% that day). Q5_0 is most of a Q4_K_M file of a model whose rows are not multiples of
+ * 256 (SmolLM2's). */
+#define GG_Q8_MIN_OFFSET(QT) ((QT) == GG_Q4_0 ? 8.0f : (QT) == GG_Q5_0 ? 16.0f : 0.0f)
 #define GG_Q8_SIGNED(QT) ((QT) == GG_Q8_0 || GG_Q8_OFFSET(QT))
 
-/* Piece j of the block at blk as the tiles multiply it: its bytes (signed q - offset where the type
- * has an offset, so no o * sx term), d_w and o; Q6_K's d_w is the super-block's d (q6_d), its halves'
+/* Piece j of the block at blk as the tiles multiply it: its bytes (Q6_K's signed, q - 32, so no o * sx
+ * term), d_w and o; Q6_K's d_w is the super-block's d (q6_d), its halves'
  * int8 scales go to the pair weights instead */
 static inline __attribute__((always_inline)) __m256i gg_q8_piece(const uint8_t *blk, const int j, const int QT,
                                                                  const gg_scales *s, float q6_d, float *dw,
                                                                  float *wo) {
     __m256i wsign = gg_piece_bytes(blk, j, QT, s, dw, wo);
     if (GG_Q8_OFFSET(QT)) wsign = _mm256_sub_epi8(wsign, _mm256_set1_epi8(GG_Q8_OFFSET(QT)));
+    if (GG_Q8_MIN_OFFSET(QT)) *wo = -GG_Q8_MIN_OFFSET(QT) * *dw;
     if (QT == GG_Q6_K) *dw = q6_d;
     return wsign;
 }
@@ -170,11 +181,15 @@ static inline __m512i gg_dot4_512(__m512i u, __m512i s) {
         const __m256i w1 = gg_piece_bytes(blk1, j1, QT, &s, &d1, &o1);                                \
         __m512i wsign = _mm512_inserti64x4(_mm512_castsi256_si512(w0), w1, 1), weights = _mm512_set1_epi16(1); \
         if (GG_Q8_OFFSET(QT)) wsign = _mm512_sub_epi8(wsign, _mm512_set1_epi8(GG_Q8_OFFSET(QT)));   \
+        if (GG_Q8_MIN_OFFSET(QT)) {                                                                  \
+            o0 = -GG_Q8_MIN_OFFSET(QT) * d0;                                                         \
+            o1 = -GG_Q8_MIN_OFFSET(QT) * d1;                                                         \
+        }                                                                                            \
         if (QT == GG_Q6_K) {                                                                         \
             weights = _mm512_inserti64x4(_mm512_castsi256_si512(gg_q6_weights(blk0, j0)), gg_q6_weights(blk1, j1), 1); \
             d0 = d1 = q6_d;                                                                          \
         }                                                                                            \
-        const int SIGNED = QT == GG_Q8_0 || GG_Q8_OFFSET(QT);                                        \
+        const int SIGNED = GG_Q8_SIGNED(QT);                                                   \
         const __m512i wq = SIGNED ? _mm512_abs_epi8(wsign) : wsign;                                  \
         const __mmask64 negative = SIGNED ? _mm512_movepi8_mask(wsign) : 0;                          \
         const __m512 dw = _mm512_insertf32x8(_mm512_set1_ps(d0), _mm256_set1_ps(d1), 1);             \
@@ -293,9 +308,9 @@ static void gg_q8_transpose_sx(const gg_job *job, int m0, int mr, float *sxt) {
         for (int r = 0; r < 8; ++r) sxt[8 * p + r] = r < mr ? job->sx[(int64_t)(m0 + r) * pieces + p] : 0.0f;
 }
 /* GG_Q8_MR of a run-time type */
-static int gg_q8_rows(int qtype) {
-    return qtype == GG_Q4_1 ? GG_Q8_MR(GG_Q4_1) : qtype == GG_Q4_K ? GG_Q8_MR(GG_Q4_K) : GG_QMR;
-}
+#define GG_Q8_RETURN_MR(QT) return GG_Q8_MR(QT);
+static int gg_q8_rows(int qtype) { GG_Q8_SWITCH_TYPE(qtype, GG_Q8_RETURN_MR) }
+#undef GG_Q8_RETURN_MR
 
 /* Rows m0 .. m0 + mr - 1 (mr <= gg_q8_rows(qtype)) of columns [begin, end) in q8 math, column n's blocks at
  * src + (n - begin) * stride (F16/BF16 rows are not taken: gg_linear refuses them in q8 math) */
