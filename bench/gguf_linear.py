@@ -95,6 +95,8 @@ def main() -> None:
     parser.add_argument("--types", help=f"comma-separated GGML types (default: {','.join(TYPES)})")
     parser.add_argument("--rows", help=f"comma-separated row counts (default: {','.join(map(str, ROWS))})")
     parser.add_argument("--no-lm-head", action="store_true", help="skip the 49152x576 Q8_0 lm_head")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="the kernels' threads (default: the cpu device's; paddle keeps its own)")
     args = parser.parse_args()
     types = args.types.upper().split(",") if args.types else TYPES
     row_counts = [int(v) for v in args.rows.split(",")] if args.rows else ROWS
@@ -102,7 +104,7 @@ def main() -> None:
     from fdplug.plugins.cpu import device, isa
 
     device.setup()
-    threads = device.cpu_threads()
+    threads = args.threads or device.cpu_threads()
     rounds, budget = (3, 0.03) if args.quick else (7, 0.05)
     print(f"CPU: {isa.model_name()}, kernels built for {isa.describe()}")
     print(f"{threads} threads; medians of {rounds} interleaved timings; 'x' = portable time / kernel time")
