@@ -105,8 +105,8 @@ static inline __m256i gg_q6_weights(const uint8_t *blk, int j) {
  * Q4_1's, and the offset joins the o * sx chain (o exact: the offset a power of two). Against signed
  * bytes (q - offset, no o * sx term) each row's vpsignb and each piece's vpsubb and vpabsb go: with
  * 6 rows a tile (GG_Q8_MR), Q5_0 1.1-1.5x and Q4_0 1.1-1.3x at 64-256 rows, ~1.1x at one row (AMD
- * EPYC, avx512, capped to AVX2, 2 threads, SmolLM2's shapes, 4 interleaved rounds; this machine
- * drifted +-20% that day). Q5_0 is most of a Q4_K_M file of a model whose rows are not multiples of
+ * EPYC family 25 (Zen 4), avx512, capped to AVX2, 2 threads, SmolLM2's shapes, 4 interleaved rounds;
+ * this machine drifted +-20% that day). Q5_0 is most of a Q4_K_M file of a model whose rows are not multiples of
  * 256 (SmolLM2's). */
 #define GG_Q8_MIN_OFFSET(QT) ((QT) == GG_Q4_0 ? 8.0f : (QT) == GG_Q5_0 ? 16.0f : 0.0f)
 #define GG_Q8_SIGNED(QT) ((QT) == GG_Q8_0 || GG_Q8_OFFSET(QT))
