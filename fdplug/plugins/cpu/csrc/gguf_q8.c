@@ -41,7 +41,8 @@
  * run as one vector (GG_Q8_VEC_MINS), 8 rows 0.89-1.12x 6 for Q4_1 and Q4_K, 1.02-1.24x for Q5_K
  * (8-256 rows). 4 rows 0.85-1.0x the better one throughout. Q4_0 and Q5_0 since their offsets joined
  * the o * sx chain: 6 rows 1.1-1.4x 8 at 64-256 rows, 0.8-1.2x at 8 (the same day's drift). */
-#define GG_Q8_MR(QT) ((QT) == GG_Q4_1 || (QT) == GG_Q4_K || (QT) == GG_Q4_0 || (QT) == GG_Q5_0 ? GG_CAP(6, GG_QMR) : GG_QMR)
+#define GG_Q8_MR(QT) \
+    ((QT) == GG_Q4_0 || (QT) == GG_Q4_1 || (QT) == GG_Q5_0 || (QT) == GG_Q4_K ? GG_CAP(6, GG_QMR) : GG_QMR)
 
 /* The 8 lanes' sum in a fixed pairing (4 + 4, 2 + 2, 1 + 1), the same at every level */
 static inline float gg_q8_hsum(__m256 v) {
@@ -106,14 +107,14 @@ static inline __m256i gg_q6_weights(const uint8_t *blk, int j) {
  * bytes (q - offset, no o * sx term) each row's vpsignb and each piece's vpsubb and vpabsb go: with
  * 6 rows a tile (GG_Q8_MR), Q5_0 1.1-1.5x and Q4_0 1.1-1.3x at 64-256 rows, ~1.1x at one row (AMD
  * EPYC family 25 (Zen 4), avx512, capped to AVX2, 2 threads, SmolLM2's shapes, 4 interleaved rounds;
- * this machine drifted +-20% that day). Q5_0 is most of a Q4_K_M file of a model whose rows are not multiples of
- * 256 (SmolLM2's). */
+ * this machine drifted +-20% that day). Q5_0 is most of a Q4_K_M file of a model whose rows are no
+ * multiple of 256 (SmolLM2's). */
 #define GG_Q8_MIN_OFFSET(QT) ((QT) == GG_Q4_0 ? 8.0f : (QT) == GG_Q5_0 ? 16.0f : 0.0f)
 #define GG_Q8_SIGNED(QT) ((QT) == GG_Q8_0 || GG_Q8_OFFSET(QT))
 
 /* Piece j of the block at blk as the tiles multiply it: its bytes (Q6_K's signed, q - 32, so no o * sx
- * term), d_w and o; Q6_K's d_w is the super-block's d (q6_d), its halves'
- * int8 scales go to the pair weights instead */
+ * term), d_w and o; Q6_K's d_w is the super-block's d (q6_d), its halves' int8 scales go to the pair
+ * weights instead */
 static inline __attribute__((always_inline)) __m256i gg_q8_piece(const uint8_t *blk, const int j, const int QT,
                                                                  const gg_scales *s, float q6_d, float *dw,
                                                                  float *wo) {
@@ -189,7 +190,7 @@ static inline __m512i gg_dot4_512(__m512i u, __m512i s) {
             weights = _mm512_inserti64x4(_mm512_castsi256_si512(gg_q6_weights(blk0, j0)), gg_q6_weights(blk1, j1), 1); \
             d0 = d1 = q6_d;                                                                          \
         }                                                                                            \
-        const int SIGNED = GG_Q8_SIGNED(QT);                                                   \
+        const int SIGNED = GG_Q8_SIGNED(QT);                                                         \
         const __m512i wq = SIGNED ? _mm512_abs_epi8(wsign) : wsign;                                  \
         const __mmask64 negative = SIGNED ? _mm512_movepi8_mask(wsign) : 0;                          \
         const __m512 dw = _mm512_insertf32x8(_mm512_set1_ps(d0), _mm256_set1_ps(d1), 1);             \
