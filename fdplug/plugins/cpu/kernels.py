@@ -51,6 +51,7 @@ SIGNATURES = {   # (restype, argtypes) of every function the library exports (cs
     "fdplug_swiglu": (None, [_ptr, _ptr, _i64, _c_int, _c_int]),
     "fdplug_moe_pack": (None, [_ptr] * 5 + [_c_int] * 4),
     "fdplug_moe_experts": (_c_int, [_ptr] * 6 + [_c_int] * 6),
+    "fdplug_moe_scratch_bytes": (_i64, [_i64]),
     "fdplug_fp8_linear": (None, [_ptr] * 4 + [_c_int] * 5),
     "fdplug_fp8_moe": (_c_int, [_ptr] * 8 + [_c_int] * 7),
     "fdplug_fp8_dequant": (None, [_ptr] * 3 + [_c_int] * 4),

@@ -546,9 +546,10 @@ void fdplug_swiglu(const float *x, float *out, int64_t rows, int inter, int num_
 #define MOE_PF 8192
 #define MOE_PF_ROWS 4
 /* A call's hbuf + ybuf stay under this (tokens go in chunks), one token's whatever its size. */
-#ifndef MOE_SCRATCH_BYTES /* (overridable so that a test can make chunks of a few tokens) */
 #define MOE_SCRATCH_BYTES ((int64_t)256 << 20)
-#endif
+/* The scratch cap in use: MOE_SCRATCH_BYTES, or what fdplug_moe_scratch_bytes set (a test makes
+ * chunks of a few tokens so, without a build of its own) */
+static int64_t moe_scratch_bytes = MOE_SCRATCH_BYTES;
 
 static int64_t gu_panel_offset(int p, int hidden) { return (int64_t)p * MOE_GU_COLS * 2 * hidden; }
 static int64_t down_panel_offset(int q, int inter) { return (int64_t)q * MOE_DOWN_COLS * inter; }
@@ -903,10 +904,16 @@ static void moe_chunk(moe_scratch *s, const float *x, const float *gate_up, cons
     run_workers(moe_worker, &job, num_threads < n ? num_threads : n);
 }
 
+/* fdplug_moe_experts' scratch cap from now on: bytes (> 0), or MOE_SCRATCH_BYTES (0); returns the
+ * cap it replaces. For tests: a call in flight keeps the cap it started with. */
+int64_t fdplug_moe_scratch_bytes(int64_t bytes) {
+    return __atomic_exchange_n(&moe_scratch_bytes, bytes > 0 ? bytes : MOE_SCRATCH_BYTES, __ATOMIC_RELAXED);
+}
+
 /* The routed experts for tokens x [T, H] with ids, weights [T, K] (row-major) into out [T, H], on up
  * to num_threads threads (the caller's included). Tokens go in chunks whose scratch (hbuf and ybuf:
- * K * (I + H) floats a token) stays under MOE_SCRATCH_BYTES; a token's result does not depend on its
- * chunk. Returns 0; -1 if scratch memory could not be had (out undefined); -2 if an id is outside
+ * K * (I + H) floats a token) stays under the scratch cap (MOE_SCRATCH_BYTES, or
+ * fdplug_moe_scratch_bytes'); a token's result does not depend on its chunk. Returns 0; -1 if scratch memory could not be had (out undefined); -2 if an id is outside
  * [0, experts) (then nothing is computed). */
 int fdplug_moe_experts(const float *x, const float *gate_up, const float *down, const int32_t *ids,
                        const float *weights, float *out, int tokens, int top_k, int experts, int hidden, int inter,
@@ -916,7 +923,7 @@ int fdplug_moe_experts(const float *x, const float *gate_up, const float *down, 
     for (int64_t a = 0; a < A; ++a)
         if (ids[a] < 0 || ids[a] >= experts) return -2;
     const int64_t per_token = (int64_t)top_k * (hidden + inter) * (int64_t)sizeof(float);
-    int64_t chunk = MOE_SCRATCH_BYTES / per_token;
+    int64_t chunk = __atomic_load_n(&moe_scratch_bytes, __ATOMIC_RELAXED) / per_token;
     chunk = chunk < 1 ? 1 : chunk > tokens ? tokens : chunk;
     if (chunk * top_k > INT32_MAX / 4) chunk = INT32_MAX / 4 / top_k;
     moe_scratch s;
