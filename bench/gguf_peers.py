@@ -277,7 +277,7 @@ def report(args, ftype: str, mix: str, offline: dict[str, list[dict]], serving: 
     print(cpu_line())
     levels = {e: rs[0]["info"]["level"] for e, rs in offline.items() if rs}
     levels.setdefault("fdplug", "(see above)")
-    levels.setdefault("llama.cpp", "ggml GGML_NATIVE")
+    levels.setdefault("llama.cpp", "llama-server: as it was built")
     fig: dict[str, dict] = {}
     for engine in ("fdplug", "llama.cpp"):
         ttft = median_of(offline.get(engine, []), "ttft")
@@ -289,7 +289,7 @@ def report(args, ftype: str, mix: str, offline: dict[str, list[dict]], serving: 
         width = int(fmt.split(".")[0])
         return "-".rjust(width) if value is None else format(value, fmt)
 
-    names = {"fdplug": "fdplug", "llama.cpp": "llama.cpp (llama-server)"}
+    names = {"fdplug": "fdplug", "llama.cpp": "llama.cpp"}   # TTFT, decode: llama-cpp-python; streams: llama-server
     print(f"{'engine':26s} {'format':8s} {'TTFT 1024 ms':>12s} {'decode tok/s':>12s} "
           f"{f'{args.streams}-stream tok/s':>16s}  CPU/level")
     for engine in ("fdplug", "llama.cpp"):
