@@ -913,8 +913,9 @@ int64_t fdplug_moe_scratch_bytes(int64_t bytes) {
 /* The routed experts for tokens x [T, H] with ids, weights [T, K] (row-major) into out [T, H], on up
  * to num_threads threads (the caller's included). Tokens go in chunks whose scratch (hbuf and ybuf:
  * K * (I + H) floats a token) stays under the scratch cap (MOE_SCRATCH_BYTES, or
- * fdplug_moe_scratch_bytes'); a token's result does not depend on its chunk. Returns 0; -1 if scratch memory could not be had (out undefined); -2 if an id is outside
- * [0, experts) (then nothing is computed). */
+ * fdplug_moe_scratch_bytes'); a token's result does not depend on its chunk. Returns 0; -1 if
+ * scratch memory could not be had (out undefined); -2 if an id is outside [0, experts) (then nothing
+ * is computed). */
 int fdplug_moe_experts(const float *x, const float *gate_up, const float *down, const int32_t *ids,
                        const float *weights, float *out, int tokens, int top_k, int experts, int hidden, int inter,
                        int num_threads) {

@@ -178,18 +178,12 @@ static inline __m512i gg_dot4_512(__m512i u, __m512i s) {
 #define GG_Q8_PAIR(blk0, j0, blk1, j1, p)                                                             \
     do {                                                                                             \
         float d0, o0, d1, o1;                                                                        \
-        const __m256i w0 = gg_piece_bytes(blk0, j0, QT, &s, &d0, &o0);                                \
-        const __m256i w1 = gg_piece_bytes(blk1, j1, QT, &s, &d1, &o1);                                \
-        __m512i wsign = _mm512_inserti64x4(_mm512_castsi256_si512(w0), w1, 1), weights = _mm512_set1_epi16(1); \
-        if (GG_Q8_OFFSET(QT)) wsign = _mm512_sub_epi8(wsign, _mm512_set1_epi8(GG_Q8_OFFSET(QT)));   \
-        if (GG_Q8_MIN_OFFSET(QT)) {                                                                  \
-            o0 = -GG_Q8_MIN_OFFSET(QT) * d0;                                                         \
-            o1 = -GG_Q8_MIN_OFFSET(QT) * d1;                                                         \
-        }                                                                                            \
-        if (QT == GG_Q6_K) {                                                                         \
-            weights = _mm512_inserti64x4(_mm512_castsi256_si512(gg_q6_weights(blk0, j0)), gg_q6_weights(blk1, j1), 1); \
-            d0 = d1 = q6_d;                                                                          \
-        }                                                                                            \
+        const __m256i w0 = gg_q8_piece(blk0, j0, QT, &s, q6_d, &d0, &o0); /* (its offsets applied) */  \
+        const __m256i w1 = gg_q8_piece(blk1, j1, QT, &s, q6_d, &d1, &o1);                             \
+        const __m512i wsign = _mm512_inserti64x4(_mm512_castsi256_si512(w0), w1, 1);                  \
+        const __m512i weights = QT == GG_Q6_K ? _mm512_inserti64x4(_mm512_castsi256_si512(gg_q6_weights(blk0, j0)), \
+                                                                   gg_q6_weights(blk1, j1), 1)        \
+                                              : _mm512_set1_epi16(1);                                 \
         const int SIGNED = GG_Q8_SIGNED(QT);                                                         \
         const __m512i wq = SIGNED ? _mm512_abs_epi8(wsign) : wsign;                                  \
         const __mmask64 negative = SIGNED ? _mm512_movepi8_mask(wsign) : 0;                          \
@@ -292,13 +286,7 @@ static inline __attribute__((always_inline)) void gg_q8_tile(const gg_job *job, 
 /* BODY(QT) for the integer types q8 math takes (gguf_tiles.c's GG_SWITCH_TYPE less F16 and BF16) */
 #define GG_Q8_SWITCH_TYPE(qtype, BODY)                                                              \
     switch (qtype) {                                                                                \
-    case GG_Q4_0: BODY(GG_Q4_0) break;                                                              \
-    case GG_Q4_1: BODY(GG_Q4_1) break;                                                              \
-    case GG_Q5_0: BODY(GG_Q5_0) break;                                                              \
-    case GG_Q5_1: BODY(GG_Q5_1) break;                                                              \
-    case GG_Q8_0: BODY(GG_Q8_0) break;                                                              \
-    case GG_Q4_K: BODY(GG_Q4_K) break;                                                              \
-    case GG_Q5_K: BODY(GG_Q5_K) break;                                                              \
+    GG_INTEGER_CASES(BODY)                                                                          \
     default: BODY(GG_Q6_K) break;                                                                   \
     }
 

@@ -63,17 +63,21 @@ static inline __attribute__((always_inline)) void gg_tile(const gg_job *job, con
     for (int r = 0; r < MR; ++r) job->out[(int64_t)(m0 + r) * job->ld + n] = gg_finish(acc[r]);
 }
 
-/* BODY(QT) with QT the block type ``qtype`` as a compile-time constant, so that each decoder and
- * tile is specialised per type (Q6_K the default: gg_known has checked the type). */
-#define GG_SWITCH_TYPE(qtype, BODY)                                                                  \
-    switch (qtype) {                                                                                 \
+/* The cases of the integer block types but Q6_K (every switch's default: gg_known has checked the type) */
+#define GG_INTEGER_CASES(BODY)                                                                       \
     case GG_Q4_0: BODY(GG_Q4_0) break;                                                               \
     case GG_Q4_1: BODY(GG_Q4_1) break;                                                               \
     case GG_Q5_0: BODY(GG_Q5_0) break;                                                               \
     case GG_Q5_1: BODY(GG_Q5_1) break;                                                               \
     case GG_Q8_0: BODY(GG_Q8_0) break;                                                               \
     case GG_Q4_K: BODY(GG_Q4_K) break;                                                               \
-    case GG_Q5_K: BODY(GG_Q5_K) break;                                                               \
+    case GG_Q5_K: BODY(GG_Q5_K) break;
+
+/* BODY(QT) with QT the block type ``qtype`` as a compile-time constant, so that each decoder and
+ * tile is specialised per type (Q6_K the default). */
+#define GG_SWITCH_TYPE(qtype, BODY)                                                                  \
+    switch (qtype) {                                                                                 \
+    GG_INTEGER_CASES(BODY)                                                                           \
     case GG_F16: BODY(GG_F16) break;                                                                 \
     case GG_BF16: BODY(GG_BF16) break;                                                               \
     default: BODY(GG_Q6_K) break;                                                                    \
