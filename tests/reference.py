@@ -39,6 +39,14 @@ def full_logits(llm, tokens: Sequence[int], features: Sequence[tuple[int, np.nda
         return llm.engine.runner.model.compute_logits(hidden).numpy()
 
 
+def mean_nll(llm, tokens: Sequence[int]) -> float:
+    """Mean negative log-likelihood (nats) of tokens[1:], each predicted from the ones before it, in
+    one forward pass (full_logits, summed in float64): exp of it is the text's perplexity."""
+    logits = full_logits(llm, tokens).astype(np.float64)[:-1]
+    logz = np.log(np.exp(logits - logits.max(axis=1, keepdims=True)).sum(axis=1)) + logits.max(axis=1)
+    return float(np.mean(logz - logits[np.arange(len(logits)), list(tokens)[1:]]))
+
+
 def _full_forward(llm, tokens: list[int], spans: Sequence[tuple[int, int]],
                   features: Sequence[tuple[int, np.ndarray]], rope_positions: np.ndarray | None = None,
                   modality_rows: tuple | None = None):

@@ -73,7 +73,7 @@ def main() -> None:
     import fdplug.core.portable.ops as ops
     from fdplug import LLM, SamplingParams
     from fdplug.demo.pypi_models import resolve_model
-    from tests.reference import full_logits
+    from tests.reference import mean_nll
 
     golden = json.loads((ROOT / "tests/fixtures/gguf/smollm2_q4_1.json").read_text())
     exact, current = ops.gguf_linear, {"round": None}
@@ -88,9 +88,7 @@ def main() -> None:
     ids, chat = golden["perplexity"]["ids"], golden["chat"][0]
     for scheme in args.schemes:
         current["round"] = rounder(scheme)
-        logits = full_logits(llm, ids).astype(np.float64)[:-1]
-        logz = np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1)) + logits.max(1)
-        ppl = math.exp(float(np.mean(logz - logits[np.arange(len(logits)), ids[1:]])))
+        ppl = math.exp(mean_nll(llm, ids))
         params = SamplingParams(max_tokens=len(chat["tokens"]), temperature=0, ignore_eos=True)
         answer = llm.generate({"prompt_token_ids": chat["ids"]}, params)[0].outputs[0]
         print(f"{scheme:8s} perplexity {ppl:.5f} ({100 * (ppl / golden['perplexity']['ppl'] - 1):+.3f}% "
