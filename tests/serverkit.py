@@ -20,10 +20,20 @@ FDPLUG = str(Path(sys.executable).parent / "fdplug")
 SMALL = ["--max-model-len", "512", "--num-kv-blocks", "600"]   # 9.4 MiB of KV, enough for 32 x 256 tokens
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port nothing listens on now, and never one handed out before in this process: two
+    asked for one after another can come back the same before the first one's server binds it (a
+    router was once given its prefill server's port)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def alive(pid: int) -> bool:
