@@ -37,6 +37,20 @@ def _clean_plugin_env(monkeypatch):
     plugins._cache.clear()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _no_server_outlives_its_module():
+    """Every ``fdplug`` process a module's tests started (tests/serverkit.spawn) ends with the module,
+    even where a fixture failed halfway and never reached its own stop: a server left running takes
+    the 2 cores from every test after it. (Autouse, so set up first and torn down last: the module's
+    own fixtures stop their servers before this looks.)"""
+    yield
+    from tests.serverkit import stop_leftovers
+
+    left = stop_leftovers()
+    if left:
+        print(f"\nstopped {len(left)} fdplug process(es) their tests left running: {left}")
+
+
 def write_dist(site: Path, dist: str, version: str, entry_points: dict[str, str],
                modules: dict[str, str] | None = None) -> Path:
     """Install a distribution the way pip leaves it: a ``.dist-info`` with METADATA and entry points.

@@ -21,6 +21,34 @@ SMALL = ["--max-model-len", "512", "--num-kv-blocks", "600"]   # 9.4 MiB of KV, 
 
 
 _HANDED_OUT: set[int] = set()
+_STARTED: list[subprocess.Popen] = []   # every fdplug process a test started (spawn): what stop_leftovers sweeps
+
+
+def spawn(args: list[str], log, **env: str) -> subprocess.Popen:
+    """``fdplug ARGS`` in a subprocess logging to ``log`` (an open binary file), remembered so that
+    stop_leftovers ends it if the test that started it does not (a fixture failing halfway)."""
+    proc = subprocess.Popen([FDPLUG, *args], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            env=subprocess_env(**env))
+    _STARTED.append(proc)
+    return proc
+
+
+def stop_leftovers(timeout: float = 10.0) -> list[str]:
+    """End every spawned process still running: SIGTERM, then SIGKILL after ``timeout``; the command
+    lines of those it ended. (A PD test whose router failed to start once left its two servers and
+    the router running after the run, and a server left running takes the cores from every test after it.)"""
+    left = [proc for proc in _STARTED if proc.poll() is None]
+    _STARTED.clear()
+    for proc in left:
+        proc.terminate()
+    deadline = time.monotonic() + timeout
+    for proc in left:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+    return [" ".join(map(str, proc.args)) for proc in left]
 
 
 def free_port() -> int:
@@ -66,10 +94,9 @@ class Server:
         self.api_key = api_key
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        cmd = [FDPLUG, "serve", "--port", str(self.port), *args] + (["--api-key", api_key] if api_key else [])
-        self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=subprocess_env(**env))
+        cmd = ["serve", "--port", str(self.port), *args] + (["--api-key", api_key] if api_key else [])
+        self._log = open(log_path, "wb")  # noqa: SIM115 -- stop closes it
+        self.proc = spawn(cmd, self._log, **env)
 
     @property
     def headers(self) -> dict[str, str]:

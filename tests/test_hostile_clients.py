@@ -32,8 +32,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import subprocess_env
-from tests.serverkit import FDPLUG, Server, free_port, wait_until
+from tests.serverkit import Server, free_port, spawn, wait_until
 
 ARGS = ["--max-model-len", "2048", "--num-kv-blocks", "600", "--served-model-name", "m"]
 SECRET = {"FDPLUG_PD_SECRET": "shared by the PD pair"}
@@ -57,13 +56,9 @@ class Router:
 
 
 def start_router(prefill: Server, decode: Server, log_path: Path, *extra: str) -> Router:
-    import subprocess
-
     port = free_port()
     log = open(log_path, "wb")  # noqa: SIM115 -- Router.stop closes it
-    proc = subprocess.Popen([FDPLUG, "router", "--prefill", prefill.url, "--decode", decode.url, "--port", str(port),
-                             *extra], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            env=subprocess_env())
+    proc = spawn(["router", "--prefill", prefill.url, "--decode", decode.url, "--port", str(port), *extra], log)
     router = Router(proc, f"http://127.0.0.1:{port}", port, log)
     wait_until(lambda: _status(router.url + "/health") == 200, 60, 0.1, what="the router answering /health")
     return router

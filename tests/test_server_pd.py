@@ -233,8 +233,8 @@ def test_faults_end_each_request_within_its_timeout_and_free_every_block(pd, tmp
                for role in ("prefill", "decode", "decode2")}
     router_proc, router_log, router = start_router(servers["prefill"].url, servers["decode2"].url,
                                                    tmp_path / "router.log")
-    prefill, decode, _ = (servers[role].wait_ready() for role in ("prefill", "decode", "decode2"))
     try:
+        prefill, decode, _ = (servers[role].wait_ready() for role in ("prefill", "decode", "decode2"))
         assert "chosen   slow_tcp" in decode.log()
         wait_until(lambda: _up(router), 60, 0.1, what="the router answering /health")
         servers["decode2"].proc.kill()                             # decode killed before any pick-up
@@ -278,19 +278,16 @@ def test_faults_end_each_request_within_its_timeout_and_free_every_block(pd, tmp
             prefill.proc.wait(10)
 
         decode_fails(prefill_answer(prefill, PROMPTS[2]), after=kill_prefill_mid_transfer)
-    finally:
+    finally:   # every process ended before anything is asserted (prefill and decode2 were killed)
         silent.close(0)
         router_proc.terminate(), router_proc.wait(15), router_log.close()
-        assert decode.stop() == 0, decode.log()
-        prefill.stop(), servers["decode2"].stop()
+        codes = {role: server.stop() for role, server in servers.items()}
+    assert codes["decode"] == 0, servers["decode"].log()
 
 
 def start_router(prefill: str, decode: str, log_path):
-    import subprocess
-
-    from tests.serverkit import FDPLUG, free_port, subprocess_env
+    from tests.serverkit import free_port, spawn
 
     port, log = free_port(), open(log_path, "wb")  # noqa: SIM115 -- the caller closes it
-    proc = subprocess.Popen([FDPLUG, "router", "--prefill", prefill, "--decode", decode, "--port", str(port)],
-                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=subprocess_env())
+    proc = spawn(["router", "--prefill", prefill, "--decode", decode, "--port", str(port)], log)
     return proc, log, f"http://127.0.0.1:{port}"
