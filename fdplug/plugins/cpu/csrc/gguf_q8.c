@@ -230,7 +230,8 @@ static inline __attribute__((always_inline)) void gg_q8_tile(const gg_job *job, 
     __m256 acc[GG_QMR][2], mins[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     float mins1[GG_Q8_VEC_MINS][2] = {{0.0f, 0.0f}};
     for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    gg_scales s;
+    gg_scales s;   /* the K-quants' (gg_k_scales_sse); Q6_K's decoder reads d values it then replaces: zeros */
+    if (QT == GG_Q6_K) memset(&s, 0, sizeof s);
 #ifdef GG_Q8_512
     __m512 wide[GG_QMR];             /* [chain 0 | chain 1] */
     for (int r = 0; r < MR; ++r) wide[r] = _mm512_setzero_ps();
