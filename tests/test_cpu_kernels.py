@@ -64,6 +64,44 @@ def test_decode_over_long_shuffled_contexts(heads, kv_heads, dim, block):
         np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-5)
 
 
+# Rows over more keys than the decode kernel's chunk (ATT_CHUNK_KEYS, 1,024) are split into chunks,
+# each a work unit, merged after: against the definition (float64, on the cache's own values), and
+# the same bits for a row alone or in a batch and on 1, 2 or 3 threads. Blocks shuffled; 1,023-1,025
+# keys straddle the split, 300 stays one unit.
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
+def test_long_rows_split_into_chunks_match_the_definition_alone_or_in_a_batch(kv_dtype):
+    rng = np.random.default_rng(7)
+    heads, kv_heads, dim, block, scale = 9, 3, 64, 16, 64 ** -0.5
+    lengths = [1023, 1024, 1025, 2048, 3001, 300]
+    spans = [-(-n // block) for n in lengths]
+    order = iter(rng.permutation(np.arange(1, sum(spans) + 1)).astype(np.int32))
+    tables = np.zeros((len(lengths), max(spans)), np.int32)
+    for i, span in enumerate(spans):
+        tables[i, :span] = [next(order) for _ in range(span)]
+    shape = (kv_heads, sum(spans) + 1, block, dim)
+    caches = [paddle.to_tensor(rng.standard_normal(shape).astype(np.float32)).astype(kv_dtype) for _ in range(2)]
+    q = rng.standard_normal((len(lengths), heads, dim)).astype(np.float32)
+    rows, key_end = np.arange(len(lengths), dtype=np.int32), np.array(lengths, np.int32)
+
+    def attend(which: np.ndarray, threads: int) -> np.ndarray:
+        return kernels.paged_attention(paddle.to_tensor(q), *caches, which, tables, which, key_end[which],
+                                       int(key_end[which].max()), scale, threads).numpy()
+
+    batch = attend(rows, 2)
+    keys, values = (c.astype("float32").numpy().astype(np.float64) for c in caches)
+    for i, n in enumerate(lengths):
+        pos = np.arange(n)
+        at = (tables[i, pos // block], pos % block)
+        for h in range(heads):
+            g = h // (heads // kv_heads)
+            scores = keys[g][at] @ q[i, h].astype(np.float64) * scale
+            p = np.exp(scores - scores.max())
+            np.testing.assert_allclose(batch[i, h], (p / p.sum()) @ values[g][at], atol=2e-5, rtol=1e-5)
+        for threads in (1, 2, 3):
+            alone = attend(np.array([i], np.int32), threads)
+            assert np.array_equal(alone[0].view(np.uint32), batch[i].view(np.uint32)), (n, threads)
+
+
 # The prefill kernel: head dims 64 and 128 (its compiled-in widths), 48 and 256 (the general loop),
 # 40 (not a multiple of 16: the reference path); blocks of 4 (a 16-key tile spans four blocks) and
 # 32; chunks after a context, longer than a piece (PREFILL_PIECE), and with bidirectional spans;

@@ -95,9 +95,32 @@ typedef struct {
     float *out;
     int num_tokens, heads, kv_heads, head_dim, num_blocks, block_size, table_width, max_keys, kv_type;
     float scale;
-    int next_unit; /* work queue: unit = token * kv_heads + kv_head, taken with an atomic add */
+    int units;            /* work units: (token, kv head, its keys [first, last)) in unit_of */
+    const int32_t *unit_of; /* [units][4] */
+    float *partials;      /* [units][group][2 + head_dim]: a chunk's max, sum and unnormalized output */
+    int next_unit;        /* work queue: an index into unit_of, taken with an atomic add */
     int failed;
 } attention_job;
+
+/* A query row over more keys than this is split into equal chunks of at most this many (in whole
+ * blocks), each a work unit, merged after (attention_merge): one decode row had kv_heads units
+ * (SmolLM2: 3 on 2 threads, one idle a third of the time; on more cores, all but kv_heads idle),
+ * and at thousands of keys attention is a large part of a decode step. The split depends only on
+ * the row's key count, never on the batch or the threads: a row gets the same bits alone or in a
+ * batch. Up to this many keys, one unit and the one-pass softmax, as before the split. */
+#ifndef ATT_CHUNK_KEYS
+#define ATT_CHUNK_KEYS 1024
+#endif
+
+/* The chunks a row of `keys` keys is split into (1: not split), each of *chunk_keys keys but the
+ * last (what is left). */
+static int attention_chunks(int keys, int block_size, int *chunk_keys) {
+    *chunk_keys = keys;
+    if (keys <= ATT_CHUNK_KEYS) return 1;
+    const int pieces = (keys + ATT_CHUNK_KEYS - 1) / ATT_CHUNK_KEYS, even = (keys + pieces - 1) / pieces;
+    *chunk_keys = (even + block_size - 1) / block_size * block_size;
+    return (keys + *chunk_keys - 1) / *chunk_keys;
+}
 
 /* Key blocks fetched ahead of the scores: a running engine's blocks lie scattered (a sequence's
  * taken from the pool as it grows), so the hardware prefetchers stop at each block's end and decode
@@ -110,17 +133,18 @@ static inline void prefetch_bytes(const void *p, int64_t bytes) {
     for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)p + i, 0, 3);
 }
 
-/* One (query token, kv head): the `group` query heads that share the kv head, so each key and
- * value vector is loaded once for all of them. Scores, then a softmax per head, then the sum. */
-static void attend_unit(const attention_job *job, int unit, float *scores, float *queries, float *acc) {
-    const int token = unit / job->kv_heads, kvh = unit % job->kv_heads;
+/* One (query token, kv head) over keys [first, last): the `group` query heads that share the kv
+ * head. Scores, then a softmax per head, then the sum. A whole row (partial NULL) is normalized
+ * and written to out; a chunk of one (first a multiple of the block size) leaves each head's
+ * max, sum of exponentials and unnormalized output in partial, for attention_merge. */
+static void attend_range(const attention_job *job, int token, int kvh, int first, int last, float *scores,
+                         float *queries, float *acc, float *partial) {
     const int group = job->heads / job->kv_heads, dim = job->head_dim, bs = job->block_size;
-    const int keys = job->key_end[token], kt = job->kv_type;
-    const int32_t *table = job->block_tables + (int64_t)job->seq_of_token[token] * job->table_width;
+    const int keys = last - first, kt = job->kv_type;
+    const int32_t *table = job->block_tables + (int64_t)job->seq_of_token[token] * job->table_width + first / bs;
     const int64_t head_stride = (int64_t)job->num_blocks * bs * dim;
     const float *qsrc = job->q + ((int64_t)job->q_rows[token] * job->heads + (int64_t)kvh * group) * dim;
     for (int i = 0; i < group * dim; ++i) queries[i] = qsrc[i] * job->scale;
-
     const int64_t block_bytes = (int64_t)bs * dim * kv_size(kt);
     const void *kbase = kv_at(job->key_cache, kvh * head_stride, kt), *vbase = kv_at(job->value_cache, kvh * head_stride, kt);
 #define KV_BLOCK(base, b) ((const char *)(base) + (int64_t)table[b] * block_bytes)
@@ -164,6 +188,11 @@ static void attend_unit(const attention_job *job, int unit, float *scores, float
         for (int l = 0; l < 8; ++l) total += lanes[l];
 #endif
         for (; j < keys; ++j) { s[j] = expf(s[j] - peak); total += s[j]; }
+        if (partial != NULL) {
+            partial[(int64_t)g * (2 + dim)] = peak;
+            partial[(int64_t)g * (2 + dim) + 1] = total;
+            continue;
+        }
         const float inv = 1.0f / total;
         for (j = 0; j < keys; ++j) s[j] *= inv;
     }
@@ -177,8 +206,34 @@ static void attend_unit(const attention_job *job, int unit, float *scores, float
 #undef WEIGH
     }
 #undef KV_BLOCK
+    if (partial != NULL) {
+        for (int g = 0; g < group; ++g) memcpy(partial + (int64_t)g * (2 + dim) + 2, acc + g * dim, sizeof(float) * dim);
+        return;
+    }
     float *dst = job->out + ((int64_t)token * job->heads + (int64_t)kvh * group) * dim;
     memcpy(dst, acc, sizeof(float) * group * dim);
+}
+
+/* The chunks of (token, kv head) from unit `first` on, in order, into its output: each head's
+ * sum over the chunks of their outputs times e^(max_c - max), over the same sum of their sums. */
+static void attention_merge(const attention_job *job, int first, int chunks) {
+    const int group = job->heads / job->kv_heads, dim = job->head_dim;
+    const int token = job->unit_of[4 * first], kvh = job->unit_of[4 * first + 1];
+    for (int g = 0; g < group; ++g) {
+        const float *part = job->partials + ((int64_t)first * group + g) * (2 + dim);
+        const int64_t step = (int64_t)group * (2 + dim);   /* the next chunk's, same head */
+        float peak = -INFINITY, total = 0.0f;
+        for (int c = 0; c < chunks; ++c) peak = part[c * step] > peak ? part[c * step] : peak;
+        float *dst = job->out + ((int64_t)token * job->heads + (int64_t)kvh * group + g) * dim;
+        memset(dst, 0, sizeof(float) * dim);
+        for (int c = 0; c < chunks; ++c) {
+            const float *chunk = part + c * step, weight = expf(chunk[0] - peak);
+            total += chunk[1] * weight;
+            for (int e = 0; e < dim; ++e) dst[e] += chunk[2 + e] * weight;
+        }
+        const float inv = 1.0f / total;
+        for (int e = 0; e < dim; ++e) dst[e] *= inv;
+    }
 }
 
 static void *attention_worker(void *arg) {
@@ -187,11 +242,13 @@ static void *attention_worker(void *arg) {
     float *scratch = malloc(sizeof(float) * ((size_t)group * job->max_keys + 2 * (size_t)group * job->head_dim));
     if (!scratch) { __atomic_store_n(&job->failed, 1, __ATOMIC_RELAXED); return NULL; }
     float *queries = scratch + (size_t)group * job->max_keys, *acc = queries + (size_t)group * job->head_dim;
-    const int units = job->num_tokens * job->kv_heads;
     for (;;) {
         const int unit = __atomic_fetch_add(&job->next_unit, 1, __ATOMIC_RELAXED);
-        if (unit >= units) break;
-        attend_unit(job, unit, scratch, queries, acc);
+        if (unit >= job->units) break;
+        const int32_t *u = job->unit_of + 4 * unit;
+        const int whole = u[2] == 0 && u[3] == job->key_end[u[0]];
+        attend_range(job, u[0], u[1], u[2], u[3], scratch, queries, acc,
+                     whole ? NULL : job->partials + (int64_t)unit * group * (2 + job->head_dim));
     }
     free(scratch);
     return NULL;
@@ -204,10 +261,34 @@ int fdplug_paged_attention(const float *q, const void *key_cache, const void *va
                            const int32_t *key_end, float *out, int num_tokens, int heads, int kv_heads,
                            int head_dim, int num_blocks, int block_size, int table_width, int max_keys,
                            float scale, int num_threads, int kv_type) {
+    int64_t units = 0;
+    int chunk;
+    for (int t = 0; t < num_tokens; ++t) units += (int64_t)kv_heads * attention_chunks(key_end[t], block_size, &chunk);
+    const int split = units > (int64_t)num_tokens * kv_heads;
+    int32_t *unit_of = malloc(sizeof(int32_t) * 4 * (size_t)units);
+    float *partials = split ? malloc(sizeof(float) * (size_t)units * (size_t)(heads / kv_heads) * (size_t)(2 + head_dim)) : NULL;
+    if (unit_of == NULL || (split && partials == NULL)) {
+        free(unit_of), free(partials);
+        return -1;
+    }
+    int64_t at = 0;
+    for (int t = 0; t < num_tokens; ++t) {
+        const int keys = key_end[t], chunks = attention_chunks(keys, block_size, &chunk);
+        for (int h = 0; h < kv_heads; ++h)
+            for (int c = 0; c < chunks; ++c, ++at) {
+                int32_t *u = unit_of + 4 * at;
+                u[0] = t, u[1] = h, u[2] = c * chunk, u[3] = c == chunks - 1 ? keys : (c + 1) * chunk;
+            }
+    }
     attention_job job = {q, key_cache, value_cache, q_rows, block_tables, seq_of_token, key_end, out,
                          num_tokens, heads, kv_heads, head_dim, num_blocks, block_size, table_width,
-                         max_keys, kv_type, scale, 0, 0};
-    const int units = num_tokens * kv_heads;
-    run_workers(attention_worker, &job, num_threads < units ? num_threads : units);
+                         max_keys, kv_type, scale, (int)units, unit_of, partials, 0, 0};
+    run_workers(attention_worker, &job, num_threads < units ? num_threads : (int)units);
+    for (int64_t u = 0; u < units && !job.failed;) {   /* the split rows' chunks merged, in order */
+        const int chunks = attention_chunks(key_end[unit_of[4 * u]], block_size, &chunk);
+        if (chunks > 1) attention_merge(&job, (int)u, chunks);
+        u += chunks;
+    }
+    free(unit_of), free(partials);
     return job.failed ? -1 : 0;
 }
