@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -62,6 +63,44 @@ def free_port() -> int:
         if port not in _HANDED_OUT:
             _HANDED_OUT.add(port)
             return port
+
+
+def status(url: str) -> int | None:
+    """The HTTP status of a GET of ``url``, or None when nothing answers there."""
+    try:
+        return httpx.get(url, timeout=2).status_code
+    except httpx.HTTPError:
+        return None
+
+
+@dataclass
+class Router:
+    """``fdplug router`` started by start_router."""
+
+    proc: subprocess.Popen
+    url: str
+    port: int
+    log: object
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(30)
+        finally:
+            self.log.close()
+
+
+def start_router(prefill_url: str, decode_url: str, log_path: Path, *extra: str, wait: bool = True) -> Router:
+    """``fdplug router`` over one prefill and one decode instance on a free port; with ``wait``, once
+    its /health answers 200."""
+    port = free_port()
+    log = open(log_path, "wb")  # noqa: SIM115 -- Router.stop closes it
+    proc = spawn(["router", "--prefill", prefill_url, "--decode", decode_url, "--port", str(port), *extra], log)
+    router = Router(proc, f"http://127.0.0.1:{port}", port, log)
+    if wait:
+        wait_until(lambda: status(router.url + "/health") == 200, 60, 0.1, what="the router answering /health")
+    return router
 
 
 def alive(pid: int) -> bool:

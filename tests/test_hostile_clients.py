@@ -23,7 +23,6 @@ import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -32,43 +31,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.serverkit import Server, free_port, spawn, wait_until
+from tests.serverkit import Server, free_port, start_router, status, wait_until
 
 ARGS = ["--max-model-len", "2048", "--num-kv-blocks", "600", "--served-model-name", "m"]
 SECRET = {"FDPLUG_PD_SECRET": "shared by the PD pair"}
 FAST = ["--idle-timeout", "1", "--request-timeout", "2"]   # the write timeout stays long: the backlog bound acts
-
-
-@dataclass
-class Router:
-    proc: object
-    url: str
-    port: int
-    log: object
-
-    def stop(self, sig: int = signal.SIGTERM) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(30)
-        finally:
-            self.log.close()
-
-
-def start_router(prefill: Server, decode: Server, log_path: Path, *extra: str) -> Router:
-    port = free_port()
-    log = open(log_path, "wb")  # noqa: SIM115 -- Router.stop closes it
-    proc = spawn(["router", "--prefill", prefill.url, "--decode", decode.url, "--port", str(port), *extra], log)
-    router = Router(proc, f"http://127.0.0.1:{port}", port, log)
-    wait_until(lambda: _status(router.url + "/health") == 200, 60, 0.1, what="the router answering /health")
-    return router
-
-
-def _status(url: str) -> int | None:
-    try:
-        return httpx.get(url, timeout=2).status_code
-    except httpx.HTTPError:
-        return None
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +55,7 @@ def fleet(test_model_dir, tmp_path_factory):
     try:
         for server in servers.values():
             server.wait_ready()
-        router = start_router(servers["prefill"], servers["decode"], logs / "router.log")
+        router = start_router(servers["prefill"].url, servers["decode"].url, logs / "router.log")
         for url in [s.url for s in servers.values() if s is not servers["prefill"]] + [router.url]:   # warm up
             reply = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2},
                                timeout=60)
@@ -504,7 +471,7 @@ def run_streams(client: openai.OpenAI, count: int, tokens: int, started: threadi
 
 
 def check_refusing_while_draining(url: str) -> None:
-    wait_until(lambda: _status(url + "/health") == 503, 10, 0.02, what="/health 503 while draining")
+    wait_until(lambda: status(url + "/health") == 503, 10, 0.02, what="/health 503 while draining")
     reply = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": "late", "max_tokens": 2}, timeout=10)
     assert_error_object(reply, "a request while draining", {503})
 
@@ -598,7 +565,7 @@ def test_the_router_drains_too(fleet, tmp_path, timeout):
     """Default: both streams finish, new requests and /health 503 meanwhile. With a 0.2 s timeout the
     streams still running end with an error event (even a silent one: the abort races each chunk)."""
     servers, _ = fleet
-    router = start_router(servers["prefill"], servers["decode"], tmp_path / "router.log",
+    router = start_router(servers["prefill"].url, servers["decode"].url, tmp_path / "router.log",
                           *(["--shutdown-timeout", timeout] if timeout else []))
     try:
         client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0, timeout=60)

@@ -23,7 +23,7 @@ import fdplug
 from fdplug.core.frontend.llm import LLM
 from fdplug.plugin_api.sampling_params import SamplingParams
 from tests.conftest import write_test_model
-from tests.serverkit import Server, wait_until
+from tests.serverkit import Server, start_router, status, wait_until
 
 PROMPTS = [[5, 9, 2], [11, 3, 8, 21, 34, 55, 89, 14, 23, 37, 60, 97, 57, 54, 11, 65, 76, 41, 17, 58], [7] * 37]
 TOKENS = 12
@@ -104,19 +104,9 @@ def test_bad_params_are_a_400_naming_the_field(pd, tmp_path):
 @pytest.fixture(scope="module")
 def router(pd, tmp_path_factory):
     _, prefill, decode = pd
-    proc, log, url = start_router(prefill.url, decode.url, tmp_path_factory.mktemp("router") / "router.log")
-    wait_until(lambda: _up(url), 60, 0.1, what="the router answering /health")
-    yield url
-    proc.terminate()
-    assert proc.wait(15) == 0
-    log.close()
-
-
-def _up(url: str) -> bool:
-    try:
-        return httpx.get(url + "/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
+    router = start_router(prefill.url, decode.url, tmp_path_factory.mktemp("router") / "router.log")
+    yield router.url
+    assert router.stop() == 0
 
 
 def test_the_router_serves_like_one_instance(pd, router):
@@ -231,17 +221,16 @@ def test_faults_end_each_request_within_its_timeout_and_free_every_block(pd, tmp
     servers = {role: Server([*args, "--role", role.rstrip("2"), *role_args[role.rstrip("2")]],
                             tmp_path / f"{role}.log", **env)
                for role in ("prefill", "decode", "decode2")}
-    router_proc, router_log, router = start_router(servers["prefill"].url, servers["decode2"].url,
-                                                   tmp_path / "router.log")
+    router = start_router(servers["prefill"].url, servers["decode2"].url, tmp_path / "router.log", wait=False)
     try:
         prefill, decode, _ = (servers[role].wait_ready() for role in ("prefill", "decode", "decode2"))
         assert "chosen   slow_tcp" in decode.log()
-        wait_until(lambda: _up(router), 60, 0.1, what="the router answering /health")
+        wait_until(lambda: status(router.url + "/health") == 200, 60, 0.1, what="the router answering /health")
         servers["decode2"].proc.kill()                             # decode killed before any pick-up
         servers["decode2"].proc.wait(10)
         began = time.monotonic()
-        reply = httpx.post(router + "/v1/completions", timeout=60, json={"model": "m", "prompt": PROMPTS[2],
-                                                                         "max_tokens": 4})
+        reply = httpx.post(router.url + "/v1/completions", timeout=60, json={"model": "m", "prompt": PROMPTS[2],
+                                                                             "max_tokens": 4})
         assert reply.status_code == 503 and "decode instance" in reply.json()["error"]["message"], reply.text
         assert time.monotonic() - began < 10
         wait_until(lambda: prefill.metrics()["fdplug:kv_cache_usage_perc"] == 0.0, 10, what="the pickup timeout")
@@ -280,14 +269,7 @@ def test_faults_end_each_request_within_its_timeout_and_free_every_block(pd, tmp
         decode_fails(prefill_answer(prefill, PROMPTS[2]), after=kill_prefill_mid_transfer)
     finally:   # every process ended before anything is asserted (prefill and decode2 were killed)
         silent.close(0)
-        router_proc.terminate(), router_proc.wait(15), router_log.close()
+        router.stop()
         codes = {role: server.stop() for role, server in servers.items()}
     assert codes["decode"] == 0, servers["decode"].log()
 
-
-def start_router(prefill: str, decode: str, log_path):
-    from tests.serverkit import free_port, spawn
-
-    port, log = free_port(), open(log_path, "wb")  # noqa: SIM115 -- the caller closes it
-    proc = spawn(["router", "--prefill", prefill, "--decode", decode, "--port", str(port)], log)
-    return proc, log, f"http://127.0.0.1:{port}"
