@@ -125,12 +125,20 @@ static int attention_chunks(int keys, int block_size, int *chunk_keys) {
 /* Key blocks fetched ahead of the scores: a running engine's blocks lie scattered (a sequence's
  * taken from the pool as it grows), so the hardware prefetchers stop at each block's end and decode
  * attention at many streams waited on memory latency (9.7 GB/s of a 2-byte cache, where one
- * thread streams 21: bench/kv_cache.py --layers 30 --scatter; AMD EPYC, avx512). */
+ * thread streams 21: bench/kv_cache.py --layers 30 --scatter; AMD EPYC, avx512). The prefetches go
+ * to L2 (prefetcht1), not L1: a block's 32-64 lines each, two blocks ahead, into L1 kept its
+ * miss buffers full and the loads of the block being scored waited behind them (17% of the
+ * kernel's samples on the prefetches; the values, fetched during the scores, were partly evicted
+ * from L1's 32 KiB again by the later keys before the weighing). Into L2, float16 cache (AMD EPYC,
+ * avx512, 2 threads, --layers 30 --scatter, 2 interleaved rounds): 64 sequences of 200 and 1,000
+ * keys 0.88-0.91 -> 0.56-0.58 and 4.4-4.8 -> 3.0-3.2 ms a layer (10-11 -> 16-17.5 GB/s), one of
+ * 3,000 keys 0.21 -> 0.15-0.18 ms; float32 1.1-1.3x. Four blocks ahead instead of two: the same
+ * within noise. */
 #ifndef KV_AHEAD
 #define KV_AHEAD 2
 #endif
 static inline void prefetch_bytes(const void *p, int64_t bytes) {
-    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)p + i, 0, 3);
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)p + i, 0, 2);
 }
 
 /* One (query token, kv head) over keys [first, last): the `group` query heads that share the kv
@@ -153,7 +161,7 @@ static void attend_range(const attention_job *job, int token, int kvh, int first
     for (int j0 = 0; j0 < keys; j0 += bs) {
         const int b = j0 / bs;
         if (b + KV_AHEAD < blocks) prefetch_bytes(KV_BLOCK(kbase, b + KV_AHEAD), block_bytes);
-        prefetch_bytes(KV_BLOCK(vbase, b), block_bytes); /* read after the softmax: in cache by then */
+        prefetch_bytes(KV_BLOCK(vbase, b), block_bytes); /* read after the softmax: in L2 by then */
         const void *kblock = KV_BLOCK(kbase, b);
         const int n = keys - j0 < bs ? keys - j0 : bs;
         float *at = scores + j0;
