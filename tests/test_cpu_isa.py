@@ -146,7 +146,7 @@ for n, k in ((16, 2), (48, 66), (96, 577), (208, 1100), (64, 2050)):
         prepared = native_fp8.prepare(fp8)
         out[f"fp8-{n}x{k}-{rows}"] = native_fp8.fp8_linear(x, prepared, scale, 128, 2).numpy()
 # GGUF blocks in place, float32 and q8 math: one row (registers), a tile's tail (7) and the panel route
-# (33: the q8 panel, paired pieces at AVX-512; an odd piece count at K = 608).
+# (33: at AVX2 the q8 panel route, at AVX-512 the paired register route; an odd piece count at K = 608).
 for qtype, k in (("Q4_1", 608), ("Q5_0", 576), ("Q8_0", 576), ("Q4_K", 512), ("Q6_K", 512)):
     rng = np.random.default_rng(k + len(qtype))
     w = paddle.to_tensor(np.ascontiguousarray(random_blocks(qtype, 24, k, rng)))
@@ -161,8 +161,8 @@ np.savez(sys.argv[1], **out)
 def test_the_avx2_tiles_give_the_avx512_tiles_bits(tmp_path):
     """Every linear kernel's output is one FMA chain (packed) or 16 (in place, summed in a fixed
     pairing) over k in order, whatever the tile: the build for x86-64-v3 (8 lanes) must give the
-    x86-64-v4 build's bits (16 lanes), float32, bf16, FP8 and GGUF weights (float32 and q8 math): a fleet of AVX2 and AVX-512
-    machines gives the same logits."""
+    x86-64-v4 build's bits (16 lanes), float32, bf16, FP8 and GGUF weights (float32 and q8 math): a
+    fleet of AVX2 and AVX-512 machines gives the same logits."""
     if not isa.is_x86() or isa.detected_level() < 4:
         pytest.skip("this CPU has no AVX-512 to compare the AVX2 tiles with")
     saved = {}
