@@ -130,10 +130,10 @@ static int attention_chunks(int keys, int block_size, int *chunk_keys) {
  * miss buffers full and the loads of the block being scored waited behind them (17% of the
  * kernel's samples on the prefetches; the values, fetched during the scores, were partly evicted
  * from L1's 32 KiB again by the later keys before the weighing). Into L2, float16 cache (AMD EPYC,
- * avx512, 2 threads, --layers 30 --scatter, 2 interleaved rounds): 64 sequences of 200 and 1,000
+ * avx512, 2 threads, --layers 30 --scatter, 2-3 interleaved rounds): 64 sequences of 200 and 1,000
  * keys 0.88-0.91 -> 0.56-0.58 and 4.4-4.8 -> 3.0-3.2 ms a layer (10-11 -> 16-17.5 GB/s), one of
- * 3,000 keys 0.21 -> 0.15-0.18 ms; float32 1.1-1.3x. Four blocks ahead instead of two: the same
- * within noise. */
+ * 3,000 keys 0.21 -> 0.15-0.18 ms; capped to AVX2 0.98-1.04 -> 0.62-0.67 and 4.8-5.7 -> 3.3-3.6;
+ * float32 1.1-1.5x at both levels. Four blocks ahead instead of two: the same within noise. */
 #ifndef KV_AHEAD
 #define KV_AHEAD 2
 #endif
