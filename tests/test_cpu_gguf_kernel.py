@@ -192,14 +192,16 @@ from tests.test_cpu_gguf_kernel import TYPES, depths, weights
 
 print(isa.level())
 out = {}
-for qtype in TYPES:
-    k = depths(qtype)[0]
+# each type at its first depth, and the 32-weight ones at 608 too: an odd number of pieces (the last in
+# the first chain); 1 row, a tile's tail (5) and, from 40, the panel routes
+for qtype, k in [(t, depths(t)[0]) for t in TYPES] + [(t, 608) for t in TYPES if not t.endswith("_K")]:
     w = weights(qtype, 19, k, seed=11)[0]
     x = paddle.to_tensor(np.random.default_rng(12).standard_normal((40, k)).astype(np.float32))
     for rows in (1, 5, 40):
-        out[f"{qtype}-{rows}"] = native_gguf.gguf_linear(x[:rows], w, qtype, k, threads=2).numpy()
+        out[f"{qtype}-{k}-{rows}"] = native_gguf.gguf_linear(x[:rows], w, qtype, k, threads=2).numpy()
         if native_gguf.q8_math_available():
-            out[f"q8-{qtype}-{rows}"] = native_gguf.gguf_linear(x[:rows], w, qtype, k, threads=2, q8_math=True).numpy()
+            out[f"q8-{qtype}-{k}-{rows}"] = native_gguf.gguf_linear(x[:rows], w, qtype, k, threads=2,
+                                                                    q8_math=True).numpy()
 np.savez(sys.argv[1], **out)
 """
 
@@ -229,7 +231,7 @@ def test_every_level_gives_the_same_bits(tmp_path):
         assert result.returncode == 0, result.stderr[-3000:]
         assert result.stdout.split()[0] == str(isa.CAPS[level])
         saved[build] = np.load(path)
-    assert "q8-Q4_1-1" in saved["avx512"].files and "q8-Q4_1-1" in saved["avx2"].files
+    assert "q8-Q4_1-608-1" in saved["avx512"].files and "q8-Q4_1-608-1" in saved["avx2"].files
     assert not any(name.startswith("q8-") for name in saved["sse4"].files)
     for name in saved["avx512"].files:
         for build in saved:
