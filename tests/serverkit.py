@@ -82,13 +82,13 @@ class Router:
     port: int
     log: object
 
-    def stop(self, sig: int = signal.SIGTERM) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(30)
-        finally:
-            self.log.close()
+    def wait_ready(self, timeout: float = 60.0) -> Router:
+        """Once its /health answers 200."""
+        wait_until(lambda: status(self.url + "/health") == 200, timeout, 0.1, what="the router answering /health")
+        return self
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        return stop_process(self.proc, self.log, sig, timeout, "fdplug router")
 
 
 def start_router(prefill_url: str, decode_url: str, log_path: Path, *extra: str, wait: bool = True) -> Router:
@@ -98,9 +98,22 @@ def start_router(prefill_url: str, decode_url: str, log_path: Path, *extra: str,
     log = open(log_path, "wb")  # noqa: SIM115 -- Router.stop closes it
     proc = spawn(["router", "--prefill", prefill_url, "--decode", decode_url, "--port", str(port), *extra], log)
     router = Router(proc, f"http://127.0.0.1:{port}", port, log)
-    if wait:
-        wait_until(lambda: status(router.url + "/health") == 200, 60, 0.1, what="the router answering /health")
-    return router
+    return router.wait_ready() if wait else router
+
+
+def stop_process(proc: subprocess.Popen, log, sig: int, timeout: float, what: str, log_text=lambda: "") -> int:
+    """Signal ``proc`` (if still running) and return its exit code; past ``timeout`` it is killed and
+    the test fails with ``log_text()``. Closes ``log`` either way."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired as err:
+        proc.kill()
+        proc.wait(5)
+        raise AssertionError(f"{what} did not exit within {timeout} s of signal {sig}:\n{log_text()}") from err
+    finally:
+        log.close()
 
 
 def alive(pid: int) -> bool:
@@ -187,18 +200,7 @@ class Server:
                                   timeout=kwargs.pop("timeout", 60.0), **kwargs)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            code = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired as err:
-            self.proc.kill()
-            code = self.proc.wait(5)
-            raise AssertionError(f"fdplug serve did not exit within {timeout} s of signal {sig}:\n"
-                                 f"{self.log()}") from err
-        finally:
-            self._log.close()
-        return code
+        return stop_process(self.proc, self._log, sig, timeout, "fdplug serve", self.log)
 
 
 def kernel_honours_custom_slices() -> bool:

@@ -23,7 +23,7 @@ import fdplug
 from fdplug.core.frontend.llm import LLM
 from fdplug.plugin_api.sampling_params import SamplingParams
 from tests.conftest import write_test_model
-from tests.serverkit import Server, start_router, status, wait_until
+from tests.serverkit import Server, start_router, wait_until
 
 PROMPTS = [[5, 9, 2], [11, 3, 8, 21, 34, 55, 89, 14, 23, 37, 60, 97, 57, 54, 11, 65, 76, 41, 17, 58], [7] * 37]
 TOKENS = 12
@@ -225,7 +225,7 @@ def test_faults_end_each_request_within_its_timeout_and_free_every_block(pd, tmp
     try:
         prefill, decode, _ = (servers[role].wait_ready() for role in ("prefill", "decode", "decode2"))
         assert "chosen   slow_tcp" in decode.log()
-        wait_until(lambda: status(router.url + "/health") == 200, 60, 0.1, what="the router answering /health")
+        router.wait_ready()
         servers["decode2"].proc.kill()                             # decode killed before any pick-up
         servers["decode2"].proc.wait(10)
         began = time.monotonic()
