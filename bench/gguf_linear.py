@@ -67,7 +67,7 @@ def line(qtype: str, n: int, k: int, rows: int, rounds: int, budget: float, thre
     import paddle
 
     from fdplug.core.portable.ops import gguf_linear as portable
-    from fdplug.plugins.cpu import native_gguf
+    from fdplug.plugins.cpu import native_gguf, native_gguf_packed
 
     w = paddle.to_tensor(blocks(qtype, n, k, rng))
     x = paddle.to_tensor(rng.standard_normal((rows, k)).astype(np.float32))
@@ -77,16 +77,21 @@ def line(qtype: str, n: int, k: int, rows: int, rounds: int, budget: float, thre
         calls["bf16 math"] = lambda: native_gguf.gguf_linear(x, w, qtype, k, threads, bf16_math=True)
     if native_gguf.q8_math_available():     # cpu_native_gguf_q8_linear: inputs quantized, integer sums
         calls["q8 math"] = lambda: native_gguf.gguf_linear(x, w, qtype, k, threads, q8_math=True)
+    packed = native_gguf_packed.prepare(w, qtype)
+    if packed is not None:                  # cpu_native_gguf_packed_linear: repacked at load, runs of 16
+        calls["packed"] = lambda: native_gguf_packed.gguf_linear(x, packed, qtype, k, threads)
     if rows > 8:   # the route the kernel declined for its batch invariance: widened in C, paddle's matmul
         calls["widen+matmul"] = lambda: paddle.matmul(x, native_gguf.dequantize(w, qtype, k, threads),
                                                       transpose_y=True)
     t = compare(calls, rounds, budget)
+    best = min(("bf16 math", "q8 math", "kernel"), key=lambda name: t.get(name, float("inf")))
     flops = 2.0 * n * k * rows
     return (f"{qtype:5s} [{n:5d}, {k:4d}] {rows:4d} rows | "
             + " | ".join(f"{name} {v * 1e6:9.1f} us {flops / v / 1e9:6.1f} GFLOP/s" for name, v in t.items())
             + f" | kernel {t['portable'] / t['kernel']:6.1f}x portable"
             + (f", bf16 math {t['kernel'] / t['bf16 math']:5.2f}x kernel" if "bf16 math" in t else "")
-            + (f", q8 math {t['kernel'] / t['q8 math']:5.2f}x kernel" if "q8 math" in t else ""))
+            + (f", q8 math {t['kernel'] / t['q8 math']:5.2f}x kernel" if "q8 math" in t else "")
+            + (f", packed {t[best] / t['packed']:5.2f}x {best}" if "packed" in t else ""))
 
 
 def main() -> None:

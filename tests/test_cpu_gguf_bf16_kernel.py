@@ -102,8 +102,12 @@ def test_selection_falls_back_with_the_reason(monkeypatch):
     from fdplug.core.plugin_loading.selection import select_components
     from fdplug.plugins.cpu import isa
 
+    from fdplug.plugins.cpu import native_gguf_packed
+
     if isa.level() < 3:
         pytest.skip("below x86-64-v3 the portable op is chosen (tests/test_cpu_gguf_kernel.py)")
+    assert select_components("cpu").ops["gguf_linear"].name == selected_native()
+    monkeypatch.setattr(native_gguf_packed, "available", lambda: False)   # (first where the CPU has VNNI)
     assert select_components("cpu").ops["gguf_linear"].name == selected_native()
     monkeypatch.setattr(native_gguf, "bf16_math_available", lambda: False)
     selection = select_components("cpu")

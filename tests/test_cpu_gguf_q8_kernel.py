@@ -109,7 +109,8 @@ def test_chosen_at_x86_64_v3_and_by_name_above():
     if isa.level() == 3:
         assert selection.ops["gguf_linear"].name == "cpu_native_gguf_q8_linear" and "priority (15)" in decision.reason
     else:
-        assert selection.ops["gguf_linear"].name in ("cpu_native_gguf_linear", "cpu_native_gguf_bf16_linear")
+        assert selection.ops["gguf_linear"].name in ("cpu_native_gguf_linear", "cpu_native_gguf_bf16_linear",
+                                                     "cpu_native_gguf_packed_linear")
         assert not decision.chosen and "priority 5" in decision.reason
     named = select_components("cpu", ops={"gguf_linear": "cpu_native_gguf_q8_linear"}).ops["gguf_linear"]
     assert named.q8_inputs and not named.bf16_inputs

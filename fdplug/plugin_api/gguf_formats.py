@@ -80,12 +80,17 @@ run of 4 costs the kernel no more than one of 32; on SmolLM2-135M it keeps the p
 to float32 math's."""
 
 
-def q8_inputs(x: np.ndarray) -> np.ndarray:
-    """``x [..., K]`` float32 (``K`` a multiple of `Q8_RUN`) as a kernel with ``OpSpec(q8_inputs=True)``
-    sees it, in float64: each run of 4 values ``d * q`` with ``d = amax / 127`` (float32) and ``q =
+Q8_RUNS = (4, 8, 16, 32)
+"""The run lengths ``OpSpec(q8_inputs=...)`` may name (API 4.4; ``True`` is `Q8_RUN`)."""
+
+
+def q8_inputs(x: np.ndarray, run: int = Q8_RUN) -> np.ndarray:
+    """``x [..., K]`` float32 (``K`` a multiple of ``run``) as a kernel with ``OpSpec(q8_inputs=run)``
+    sees it, in float64: each run of ``run`` values ``d * q`` with ``d = amax / 127`` (float32) and ``q =
     round(x * (1 / d))`` to the nearest even (float32 product), so ``q`` in [-127, 127]; zeros where the
-    run is all zeros. llama.cpp's q8 activations in shorter runs, exactly the C kernels' (csrc/gguf_q8.c)."""
-    runs = np.asarray(x, dtype=np.float32).reshape(*np.shape(x)[:-1], -1, Q8_RUN)
+    run is all zeros. llama.cpp's q8 activations in shorter runs, exactly the C kernels' (csrc/gguf_q8.c
+    with 4, csrc/gguf_packed.c with 16)."""
+    runs = np.asarray(x, dtype=np.float32).reshape(*np.shape(x)[:-1], -1, run)
     d = np.max(np.abs(runs), axis=-1, keepdims=True) / np.float32(127)
     inverse = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
     q = np.rint(runs * inverse)

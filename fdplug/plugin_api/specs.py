@@ -147,7 +147,8 @@ class OpSpec(ComponentSpec):
     with the portable op on the rounded values; `fdplug explain` says which math a model gets.
 
     ``q8_inputs`` (``gguf_linear`` only; API 3.14): q8 math, as llama.cpp computes GGUF models: ``x``
-    quantized to 8-bit integers in runs of 4 values, one float32 scale a run
+    quantized to 8-bit integers in runs of 4 values (``True``; API 4.4: or the run length, 4, 8, 16 or
+    32, `q8_run` gives it), one float32 scale a run
     (`fdplug.plugin_api.gguf_formats.q8_inputs` defines the values), each run's products with the
     decoded weights summed exactly; the result is the portable op's on those values, up to float32
     rounding. Rows of F16 and BF16 (no integers to keep) are computed as without it. The conformance
@@ -170,11 +171,18 @@ class OpSpec(ComponentSpec):
 
     op: str = ""
     bf16_inputs: bool = False
-    q8_inputs: bool = False
+    q8_inputs: bool | int = False
     prepare: Callable[[EngineView], Callable[[Any], Any]] | None = None
     measure_key: Callable[[EngineView], str] | None = None
 
     role = "op"
+
+    @property
+    def q8_run(self) -> int:
+        """The values a scale of ``q8_inputs`` (0: not q8 math; ``True``: 4)."""
+        from fdplug.plugin_api.gguf_formats import Q8_RUN   # (numpy: not at import, see validate_spec)
+
+        return 0 if self.q8_inputs is False else Q8_RUN if self.q8_inputs is True else int(self.q8_inputs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,10 +255,14 @@ def validate_spec(spec: Any, expected: type) -> None:
             spec.bf16_inputs is not True or spec.op not in ("linear", "gguf_linear")):
         raise ValueError(f"bf16_inputs of {spec.name!r} must be a bool, and True only for the 'linear' and "
                          "'gguf_linear' ops")
+    from fdplug.plugin_api.gguf_formats import Q8_RUNS   # (here: numpy is not imported with the contract,
+                                                         # e.g. before the engine process sets its slice)
+
     if isinstance(spec, OpSpec) and spec.q8_inputs is not False and (
-            spec.q8_inputs is not True or spec.op != "gguf_linear" or spec.bf16_inputs):
-        raise ValueError(f"q8_inputs of {spec.name!r} must be a bool, and True only for a 'gguf_linear' op "
-                         "without bf16_inputs")
+            not (spec.q8_inputs is True or (type(spec.q8_inputs) is int and spec.q8_inputs in Q8_RUNS))
+            or spec.op != "gguf_linear" or spec.bf16_inputs):
+        raise ValueError(f"q8_inputs of {spec.name!r} must be False, True (runs of 4) or a run length of "
+                         f"{', '.join(map(str, Q8_RUNS))}, and set only for a 'gguf_linear' op without bf16_inputs")
     if isinstance(spec, OpSpec) and spec.measure_key is not None:
         _require_callable(spec, "measure_key")
         if spec.op != "linear":

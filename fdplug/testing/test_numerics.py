@@ -222,7 +222,8 @@ def test_gguf_linear_kernel_matches_the_portable_one(fdplug_selection, fdplug_pl
     tile), depths of 1, 6 and 18 blocks (32-weight types: 32, 192, 576; K-quants: 256 to 4608), 1 to 300
     rows; with ``prepare``, on the prepared weight too (same bytes, same element count). A kernel
     with ``bf16_inputs`` against the same product on ``bf16(x)`` and each decoded weight's bf16; one
-    with ``q8_inputs`` against the portable op on ``x`` quantized as `gguf_formats.q8_inputs` says."""
+    with ``q8_inputs`` against the portable op on ``x`` quantized as `gguf_formats.q8_inputs` says (in
+    runs of the spec's `OpSpec.q8_run`)."""
     import paddle
 
     from fdplug.core.portable import ops as portable
@@ -248,7 +249,7 @@ def test_gguf_linear_kernel_matches_the_portable_one(fdplug_selection, fdplug_pl
                 expected = (rounded(x) @ wanted).numpy()
             elif spec.q8_inputs and qtype not in ("F16", "BF16"):   # q8 math: on the quantized x
                 decoded = portable.gguf_linear(paddle.eye(k, dtype="float32"), weight, qtype, k).numpy()
-                expected = q8_inputs(x.numpy()) @ decoded.astype(np.float64)
+                expected = q8_inputs(x.numpy(), spec.q8_run) @ decoded.astype(np.float64)
             else:
                 expected = portable.gguf_linear(x, weight, qtype, k).numpy()
             scale = np.abs(expected).max()

@@ -74,10 +74,12 @@ def load_model(model_dir: str | Path, attn_backend: Any, dtype: str = "float32",
         load_gguf_weights(model, cfg, open_gguf(gguf), show_progress=show_progress)
     else:
         load_weights(model, cfg, files, show_progress=show_progress)
+    head_copy = 0
     if kernels.prepare_gguf_linear is not None:
         for layer in model.sublayers():
             if isinstance(layer, GgufLinear):
                 layer.prepare(kernels.prepare_gguf_linear)
+        head_copy = model.prepare_tied_head(kernels.prepare_gguf_linear)
     if linear_plan is not None:
         _portable_where_faster(model, linear_plan)
     for kind, prepare in ((Linear, kernels.prepare_linear), (Fp8Linear, kernels.prepare_fp8_linear)):
@@ -96,8 +98,9 @@ def load_model(model_dir: str | Path, attn_backend: Any, dtype: str = "float32",
     if gguf is not None:
         held = sum(int(p.numel()) * p.element_size() for p in model.parameters())
         held += sum(getattr(layer, "expert_bytes", 0) for layer in model.sublayers())   # the MoE backend's
-        logger.info("%s; %.1f MB of weights held (the file: %.1f MB)", cfg.quant.describe(), held / 1e6,
-                    gguf.stat().st_size / 1e6)
+        logger.info("%s; %.1f MB of weights held (the file: %.1f MB)%s", cfg.quant.describe(), (held + head_copy) / 1e6,
+                    gguf.stat().st_size / 1e6, f", {head_copy / 1e6:.1f} MB of it the tied lm_head laid out for its "
+                    "kernel beside the embedding table" if head_copy else "")
     return model, cfg
 
 

@@ -27,10 +27,14 @@ from fdplug.plugin_api.ops import PreparedWeight
 from fdplug.plugins.cpu import kernels
 from fdplug.plugins.cpu.native_attention import _KernelGroup
 from fdplug.plugins.cpu.native_gguf import _IDS, SUPPORTED, takes
+from fdplug.plugins.cpu.native_gguf_packed import LAYOUT, TYPES
 
 MAX_GROUPS = 4   # csrc/decoder_stack.c's DS_MAX_GROUPS
-MATHS = {"cpu_native_gguf_linear": 0, "cpu_native_gguf_bf16_linear": 1, "cpu_native_gguf_q8_linear": 2}
-"""The GGUF linear kernels and their math, as csrc/gguf_linear.c numbers it (GG_MATH_F32, _BF16, _Q8)."""
+MATHS = {"cpu_native_gguf_linear": 0, "cpu_native_gguf_bf16_linear": 1, "cpu_native_gguf_q8_linear": 2,
+         "cpu_native_gguf_packed_linear": 3}
+"""The GGUF linear kernels and their math, as csrc/gguf_linear.c numbers it (GG_MATH_F32, _BF16, _Q8,
+_PACKED: the last reads weights the loader packed, `native_gguf_packed.prepare`)."""
+PACKED = MATHS["cpu_native_gguf_packed_linear"]
 OWN_OPS = {"rms_norm": ("cpu_native_rms_norm",), "add_rms_norm": ("cpu_native_add_rms_norm",),
            "rope": ("cpu_native_rope",), "swiglu": ("cpu_native_swiglu",), "gguf_linear": tuple(MATHS)}
 """The kernels whose work the stack does: it runs only where one of these was selected for each op
@@ -69,7 +73,9 @@ def _float32_vector(t: Any, shape: list[int], what: str) -> str | None:
     return None
 
 
-def _linear_reason(linear: StackLinear) -> str | None:
+def _linear_reason(linear: StackLinear, packed: bool = False) -> str | None:
+    """None if the stack runs ``linear``: the file's blocks, or (``packed``) every group as
+    `native_gguf_packed.prepare` laid it out."""
     if linear.format != "gguf":
         return f"{linear.format} linear layers (it runs GGUF blocks)"
     if len(linear.groups) > MAX_GROUPS:
@@ -77,7 +83,10 @@ def _linear_reason(linear: StackLinear) -> str | None:
     for weight, qtype in linear.groups:
         if not takes(qtype, linear.in_features):
             return f"{qtype} rows of {linear.in_features} weights (it decodes {', '.join(SUPPORTED)})"
-        if isinstance(weight, PreparedWeight) or not weight.is_contiguous():
+        if packed and qtype in TYPES:
+            if not (isinstance(weight, PreparedWeight) and weight.layout == LAYOUT):
+                return "GGUF weights the packed kernel's loader left unpacked (a row count not a multiple of 16)"
+        elif isinstance(weight, PreparedWeight) or not weight.is_contiguous():
             return "GGUF weights laid out by another kernel"
     return None
 
@@ -95,9 +104,10 @@ def decline_reason(stack: DecoderStack) -> str | None:
     hidden, inter, attn = stack.hidden_size, stack.intermediate_size, stack.num_heads * stack.head_dim
     shapes = ((hidden, attn + 2 * stack.num_kv_heads * stack.head_dim), (attn, hidden), (hidden, 2 * inter),
               (inter, hidden))   # (in, out) of qkv, o, gate_up, down: the C code's strides
+    packed = MATHS[stack.ops["gguf_linear"]] == PACKED
     for i, layer in enumerate(stack.layers):
         for linear, shape in zip((layer.qkv, layer.o, layer.gate_up, layer.down), shapes, strict=True):
-            reason = _linear_reason(linear) or (linear.bias is not None and _float32_vector(
+            reason = _linear_reason(linear, packed) or (linear.bias is not None and _float32_vector(
                 linear.bias, [linear.out_features], "a bias")) or None
             if not reason and ((linear.in_features, linear.out_features) != shape
                                or sum(linear.group_rows()) != shape[1]):
@@ -118,7 +128,8 @@ def _ptr(t: Any) -> int | None:
 
 def _c_linear(linear: StackLinear) -> _Linear:
     rows = linear.group_rows()
-    return _Linear((_p * MAX_GROUPS)(*(w.data_ptr() for w, _ in linear.groups)), _ptr(linear.bias),
+    weights = (w.data if isinstance(w, PreparedWeight) else w for w, _ in linear.groups)
+    return _Linear((_p * MAX_GROUPS)(*(w.data_ptr() for w in weights)), _ptr(linear.bias),
                    (_i * MAX_GROUPS)(*(_IDS[q] for _, q in linear.groups)), (_i * MAX_GROUPS)(*rows),
                    len(linear.groups), linear.in_features, linear.out_features)
 

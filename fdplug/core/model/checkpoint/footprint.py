@@ -101,7 +101,7 @@ def model_summary(cfg: ModelConfig, dtype: str, moe_backend: str, ops: Mapping[s
         spec = ops.get(op) if ops else None
         math = (" in bf16 math (inputs and weights rounded to bf16, float32 sums)"
                 if spec is not None and spec.bf16_inputs
-                else " in q8 math (inputs quantized to 8 bits per 4 values, integer sums)"
+                else f" in q8 math (inputs quantized to 8 bits per {spec.q8_run} values, integer sums)"
                 if spec is not None and spec.q8_inputs else "")
         lines.append(f"quantization: {cfg.quant.describe()} (linear layers{math}: {kernel(op)}{experts})")
     moe = cfg.moe

@@ -11,6 +11,7 @@ rows; the attention backend (chosen at startup) owns the KV cache layout and the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import paddle
@@ -125,6 +126,7 @@ class DecoderForCausalLM(nn.Layer):
             from fdplug.plugin_api.gguf_formats import row_bytes
 
             self.gguf_kernel = kernels.gguf_linear
+            self.head_weight: Any = None   # the tied lm_head's table as the kernel prepared it (`prepare_tied_head`)
             self.embed_tokens = empty_parameter([cfg.vocab_size, row_bytes(self.embed_type, cfg.hidden_size)],
                                                 "uint8")
         else:
@@ -152,6 +154,15 @@ class DecoderForCausalLM(nn.Layer):
         self.rotary = rotary(cfg.rope, cfg.head_dim, max_positions or cfg.max_position_embeddings, dtype,
                                       heads=cfg.num_heads + cfg.num_kv_heads, kernels=kernels)  # q, k together
         self.eval()
+
+    def prepare_tied_head(self, prepare: Callable[[Any, str], Any]) -> int:
+        """A GGUF model whose lm_head is its embedding table: the ``gguf_linear`` kernel's layout of the
+        table for the lm_head (`OpSpec.prepare`), kept beside the table the embedding reads row by row
+        (a second copy: its bytes are returned, 0 where the kernel keeps the file's layout)."""
+        if self.embed_type is None or self.lm_head is not None or self.head_weight is not None:
+            return 0
+        self.head_weight = prepare(self.embed_tokens, self.embed_type)
+        return 0 if self.head_weight is None else int(self.embed_tokens.size)
 
     def embed(self, input_ids: Any) -> Any:
         """Token embeddings ``[T, hidden]``; multimodal code replaces rows before ``forward``."""
@@ -196,7 +207,8 @@ class DecoderForCausalLM(nn.Layer):
         if self.lm_head is not None:
             logits = self.lm_head(hidden)
         elif self.embed_type is not None:
-            logits = self.gguf_kernel(hidden, self.embed_tokens, self.embed_type, self.config.hidden_size)
+            table = self.embed_tokens if self.head_weight is None else self.head_weight
+            logits = self.gguf_kernel(hidden, table, self.embed_type, self.config.hidden_size)
         else:
             logits = self.logits_kernel(hidden, self.embed_tokens)
         return logits if logits.dtype == paddle.float32 else logits.astype("float32")

@@ -60,7 +60,8 @@ typedef struct {
     const float *dx, *sx;
 } gg_job;
 
-enum { GG_MATH_F32 = 0, GG_MATH_BF16 = 1, GG_MATH_Q8 = 2 }; /* gg_linear's math */
+/* gg_linear's math; packed: gguf_packed.c's (the weights in its groups; _ROWS: the file's rows) */
+enum { GG_MATH_F32 = 0, GG_MATH_BF16 = 1, GG_MATH_Q8 = 2, GG_MATH_PACKED = 3, GG_MATH_PACKED_ROWS = 4 };
 
 /* Weights and bytes of a block of QT (one of the types below: gg_known) */
 #define GG_QK(QT) ((QT) == GG_Q4_K || (QT) == GG_Q5_K || (QT) == GG_Q6_K ? 256 : 32)
@@ -123,6 +124,9 @@ static inline void gg_k_scales(const uint8_t *b, int qtype, gg_scales *s) {
 #include "gguf_linear_avx2.c"
 #endif
 #include "gguf_q8.c"
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#include "gguf_packed.c"
+#endif
 #define GG_HAVE_PANELS 1
 #ifdef GG_CHAIN_PANEL
 #define GG_CHAINS 1 /* the panel in gg_dequant_row's chain layout */
@@ -322,6 +326,15 @@ static void gg_q8_input_free(gg_q8_input *in) {
 static int gg_linear(const float *x, const uint8_t *w, float *out, int64_t ld, int rows, int cols, int depth,
                      int qtype, int math, int num_threads) {
     if (!gg_known(qtype) || depth <= 0 || depth % GG_QK(qtype) != 0) return -2;
+    if ((math == GG_MATH_PACKED || math == GG_MATH_PACKED_ROWS) && (qtype == GG_F16 || qtype == GG_BF16))
+        math = GG_MATH_F32;   /* (no integers to keep: as the op computes them, native_gguf_packed.py) */
+    if (math == GG_MATH_PACKED || math == GG_MATH_PACKED_ROWS) {
+#ifdef GG_HAVE_PACKED
+        return gp_linear(x, w, out, ld, rows, cols, depth, qtype, math == GG_MATH_PACKED, num_threads);
+#else
+        return -4;
+#endif
+    }
 #ifndef GG_HAVE_BF16
     if (math == GG_MATH_BF16) return -4;
 #endif
@@ -383,6 +396,30 @@ int fdplug_gguf_linear_q8(const float *x, const uint8_t *w, float *out, int rows
                           int num_threads) {
     return gg_linear(x, w, out, cols, rows, cols, depth, qtype, GG_MATH_Q8, num_threads);
 }
+
+/* fdplug_gguf_linear in packed q8 math (gguf_packed.c), on weights packed by fdplug_gguf_pack
+ * (packed = 1) or the file's rows (0): -4 where the build has no AVX512-VNNI, -2 for packed cols not a
+ * multiple of 16, -3 without memory for x's quantized copy or a thread's group buffer */
+int fdplug_gguf_linear_packed(const float *x, const uint8_t *w, float *out, int rows, int cols, int depth, int qtype,
+                              int packed, int num_threads) {
+    return gg_linear(x, w, out, cols, rows, cols, depth, qtype, packed ? GG_MATH_PACKED : GG_MATH_PACKED_ROWS,
+                     num_threads);
+}
+
+int fdplug_gguf_packed_available(void) {
+#ifdef GG_HAVE_PACKED
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#ifndef GG_HAVE_PACKED
+int fdplug_gguf_pack(const uint8_t *w, uint8_t *out, int cols, int depth, int qtype) {
+    (void)w, (void)out, (void)cols, (void)depth, (void)qtype;
+    return -4;
+}
+#endif
 
 int fdplug_gguf_bf16_available(void) {
 #ifdef GG_HAVE_BF16

@@ -1,0 +1,404 @@
+/* ---------------------------------------------------------------------------------------------
+ * gguf_linear.c in packed q8 math (AVX-512 VNNI): the file's blocks repacked once at load into
+ * groups of 16 columns (the same bytes, another order: fdplug_gguf_pack), x quantized to 8 bits
+ * with a scale per run of 16 values, and each run's 16 products of a column summed as integers by
+ * vpdpbusd with the 16 columns in the lanes.
+ *
+ * Why: at AVX-512 on a Zen 4 the bf16 tiles run near vdpbf16ps's peak from 64 rows (290-350 of
+ * ~457 GFLOP/s, 2 threads), and one row pays ~9 vector operations to widen and round every 32
+ * weights. vpdpbusd does 64 multiply-adds where vdpbf16ps does 32, at twice its rate there (929
+ * against 457 GOP/s). With columns in the lanes a run's integer sums stay in one register, so the
+ * float work is a conversion and an FMA a run of 16 inputs; and a group's pieces lie one after the
+ * other, so one row streams the weights in order (q8 math's runs of 4 keep a float scale per 4
+ * products; wip/q8-block-float's transposed tiles read 8 columns' rows piece by piece). The same
+ * tile for every row count: a token's result does not depend on its batch.
+ *
+ * Values (`fdplug.plugin_api.gguf_formats.q8_inputs(x, run=16)` is the reference): each run of 16
+ * inputs of a row becomes d = amax / 127 and q = rint(x * (1 / d)) (float32, nearest even; zeros
+ * where amax is 0), with qs its integer sum. A piece of 32 weights of a column is u * dw + ow with u
+ * the stored unsigned integers less the type's offset (Q4_0 8, Q5_0 16, Q8_0 128 as q ^ 0x80, Q6_K
+ * 32; subtracted exactly as -offset * qs, the accumulator's start), dw the block's scale (Q4_K,
+ * Q5_K: d * sc; Q6_K: d * sc per run of 16) and ow its min (Q4_1, Q5_1: m; Q4_K, Q5_K: -dmin * mn).
+ * With S0, S1 the piece's two runs' exact integer sums (float32), per column and piece p in order,
+ * pieces alternating between two chains (p & 1), added at the end:
+ *     t = fma(S1, d1, S0 * d0);  acc = fma(t, dw, acc);  acc = fma(ow, sx, acc)   (sx = fma(d1, qs1, d0 * qs0))
+ * and Q6_K: acc = fma(S0 * d0, dw0, acc); acc = fma(S1 * d1, dw1, acc).
+ *
+ * Group layout (16 * the row's bytes: each unit is 16 blocks' bytes, one piece of the 32-weight
+ * types or one super-block of the K-quants): integers of piece p as 4 vectors of 64 bytes, byte 4c + i
+ * of vector v holding column c's weight 8v + i in its low nibble and 8v + 4 + i in its high one (so
+ * vector v gives the lanes of the input quads 2v and 2v + 1); Q5_0/Q5_1/Q5_K: then 8 masks of 64
+ * bits, the fifth bits of quads 0-7; Q6_K: two such planes (bits 4, 5); Q8_0: 8 vectors of bytes
+ * q ^ 0x80 instead. 32-weight types: then 16 float16 d (and Q4_1, Q5_1: 16 m). K-quants: a
+ * super-block starts with its 16 columns' headers as the file has them (Q4_K, Q5_K: d, dmin and
+ * the 12 scale bytes, 16 bytes a column; Q6_K: the 16 int8 scales and d, 18 bytes), then its 8 pieces.
+ *
+ * Included by gguf_linear.c where the build has AVX-512 with VNNI.
+ * ------------------------------------------------------------------------------------------- */
+
+#define GG_HAVE_PACKED 1
+#define GP_COLS 16 /* columns a group: the lanes */
+#define GP_RUN 16  /* inputs a scale */
+#define GP_MR 4    /* rows a tile */
+
+static inline int gp_offset(int QT) {
+    return QT == GG_Q4_0 ? 8 : QT == GG_Q5_0 ? 16 : QT == GG_Q8_0 ? 128 : QT == GG_Q6_K ? 32 : 0;
+}
+static inline int gp_has_min(int QT) { return QT == GG_Q4_1 || QT == GG_Q5_1 || QT == GG_Q4_K || QT == GG_Q5_K; }
+static inline int gp_planes(int QT) {   /* bit planes above the nibbles */
+    return QT == GG_Q5_0 || QT == GG_Q5_1 || QT == GG_Q5_K ? 1 : QT == GG_Q6_K ? 2 : 0;
+}
+static inline int gp_packable(int qtype) { return gg_known(qtype) && qtype != GG_F16 && qtype != GG_BF16; }
+/* A K-quant super-block's header bytes a column in the group (the file's, copied) */
+static inline int gp_header(int QT) { return QT == GG_Q6_K ? 18 : 16; }
+/* Bytes of a piece's integers: nibbles and planes, or Q8_0's bytes */
+static inline int gp_piece_bytes(int QT) { return QT == GG_Q8_0 ? 512 : 256 + 64 * gp_planes(QT); }
+
+/* ---- packing (once at load) ---- */
+
+/* The 32 stored integers of piece j of the block at blk: unsigned, offset included (Q8_0: q ^ 0x80) */
+static void gp_piece_integers(const uint8_t *blk, int j, int qtype, uint8_t u[32]) {
+    gg_scales none;
+    memset(&none, 0, sizeof none);
+#define GP_PAIR(QT)                                                                                  \
+    {                                                                                                \
+        const gg_pair p = gg_pair_of(blk, j, QT, &none);                                             \
+        _mm_storeu_si128((__m128i *)u, p.q[0]);                                                      \
+        _mm_storeu_si128((__m128i *)(u + 16), p.q[1]);                                               \
+    }
+    GG_SWITCH_TYPE(qtype, GP_PAIR)
+#undef GP_PAIR
+    if (qtype == GG_Q8_0)
+        for (int i = 0; i < 32; ++i) u[i] ^= 0x80;
+}
+
+/* A piece's integers of 16 columns (u[c]: 32 bytes each) in the group layout at dst: each input quad
+ * of the 16 columns gathered into one vector (vector q, lane c: u[c][4q .. 4q + 3]) */
+static void gp_put_piece(const uint8_t u[GP_COLS][32], int qtype, uint8_t *dst) {
+    const __m512i lanes = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                             _mm512_set1_epi32(32));
+    __m512i q[8];
+    for (int i = 0; i < 8; ++i) q[i] = _mm512_i32gather_epi32(lanes, (const void *)(&u[0][4 * i]), 1);
+    if (qtype == GG_Q8_0) {
+        for (int i = 0; i < 8; ++i) _mm512_storeu_si512((void *)(dst + 64 * i), q[i]);
+        return;
+    }
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int v = 0; v < 4; ++v)
+        _mm512_storeu_si512((void *)(dst + 64 * v),
+                            _mm512_or_si512(_mm512_and_si512(q[2 * v], low),
+                                            _mm512_slli_epi16(_mm512_and_si512(q[2 * v + 1], low), 4)));
+    for (int plane = 0; plane < gp_planes(qtype); ++plane)
+        for (int i = 0; i < 8; ++i) {
+            const uint64_t bits = _mm512_test_epi8_mask(q[i], _mm512_set1_epi8((char)(0x10 << plane)));
+            memcpy(dst + 256 + 64 * plane + 8 * i, &bits, 8);
+        }
+}
+
+/* Columns [0, valid) of the 16 whose rows (row_bytes each, blocks of qtype) start at w, in the group
+ * layout at dst (16 * row_bytes bytes); columns from valid on as zero blocks (their weights 0). */
+static void gp_pack_group(const uint8_t *w, int64_t row_bytes, int valid, int depth, int qtype, uint8_t *dst) {
+    static const uint8_t zero[256];
+    const int blocks = depth / GG_QK(qtype), bytes = GG_BYTES(qtype);
+    uint8_t u[GP_COLS][32];
+    for (int b = 0; b < blocks; ++b) {
+        uint8_t *unit = dst + (int64_t)b * GP_COLS * bytes;
+        const uint8_t *blk[GP_COLS];
+        for (int c = 0; c < GP_COLS; ++c) blk[c] = c < valid ? w + c * row_bytes + (int64_t)b * bytes : zero;
+        if (GG_QK(qtype) == 32) {
+            for (int c = 0; c < GP_COLS; ++c) gp_piece_integers(blk[c], 0, qtype, u[c]);
+            gp_put_piece((const uint8_t (*)[32])u, qtype, unit);
+            uint8_t *scales = unit + gp_piece_bytes(qtype);
+            for (int c = 0; c < GP_COLS; ++c) {
+                memcpy(scales + 2 * c, blk[c], 2);                                   /* d */
+                if (gp_has_min(qtype)) memcpy(scales + 32 + 2 * c, blk[c] + 2, 2);  /* m */
+            }
+            continue;
+        }
+        const int header = gp_header(qtype);
+        for (int c = 0; c < GP_COLS; ++c)   /* Q6_K: its scales and d; Q4_K, Q5_K: d, dmin, scales */
+            memcpy(unit + header * c, blk[c] + (qtype == GG_Q6_K ? 192 : 0), (size_t)header);
+        for (int j = 0; j < 8; ++j) {
+            for (int c = 0; c < GP_COLS; ++c) gp_piece_integers(blk[c], j, qtype, u[c]);
+            gp_put_piece((const uint8_t (*)[32])u, qtype, unit + GP_COLS * header + j * gp_piece_bytes(qtype));
+        }
+    }
+}
+
+/* W [cols, row bytes] (the file's blocks of qtype) -> out, the same bytes in the group layout.
+ * Returns 0, or -2 for a type it does not take, cols not a multiple of 16 or a depth not of whole blocks. */
+int fdplug_gguf_pack(const uint8_t *w, uint8_t *out, int cols, int depth, int qtype) {
+    if (!gp_packable(qtype) || cols <= 0 || cols % GP_COLS || depth <= 0 || depth % GG_QK(qtype)) return -2;
+    const int64_t row_bytes = (int64_t)depth / GG_QK(qtype) * GG_BYTES(qtype);
+    for (int g = 0; g < cols / GP_COLS; ++g)
+        gp_pack_group(w + (int64_t)g * GP_COLS * row_bytes, row_bytes, GP_COLS, depth, qtype,
+                      out + (int64_t)g * GP_COLS * row_bytes);
+    return 0;
+}
+
+/* ---- inputs (every call) ---- */
+
+typedef struct {
+    int8_t *q;       /* [rows, depth] */
+    float *d;        /* [rows, depth / 16] the runs' scales */
+    int32_t *qs;     /* [rows, depth / 16] the runs' integer sums */
+    float *sx;       /* [rows, depth / 32] a piece's sum of its inputs as quantized */
+} gp_inputs;
+
+static void gp_quantize(const float *x, int64_t values, gp_inputs *in) {
+    for (int64_t run = 0; run < values / GP_RUN; ++run) {
+        const __m512 v = _mm512_loadu_ps(x + GP_RUN * run);
+        const float d = _mm512_reduce_max_ps(_mm512_abs_ps(v)) / 127.0f, inverse = d != 0.0f ? 1.0f / d : 0.0f;
+        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v, _mm512_set1_ps(inverse))); /* nearest even */
+        _mm_storeu_si128((__m128i *)(in->q + GP_RUN * run), _mm512_cvtsepi32_epi8(q));
+        in->d[run] = d;
+        in->qs[run] = _mm512_reduce_add_epi32(q);
+        if (run % 2) in->sx[run / 2] = fmaf(d, (float)in->qs[run], in->d[run - 1] * (float)in->qs[run - 1]);
+    }
+}
+
+/* ---- the tiles ---- */
+
+typedef struct {
+    const gp_inputs *in;
+    const uint8_t *w;
+    float *out;
+    int64_t ld, next;
+    int rows, cols, groups, depth, qtype, per_item;
+    int packed;      /* w in the group layout; 0: the file's rows, each group packed here a call */
+    int failed;      /* a thread had no memory for its group buffer */
+} gp_job;
+
+/* a piece's 8 vectors of integers (quads 0-7 of 16 columns) at p */
+static inline __attribute__((always_inline)) void gp_unpack(const uint8_t *p, const int QT, __m512i v[8]) {
+    if (QT == GG_Q8_0) {
+        for (int q = 0; q < 8; ++q) v[q] = _mm512_loadu_si512((const void *)(p + 64 * q));
+        return;
+    }
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int i = 0; i < 4; ++i) {
+        const __m512i b = _mm512_loadu_si512((const void *)(p + 64 * i));
+        v[2 * i] = _mm512_and_si512(b, low);
+        v[2 * i + 1] = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
+    }
+    for (int plane = 0; plane < gp_planes(QT); ++plane) {
+        const __m512i bit = _mm512_set1_epi8((char)(0x10 << plane));
+        for (int q = 0; q < 8; ++q) {
+            uint64_t m;
+            memcpy(&m, p + 256 + 64 * plane + 8 * q, 8);
+            v[q] = _mm512_mask_add_epi8(v[q], (__mmask64)m, v[q], bit); /* (the bit is clear: add = or) */
+        }
+    }
+}
+
+/* The K-quants' factors of a super-block's 16 columns (headers at h): dw[s][c] and ow[s][c] for
+ * Q4_K/Q5_K's 8 pieces (ow = -dmin * mn), dw[r][c] for Q6_K's 16 runs: gg_k_scales_sse's products */
+static void gp_k_factors(const uint8_t *h, int QT, float dw[16][GP_COLS], float ow[8][GP_COLS]) {
+    gg_scales s;
+    for (int c = 0; c < GP_COLS; ++c) {
+        if (QT == GG_Q6_K) {   /* the header: 16 int8 scales, then d */
+            const float d = gg_f16(h + 18 * c + 16);
+            for (int i = 0; i < 16; ++i) dw[i][c] = d * (float)(int8_t)h[18 * c + i];
+            continue;
+        }
+        gg_k_scales_sse(h + 16 * c, QT, &s);
+        for (int i = 0; i < 8; ++i) {
+            dw[i][c] = s.d[i];
+            ow[i][c] = -s.m[i];
+        }
+    }
+}
+
+/* 4 inputs as one int32 (vpdpbusd's broadcast operand) */
+static inline int32_t gp_quad(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* A piece's 8 vectors of integers and its factors (dw0, and dw1 for Q6_K's second run; ow the min),
+ * as the tiles multiply them */
+typedef struct {
+    __m512i v[8];
+    __m512 dw0, dw1, ow;
+} gp_piece;
+
+/* Bytes a decoded piece takes in a thread's group buffer (gp_decode_group) */
+#define GP_DECODED (8 * 64 + 3 * 64)
+
+/* Piece p of the group at g (K-quants: dws, ows hold its super-block's factors, gp_k_factors) */
+static inline __attribute__((always_inline)) void gp_piece_at(const uint8_t *g, const int QT, int p,
+                                                              const float dws[16][GP_COLS],
+                                                              const float ows[8][GP_COLS], gp_piece *e) {
+    const int64_t unit = (int64_t)GP_COLS * GG_BYTES(QT);
+    if (GG_QK(QT) == 32) {
+        const uint8_t *u = g + p * unit, *scales = u + gp_piece_bytes(QT);
+        gp_unpack(u, QT, e->v);
+        e->dw0 = e->dw1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)scales));
+        e->ow = gp_has_min(QT) ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + 32))) : _mm512_setzero_ps();
+        return;
+    }
+    const int j = p % 8;
+    gp_unpack(g + (p / 8) * unit + GP_COLS * gp_header(QT) + j * gp_piece_bytes(QT), QT, e->v);
+    e->dw0 = _mm512_loadu_ps(dws[QT == GG_Q6_K ? 2 * j : j]);
+    e->dw1 = QT == GG_Q6_K ? _mm512_loadu_ps(dws[2 * j + 1]) : e->dw0;
+    e->ow = QT == GG_Q6_K ? _mm512_setzero_ps() : _mm512_loadu_ps(ows[j]);
+}
+
+/* Every piece of the group at g, decoded into buf (GP_DECODED bytes a piece): where more than one
+ * row tile passes over a group, each then loads what gp_piece_at would compute again */
+static void gp_decode_group(const uint8_t *g, int QT, int depth, uint8_t *buf) {
+    float dws[16][GP_COLS], ows[8][GP_COLS];
+    const int64_t unit = (int64_t)GP_COLS * GG_BYTES(QT);
+#define GP_DECODE(T)                                                                                 \
+    for (int p = 0; p < depth / 32; ++p) {                                                           \
+        if (GG_QK(T) == 256 && p % 8 == 0) gp_k_factors(g + (p / 8) * unit, T, dws, ows);           \
+        gp_piece e;                                                                                  \
+        gp_piece_at(g, T, p, dws, ows, &e);                                                          \
+        uint8_t *d = buf + (int64_t)p * GP_DECODED;                                                  \
+        for (int q = 0; q < 8; ++q) _mm512_storeu_si512((void *)(d + 64 * q), e.v[q]);              \
+        _mm512_storeu_ps((float *)(d + 512), e.dw0);                                                 \
+        _mm512_storeu_ps((float *)(d + 576), e.dw1);                                                 \
+        _mm512_storeu_ps((float *)(d + 640), e.ow);                                                  \
+    }
+    switch (QT) {
+    GG_INTEGER_CASES(GP_DECODE)
+    default: GP_DECODE(GG_Q6_K) break;
+    }
+#undef GP_DECODE
+}
+
+/* Rows m0 .. m0 + MR - 1 of the 16 columns of the group at g (or, decoded != NULL, its pieces as
+ * gp_decode_group left them), out's columns n0 .. n0 + 15 (those below job->cols) */
+static inline __attribute__((always_inline)) void gp_tile(const gp_job *job, const uint8_t *g, const uint8_t *decoded,
+                                                          const int QT, int m0, const int MR, int n0) {
+    const gp_inputs *in = job->in;
+    const int depth = job->depth, pieces = depth / 32, runs = depth / GP_RUN, OFF = gp_offset(QT);
+    const int64_t unit = (int64_t)GP_COLS * GG_BYTES(QT);
+    float dws[16][GP_COLS], ows[8][GP_COLS];
+    __m512 acc[GP_MR][2];
+    for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int p = 0; p < pieces; ++p) {
+        gp_piece e;
+        if (decoded != NULL) {
+            const uint8_t *d = decoded + (int64_t)p * GP_DECODED;
+            for (int q = 0; q < 8; ++q) e.v[q] = _mm512_loadu_si512((const void *)(d + 64 * q));
+            e.dw0 = _mm512_loadu_ps((const float *)(d + 512));
+            e.dw1 = QT == GG_Q6_K ? _mm512_loadu_ps((const float *)(d + 576)) : e.dw0;
+            e.ow = gp_has_min(QT) ? _mm512_loadu_ps((const float *)(d + 640)) : _mm512_setzero_ps();
+        } else {
+            if (GG_QK(QT) == 256 && p % 8 == 0) gp_k_factors(g + (p / 8) * unit, QT, dws, ows);
+            gp_piece_at(g, QT, p, dws, ows, &e);
+        }
+        const int C = p & 1;   /* the chain */
+        GG_UNROLL
+        for (int r = 0; r < MR; ++r) {
+            const int64_t row = (int64_t)(m0 + r), run = row * runs + 2 * p;
+            const int8_t *xr = in->q + row * depth + 32 * p;
+            __m512i a0 = _mm512_set1_epi32(-OFF * in->qs[run]), a1 = _mm512_set1_epi32(-OFF * in->qs[run + 1]);
+            for (int q = 0; q < 4; ++q) a0 = _mm512_dpbusd_epi32(a0, e.v[q], _mm512_set1_epi32(gp_quad(xr + 4 * q)));
+            for (int q = 4; q < 8; ++q) a1 = _mm512_dpbusd_epi32(a1, e.v[q], _mm512_set1_epi32(gp_quad(xr + 4 * q)));
+            const __m512 s0 = _mm512_mul_ps(_mm512_cvtepi32_ps(a0), _mm512_set1_ps(in->d[run]));
+            if (QT == GG_Q6_K) {
+                acc[r][C] = _mm512_fmadd_ps(s0, e.dw0, acc[r][C]);
+                acc[r][C] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a1), _mm512_set1_ps(in->d[run + 1])), e.dw1,
+                                            acc[r][C]);
+            } else {
+                const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1), _mm512_set1_ps(in->d[run + 1]), s0);
+                acc[r][C] = _mm512_fmadd_ps(t, e.dw0, acc[r][C]);
+                if (gp_has_min(QT)) acc[r][C] = _mm512_fmadd_ps(e.ow, _mm512_set1_ps(in->sx[row * pieces + p]), acc[r][C]);
+            }
+        }
+    }
+    const __mmask16 valid = job->cols - n0 >= GP_COLS ? 0xFFFF : (__mmask16)((1u << (job->cols - n0)) - 1);
+    for (int r = 0; r < MR; ++r)
+        _mm512_mask_storeu_ps(job->out + (int64_t)(m0 + r) * job->ld + n0, valid, _mm512_add_ps(acc[r][0], acc[r][1]));
+}
+
+#define GP_ROWS(QT)                                                                                  \
+    switch (mr) {                                                                                    \
+    case 1: gp_tile(job, g, decoded, QT, m0, 1, n0); break;                                          \
+    case 2: gp_tile(job, g, decoded, QT, m0, 2, n0); break;                                          \
+    case 3: gp_tile(job, g, decoded, QT, m0, 3, n0); break;                                          \
+    default: gp_tile(job, g, decoded, QT, m0, 4, n0); break;                                         \
+    }
+#define GP_SWITCH_TYPE(qtype, BODY)                                                                  \
+    switch (qtype) {                                                                                 \
+    GG_INTEGER_CASES(BODY)                                                                           \
+    default: BODY(GG_Q6_K) break;                                                                    \
+    }
+
+static float *gg_panel_buffer(int64_t floats);   /* (gguf_linear.c: a thread's buffer) */
+
+static void *gp_worker(void *arg) {
+    gp_job *job = arg;
+    const int64_t row_bytes = (int64_t)(job->depth / GG_QK(job->qtype)) * GG_BYTES(job->qtype);
+    const int64_t own_bytes = job->packed ? 0 : (GP_COLS * row_bytes + 63) / 64 * 64;
+    const int decode = job->rows > GP_MR;   /* several row tiles a group: decode it once */
+    const int64_t bytes = own_bytes + (decode ? (int64_t)(job->depth / 32) * GP_DECODED : 0);
+    uint8_t *buffer = bytes ? (uint8_t *)gg_panel_buffer((bytes + 3) / 4) : NULL;
+    if (bytes && buffer == NULL) {
+        __atomic_store_n(&job->failed, 1, __ATOMIC_RELAXED);
+        return NULL;
+    }
+    uint8_t *own = buffer, *decoded = decode ? buffer + own_bytes : NULL;
+    for (;;) {
+        const int64_t first = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED) * job->per_item;
+        if (first >= job->groups) return NULL;
+        const int64_t last = first + job->per_item < job->groups ? first + job->per_item : job->groups;
+        for (int64_t gi = first; gi < last; ++gi) {
+            const int n0 = (int)gi * GP_COLS;
+            const uint8_t *g = job->w + gi * GP_COLS * row_bytes;
+            if (!job->packed) {   /* the file's rows: this group packed into the thread's buffer */
+                gp_pack_group(g, row_bytes, job->cols - n0 < GP_COLS ? job->cols - n0 : GP_COLS, job->depth,
+                              job->qtype, own);
+                g = own;
+            }
+            if (decoded != NULL) gp_decode_group(g, job->qtype, job->depth, decoded);
+            for (int m0 = 0; m0 < job->rows; m0 += GP_MR) {
+                const int mr = job->rows - m0 < GP_MR ? job->rows - m0 : GP_MR;
+                GP_SWITCH_TYPE(job->qtype, GP_ROWS)
+            }
+        }
+    }
+}
+#undef GP_ROWS
+#undef GP_SWITCH_TYPE
+
+/* x [rows, depth] float32 times W [cols, depth] packed by fdplug_gguf_pack from blocks of qtype ->
+ * out [rows, cols] at row stride ld, on up to num_threads threads; packed = 0: W the file's rows
+ * [cols, row bytes] instead, each group of 16 packed as the call reaches it (the same tiles, the same
+ * bits: a layer the loader could not pack, or the tied embedding table as the lm_head). Returns 0,
+ * -2 for a type it does not take, packed cols not a multiple of 16 or a depth not of whole blocks,
+ * -3 without memory for the quantized x or a group buffer (then some outputs may be unwritten). */
+static int gp_linear(const float *x, const uint8_t *w, float *out, int64_t ld, int rows, int cols, int depth,
+                     int qtype, int packed, int num_threads) {
+    if (!gp_packable(qtype) || (packed && cols % GP_COLS) || depth <= 0 || depth % GG_QK(qtype)) return -2;
+    if (rows <= 0 || cols <= 0) return 0;
+    const int64_t values = (int64_t)rows * depth;
+    int8_t small_q[GG_SMALL_X];
+    float small_f[GG_SMALL_X / 16 * 2 + GG_SMALL_X / 32];
+    int32_t small_s[GG_SMALL_X / 16];
+    gp_inputs in = {small_q, small_f, small_s, small_f + values / 16};
+    int8_t *q = NULL;
+    float *f = NULL;
+    int32_t *s = NULL;
+    if (values > GG_SMALL_X) {
+        q = malloc((size_t)values);
+        f = malloc(sizeof(float) * (size_t)(values / 16 + values / 32));
+        s = malloc(sizeof(int32_t) * (size_t)(values / 16));
+        if (q == NULL || f == NULL || s == NULL) {
+            free(q), free(f), free(s);
+            return -3;
+        }
+        in = (gp_inputs){q, f, s, f + values / 16};
+    }
+    gp_quantize(x, values, &in);
+    const int groups = (cols + GP_COLS - 1) / GP_COLS;
+    const int threads = num_threads < groups ? (num_threads > 0 ? num_threads : 1) : groups;
+    const int per_item = groups / (4 * threads);
+    gp_job job = {&in, w, out, ld, 0, rows, cols, groups, depth, qtype, per_item > 0 ? per_item : 1, packed, 0};
+    run_workers(gp_worker, &job, threads);
+    free(q), free(f), free(s);
+    return job.failed ? -3 : 0;
+}

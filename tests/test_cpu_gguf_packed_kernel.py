@@ -1,0 +1,125 @@
+"""``cpu_native_gguf_packed_linear`` (csrc/gguf_packed.c): GGUF blocks repacked at load into groups
+of 16 columns, inputs quantized to 8 bits per 16 values, integer sums with the columns in the
+lanes. Its math against numpy's definition, one result whatever the batch, route (packed at load or
+packed per call) and threads, what it leaves to other maths, and its selection."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("paddle")
+import paddle
+
+from fdplug.core.portable.ops import gguf_linear as portable
+from fdplug.plugin_api.gguf_formats import q8_inputs
+from fdplug.plugins.cpu import kernels, native_gguf, native_gguf_packed
+from fdplug.testing.test_numerics import _random_gguf_blocks
+
+if kernels.unavailable_reason() is not None:
+    pytest.skip(f"cpu kernels unavailable: {kernels.unavailable_reason()}", allow_module_level=True)
+PACKED = native_gguf_packed.available()
+needs_vnni = pytest.mark.skipif(not PACKED, reason="the packed tiles need AVX512-VNNI (this CPU, compiler or "
+                                                   "FDPLUG_CPU_ISA has none)")
+TYPES = native_gguf_packed.TYPES
+
+
+def depth(qtype: str, blocks: int) -> int:
+    return blocks * (256 if qtype.endswith("_K") else 32)
+
+
+def definition(x: np.ndarray, w: paddle.Tensor, qtype: str, k: int) -> np.ndarray:
+    """q8 math in runs of 16 on the decoded weights, in float64."""
+    decoded = portable(paddle.eye(k, dtype="float32"), w, qtype, k).numpy().astype(np.float64)
+    return q8_inputs(x, 16) @ decoded
+
+
+@needs_vnni
+@pytest.mark.parametrize("qtype", TYPES)
+def test_kernel_is_q8_math_in_runs_of_16(qtype):
+    """Every type, packed at load (N a multiple of 16) and per call (N = 70: a last group of 6), 1,
+    5 and 300 rows, depths of 1 and 3 blocks (K-quants) or 3 and 18 (32-weight types)."""
+    rng = np.random.default_rng(31)
+    for n, k in ((64, depth(qtype, 1 if qtype.endswith("_K") else 18)), (70, depth(qtype, 3))):
+        w = paddle.to_tensor(_random_gguf_blocks(qtype, n, k, rng))
+        weights = [w] + ([native_gguf_packed.prepare(w, qtype)] if n % 16 == 0 else [])
+        for rows in (1, 5, 300):
+            x = rng.standard_normal((rows, k)).astype(np.float32)
+            want = definition(x, w, qtype, k)
+            for each in weights:
+                got = native_gguf_packed.gguf_linear_or_fallback(paddle.to_tensor(x), each, qtype, k, threads=2)
+                np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6 * np.abs(want).max(),
+                                           err_msg=f"{qtype} {n}x{k} {rows} rows {type(each).__name__}")
+
+
+@needs_vnni
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q5_0", "Q6_K", "Q8_0"])
+def test_the_same_bits_whatever_the_batch_the_route_or_the_threads(qtype):
+    """A row alone on one thread (registers) gives its bits in a batch of 300 on two (each group
+    decoded once into a buffer), packed at load or per call: a token's logits do not depend on its
+    batch, and the tied lm_head (packed per call where the loader keeps the file's table) agrees."""
+    k = depth(qtype, 2 if qtype.endswith("_K") else 18)
+    w = paddle.to_tensor(_random_gguf_blocks(qtype, 48, k, np.random.default_rng(32)))
+    packed = native_gguf_packed.prepare(w, qtype)
+    x = paddle.to_tensor(np.random.default_rng(33).standard_normal((300, k)).astype(np.float32))
+    batch = native_gguf_packed.gguf_linear(x, packed, qtype, k, threads=2).numpy()
+    np.testing.assert_array_equal(native_gguf_packed.gguf_linear(x, w, qtype, k, threads=2).numpy(), batch)
+    for r in (0, 3, 4, 299):
+        for weight in (packed, w):
+            alone = native_gguf_packed.gguf_linear(x[r:r + 1], weight, qtype, k, threads=1).numpy()
+            np.testing.assert_array_equal(alone[0], batch[r], err_msg=f"row {r}, {type(weight).__name__}")
+
+
+@needs_vnni
+def test_prepare_keeps_the_bytes_and_declines_what_it_cannot_pack():
+    """The same uint8 size (a permutation within groups of 16 rows, Q8_0's bytes offset by 128), a
+    layout name the kernel checks; None for row counts not a multiple of 16 and types without
+    integers (F16, BF16), which run otherwise: per call, and in float32 math."""
+    rng = np.random.default_rng(34)
+    w = paddle.to_tensor(_random_gguf_blocks("Q4_K", 32, 512, rng))
+    packed = native_gguf_packed.prepare(w, "Q4_K")
+    assert packed.data.dtype == w.dtype and packed.data.shape == w.shape and packed.shape == (32, 512)
+    assert packed.layout == native_gguf_packed.LAYOUT and not np.array_equal(packed.data.numpy(), w.numpy())
+    assert native_gguf_packed.prepare(paddle.to_tensor(_random_gguf_blocks("Q4_K", 40, 512, rng)), "Q4_K") is None
+    half = paddle.to_tensor(_random_gguf_blocks("F16", 32, 64, rng))
+    assert native_gguf_packed.prepare(half, "F16") is None
+    x = paddle.to_tensor(rng.standard_normal((3, 64)).astype(np.float32))
+    np.testing.assert_array_equal(native_gguf_packed.gguf_linear_or_fallback(x, half, "F16", 64, threads=2).numpy(),
+                                  native_gguf.gguf_linear(x, half, "F16", 64, threads=2).numpy())
+    with pytest.raises(ValueError, match="reads gguf_groups16"):
+        native_gguf_packed.gguf_linear(x, native_gguf_packed.PreparedWeight(half, (32, 64), "panels"), "F16", 64, 2)
+    with pytest.raises(TypeError, match="float32 inputs"):
+        native_gguf_packed.gguf_linear_or_fallback(x.astype("bfloat16"), packed, "Q4_K", 512, threads=2)
+
+
+def test_selection_chooses_it_with_vnni_and_says_why_not(monkeypatch):
+    """First where the build has AVX512-VNNI (faster than bf16 math at every row count measured,
+    docs/cpu-kernels.md); elsewhere the next kernel, with the reason in the decisions."""
+    from fdplug.core.plugin_loading.selection import select_components
+    from fdplug.plugins.cpu import isa
+
+    if isa.level() < 3:
+        pytest.skip("below x86-64-v3 the portable op is chosen (tests/test_cpu_gguf_kernel.py)")
+    chosen = select_components("cpu").ops["gguf_linear"]
+    assert (chosen.name == "cpu_native_gguf_packed_linear") == PACKED
+    if PACKED:
+        assert chosen.q8_run == 16 and chosen.prepare is not None
+    monkeypatch.setattr(native_gguf_packed, "available", lambda: False)
+    selection = select_components("cpu")
+    assert selection.ops["gguf_linear"].name != "cpu_native_gguf_packed_linear"
+    decision = next(d for d in selection.decisions if d.name == "cpu_native_gguf_packed_linear")
+    assert not decision.chosen and "no AVX512-VNNI" in decision.reason
+
+
+@needs_vnni
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q6_K", "F16"])
+def test_the_conformance_kit_checks_it_in_its_math(qtype):
+    """The kit's gguf_linear check (fdplug.testing.test_numerics) compares it on inputs quantized in
+    runs of `OpSpec.q8_run` (16), on the file's rows (N = 70) and the F16 rows in float32 math."""
+    from fdplug.core.plugin_loading.selection import select_components
+    from fdplug.testing.test_numerics import (
+        test_gguf_linear_kernel_matches_the_portable_one as kit_check,
+    )
+
+    selection = select_components("cpu", ops={"gguf_linear": "cpu_native_gguf_packed_linear"})
+    kit_check(selection, "cpu", qtype)
