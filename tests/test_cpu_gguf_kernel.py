@@ -177,11 +177,11 @@ def test_selection_picks_the_kernel_where_the_tiles_are():
 
 
 def selected_native() -> str:
-    """The GGUF kernel chosen at x86-64-v3 and above: packed q8 math with AVX512-VNNI, else bf16 math
+    """The GGUF kernel chosen at x86-64-v3 and above: packed q8 math with VNNI, else bf16 math
     with AVX512-BF16, else q8 math at x86-64-v3 and float32 math at AVX-512."""
     from fdplug.plugins.cpu import native_gguf_packed
 
-    if native_gguf_packed.available():
+    if native_gguf_packed.available() and native_gguf_packed.vnni():
         return "cpu_native_gguf_packed_linear"
     if native_gguf.bf16_math_available():
         return "cpu_native_gguf_bf16_linear"

@@ -19,8 +19,8 @@ from fdplug.testing.test_numerics import _random_gguf_blocks
 if kernels.unavailable_reason() is not None:
     pytest.skip(f"cpu kernels unavailable: {kernels.unavailable_reason()}", allow_module_level=True)
 PACKED = native_gguf_packed.available()
-needs_vnni = pytest.mark.skipif(not PACKED, reason="the packed tiles need AVX512-VNNI (this CPU, compiler or "
-                                                   "FDPLUG_CPU_ISA has none)")
+FIRST = PACKED and native_gguf_packed.vnni()   # chosen first where the tiles have vpdpbusd
+needs_tiles = pytest.mark.skipif(not PACKED, reason="the packed tiles need x86-64-v3 (AVX2) or above")
 TYPES = native_gguf_packed.TYPES
 
 
@@ -34,7 +34,7 @@ def definition(x: np.ndarray, w: paddle.Tensor, qtype: str, k: int) -> np.ndarra
     return q8_inputs(x, 16) @ decoded
 
 
-@needs_vnni
+@needs_tiles
 @pytest.mark.parametrize("qtype", TYPES)
 def test_kernel_is_q8_math_in_runs_of_16(qtype):
     """Every type, packed at load (N a multiple of 16) and per call (N = 70: a last group of 6), 1,
@@ -52,7 +52,7 @@ def test_kernel_is_q8_math_in_runs_of_16(qtype):
                                            err_msg=f"{qtype} {n}x{k} {rows} rows {type(each).__name__}")
 
 
-@needs_vnni
+@needs_tiles
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q5_0", "Q6_K", "Q8_0"])
 def test_the_same_bits_whatever_the_batch_the_route_or_the_threads(qtype):
     """A row alone on one thread (registers) gives its bits in a batch of 300 on two (each group
@@ -70,7 +70,7 @@ def test_the_same_bits_whatever_the_batch_the_route_or_the_threads(qtype):
             np.testing.assert_array_equal(alone[0], batch[r], err_msg=f"row {r}, {type(weight).__name__}")
 
 
-@needs_vnni
+@needs_tiles
 def test_prepare_keeps_the_bytes_and_declines_what_it_cannot_pack():
     """The same uint8 size (a permutation within groups of 16 rows, Q8_0's bytes offset by 128), a
     layout name the kernel checks; None for row counts not a multiple of 16 and types without
@@ -93,25 +93,26 @@ def test_prepare_keeps_the_bytes_and_declines_what_it_cannot_pack():
 
 
 def test_selection_chooses_it_with_vnni_and_says_why_not(monkeypatch):
-    """First where the build has AVX512-VNNI (faster than bf16 math at every row count measured,
-    docs/cpu-kernels.md); elsewhere the next kernel, with the reason in the decisions."""
+    """First where its tiles have vpdpbusd (AVX512-VNNI or AVX-VNNI; docs/cpu-kernels.md has the
+    figures), by name at x86-64-v3 without it; where the build has no tiles, the reason says so."""
     from fdplug.core.plugin_loading.selection import select_components
     from fdplug.plugins.cpu import isa
 
     if isa.level() < 3:
         pytest.skip("below x86-64-v3 the portable op is chosen (tests/test_cpu_gguf_kernel.py)")
     chosen = select_components("cpu").ops["gguf_linear"]
-    assert (chosen.name == "cpu_native_gguf_packed_linear") == PACKED
+    assert (chosen.name == "cpu_native_gguf_packed_linear") == FIRST
     if PACKED:
-        assert chosen.q8_run == 16 and chosen.prepare is not None
+        named = select_components("cpu", ops={"gguf_linear": "cpu_native_gguf_packed_linear"}).ops["gguf_linear"]
+        assert named.q8_run == 16 and named.prepare is not None and not named.bf16_inputs
     monkeypatch.setattr(native_gguf_packed, "available", lambda: False)
     selection = select_components("cpu")
     assert selection.ops["gguf_linear"].name != "cpu_native_gguf_packed_linear"
     decision = next(d for d in selection.decisions if d.name == "cpu_native_gguf_packed_linear")
-    assert not decision.chosen and "no AVX512-VNNI" in decision.reason
+    assert not decision.chosen and "no packed tiles" in decision.reason
 
 
-@needs_vnni
+@needs_tiles
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q6_K", "F16"])
 def test_the_conformance_kit_checks_it_in_its_math(qtype):
     """The kit's gguf_linear check (fdplug.testing.test_numerics) compares it on inputs quantized in
@@ -123,3 +124,56 @@ def test_the_conformance_kit_checks_it_in_its_math(qtype):
 
     selection = select_components("cpu", ops={"gguf_linear": "cpu_native_gguf_packed_linear"})
     kit_check(selection, "cpu", qtype)
+
+
+_LEVEL_SCRIPT = r"""
+import sys
+import numpy as np
+import paddle
+from fdplug.plugins.cpu import isa, native_gguf_packed
+from fdplug.testing.test_numerics import _random_gguf_blocks
+
+print(isa.level(), int(native_gguf_packed.vnni()))
+out = {}
+rng = np.random.default_rng(35)
+for qtype in native_gguf_packed.TYPES:
+    k = (2 if qtype.endswith("_K") else 19) * (256 if qtype.endswith("_K") else 32)
+    x = paddle.to_tensor(rng.standard_normal((40, k)).astype(np.float32))
+    for n in (48, 40):     # packed at load; per call, a last group of 8
+        w = paddle.to_tensor(_random_gguf_blocks(qtype, n, k, rng))
+        weight = native_gguf_packed.prepare(w, qtype) if n % 16 == 0 else w
+        for rows in (1, 5, 40):   # registers, and from 5 rows each group decoded into a buffer
+            out[f"{qtype}-{n}-{rows}"] = native_gguf_packed.gguf_linear(x[:rows], weight, qtype, k, threads=2).numpy()
+np.savez(sys.argv[1], **out)
+"""
+
+
+def test_every_level_gives_the_same_bits(tmp_path):
+    """AVX-512 with VNNI (vpdpbusd on 16 lanes), AVX-512 without it (vpmaddubsw + vpmaddwd, Q8_0 as
+    signed bytes), AVX2 (two halves of 8 lanes) and, where the CPU has it, AVX2 + AVX-VNNI: the same
+    integers and the same float steps per lane, so the same bits (each level a build of its own)."""
+    import subprocess
+    import sys
+
+    from fdplug.plugins.cpu import isa
+    from tests.conftest import REPO, subprocess_env
+
+    if not isa.is_x86() or isa.detected_level() < 4 or isa.cap() is not None or "avx512_vnni" not in isa.cpu_flags():
+        pytest.skip("needs an AVX-512 VNNI CPU, uncapped, to compare the levels below with it")
+    compiler = " ".join(kernels.compiler())
+    builds = {"native": {}, "avx512 without VNNI": {"CC": f"{compiler} -mno-avx512vnni"},
+              "avx2": {"FDPLUG_CPU_ISA": "avx2"}}
+    if "avx_vnni" in isa.cpu_flags():
+        builds["avx2+vnni"] = {"FDPLUG_CPU_ISA": "avx2", "CC": f"{compiler} -mavxvnni"}
+    saved = {}
+    for build, env in builds.items():
+        path = tmp_path / f"{build}.npz"
+        result = subprocess.run([sys.executable, "-c", _LEVEL_SCRIPT, str(path)], capture_output=True, text=True,
+                                env=subprocess_env(**env), cwd=REPO, timeout=600, check=False)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert result.stdout.split()[1] == str(int(build == "native")), f"{build}: vpdpbusd {result.stdout}"
+        saved[build] = np.load(path)
+    assert len(saved["native"].files) == 3 * 2 * len(TYPES)
+    for name in saved["native"].files:
+        for build in saved:
+            np.testing.assert_array_equal(saved[build][name], saved["native"][name], err_msg=f"{name} at {build}")

@@ -112,9 +112,17 @@ def _packed_supports(config) -> str | None:
 
     reason = _tiles_supports("cpu_native_gguf_packed_linear")(config)
     if reason is None and not native_gguf_packed.available():
-        reason = ("the CPU (or the C compiler, or FDPLUG_CPU_ISA) has no AVX512-VNNI: GGUF linears run as "
-                  "the next kernel's math")
+        reason = "the build has no packed tiles (csrc/gguf_packed.c needs AVX2)"
     return reason
+
+
+def _packed_priority() -> int:
+    """Chosen first where the packed tiles have vpdpbusd (AVX512-VNNI, AVX-VNNI): on the AMD EPYC
+    (avx512, 2 threads) 1.6-2.4x q8 math at one row, 1.0-1.4x bf16 math from 64 rows. Without it
+    (vpmaddubsw) 0.7-1.5x q8 math at x86-64-v3: chosen by name."""
+    from fdplug.plugins.cpu import native_gguf_packed
+
+    return 30 if native_gguf_packed.available() and native_gguf_packed.vnni() else 4
 
 
 def _gguf_packed_prepare_factory(config):
@@ -208,9 +216,10 @@ def fdplug_register_ops(register):
     native("cpu_native_gguf_packed_linear", "gguf_linear", ("native_gguf_packed", "gguf_linear_or_fallback"),
            "q8 math on GGUF blocks repacked at load into groups of 16 columns (the same bytes): inputs quantized "
            "to 8 bits per 16 values, each run's products summed as integers with the columns in the lanes "
-           "(AVX-512 VNNI vpdpbusd; on SmolLM2's layers 1.7-2.5x q8 math at one row, 1.1-1.45x bf16 math "
-           "from 64 rows, AMD EPYC, avx512). --op-kernel gguf_linear=cpu_native_gguf_bf16_linear keeps bf16 math",
-           priority=30, supports=_packed_supports, prepare=_gguf_packed_prepare_factory, q8_inputs=16)
+           "(vpdpbusd; on SmolLM2's layers 1.6-2.4x q8 math at one row, 1.0-1.4x bf16 math from 64 rows, AMD "
+           "EPYC, avx512). Chosen first where the build has AVX512-VNNI or AVX-VNNI, by name elsewhere (AVX2: "
+           "vpmaddubsw). --op-kernel gguf_linear=cpu_native_gguf_bf16_linear keeps bf16 math",
+           priority=_packed_priority(), supports=_packed_supports, prepare=_gguf_packed_prepare_factory, q8_inputs=16)
     native("cpu_native_rms_norm", "rms_norm", ("native_norms", "rms_norm"),
            "one compiled call instead of paddle's five ops (float32; the q/k norm's per-head weights too)")
     native("cpu_native_add_rms_norm", "add_rms_norm", ("native_norms", "add_rms_norm"),

@@ -73,6 +73,7 @@ SIGNATURES = {   # (restype, argtypes) of every function the library exports (cs
     "fdplug_gguf_q8_available": (_c_int, []),
     "fdplug_gguf_linear_packed": (_c_int, [_ptr] * 3 + [_c_int] * 6),
     "fdplug_gguf_packed_available": (_c_int, []),
+    "fdplug_gguf_packed_vnni": (_c_int, []),
     "fdplug_gguf_pack": (_c_int, [_ptr] * 2 + [_c_int] * 3),
     "fdplug_gguf_dequant": (_c_int, [_ptr] * 2 + [_c_int] * 4),
     "fdplug_decoder_stack": (_c_int, [_ptr] * 2),

@@ -30,8 +30,15 @@ TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
 
 def available() -> bool:
-    """Whether the build has the packed tiles (AVX-512 with VNNI, not capped away by FDPLUG_CPU_ISA)."""
+    """Whether the build has the packed tiles (x86-64-v3 and above, not capped below by FDPLUG_CPU_ISA)."""
     return bool(load().fdplug_gguf_packed_available())
+
+
+def vnni() -> bool:
+    """Whether they multiply with vpdpbusd (the build has AVX512-VNNI or AVX-VNNI): where they are
+    chosen first. Without it (vpmaddubsw) they ran 0.7-1.5x q8 math at x86-64-v3 (AMD EPYC, avx512,
+    capped to AVX2; Q6_K's bit planes and Q8_0's signs cost most): by name there."""
+    return bool(load().fdplug_gguf_packed_vnni())
 
 
 def prepare(weight: Any, qtype: str) -> PreparedWeight | None:

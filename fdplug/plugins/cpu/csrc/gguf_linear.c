@@ -124,9 +124,7 @@ static inline void gg_k_scales(const uint8_t *b, int qtype, gg_scales *s) {
 #include "gguf_linear_avx2.c"
 #endif
 #include "gguf_q8.c"
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #include "gguf_packed.c"
-#endif
 #define GG_HAVE_PANELS 1
 #ifdef GG_CHAIN_PANEL
 #define GG_CHAINS 1 /* the panel in gg_dequant_row's chain layout */
@@ -408,6 +406,15 @@ int fdplug_gguf_linear_packed(const float *x, const uint8_t *w, float *out, int 
 
 int fdplug_gguf_packed_available(void) {
 #ifdef GG_HAVE_PACKED
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* whether the packed tiles multiply with vpdpbusd (AVX512-VNNI or AVX-VNNI in the build) */
+int fdplug_gguf_packed_vnni(void) {
+#ifdef GP_VNNI
     return 1;
 #else
     return 0;

@@ -75,6 +75,7 @@ static void gp_piece_integers(const uint8_t *blk, int j, int qtype, uint8_t u[32
 /* A piece's integers of 16 columns (u[c]: 32 bytes each) in the group layout at dst: each input quad
  * of the 16 columns gathered into one vector (vector q, lane c: u[c][4q .. 4q + 3]) */
 static void gp_put_piece(const uint8_t u[GP_COLS][32], int qtype, uint8_t *dst) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
     const __m512i lanes = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                              _mm512_set1_epi32(32));
     __m512i q[8];
@@ -93,6 +94,24 @@ static void gp_put_piece(const uint8_t u[GP_COLS][32], int qtype, uint8_t *dst) 
             const uint64_t bits = _mm512_test_epi8_mask(q[i], _mm512_set1_epi8((char)(0x10 << plane)));
             memcpy(dst + 256 + 64 * plane + 8 * i, &bits, 8);
         }
+#else   /* (at load, or a layer the loader could not pack: plain loops) */
+    if (qtype == GG_Q8_0) {
+        for (int q = 0; q < 8; ++q)
+            for (int c = 0; c < GP_COLS; ++c) memcpy(dst + 64 * q + 4 * c, &u[c][4 * q], 4);
+        return;
+    }
+    for (int v = 0; v < 4; ++v)
+        for (int c = 0; c < GP_COLS; ++c)
+            for (int i = 0; i < 4; ++i)
+                dst[64 * v + 4 * c + i] = (uint8_t)((u[c][8 * v + i] & 0x0F) | (u[c][8 * v + 4 + i] & 0x0F) << 4);
+    for (int plane = 0; plane < gp_planes(qtype); ++plane)
+        for (int q = 0; q < 8; ++q) {
+            uint64_t bits = 0;
+            for (int c = 0; c < GP_COLS; ++c)
+                for (int i = 0; i < 4; ++i) bits |= (uint64_t)((u[c][4 * q + i] >> (4 + plane)) & 1) << (4 * c + i);
+            memcpy(dst + 256 + 64 * plane + 8 * q, &bits, 8);
+        }
+#endif
 }
 
 /* Columns [0, valid) of the 16 whose rows (row_bytes each, blocks of qtype) start at w, in the group
@@ -145,14 +164,33 @@ typedef struct {
     float *sx;       /* [rows, depth / 32] a piece's sum of its inputs as quantized */
 } gp_inputs;
 
+/* x's runs of 16 -> in (q, d, qs; sx a piece): the same values at both levels */
 static void gp_quantize(const float *x, int64_t values, gp_inputs *in) {
     for (int64_t run = 0; run < values / GP_RUN; ++run) {
-        const __m512 v = _mm512_loadu_ps(x + GP_RUN * run);
-        const float d = _mm512_reduce_max_ps(_mm512_abs_ps(v)) / 127.0f, inverse = d != 0.0f ? 1.0f / d : 0.0f;
-        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v, _mm512_set1_ps(inverse))); /* nearest even */
+        const float *v = x + GP_RUN * run;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        const __m512 a = _mm512_loadu_ps(v);
+        const float d = _mm512_reduce_max_ps(_mm512_abs_ps(a)) / 127.0f, inverse = d != 0.0f ? 1.0f / d : 0.0f;
+        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inverse))); /* nearest even */
         _mm_storeu_si128((__m128i *)(in->q + GP_RUN * run), _mm512_cvtsepi32_epi8(q));
-        in->d[run] = d;
         in->qs[run] = _mm512_reduce_add_epi32(q);
+#else
+        const __m256 a0 = _mm256_loadu_ps(v), a1 = _mm256_loadu_ps(v + 8), sign = _mm256_set1_ps(-0.0f);
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(_mm256_max_ps(_mm256_andnot_ps(sign, a0), _mm256_andnot_ps(sign, a1))),
+                               _mm256_extractf128_ps(_mm256_max_ps(_mm256_andnot_ps(sign, a0), _mm256_andnot_ps(sign, a1)), 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        const float d = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4))) / 127.0f, inverse = d != 0.0f ? 1.0f / d : 0.0f;
+        const __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(a0, _mm256_set1_ps(inverse)));   /* nearest even */
+        const __m256i q1 = _mm256_cvtps_epi32(_mm256_mul_ps(a1, _mm256_set1_ps(inverse)));
+        const __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(q0, q1), 0xD8);    /* 16 in order */
+        _mm_storeu_si128((__m128i *)(in->q + GP_RUN * run),
+                         _mm_packs_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1)));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(_mm256_add_epi32(q0, q1)),
+                                   _mm256_extracti128_si256(_mm256_add_epi32(q0, q1), 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
+        in->qs[run] = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1))));
+#endif
+        in->d[run] = d;
         if (run % 2) in->sx[run / 2] = fmaf(d, (float)in->qs[run], in->d[run - 1] * (float)in->qs[run - 1]);
     }
 }
@@ -169,151 +207,7 @@ typedef struct {
     int failed;      /* a thread had no memory for its group buffer */
 } gp_job;
 
-/* a piece's 8 vectors of integers (quads 0-7 of 16 columns) at p */
-static inline __attribute__((always_inline)) void gp_unpack(const uint8_t *p, const int QT, __m512i v[8]) {
-    if (QT == GG_Q8_0) {
-        for (int q = 0; q < 8; ++q) v[q] = _mm512_loadu_si512((const void *)(p + 64 * q));
-        return;
-    }
-    const __m512i low = _mm512_set1_epi8(0x0F);
-    for (int i = 0; i < 4; ++i) {
-        const __m512i b = _mm512_loadu_si512((const void *)(p + 64 * i));
-        v[2 * i] = _mm512_and_si512(b, low);
-        v[2 * i + 1] = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
-    }
-    for (int plane = 0; plane < gp_planes(QT); ++plane) {
-        const __m512i bit = _mm512_set1_epi8((char)(0x10 << plane));
-        for (int q = 0; q < 8; ++q) {
-            uint64_t m;
-            memcpy(&m, p + 256 + 64 * plane + 8 * q, 8);
-            v[q] = _mm512_mask_add_epi8(v[q], (__mmask64)m, v[q], bit); /* (the bit is clear: add = or) */
-        }
-    }
-}
-
-/* The K-quants' factors of a super-block's 16 columns (headers at h): dw[s][c] and ow[s][c] for
- * Q4_K/Q5_K's 8 pieces (ow = -dmin * mn), dw[r][c] for Q6_K's 16 runs: gg_k_scales_sse's products */
-static void gp_k_factors(const uint8_t *h, int QT, float dw[16][GP_COLS], float ow[8][GP_COLS]) {
-    gg_scales s;
-    for (int c = 0; c < GP_COLS; ++c) {
-        if (QT == GG_Q6_K) {   /* the header: 16 int8 scales, then d */
-            const float d = gg_f16(h + 18 * c + 16);
-            for (int i = 0; i < 16; ++i) dw[i][c] = d * (float)(int8_t)h[18 * c + i];
-            continue;
-        }
-        gg_k_scales_sse(h + 16 * c, QT, &s);
-        for (int i = 0; i < 8; ++i) {
-            dw[i][c] = s.d[i];
-            ow[i][c] = -s.m[i];
-        }
-    }
-}
-
-/* 4 inputs as one int32 (vpdpbusd's broadcast operand) */
-static inline int32_t gp_quad(const int8_t *p) {
-    int32_t v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-/* A piece's 8 vectors of integers and its factors (dw0, and dw1 for Q6_K's second run; ow the min),
- * as the tiles multiply them */
-typedef struct {
-    __m512i v[8];
-    __m512 dw0, dw1, ow;
-} gp_piece;
-
-/* Bytes a decoded piece takes in a thread's group buffer (gp_decode_group) */
-#define GP_DECODED (8 * 64 + 3 * 64)
-
-/* Piece p of the group at g (K-quants: dws, ows hold its super-block's factors, gp_k_factors) */
-static inline __attribute__((always_inline)) void gp_piece_at(const uint8_t *g, const int QT, int p,
-                                                              const float dws[16][GP_COLS],
-                                                              const float ows[8][GP_COLS], gp_piece *e) {
-    const int64_t unit = (int64_t)GP_COLS * GG_BYTES(QT);
-    if (GG_QK(QT) == 32) {
-        const uint8_t *u = g + p * unit, *scales = u + gp_piece_bytes(QT);
-        gp_unpack(u, QT, e->v);
-        e->dw0 = e->dw1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)scales));
-        e->ow = gp_has_min(QT) ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + 32))) : _mm512_setzero_ps();
-        return;
-    }
-    const int j = p % 8;
-    gp_unpack(g + (p / 8) * unit + GP_COLS * gp_header(QT) + j * gp_piece_bytes(QT), QT, e->v);
-    e->dw0 = _mm512_loadu_ps(dws[QT == GG_Q6_K ? 2 * j : j]);
-    e->dw1 = QT == GG_Q6_K ? _mm512_loadu_ps(dws[2 * j + 1]) : e->dw0;
-    e->ow = QT == GG_Q6_K ? _mm512_setzero_ps() : _mm512_loadu_ps(ows[j]);
-}
-
-/* Every piece of the group at g, decoded into buf (GP_DECODED bytes a piece): where more than one
- * row tile passes over a group, each then loads what gp_piece_at would compute again */
-static void gp_decode_group(const uint8_t *g, int QT, int depth, uint8_t *buf) {
-    float dws[16][GP_COLS], ows[8][GP_COLS];
-    const int64_t unit = (int64_t)GP_COLS * GG_BYTES(QT);
-#define GP_DECODE(T)                                                                                 \
-    for (int p = 0; p < depth / 32; ++p) {                                                           \
-        if (GG_QK(T) == 256 && p % 8 == 0) gp_k_factors(g + (p / 8) * unit, T, dws, ows);           \
-        gp_piece e;                                                                                  \
-        gp_piece_at(g, T, p, dws, ows, &e);                                                          \
-        uint8_t *d = buf + (int64_t)p * GP_DECODED;                                                  \
-        for (int q = 0; q < 8; ++q) _mm512_storeu_si512((void *)(d + 64 * q), e.v[q]);              \
-        _mm512_storeu_ps((float *)(d + 512), e.dw0);                                                 \
-        _mm512_storeu_ps((float *)(d + 576), e.dw1);                                                 \
-        _mm512_storeu_ps((float *)(d + 640), e.ow);                                                  \
-    }
-    switch (QT) {
-    GG_INTEGER_CASES(GP_DECODE)
-    default: GP_DECODE(GG_Q6_K) break;
-    }
-#undef GP_DECODE
-}
-
-/* Rows m0 .. m0 + MR - 1 of the 16 columns of the group at g (or, decoded != NULL, its pieces as
- * gp_decode_group left them), out's columns n0 .. n0 + 15 (those below job->cols) */
-static inline __attribute__((always_inline)) void gp_tile(const gp_job *job, const uint8_t *g, const uint8_t *decoded,
-                                                          const int QT, int m0, const int MR, int n0) {
-    const gp_inputs *in = job->in;
-    const int depth = job->depth, pieces = depth / 32, runs = depth / GP_RUN, OFF = gp_offset(QT);
-    const int64_t unit = (int64_t)GP_COLS * GG_BYTES(QT);
-    float dws[16][GP_COLS], ows[8][GP_COLS];
-    __m512 acc[GP_MR][2];
-    for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    for (int p = 0; p < pieces; ++p) {
-        gp_piece e;
-        if (decoded != NULL) {
-            const uint8_t *d = decoded + (int64_t)p * GP_DECODED;
-            for (int q = 0; q < 8; ++q) e.v[q] = _mm512_loadu_si512((const void *)(d + 64 * q));
-            e.dw0 = _mm512_loadu_ps((const float *)(d + 512));
-            e.dw1 = QT == GG_Q6_K ? _mm512_loadu_ps((const float *)(d + 576)) : e.dw0;
-            e.ow = gp_has_min(QT) ? _mm512_loadu_ps((const float *)(d + 640)) : _mm512_setzero_ps();
-        } else {
-            if (GG_QK(QT) == 256 && p % 8 == 0) gp_k_factors(g + (p / 8) * unit, QT, dws, ows);
-            gp_piece_at(g, QT, p, dws, ows, &e);
-        }
-        const int C = p & 1;   /* the chain */
-        GG_UNROLL
-        for (int r = 0; r < MR; ++r) {
-            const int64_t row = (int64_t)(m0 + r), run = row * runs + 2 * p;
-            const int8_t *xr = in->q + row * depth + 32 * p;
-            __m512i a0 = _mm512_set1_epi32(-OFF * in->qs[run]), a1 = _mm512_set1_epi32(-OFF * in->qs[run + 1]);
-            for (int q = 0; q < 4; ++q) a0 = _mm512_dpbusd_epi32(a0, e.v[q], _mm512_set1_epi32(gp_quad(xr + 4 * q)));
-            for (int q = 4; q < 8; ++q) a1 = _mm512_dpbusd_epi32(a1, e.v[q], _mm512_set1_epi32(gp_quad(xr + 4 * q)));
-            const __m512 s0 = _mm512_mul_ps(_mm512_cvtepi32_ps(a0), _mm512_set1_ps(in->d[run]));
-            if (QT == GG_Q6_K) {
-                acc[r][C] = _mm512_fmadd_ps(s0, e.dw0, acc[r][C]);
-                acc[r][C] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a1), _mm512_set1_ps(in->d[run + 1])), e.dw1,
-                                            acc[r][C]);
-            } else {
-                const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1), _mm512_set1_ps(in->d[run + 1]), s0);
-                acc[r][C] = _mm512_fmadd_ps(t, e.dw0, acc[r][C]);
-                if (gp_has_min(QT)) acc[r][C] = _mm512_fmadd_ps(e.ow, _mm512_set1_ps(in->sx[row * pieces + p]), acc[r][C]);
-            }
-        }
-    }
-    const __mmask16 valid = job->cols - n0 >= GP_COLS ? 0xFFFF : (__mmask16)((1u << (job->cols - n0)) - 1);
-    for (int r = 0; r < MR; ++r)
-        _mm512_mask_storeu_ps(job->out + (int64_t)(m0 + r) * job->ld + n0, valid, _mm512_add_ps(acc[r][0], acc[r][1]));
-}
+#include "gguf_packed_tiles.c"
 
 #define GP_ROWS(QT)                                                                                  \
     switch (mr) {                                                                                    \

@@ -1,0 +1,274 @@
+/* ---------------------------------------------------------------------------------------------
+ * gguf_packed.c's tiles, at two widths: a group's 16 columns in one 512-bit vector of int32 lanes
+ * (AVX-512 BW; vpdpbusd with VNNI), or in two 256-bit halves of 8 (AVX2; vpdpbusd with AVX-VNNI,
+ * else vpmaddubsw + vpmaddwd + vpaddd). Every lane does the same operations at both widths: each run's
+ * integer sum is exact whichever instructions add it, and the float steps are the same per lane, so
+ * every level gives the same bits (tests/test_cpu_gguf_packed_kernel.py compares the builds).
+ *
+ * Without VNNI, vpmaddubsw's int16 pair sums saturate for Q8_0's bytes offset by 128 (255 * 127 * 2):
+ * its weights go signed there (q, |q| against x with q's sign: at most 128 * 127 * 2), and the sum
+ * starts at 0 instead of -128 * sum(x's integers): the same integer.
+ * Included by gguf_packed.c (gp_job, gp_inputs, the layout's helpers).
+ * ------------------------------------------------------------------------------------------- */
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define GP_HALVES 1          /* vectors a group's 16 columns take */
+typedef __m512i gp_vi;
+typedef __m512 gp_vf;
+static inline gp_vi gp_load(const uint8_t *p) { return _mm512_loadu_si512((const void *)p); }
+static inline gp_vi gp_set1(int32_t v) { return _mm512_set1_epi32(v); }
+static inline gp_vi gp_and(gp_vi a, gp_vi b) { return _mm512_and_si512(a, b); }
+static inline gp_vi gp_srli4(gp_vi a) { return _mm512_srli_epi16(a, 4); }
+static inline gp_vi gp_set8(int v) { return _mm512_set1_epi8((char)v); }
+static inline gp_vi gp_abs8(gp_vi a) { return _mm512_abs_epi8(a); }
+static inline gp_vi gp_xor80(gp_vi a) { return _mm512_xor_si512(a, _mm512_set1_epi8((char)0x80)); }
+static inline gp_vi gp_sign8(gp_vi x, gp_vi s) {   /* x where s > 0, -x where s < 0, 0 where s == 0 */
+    const gp_vi neg = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(s), _mm512_setzero_si512(), x);
+    return _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(s, s), neg);
+}
+/* bit plane's 64 bits m (quad q of 16 columns) added into half h's bytes as bit (0x10 << plane) */
+static inline gp_vi gp_plane(gp_vi v, uint64_t m, int h, int plane) {
+    (void)h;
+    return _mm512_mask_add_epi8(v, (__mmask64)m, v, _mm512_set1_epi8((char)(0x10 << plane)));
+}
+#ifdef __AVX512VNNI__
+#define GP_VNNI 1
+static inline gp_vi gp_dot(gp_vi acc, gp_vi u, gp_vi s) { return _mm512_dpbusd_epi32(acc, u, s); }
+#else
+static inline gp_vi gp_dot(gp_vi acc, gp_vi u, gp_vi s) {
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
+}
+#endif
+static inline gp_vf gp_f(gp_vi a) { return _mm512_cvtepi32_ps(a); }
+static inline gp_vf gp_fset1(float v) { return _mm512_set1_ps(v); }
+static inline gp_vf gp_fzero(void) { return _mm512_setzero_ps(); }
+static inline gp_vf gp_mul(gp_vf a, gp_vf b) { return _mm512_mul_ps(a, b); }
+static inline gp_vf gp_fma(gp_vf a, gp_vf b, gp_vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline gp_vf gp_fload(const float *p) { return _mm512_loadu_ps(p); }
+static inline gp_vf gp_f16(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+/* lanes [0, valid) of a + b at out */
+static inline void gp_store(float *out, gp_vf a, gp_vf b, int valid) {
+    if (valid > 0) _mm512_mask_storeu_ps(out, valid >= 16 ? 0xFFFF : (__mmask16)((1u << valid) - 1), _mm512_add_ps(a, b));
+}
+#else
+#define GP_HALVES 2
+typedef __m256i gp_vi;
+typedef __m256 gp_vf;
+static inline gp_vi gp_load(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline gp_vi gp_set1(int32_t v) { return _mm256_set1_epi32(v); }
+static inline gp_vi gp_and(gp_vi a, gp_vi b) { return _mm256_and_si256(a, b); }
+static inline gp_vi gp_srli4(gp_vi a) { return _mm256_srli_epi16(a, 4); }
+static inline gp_vi gp_set8(int v) { return _mm256_set1_epi8((char)v); }
+static inline gp_vi gp_abs8(gp_vi a) { return _mm256_abs_epi8(a); }
+static inline gp_vi gp_xor80(gp_vi a) { return _mm256_xor_si256(a, _mm256_set1_epi8((char)0x80)); }
+static inline gp_vi gp_sign8(gp_vi x, gp_vi s) { return _mm256_sign_epi8(x, s); }
+static inline gp_vi gp_plane(gp_vi v, uint64_t m, int h, int plane) {   /* half h: bits 32h .. 32h + 31 */
+    const gp_vi bits = gg_bits256((uint32_t)(m >> (32 * h)));           /* 0x10 where set */
+    return _mm256_or_si256(v, plane ? _mm256_slli_epi16(bits, 1) : bits);
+}
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+#define GP_VNNI 1
+static inline gp_vi gp_dot(gp_vi acc, gp_vi u, gp_vi s) {
+#ifdef __AVXVNNI__
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+    return _mm256_dpbusd_epi32(acc, u, s);
+#endif
+}
+#else
+static inline gp_vi gp_dot(gp_vi acc, gp_vi u, gp_vi s) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+#endif
+static inline gp_vf gp_f(gp_vi a) { return _mm256_cvtepi32_ps(a); }
+static inline gp_vf gp_fset1(float v) { return _mm256_set1_ps(v); }
+static inline gp_vf gp_fzero(void) { return _mm256_setzero_ps(); }
+static inline gp_vf gp_mul(gp_vf a, gp_vf b) { return _mm256_mul_ps(a, b); }
+static inline gp_vf gp_fma(gp_vf a, gp_vf b, gp_vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline gp_vf gp_fload(const float *p) { return _mm256_loadu_ps(p); }
+static inline gp_vf gp_f16(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+static inline void gp_store(float *out, gp_vf a, gp_vf b, int valid) {
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    _mm256_maskstore_ps(out, _mm256_cmpgt_epi32(_mm256_set1_epi32(valid), lanes), _mm256_add_ps(a, b));
+}
+#endif
+#define GP_LANES (GP_COLS / GP_HALVES)   /* columns a vector */
+#define GP_VBYTES (64 / GP_HALVES)       /* bytes of a 64-byte layout vector a half takes */
+#ifdef GP_VNNI
+#define GP_SIGNED(QT) 0                  /* Q8_0's bytes offset by 128, as stored */
+#define GP_DECODED (8 * 64 + 3 * 64)     /* bytes a decoded piece takes (gp_decode_group) */
+#else
+#define GP_SIGNED(QT) ((QT) == GG_Q8_0)  /* Q8_0 as signed bytes (vpmaddubsw) */
+#define GP_DECODED (16 * 64 + 3 * 64)    /* (and Q8_0's signs) */
+#endif
+
+/* A piece's integers (v: per half, the 8 quads' vectors; Q8_0 without VNNI: |q|, s its signs) and
+ * factors (dw0, and Q6_K's second run's dw1; ow the min), as the tiles multiply them */
+typedef struct {
+    gp_vi v[GP_HALVES][8], s[GP_HALVES][8];
+    gp_vf dw0[GP_HALVES], dw1[GP_HALVES], ow[GP_HALVES];
+} gp_piece;
+
+/* Half h of the piece's integers at p (the group layout) */
+static inline __attribute__((always_inline)) void gp_unpack(const uint8_t *p, const int QT, int h, gp_piece *e) {
+    if (QT == GG_Q8_0) {
+        for (int q = 0; q < 8; ++q) {
+            const gp_vi u = gp_load(p + 64 * q + GP_VBYTES * h);
+            if (GP_SIGNED(QT)) {   /* q = u ^ 0x80 */
+                e->s[h][q] = gp_xor80(u);
+                e->v[h][q] = gp_abs8(e->s[h][q]);
+            } else {
+                e->v[h][q] = u;
+            }
+        }
+        return;
+    }
+    const gp_vi low = gp_set8(0x0F);
+    for (int i = 0; i < 4; ++i) {
+        const gp_vi b = gp_load(p + 64 * i + GP_VBYTES * h);
+        e->v[h][2 * i] = gp_and(b, low);
+        e->v[h][2 * i + 1] = gp_and(gp_srli4(b), low);
+    }
+    for (int plane = 0; plane < gp_planes(QT); ++plane)
+        for (int q = 0; q < 8; ++q) {
+            uint64_t m;
+            memcpy(&m, p + 256 + 64 * plane + 8 * q, 8);
+            e->v[h][q] = gp_plane(e->v[h][q], m, h, plane);   /* (the bit is clear: add = or) */
+        }
+}
+
+/* The K-quants' factors of a super-block's 16 columns (headers at h): dw[s][c] and ow[s][c] for
+ * Q4_K/Q5_K's 8 pieces (ow = -dmin * mn), dw[r][c] for Q6_K's 16 runs: gg_k_scales_sse's products */
+static void gp_k_factors(const uint8_t *h, int QT, float dw[16][GP_COLS], float ow[8][GP_COLS]) {
+    gg_scales s;
+    for (int c = 0; c < GP_COLS; ++c) {
+        if (QT == GG_Q6_K) {   /* the header: 16 int8 scales, then d */
+            const float d = gg_f16(h + 18 * c + 16);
+            for (int i = 0; i < 16; ++i) dw[i][c] = d * (float)(int8_t)h[18 * c + i];
+            continue;
+        }
+        gg_k_scales_sse(h + 16 * c, QT, &s);
+        for (int i = 0; i < 8; ++i) {
+            dw[i][c] = s.d[i];
+            ow[i][c] = -s.m[i];
+        }
+    }
+}
+
+/* 4 inputs as one int32 (the broadcast operand of the integer products) */
+static inline int32_t gp_quad(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* Piece p of the group at g (K-quants: dws, ows hold its super-block's factors, gp_k_factors) */
+static inline __attribute__((always_inline)) void gp_piece_at(const uint8_t *g, const int QT, int p,
+                                                              const float dws[16][GP_COLS],
+                                                              const float ows[8][GP_COLS], gp_piece *e) {
+    const int64_t unit = (int64_t)GP_COLS * GG_BYTES(QT);
+    for (int h = 0; h < GP_HALVES; ++h) {
+        if (GG_QK(QT) == 32) {
+            const uint8_t *u = g + p * unit, *scales = u + gp_piece_bytes(QT);
+            gp_unpack(u, QT, h, e);
+            e->dw0[h] = e->dw1[h] = gp_f16(scales + 2 * GP_LANES * h);
+            e->ow[h] = gp_has_min(QT) ? gp_f16(scales + 32 + 2 * GP_LANES * h) : gp_fzero();
+            continue;
+        }
+        const int j = p % 8;
+        gp_unpack(g + (p / 8) * unit + GP_COLS * gp_header(QT) + j * gp_piece_bytes(QT), QT, h, e);
+        e->dw0[h] = gp_fload(dws[QT == GG_Q6_K ? 2 * j : j] + GP_LANES * h);
+        e->dw1[h] = QT == GG_Q6_K ? gp_fload(dws[2 * j + 1] + GP_LANES * h) : e->dw0[h];
+        e->ow[h] = QT == GG_Q6_K ? gp_fzero() : gp_fload(ows[j] + GP_LANES * h);
+    }
+}
+
+/* Every piece of the group at g, decoded into buf (GP_DECODED bytes a piece: its integers as 8
+ * vectors of 64 bytes, dw0, dw1 and ow as 16 floats each, then without VNNI Q8_0's signs): where
+ * more than one row tile passes over a group, each then loads what gp_piece_at would compute again */
+static void gp_decode_group(const uint8_t *g, int QT, int depth, uint8_t *buf) {
+    float dws[16][GP_COLS], ows[8][GP_COLS];
+    const int64_t unit = (int64_t)GP_COLS * GG_BYTES(QT);
+#define GP_DECODE(T)                                                                                 \
+    for (int p = 0; p < depth / 32; ++p) {                                                           \
+        if (GG_QK(T) == 256 && p % 8 == 0) gp_k_factors(g + (p / 8) * unit, T, dws, ows);           \
+        gp_piece e;                                                                                  \
+        gp_piece_at(g, T, p, dws, ows, &e);                                                          \
+        uint8_t *d = buf + (int64_t)p * GP_DECODED;                                                  \
+        for (int h = 0; h < GP_HALVES; ++h) {                                                        \
+            for (int q = 0; q < 8; ++q) {                                                            \
+                memcpy(d + 64 * q + GP_VBYTES * h, &e.v[h][q], GP_VBYTES);                          \
+                if (GP_SIGNED(T)) memcpy(d + 704 + 64 * q + GP_VBYTES * h, &e.s[h][q], GP_VBYTES);  \
+            }                                                                                        \
+            memcpy(d + 512 + 4 * GP_LANES * h, &e.dw0[h], GP_VBYTES);                               \
+            memcpy(d + 576 + 4 * GP_LANES * h, &e.dw1[h], GP_VBYTES);                               \
+            memcpy(d + 640 + 4 * GP_LANES * h, &e.ow[h], GP_VBYTES);                                \
+        }                                                                                            \
+    }
+    switch (QT) {
+    GG_INTEGER_CASES(GP_DECODE)
+    default: GP_DECODE(GG_Q6_K) break;
+    }
+#undef GP_DECODE
+}
+
+/* Rows m0 .. m0 + MR - 1 of the 16 columns of the group at g (or, decoded != NULL, its pieces as
+ * gp_decode_group left them), out's columns n0 .. n0 + 15 (those below job->cols) */
+static inline __attribute__((always_inline)) void gp_tile(const gp_job *job, const uint8_t *g, const uint8_t *decoded,
+                                                          const int QT, int m0, const int MR, int n0) {
+    const gp_inputs *in = job->in;
+    const int depth = job->depth, pieces = depth / 32, runs = depth / GP_RUN;
+    const int OFF = GP_SIGNED(QT) ? 0 : gp_offset(QT);
+    const int64_t unit = (int64_t)GP_COLS * GG_BYTES(QT);
+    float dws[16][GP_COLS], ows[8][GP_COLS];
+    gp_vf acc[GP_MR][2][GP_HALVES];
+    for (int r = 0; r < MR; ++r)
+        for (int h = 0; h < GP_HALVES; ++h) acc[r][0][h] = acc[r][1][h] = gp_fzero();
+    for (int p = 0; p < pieces; ++p) {
+        gp_piece e;
+        if (decoded != NULL) {
+            const uint8_t *d = decoded + (int64_t)p * GP_DECODED;
+            for (int h = 0; h < GP_HALVES; ++h) {
+                for (int q = 0; q < 8; ++q) {
+                    e.v[h][q] = gp_load(d + 64 * q + GP_VBYTES * h);
+                    if (GP_SIGNED(QT)) e.s[h][q] = gp_load(d + 704 + 64 * q + GP_VBYTES * h);
+                }
+                e.dw0[h] = gp_fload((const float *)(d + 512) + GP_LANES * h);
+                e.dw1[h] = QT == GG_Q6_K ? gp_fload((const float *)(d + 576) + GP_LANES * h) : e.dw0[h];
+                e.ow[h] = gp_has_min(QT) ? gp_fload((const float *)(d + 640) + GP_LANES * h) : gp_fzero();
+            }
+        } else {
+            if (GG_QK(QT) == 256 && p % 8 == 0) gp_k_factors(g + (p / 8) * unit, QT, dws, ows);
+            gp_piece_at(g, QT, p, dws, ows, &e);
+        }
+        const int C = p & 1;   /* the chain */
+        GG_UNROLL
+        for (int r = 0; r < MR; ++r) {
+            const int64_t row = (int64_t)(m0 + r), run = row * runs + 2 * p;
+            const int8_t *xr = in->q + row * depth + 32 * p;
+            const gp_vf d0 = gp_fset1(in->d[run]), d1 = gp_fset1(in->d[run + 1]);
+            for (int h = 0; h < GP_HALVES; ++h) {
+                gp_vi a0 = gp_set1(-OFF * in->qs[run]), a1 = gp_set1(-OFF * in->qs[run + 1]);
+                for (int q = 0; q < 8; ++q) {
+                    gp_vi x = gp_set1(gp_quad(xr + 4 * q));
+                    if (GP_SIGNED(QT)) x = gp_sign8(x, e.s[h][q]);
+                    if (q < 4) a0 = gp_dot(a0, e.v[h][q], x);
+                    else a1 = gp_dot(a1, e.v[h][q], x);
+                }
+                const gp_vf s0 = gp_mul(gp_f(a0), d0);
+                gp_vf *a = &acc[r][C][h];
+                if (QT == GG_Q6_K) {
+                    *a = gp_fma(s0, e.dw0[h], *a);
+                    *a = gp_fma(gp_mul(gp_f(a1), d1), e.dw1[h], *a);
+                } else {
+                    *a = gp_fma(gp_fma(gp_f(a1), d1, s0), e.dw0[h], *a);
+                    if (gp_has_min(QT)) *a = gp_fma(e.ow[h], gp_fset1(in->sx[row * pieces + p]), *a);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < MR; ++r)
+        for (int h = 0; h < GP_HALVES; ++h)
+            gp_store(job->out + (int64_t)(m0 + r) * job->ld + n0 + GP_LANES * h, acc[r][0][h], acc[r][1][h],
+                     job->cols - n0 - GP_LANES * h);
+}
