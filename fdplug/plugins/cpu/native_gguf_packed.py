@@ -1,4 +1,5 @@
-"""``cpu_native_gguf_packed_linear``: GGUF linears in packed q8 math (csrc/gguf_packed.c, AVX-512 VNNI).
+"""``cpu_native_gguf_packed_linear``: GGUF linears in packed q8 math (csrc/gguf_packed.c; chosen first
+where the build has AVX512-VNNI or AVX-VNNI, by name at other levels from x86-64-v3).
 
 At load each layer's GGML blocks are repacked into groups of 16 columns (`prepare`: the same bytes,
 another order, so the layer still holds the file's size); every call quantizes ``x`` to 8 bits with
@@ -10,9 +11,11 @@ at twice the rate and a packed group streams in order (numbers in the C file's h
 docs/cpu-kernels.md). One summation order for every row count and thread count: a token's result
 does not depend on its batch.
 
-A weight the loader did not pack (a row count not a multiple of 16, the tied embedding table
-serving as the lm_head) runs the same tiles, each group of 16 rows packed as a call reaches it
-(the same bits); F16/BF16 rows, which have no integers to keep, run `native_gguf`'s float32 math.
+A weight the loader did not pack (a row count not a multiple of 16; every layer with
+FDPLUG_CPU_PACK_WEIGHTS=0) runs the same tiles, each group of 16 rows packed as a call reaches it
+(the same bits, slower); F16/BF16 rows, which have no integers to keep, run `native_gguf`'s float32
+math. A tied lm_head gets a packed copy of the embedding table at load (`DecoderForCausalLM.
+prepare_tied_head`), the table itself staying as the file has it for the embedding's rows.
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 /* ---------------------------------------------------------------------------------------------
- * gguf_linear.c in packed q8 math (AVX-512 VNNI): the file's blocks repacked once at load into
- * groups of 16 columns (the same bytes, another order: fdplug_gguf_pack), x quantized to 8 bits
- * with a scale per run of 16 values, and each run's 16 products of a column summed as integers by
- * vpdpbusd with the 16 columns in the lanes.
+ * gguf_linear.c in packed q8 math: the file's blocks repacked once at load into groups of 16
+ * columns (the same bytes, another order: fdplug_gguf_pack), x quantized to 8 bits with a scale per
+ * run of 16 values, and each run's 16 products of a column summed as integers with the 16 columns
+ * in the lanes (vpdpbusd where the build has VNNI; the tiles at each level: gguf_packed_tiles.c).
  *
  * Why: at AVX-512 on a Zen 4 the bf16 tiles run near vdpbf16ps's peak from 64 rows (290-350 of
  * ~457 GFLOP/s, 2 threads), and one row pays ~9 vector operations to widen and round every 32
@@ -33,13 +33,20 @@
  * super-block starts with its 16 columns' headers as the file has them (Q4_K, Q5_K: d, dmin and
  * the 12 scale bytes, 16 bytes a column; Q6_K: the 16 int8 scales and d, 18 bytes), then its 8 pieces.
  *
- * Included by gguf_linear.c where the build has AVX-512 with VNNI.
+ * Included by gguf_linear.c where the build has AVX2 (chosen first where it has VNNI too:
+ * native_gguf_packed.py).
  * ------------------------------------------------------------------------------------------- */
 
 #define GG_HAVE_PACKED 1
 #define GP_COLS 16 /* columns a group: the lanes */
 #define GP_RUN 16  /* inputs a scale */
-#define GP_MR 4    /* rows a tile */
+#ifndef GP_MR
+#define GP_MR 8    /* rows a tile: at 8 rows 1.05-1.5x 4 (one tile instead of two), from 64 rows even
+                      within this machine's noise (AMD EPYC, avx512; 6 between) */
+#endif
+#ifndef GP_DECODE_ROWS
+#define GP_DECODE_ROWS GP_MR   /* above this many rows each group is decoded once into a buffer */
+#endif
 
 static inline int gp_offset(int QT) {
     return QT == GG_Q4_0 ? 8 : QT == GG_Q5_0 ? 16 : QT == GG_Q8_0 ? 128 : QT == GG_Q6_K ? 32 : 0;
@@ -209,12 +216,17 @@ typedef struct {
 
 #include "gguf_packed_tiles.c"
 
+#define GP_CAP(MR) ((MR) < GP_MR ? (MR) : GP_MR)   /* (mr <= GP_MR: the cases above it never run) */
 #define GP_ROWS(QT)                                                                                  \
     switch (mr) {                                                                                    \
     case 1: gp_tile(job, g, decoded, QT, m0, 1, n0); break;                                          \
-    case 2: gp_tile(job, g, decoded, QT, m0, 2, n0); break;                                          \
-    case 3: gp_tile(job, g, decoded, QT, m0, 3, n0); break;                                          \
-    default: gp_tile(job, g, decoded, QT, m0, 4, n0); break;                                         \
+    case 2: gp_tile(job, g, decoded, QT, m0, GP_CAP(2), n0); break;                                  \
+    case 3: gp_tile(job, g, decoded, QT, m0, GP_CAP(3), n0); break;                                  \
+    case 4: gp_tile(job, g, decoded, QT, m0, GP_CAP(4), n0); break;                                  \
+    case 5: gp_tile(job, g, decoded, QT, m0, GP_CAP(5), n0); break;                                  \
+    case 6: gp_tile(job, g, decoded, QT, m0, GP_CAP(6), n0); break;                                  \
+    case 7: gp_tile(job, g, decoded, QT, m0, GP_CAP(7), n0); break;                                  \
+    default: gp_tile(job, g, decoded, QT, m0, GP_CAP(8), n0); break;                                 \
     }
 #define GP_SWITCH_TYPE(qtype, BODY)                                                                  \
     switch (qtype) {                                                                                 \
@@ -228,7 +240,7 @@ static void *gp_worker(void *arg) {
     gp_job *job = arg;
     const int64_t row_bytes = (int64_t)(job->depth / GG_QK(job->qtype)) * GG_BYTES(job->qtype);
     const int64_t own_bytes = job->packed ? 0 : (GP_COLS * row_bytes + 63) / 64 * 64;
-    const int decode = job->rows > GP_MR;   /* several row tiles a group: decode it once */
+    const int decode = job->rows > GP_DECODE_ROWS;   /* several row tiles a group: decode it once */
     const int64_t bytes = own_bytes + (decode ? (int64_t)(job->depth / 32) * GP_DECODED : 0);
     uint8_t *buffer = bytes ? (uint8_t *)gg_panel_buffer((bytes + 3) / 4) : NULL;
     if (bytes && buffer == NULL) {
@@ -257,6 +269,7 @@ static void *gp_worker(void *arg) {
     }
 }
 #undef GP_ROWS
+#undef GP_CAP
 #undef GP_SWITCH_TYPE
 
 /* x [rows, depth] float32 times W [cols, depth] packed by fdplug_gguf_pack from blocks of qtype ->
