@@ -100,9 +100,7 @@ def test_selection_falls_back_with_the_reason(monkeypatch):
     """Chosen where the build has AVX512-BF16; elsewhere the next kernel (q8 math at x86-64-v3,
     float32 math at AVX-512), and explain says why."""
     from fdplug.core.plugin_loading.selection import select_components
-    from fdplug.plugins.cpu import isa
-
-    from fdplug.plugins.cpu import native_gguf_packed
+    from fdplug.plugins.cpu import isa, native_gguf_packed
 
     if isa.level() < 3:
         pytest.skip("below x86-64-v3 the portable op is chosen (tests/test_cpu_gguf_kernel.py)")

@@ -180,7 +180,7 @@ class OpSpec(ComponentSpec):
     @property
     def q8_run(self) -> int:
         """The values a scale of ``q8_inputs`` (0: not q8 math; ``True``: 4)."""
-        from fdplug.plugin_api.gguf_formats import Q8_RUN   # (numpy: not at import, see validate_spec)
+        from fdplug.plugin_api.gguf_formats import Q8_RUN  # (not at import: validate_spec says why)
 
         return 0 if self.q8_inputs is False else Q8_RUN if self.q8_inputs is True else int(self.q8_inputs)
 
@@ -255,8 +255,9 @@ def validate_spec(spec: Any, expected: type) -> None:
             spec.bf16_inputs is not True or spec.op not in ("linear", "gguf_linear")):
         raise ValueError(f"bf16_inputs of {spec.name!r} must be a bool, and True only for the 'linear' and "
                          "'gguf_linear' ops")
-    from fdplug.plugin_api.gguf_formats import Q8_RUNS   # (here: numpy is not imported with the contract,
-                                                         # e.g. before the engine process sets its slice)
+    # (imported here, not with the contract: gguf_formats imports numpy, whose threads must start
+    # after the engine process sets its scheduler slice)
+    from fdplug.plugin_api.gguf_formats import Q8_RUNS
 
     if isinstance(spec, OpSpec) and spec.q8_inputs is not False and (
             not (spec.q8_inputs is True or (type(spec.q8_inputs) is int and spec.q8_inputs in Q8_RUNS))
