@@ -52,9 +52,11 @@ Contracts (``T`` tokens as rows; inputs are never modified; results in the input
     or objects in ``supports``. One registered with ``OpSpec(bf16_inputs=True)`` rounds ``x`` and each
     decoded weight to bf16 and sums the (exact) products in float32: the portable op's result on
     ``bf16(x)`` and ``bf16(dequantize(weight))``. One registered with ``OpSpec(q8_inputs=True)``
-    quantizes ``x`` to 8 bits per 4 values (`fdplug.plugin_api.gguf_formats.q8_inputs`) for the
-    quantized block types: the portable op's result on those values, up to float32 rounding (F16 and
-    BF16 rows as without it).
+    quantizes ``x`` to 8 bits per 4 values (``q8_inputs=16``: per 16; API 4.4;
+    `fdplug.plugin_api.gguf_formats.q8_inputs`) for the quantized block types: the portable op's
+    result on those values, up to float32 rounding (F16 and BF16 rows as without it). A model whose
+    lm_head is its GGUF embedding table hands the lm_head the table as ``prepare`` laid it out (a copy
+    beside the table the embedding reads), or the table itself.
 ``argmax(logits) -> ids``
     ``logits [T, V]`` float32 -> numpy int64 ``[T]``: each row's largest value's index, the lowest
     among equal values, NaN never chosen (a row of only NaN gives 0); greedy sampling. On the host:

@@ -171,9 +171,9 @@ typedef struct {
     float *sx;       /* [rows, depth / 32] a piece's sum of its inputs as quantized */
 } gp_inputs;
 
-/* x's runs of 16 -> in (q, d, qs; sx a piece): the same values at both levels */
-static void gp_quantize(const float *x, int64_t values, gp_inputs *in) {
-    for (int64_t run = 0; run < values / GP_RUN; ++run) {
+/* x's runs [first, last) of 16 (first even) -> in (q, d, qs; sx a piece): the same values at both levels */
+static void gp_quantize(const float *x, int64_t first, int64_t last, gp_inputs *in) {
+    for (int64_t run = first; run < last; ++run) {
         const float *v = x + GP_RUN * run;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
         const __m512 a = _mm512_loadu_ps(v);
@@ -205,13 +205,15 @@ static void gp_quantize(const float *x, int64_t values, gp_inputs *in) {
 /* ---- the tiles ---- */
 
 typedef struct {
-    const gp_inputs *in;
+    gp_inputs *in;   /* (the workers fill it first: gp_worker) */
     const uint8_t *w;
     float *out;
     int64_t ld, next;
     int rows, cols, groups, depth, qtype, per_item;
     int packed;      /* w in the group layout; 0: the file's rows, each group packed here a call */
     int failed;      /* a thread had no memory for its group buffer */
+    const float *x;  /* quantized into in by the workers first, GP_QUANTIZE_RUNS runs an item */
+    int64_t runs, next_runs, runs_done;
 } gp_job;
 
 #include "gguf_packed_tiles.c"
@@ -236,8 +238,22 @@ typedef struct {
 
 static float *gg_panel_buffer(int64_t floats);   /* (gguf_linear.c: a thread's buffer) */
 
+/* Runs of x a quantizing item (even: a piece's two runs in one item) */
+#define GP_QUANTIZE_RUNS 128
+
 static void *gp_worker(void *arg) {
     gp_job *job = arg;
+    for (;;) {   /* first x's quantization, shared as the groups are; then every worker waits for all of it */
+        const int64_t first = __atomic_fetch_add(&job->next_runs, GP_QUANTIZE_RUNS, __ATOMIC_RELAXED);
+        if (first >= job->runs) break;
+        const int64_t last = first + GP_QUANTIZE_RUNS < job->runs ? first + GP_QUANTIZE_RUNS : job->runs;
+        gp_quantize(job->x, first, last, job->in);
+        __atomic_add_fetch(&job->runs_done, last - first, __ATOMIC_RELEASE);
+    }
+    for (int i = 1; __atomic_load_n(&job->runs_done, __ATOMIC_ACQUIRE) < job->runs; ++i) {
+        cpu_relax();   /* (another worker is quantizing its last item) */
+        if (i % 4096 == 0) sched_yield();
+    }
     const int64_t row_bytes = (int64_t)(job->depth / GG_QK(job->qtype)) * GG_BYTES(job->qtype);
     const int64_t own_bytes = job->packed ? 0 : (GP_COLS * row_bytes + 63) / 64 * 64;
     const int decode = job->rows > GP_DECODE_ROWS;   /* several row tiles a group: decode it once */
@@ -300,11 +316,11 @@ static int gp_linear(const float *x, const uint8_t *w, float *out, int64_t ld, i
         }
         in = (gp_inputs){q, f, s, f + values / 16};
     }
-    gp_quantize(x, values, &in);
     const int groups = (cols + GP_COLS - 1) / GP_COLS;
     const int threads = num_threads < groups ? (num_threads > 0 ? num_threads : 1) : groups;
     const int per_item = groups / (4 * threads);
-    gp_job job = {&in, w, out, ld, 0, rows, cols, groups, depth, qtype, per_item > 0 ? per_item : 1, packed, 0};
+    gp_job job = {&in, w, out, ld, 0, rows, cols, groups, depth, qtype, per_item > 0 ? per_item : 1, packed, 0,
+                  x, values / GP_RUN, 0, 0};
     run_workers(gp_worker, &job, threads);
     free(q), free(f), free(s);
     return job.failed ? -3 : 0;
