@@ -118,7 +118,7 @@ def _packed_supports(config) -> str | None:
 
 def _packed_priority() -> int:
     """Chosen first where the packed tiles have vpdpbusd (AVX512-VNNI, AVX-VNNI): on the AMD EPYC
-    (avx512, 2 threads) 1.6-2.4x q8 math at one row, 1.0-1.4x bf16 math from 64 rows. Without it
+    (avx512, 2 threads) 1.6-2.4x q8 math at one row, 0.98-1.4x bf16 math from 64 rows. Without it
     (vpmaddubsw) 0.7-1.5x q8 math at x86-64-v3: chosen by name."""
     from fdplug.plugins.cpu import native_gguf_packed
 
