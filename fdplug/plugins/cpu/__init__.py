@@ -119,10 +119,12 @@ def _packed_supports(config) -> str | None:
 def _packed_priority() -> int:
     """Chosen first where the packed tiles have vpdpbusd (AVX512-VNNI, AVX-VNNI): on the AMD EPYC
     (avx512, 2 threads) 1.6-2.4x q8 math at one row, 0.98-1.4x bf16 math from 64 rows. Without it
-    (vpmaddubsw) 0.7-1.5x q8 math at x86-64-v3: chosen by name."""
-    from fdplug.plugins.cpu import native_gguf_packed
+    (vpmaddubsw) 0.7-1.5x q8 math at x86-64-v3: chosen by name. From the CPU's flags and the cap
+    (`isa.extensions`), not the build: registration must not build the kernels (a plugin whose build
+    failed, or FDPLUG_CPU_KERNELS=off, still registers its device)."""
+    from fdplug.plugins.cpu import isa
 
-    return 30 if native_gguf_packed.available() and native_gguf_packed.vnni() else 4
+    return 30 if {"AVX512-VNNI", "AVX-VNNI"} & set(isa.extensions()) else 4
 
 
 def _gguf_packed_prepare_factory(config):
