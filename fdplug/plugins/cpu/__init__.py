@@ -107,7 +107,8 @@ def _bf16_math_supports(name: str, module: str, otherwise: str):
 
 
 def _packed_supports(config) -> str | None:
-    """`OpSpec.supports` of the packed q8-math GGUF kernel: the tiles' level, and VNNI in the build."""
+    """`OpSpec.supports` of the packed q8-math GGUF kernel: the tiles' level, and its tiles in the build
+    (where it comes first, `_packed_priority`, is VNNI's question)."""
     from fdplug.plugins.cpu import native_gguf_packed
 
     reason = _tiles_supports("cpu_native_gguf_packed_linear")(config)
@@ -219,8 +220,9 @@ def fdplug_register_ops(register):
            "q8 math on GGUF blocks repacked at load into groups of 16 columns (the same bytes): inputs quantized "
            "to 8 bits per 16 values, each run's products summed as integers with the columns in the lanes "
            "(vpdpbusd; on SmolLM2's layers 1.6-2.4x q8 math at one row, 1.0-1.4x bf16 math from 64 rows, AMD "
-           "EPYC, avx512). Chosen first where the build has AVX512-VNNI or AVX-VNNI, by name elsewhere (AVX2: "
-           "vpmaddubsw). --op-kernel gguf_linear=cpu_native_gguf_bf16_linear keeps bf16 math",
+           "EPYC, avx512). Chosen first where the CPU (as FDPLUG_CPU_ISA leaves it) has AVX512-VNNI or "
+           "AVX-VNNI, by name elsewhere (AVX2: vpmaddubsw). --op-kernel gguf_linear=cpu_native_gguf_bf16_linear "
+           "keeps bf16 math",
            priority=_packed_priority(), supports=_packed_supports, prepare=_gguf_packed_prepare_factory, q8_inputs=16)
     native("cpu_native_rms_norm", "rms_norm", ("native_norms", "rms_norm"),
            "one compiled call instead of paddle's five ops (float32; the q/k norm's per-head weights too)")

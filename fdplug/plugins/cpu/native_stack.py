@@ -85,7 +85,8 @@ def _linear_reason(linear: StackLinear, packed: bool = False) -> str | None:
             return f"{qtype} rows of {linear.in_features} weights (it decodes {', '.join(SUPPORTED)})"
         if packed and qtype in TYPES:
             if not (isinstance(weight, PreparedWeight) and weight.layout == LAYOUT):
-                return "GGUF weights the packed kernel's loader left unpacked (a row count not a multiple of 16)"
+                return ("GGUF weights the packed kernel's loader left unpacked (a row count not a multiple of 16, "
+                        "or FDPLUG_CPU_PACK_WEIGHTS=0)")
         elif isinstance(weight, PreparedWeight) or not weight.is_contiguous():
             return "GGUF weights laid out by another kernel"
     return None
