@@ -8,10 +8,11 @@
  * Without VNNI, vpmaddubsw's int16 pair sums saturate for Q8_0's bytes offset by 128 (255 * 127 * 2):
  * its weights go signed there (q, |q| against x with q's sign: at most 128 * 127 * 2), and the sum
  * starts at 0 instead of -128 * sum(x's integers): the same integer.
- * Included by gguf_packed.c (gp_job, gp_inputs, the layout's helpers).
+ * Included by gguf_packed.c (gp_job, gp_inputs, the layout's helpers), after gguf_q8.c (its integer
+ * dot products, gg_dot4_add and gg_dot4_add_512).
  * ------------------------------------------------------------------------------------------- */
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#ifdef GG_Q8_512   /* (gguf_q8.c: AVX-512 BW, VL and DQ) */
 #define GP_HALVES 1          /* vectors a group's 16 columns take */
 typedef __m512i gp_vi;
 typedef __m512 gp_vf;
@@ -33,12 +34,8 @@ static inline gp_vi gp_plane(gp_vi v, uint64_t m, int h, int plane) {
 }
 #ifdef __AVX512VNNI__
 #define GP_VNNI 1
-static inline gp_vi gp_dot(gp_vi acc, gp_vi u, gp_vi s) { return _mm512_dpbusd_epi32(acc, u, s); }
-#else
-static inline gp_vi gp_dot(gp_vi acc, gp_vi u, gp_vi s) {
-    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
-}
 #endif
+static inline gp_vi gp_dot(gp_vi acc, gp_vi u, gp_vi s) { return gg_dot4_add_512(acc, u, s); }
 static inline gp_vf gp_f(gp_vi a) { return _mm512_cvtepi32_ps(a); }
 static inline gp_vf gp_fset1(float v) { return _mm512_set1_ps(v); }
 static inline gp_vf gp_fzero(void) { return _mm512_setzero_ps(); }
@@ -66,20 +63,10 @@ static inline gp_vi gp_plane(gp_vi v, uint64_t m, int h, int plane) {   /* half 
     const gp_vi bits = gg_bits256((uint32_t)(m >> (32 * h)));           /* 0x10 where set */
     return _mm256_or_si256(v, plane ? _mm256_slli_epi16(bits, 1) : bits);
 }
-#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+#ifdef GG_DOT4_VNNI
 #define GP_VNNI 1
-static inline gp_vi gp_dot(gp_vi acc, gp_vi u, gp_vi s) {
-#ifdef __AVXVNNI__
-    return _mm256_dpbusd_avx_epi32(acc, u, s);
-#else
-    return _mm256_dpbusd_epi32(acc, u, s);
 #endif
-}
-#else
-static inline gp_vi gp_dot(gp_vi acc, gp_vi u, gp_vi s) {
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-}
-#endif
+static inline gp_vi gp_dot(gp_vi acc, gp_vi u, gp_vi s) { return gg_dot4_add(acc, u, s); }
 static inline gp_vf gp_f(gp_vi a) { return _mm256_cvtepi32_ps(a); }
 static inline gp_vf gp_fset1(float v) { return _mm256_set1_ps(v); }
 static inline gp_vf gp_fzero(void) { return _mm256_setzero_ps(); }

@@ -82,14 +82,25 @@ static void gg_quantize_rows_q8(const float *x, int8_t *q, float *scale, float *
     }
 }
 
-/* The 8 int32 lanes of 32 byte products u[i] * s[i] (u unsigned, s signed), lane l the sum of bytes
- * 4l .. 4l + 3: one vpdpbusd where the build has VNNI, else vpmaddubsw then vpmaddwd by ones. The
- * same integers either way (vpmaddubsw's int16 pair sums cannot saturate here: gg_q8_tile). */
-static inline __m256i gg_dot4(__m256i u, __m256i s) {
+/* acc + the 8 int32 lanes of 32 byte products u[i] * s[i] (u unsigned, s signed), lane l the sum
+ * of bytes 4l .. 4l + 3: one vpdpbusd where the build has VNNI (GG_DOT4_VNNI), else vpmaddubsw,
+ * vpmaddwd by ones and vpaddd. The same integers either way where vpmaddubsw's int16 pair sums
+ * cannot saturate (its callers' bytes: gg_q8_tile, gguf_packed_tiles.c). */
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define GG_DOT4_VNNI 1
+#endif
+static inline __m256i gg_dot4_add(__m256i acc, __m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+    return _mm256_dpbusd_epi32(acc, u, s);
 #elif defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+static inline __m256i gg_dot4(__m256i u, __m256i s) {
+#ifdef GG_DOT4_VNNI
+    return gg_dot4_add(_mm256_setzero_si256(), u, s);
 #else
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 #endif
@@ -163,10 +174,17 @@ static inline __attribute__((always_inline)) __m256i gg_q8_piece(const uint8_t *
 
 #if defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
 #define GG_Q8_512 1
-/* gg_dot4 on 64 bytes: lanes 0-7 the first 32 bytes', 8-15 the second's */
+/* gg_dot4_add and gg_dot4 on 64 bytes: lanes 0-7 the first 32 bytes', 8-15 the second's */
+static inline __m512i gg_dot4_add_512(__m512i acc, __m512i u, __m512i s) {
+#ifdef __AVX512VNNI__
+    return _mm512_dpbusd_epi32(acc, u, s);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
+#endif
+}
 static inline __m512i gg_dot4_512(__m512i u, __m512i s) {
 #ifdef __AVX512VNNI__
-    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s);
+    return gg_dot4_add_512(_mm512_setzero_si512(), u, s);
 #else
     return _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1));
 #endif
