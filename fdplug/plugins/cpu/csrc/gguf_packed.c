@@ -164,23 +164,38 @@ int fdplug_gguf_pack(const uint8_t *w, uint8_t *out, int cols, int depth, int qt
 
 /* ---- inputs (every call) ---- */
 
+#if (defined(GG_Q8_512) && defined(__AVX512VNNI__)) || (!defined(GG_Q8_512) && defined(GG_DOT4_VNNI))
+#define GP_VNNI 1   /* the tiles' integer products are vpdpbusd (gguf_packed_tiles.c) */
+#endif
+#define GP_REC 64   /* bytes of a row's record for a piece (gp_inputs) */
+
+/* x quantized, a record of GP_REC bytes for each piece p and row, at rec + (p * rows + row) * GP_REC,
+ * so that a tile's rows for a piece lie GP_REC bytes apart (one pointer and constant offsets): its 32
+ * inputs q (int8), the runs' scales d[2] (float), the runs' integer sums times -off (start[2], int32:
+ * each sum's start, the type's offset subtracted exactly), the piece's sum sx = fma(d1, qs1, d0 * qs0)
+ * (float) at byte 48. */
 typedef struct {
-    int8_t *q;       /* [rows, depth] */
-    float *d;        /* [rows, depth / 16] the runs' scales */
-    int32_t *qs;     /* [rows, depth / 16] the runs' integer sums */
-    float *sx;       /* [rows, depth / 32] a piece's sum of its inputs as quantized */
+    uint8_t *rec;
+    int64_t rows;
+    int pieces, off;
 } gp_inputs;
 
-/* x's runs [first, last) of 16 (first even) -> in (q, d, qs; sx a piece): the same values at both levels */
+/* x's runs [first, last) of 16 (first even; run = row * pieces * 2 + 2 * piece + j) -> their records:
+ * the same values at both levels */
 static void gp_quantize(const float *x, int64_t first, int64_t last, gp_inputs *in) {
+    int32_t first_sum = 0;   /* the piece's first run's qs (its second run comes next: first is even) */
+    int64_t row = first / (2 * in->pieces), p = first / 2 % in->pieces;
     for (int64_t run = first; run < last; ++run) {
         const float *v = x + GP_RUN * run;
+        const int j = (int)(run % 2);
+        uint8_t *r = in->rec + (p * in->rows + row) * GP_REC;
+        int32_t qs;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
         const __m512 a = _mm512_loadu_ps(v);
         const float d = _mm512_reduce_max_ps(_mm512_abs_ps(a)) / 127.0f, inverse = d != 0.0f ? 1.0f / d : 0.0f;
         const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inverse))); /* nearest even */
-        _mm_storeu_si128((__m128i *)(in->q + GP_RUN * run), _mm512_cvtsepi32_epi8(q));
-        in->qs[run] = _mm512_reduce_add_epi32(q);
+        const __m128i bytes = _mm512_cvtsepi32_epi8(q);
+        qs = _mm512_reduce_add_epi32(q);
 #else
         const __m256 a0 = _mm256_loadu_ps(v), a1 = _mm256_loadu_ps(v + 8), sign = _mm256_set1_ps(-0.0f);
         __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(_mm256_max_ps(_mm256_andnot_ps(sign, a0), _mm256_andnot_ps(sign, a1))),
@@ -190,15 +205,24 @@ static void gp_quantize(const float *x, int64_t first, int64_t last, gp_inputs *
         const __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(a0, _mm256_set1_ps(inverse)));   /* nearest even */
         const __m256i q1 = _mm256_cvtps_epi32(_mm256_mul_ps(a1, _mm256_set1_ps(inverse)));
         const __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(q0, q1), 0xD8);    /* 16 in order */
-        _mm_storeu_si128((__m128i *)(in->q + GP_RUN * run),
-                         _mm_packs_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1)));
+        const __m128i bytes = _mm_packs_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
         __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(_mm256_add_epi32(q0, q1)),
                                    _mm256_extracti128_si256(_mm256_add_epi32(q0, q1), 1));
         s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
-        in->qs[run] = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1))));
+        qs = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1))));
 #endif
-        in->d[run] = d;
-        if (run % 2) in->sx[run / 2] = fmaf(d, (float)in->qs[run], in->d[run - 1] * (float)in->qs[run - 1]);
+        _mm_storeu_si128((__m128i *)(r + 16 * j), bytes);
+        const int32_t start = -in->off * qs;
+        memcpy(r + 32 + 4 * j, &d, 4);
+        memcpy(r + 40 + 4 * j, &start, 4);
+        if (j == 1) {
+            float d0;
+            memcpy(&d0, r + 32, 4);
+            const float sx = fmaf(d, (float)qs, d0 * (float)first_sum);
+            memcpy(r + 48, &sx, 4);
+            if (++p == in->pieces) p = 0, ++row;
+        }
+        first_sum = qs;
     }
 }
 
@@ -298,30 +322,17 @@ static int gp_linear(const float *x, const uint8_t *w, float *out, int64_t ld, i
                      int qtype, int packed, int num_threads) {
     if (!gp_packable(qtype) || (packed && cols % GP_COLS) || depth <= 0 || depth % GG_QK(qtype)) return -2;
     if (rows <= 0 || cols <= 0) return 0;
-    const int64_t values = (int64_t)rows * depth;
-    int8_t small_q[GG_SMALL_X];
-    float small_f[GG_SMALL_X / 16 * 2 + GG_SMALL_X / 32];
-    int32_t small_s[GG_SMALL_X / 16];
-    gp_inputs in = {small_q, small_f, small_s, small_f + values / 16};
-    int8_t *q = NULL;
-    float *f = NULL;
-    int32_t *s = NULL;
-    if (values > GG_SMALL_X) {
-        q = malloc((size_t)values);
-        f = malloc(sizeof(float) * (size_t)(values / 16 + values / 32));
-        s = malloc(sizeof(int32_t) * (size_t)(values / 16));
-        if (q == NULL || f == NULL || s == NULL) {
-            free(q), free(f), free(s);
-            return -3;
-        }
-        in = (gp_inputs){q, f, s, f + values / 16};
-    }
+    const int64_t values = (int64_t)rows * depth, bytes = values / 32 * GP_REC;
+    uint8_t small[GG_SMALL_X / 32 * GP_REC] __attribute__((aligned(64)));
+    uint8_t *rec = bytes > (int64_t)sizeof small ? malloc((size_t)bytes) : small;
+    if (rec == NULL) return -3;
+    gp_inputs in = {rec, rows, depth / 32, GP_SIGNED(qtype) ? 0 : gp_offset(qtype)};
     const int groups = (cols + GP_COLS - 1) / GP_COLS;
     const int threads = num_threads < groups ? (num_threads > 0 ? num_threads : 1) : groups;
     const int per_item = groups / (4 * threads);
     gp_job job = {&in, w, out, ld, 0, rows, cols, groups, depth, qtype, per_item > 0 ? per_item : 1, packed, 0,
                   x, values / GP_RUN, 0, 0};
     run_workers(gp_worker, &job, threads);
-    free(q), free(f), free(s);
+    if (rec != small) free(rec);
     return job.failed ? -3 : 0;
 }

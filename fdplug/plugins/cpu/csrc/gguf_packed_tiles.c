@@ -32,10 +32,10 @@ static inline gp_vi gp_plane(gp_vi v, uint64_t m, int h, int plane) {
     (void)h;
     return _mm512_mask_add_epi8(v, (__mmask64)m, v, _mm512_set1_epi8((char)(0x10 << plane)));
 }
-#ifdef __AVX512VNNI__
-#define GP_VNNI 1
-#endif
 static inline gp_vi gp_dot(gp_vi acc, gp_vi u, gp_vi s) { return gg_dot4_add_512(acc, u, s); }
+static inline gp_vi gp_pairs16(gp_vi u, gp_vi s) { return _mm512_maddubs_epi16(u, s); }
+static inline gp_vi gp_add16(gp_vi a, gp_vi b) { return _mm512_add_epi16(a, b); }
+static inline gp_vi gp_widen_add(gp_vi acc, gp_vi t) { return _mm512_add_epi32(acc, _mm512_madd_epi16(t, _mm512_set1_epi16(1))); }
 static inline gp_vf gp_f(gp_vi a) { return _mm512_cvtepi32_ps(a); }
 static inline gp_vf gp_fset1(float v) { return _mm512_set1_ps(v); }
 static inline gp_vf gp_fzero(void) { return _mm512_setzero_ps(); }
@@ -63,10 +63,10 @@ static inline gp_vi gp_plane(gp_vi v, uint64_t m, int h, int plane) {   /* half 
     const gp_vi bits = gg_bits256((uint32_t)(m >> (32 * h)));           /* 0x10 where set */
     return _mm256_or_si256(v, plane ? _mm256_slli_epi16(bits, 1) : bits);
 }
-#ifdef GG_DOT4_VNNI
-#define GP_VNNI 1
-#endif
 static inline gp_vi gp_dot(gp_vi acc, gp_vi u, gp_vi s) { return gg_dot4_add(acc, u, s); }
+static inline gp_vi gp_pairs16(gp_vi u, gp_vi s) { return _mm256_maddubs_epi16(u, s); }
+static inline gp_vi gp_add16(gp_vi a, gp_vi b) { return _mm256_add_epi16(a, b); }
+static inline gp_vi gp_widen_add(gp_vi acc, gp_vi t) { return _mm256_add_epi32(acc, _mm256_madd_epi16(t, _mm256_set1_epi16(1))); }
 static inline gp_vf gp_f(gp_vi a) { return _mm256_cvtepi32_ps(a); }
 static inline gp_vf gp_fset1(float v) { return _mm256_set1_ps(v); }
 static inline gp_vf gp_fzero(void) { return _mm256_setzero_ps(); }
@@ -142,13 +142,6 @@ static void gp_k_factors(const uint8_t *h, int QT, float dw[16][GP_COLS], float 
     }
 }
 
-/* 4 inputs as one int32 (the broadcast operand of the integer products) */
-static inline int32_t gp_quad(const int8_t *p) {
-    int32_t v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
 /* Piece p of the group at g (K-quants: dws, ows hold its super-block's factors, gp_k_factors) */
 static inline __attribute__((always_inline)) void gp_piece_at(const uint8_t *g, const int QT, int p,
                                                               const float dws[16][GP_COLS],
@@ -199,13 +192,48 @@ static void gp_decode_group(const uint8_t *g, int QT, int depth, uint8_t *buf) {
 #undef GP_DECODE
 }
 
+/* A 4-byte value at p, broadcast to every lane */
+static inline gp_vi gp_bcast(const uint8_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return gp_set1(v);
+}
+static inline float gp_float_at(const uint8_t *p) {
+    float v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* Run j's integer sums (quads 4j .. 4j + 3 of a half's weight vectors v; Q8_0 without VNNI: s their
+ * signs) against the inputs of a row's record rec (gp_inputs), from the record's start (-offset * qs).
+ * With VNNI one vpdpbusd a quad. Without, vpmaddubsw's int16 pair sums of quads are added as int16
+ * where they cannot overflow (inputs |q| <= 127: 4 quads of weights below 32 at most 31,496, 2 of
+ * Q6_K's below 64), then widened by one vpmaddwd; Q8_0 (|w| against q with w's sign: |w| <= 128) a
+ * quad at a time. The same integers either way. */
+static inline __attribute__((always_inline)) gp_vi gp_run(const gp_vi v[4], const gp_vi s[4], int j, const uint8_t *rec,
+                                                          const int QT) {
+    const uint8_t *x = rec + 16 * j;
+    gp_vi acc = gp_bcast(rec + 40 + 4 * j);
+#ifdef GP_VNNI
+    (void)s;
+    for (int q = 0; q < 4; ++q) acc = gp_dot(acc, v[q], gp_bcast(x + 4 * q));
+#else
+    const int per = QT == GG_Q8_0 ? 1 : QT == GG_Q6_K ? 2 : 4;
+    for (int q = 0; q < 4; q += per) {
+        gp_vi t = gp_pairs16(v[q], GP_SIGNED(QT) ? gp_sign8(gp_bcast(x + 4 * q), s[q]) : gp_bcast(x + 4 * q));
+        for (int i = q + 1; i < q + per; ++i) t = gp_add16(t, gp_pairs16(v[i], gp_bcast(x + 4 * i)));
+        acc = gp_widen_add(acc, t);
+    }
+#endif
+    return acc;
+}
+
 /* Rows m0 .. m0 + MR - 1 of the 16 columns of the group at g (or, decoded != NULL, its pieces as
  * gp_decode_group left them), out's columns n0 .. n0 + 15 (those below job->cols) */
 static inline __attribute__((always_inline)) void gp_tile(const gp_job *job, const uint8_t *g, const uint8_t *decoded,
                                                           const int QT, int m0, const int MR, int n0) {
     const gp_inputs *in = job->in;
-    const int depth = job->depth, pieces = depth / 32, runs = depth / GP_RUN;
-    const int OFF = GP_SIGNED(QT) ? 0 : gp_offset(QT);
+    const int pieces = job->depth / 32;
     const int64_t unit = (int64_t)GP_COLS * GG_BYTES(QT);
     float dws[16][GP_COLS], ows[8][GP_COLS];
     gp_vf acc[GP_MR][2][GP_HALVES];
@@ -229,27 +257,21 @@ static inline __attribute__((always_inline)) void gp_tile(const gp_job *job, con
             gp_piece_at(g, QT, p, dws, ows, &e);
         }
         const int C = p & 1;   /* the chain */
+        const uint8_t *rec = in->rec + ((int64_t)p * in->rows + m0) * GP_REC;   /* row r's at r * GP_REC */
         GG_UNROLL
         for (int r = 0; r < MR; ++r) {
-            const int64_t row = (int64_t)(m0 + r), run = row * runs + 2 * p;
-            const int8_t *xr = in->q + row * depth + 32 * p;
-            const gp_vf d0 = gp_fset1(in->d[run]), d1 = gp_fset1(in->d[run + 1]);
-            for (int h = 0; h < GP_HALVES; ++h) {
-                gp_vi a0 = gp_set1(-OFF * in->qs[run]), a1 = gp_set1(-OFF * in->qs[run + 1]);
-                for (int q = 0; q < 8; ++q) {
-                    gp_vi x = gp_set1(gp_quad(xr + 4 * q));
-                    if (GP_SIGNED(QT)) x = gp_sign8(x, e.s[h][q]);
-                    if (q < 4) a0 = gp_dot(a0, e.v[h][q], x);
-                    else a1 = gp_dot(a1, e.v[h][q], x);
-                }
-                const gp_vf s0 = gp_mul(gp_f(a0), d0);
+            for (int h = 0; h < GP_HALVES; ++h) {   /* (both halves take the row's broadcast inputs) */
+                const uint8_t *x = rec + r * GP_REC;
+                const gp_vi a0 = gp_run(e.v[h], e.s[h], 0, x, QT), a1 = gp_run(e.v[h] + 4, e.s[h] + 4, 1, x, QT);
+                const gp_vf s0 = gp_mul(gp_f(a0), gp_fset1(gp_float_at(x + 32)));
+                const gp_vf d1 = gp_fset1(gp_float_at(x + 36));
                 gp_vf *a = &acc[r][C][h];
                 if (QT == GG_Q6_K) {
                     *a = gp_fma(s0, e.dw0[h], *a);
                     *a = gp_fma(gp_mul(gp_f(a1), d1), e.dw1[h], *a);
                 } else {
                     *a = gp_fma(gp_fma(gp_f(a1), d1, s0), e.dw0[h], *a);
-                    if (gp_has_min(QT)) *a = gp_fma(e.ow[h], gp_fset1(in->sx[row * pieces + p]), *a);
+                    if (gp_has_min(QT)) *a = gp_fma(e.ow[h], gp_fset1(gp_float_at(x + 48)), *a);
                 }
             }
         }
