@@ -166,9 +166,9 @@ def test_the_op_runs_the_tiles_at_every_row_count_so_a_row_does_not_depend_on_it
 
 
 def test_selection_picks_the_kernel_where_the_tiles_are():
-    """Chosen for gguf_linear at x86-64-v3 and above (packed q8 math where the build has AVX512-VNNI:
-    tests/test_cpu_gguf_packed_kernel.py; else bf16 math where it has AVX512-BF16:
-    tests/test_cpu_gguf_bf16_kernel.py; in q8 math at x86-64-v3: tests/test_cpu_gguf_q8_kernel.py);
+    """Chosen for gguf_linear at x86-64-v3 and above (packed q8 math where the build has AVX512-VNNI
+    and at x86-64-v3: tests/test_cpu_gguf_packed_kernel.py; else bf16 math where it has AVX512-BF16:
+    tests/test_cpu_gguf_bf16_kernel.py);
     below, the portable op (its scalar loop, as the linears' is refused there)."""
     from fdplug.core.plugin_loading.selection import select_components
 
@@ -177,11 +177,12 @@ def test_selection_picks_the_kernel_where_the_tiles_are():
 
 
 def selected_native() -> str:
-    """The GGUF kernel chosen at x86-64-v3 and above: packed q8 math with VNNI, else bf16 math
-    with AVX512-BF16, else q8 math at x86-64-v3 and float32 math at AVX-512."""
+    """The GGUF kernel chosen at x86-64-v3 and above: packed q8 math with VNNI and at x86-64-v3,
+    else bf16 math with AVX512-BF16, else q8 math at x86-64-v3 (no packed tiles) and float32 math at
+    AVX-512."""
     from fdplug.plugins.cpu import native_gguf_packed
 
-    if native_gguf_packed.available() and native_gguf_packed.vnni():
+    if native_gguf_packed.available() and (native_gguf_packed.vnni() or isa.level() == 3):
         return "cpu_native_gguf_packed_linear"
     if native_gguf.bf16_math_available():
         return "cpu_native_gguf_bf16_linear"

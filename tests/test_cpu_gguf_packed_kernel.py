@@ -13,13 +13,13 @@ import paddle
 
 from fdplug.core.portable.ops import gguf_linear as portable
 from fdplug.plugin_api.gguf_formats import q8_inputs
-from fdplug.plugins.cpu import kernels, native_gguf, native_gguf_packed
+from fdplug.plugins.cpu import isa, kernels, native_gguf, native_gguf_packed
 from fdplug.testing.test_numerics import _random_gguf_blocks
 
 if kernels.unavailable_reason() is not None:
     pytest.skip(f"cpu kernels unavailable: {kernels.unavailable_reason()}", allow_module_level=True)
 PACKED = native_gguf_packed.available()
-FIRST = PACKED and native_gguf_packed.vnni()   # chosen first where the tiles have vpdpbusd
+FIRST = PACKED and (native_gguf_packed.vnni() or isa.level() == 3)   # first with vpdpbusd, and at x86-64-v3
 needs_tiles = pytest.mark.skipif(not PACKED, reason="the packed tiles need x86-64-v3 (AVX2) or above")
 TYPES = native_gguf_packed.TYPES
 
@@ -93,8 +93,9 @@ def test_prepare_keeps_the_bytes_and_declines_what_it_cannot_pack():
 
 
 def test_selection_chooses_it_with_vnni_and_says_why_not(monkeypatch):
-    """First where its tiles have vpdpbusd (AVX512-VNNI or AVX-VNNI; docs/cpu-kernels.md has the
-    figures), by name at x86-64-v3 without it; where the build has no tiles, the reason says so."""
+    """First where its tiles have vpdpbusd (AVX512-VNNI or AVX-VNNI) and at x86-64-v3 without it
+    (docs/cpu-kernels.md has the figures), by name at AVX-512 without VNNI; where the build has no
+    tiles, the reason says so."""
     from fdplug.core.plugin_loading.selection import select_components
     from fdplug.plugins.cpu import isa
 

@@ -98,14 +98,22 @@ def test_half_precision_rows_keep_float32_math():
                                       native_gguf.gguf_linear(paddle.to_tensor(x), w, qtype, k, threads=2).numpy())
 
 
-def test_chosen_at_x86_64_v3_and_by_name_above():
-    """First where the kernels are built for x86-64-v3 (no bf16 math there; q8 math 1.4-1.6x the
-    float32 tiles at one row); at AVX-512 the float32 or bf16 tiles stay first (faster from a few
-    rows), and it runs where it is named."""
+def test_chosen_at_x86_64_v3_after_the_packed_tiles_and_by_name_above(monkeypatch):
+    """Second where the kernels are built for x86-64-v3 (no bf16 math there; q8 math 1.4-1.6x the
+    float32 tiles at one row), after the packed q8 math: first there when the packed tiles are
+    missing; at AVX-512 the float32, bf16 or packed tiles stay first (faster from a few rows), and it
+    runs where it is named."""
     from fdplug.core.plugin_loading.selection import select_components
+    from fdplug.plugins.cpu import native_gguf_packed
 
     selection = select_components("cpu")
     decision = next(d for d in selection.decisions if d.name == "cpu_native_gguf_q8_linear")
+    if isa.level() == 3 and native_gguf_packed.available():
+        assert selection.ops["gguf_linear"].name == "cpu_native_gguf_packed_linear"
+        assert not decision.chosen and "priority 15" in decision.reason
+        monkeypatch.setattr(native_gguf_packed, "available", lambda: False)
+        selection = select_components("cpu")
+        decision = next(d for d in selection.decisions if d.name == "cpu_native_gguf_q8_linear")
     if isa.level() == 3:
         assert selection.ops["gguf_linear"].name == "cpu_native_gguf_q8_linear" and "priority (15)" in decision.reason
     else:

@@ -37,12 +37,13 @@ def selected(smollm2):
     return LLM(smollm2, max_model_len=1024)
 
 
-NEAR_TIE = 0.1
+NEAR_TIE = 0.15
 """nats: in q8 math (inputs quantized to 8 bits, a scale per 4 or 16 values) a greedy continuation may
 leave transformers' where transformers' token is this run's second choice within this much. Measured
 (runs of 4): the two fixture continuations that leave do so at margins of 0.016 and 0.073; the others
 agree. Runs of 16 (`cpu_native_gguf_packed_linear`) also answer the chat prompt otherwise, at its
-first token: "L" against "The" (logprobs -1.96 and -1.88 in float32 math), as llama.cpp does."""
+first token: "L" against "The" (logprobs -1.96 and -1.88 in float32 math), as llama.cpp does; at
+0.128 nats with the kernels built for x86-64-v3 (the AMD EPYC, avx512, capped to AVX2)."""
 EXACT_MATH = {"gguf_linear": "cpu_native_gguf_linear"}
 """float32 math, transformers' tokens exactly (where the tiles are: x86-64-v3 and above)."""
 

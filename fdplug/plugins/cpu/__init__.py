@@ -108,7 +108,7 @@ def _bf16_math_supports(name: str, module: str, otherwise: str):
 
 def _packed_supports(config) -> str | None:
     """`OpSpec.supports` of the packed q8-math GGUF kernel: the tiles' level, and its tiles in the build
-    (where it comes first, `_packed_priority`, is VNNI's question)."""
+    (where it comes first: `_packed_priority`)."""
     from fdplug.plugins.cpu import native_gguf_packed
 
     reason = _tiles_supports("cpu_native_gguf_packed_linear")(config)
@@ -119,13 +119,16 @@ def _packed_supports(config) -> str | None:
 
 def _packed_priority() -> int:
     """Chosen first where the packed tiles have vpdpbusd (AVX512-VNNI, AVX-VNNI): on the AMD EPYC
-    (avx512, 2 threads) 1.6-2.4x q8 math at one row, 0.98-1.4x bf16 math from 64 rows. Without it
-    (vpmaddubsw) 0.7-1.5x q8 math at x86-64-v3: chosen by name. From the CPU's flags and the cap
-    (`isa.extensions`), not the build: registration must not build the kernels (a plugin whose build
-    failed, or FDPLUG_CPU_KERNELS=off, still registers its device)."""
+    (avx512, 2 threads) 1.6-2.4x q8 math at one row, 0.98-1.4x bf16 math from 64 rows. And at
+    x86-64-v3 without it (vpmaddubsw, its int16 sums): there, capped to AVX2 on the same AMD EPYC, it
+    beat q8 math (the default before) on every engine figure measured against llama.cpp (SmolLM2 Q4_1:
+    decode 1.55x q8 math's, TTFT 0.86x; Q4_K_M: decode 1.07x, TTFT 0.89x, 64 streams 1.06x, offline
+    1.19x). At AVX-512 without VNNI the bf16 or float32 tiles stay first: by name there. From the CPU's
+    flags and the cap (`isa.extensions`, `isa.level`), not the build: registration must not build the
+    kernels (a plugin whose build failed, or FDPLUG_CPU_KERNELS=off, still registers its device)."""
     from fdplug.plugins.cpu import isa
 
-    return 30 if {"AVX512-VNNI", "AVX-VNNI"} & set(isa.extensions()) else 4
+    return 30 if {"AVX512-VNNI", "AVX-VNNI"} & set(isa.extensions()) or isa.level() == 3 else 4
 
 
 def _gguf_packed_prepare_factory(config):
@@ -148,10 +151,11 @@ def _q8_math_supports(config) -> str | None:
 
 
 def _q8_math_priority() -> int:
-    """Chosen first at x86-64-v3, where there is no bf16 math: there q8 math ran 1.4-1.6x the float32
-    tiles at one row and 0.75-1.4x from 64 rows (AMD EPYC, avx512, capped to AVX2), with SmolLM2's
-    perplexity +0.09% (bf16 math, chosen first where the CPU has it: +0.11%). Below the float32 tiles
-    at AVX-512 (0.5-0.8x them from 8 rows there): chosen by name."""
+    """Second at x86-64-v3, where there is no bf16 math (after the packed q8 math, `_packed_priority`:
+    first there when its tiles are missing): q8 math ran 1.4-1.6x the float32 tiles at one row and
+    0.75-1.4x from 64 rows (AMD EPYC, avx512, capped to AVX2), with SmolLM2's perplexity +0.09%
+    (packed q8 math's runs of 16: +0.65%; bf16 math +0.11%). Below the float32 tiles at AVX-512
+    (0.5-0.8x them from 8 rows there): chosen by name."""
     from fdplug.plugins.cpu import isa
 
     return 15 if isa.level() == 3 else 5
@@ -213,7 +217,8 @@ def fdplug_register_ops(register):
            "cpu_native_gguf_linear in q8 math, as llama.cpp: inputs quantized to 8 bits per 4 values, each "
            "32 weights' products summed as integers (vpmaddubsw; 1.4-1.9x the float32 tiles at 1-8 rows, "
            "0.8-1.3x from 64, at AVX2; at AVX-512 1.2-1.5x the bf16 tiles at one row, 0.55-0.7x from 64). Chosen "
-           "first at x86-64-v3, by name at AVX-512; SmolLM2-135M's perplexity +0.09% (bf16 math +0.11%). "
+           "first at x86-64-v3 where the packed tiles are missing, by name elsewhere; SmolLM2-135M's "
+           "perplexity +0.09% (bf16 math +0.11%). "
            "--op-kernel gguf_linear=cpu_native_gguf_linear keeps float32 math",
            bound={"q8_math": True}, priority=_q8_math_priority(), supports=_q8_math_supports, q8_inputs=True)
     native("cpu_native_gguf_packed_linear", "gguf_linear", ("native_gguf_packed", "gguf_linear_or_fallback"),
@@ -221,8 +226,8 @@ def fdplug_register_ops(register):
            "to 8 bits per 16 values, each run's products summed as integers with the columns in the lanes "
            "(vpdpbusd; on SmolLM2's layers 1.6-2.4x q8 math at one row, 1.0-1.4x bf16 math from 64 rows, AMD "
            "EPYC, avx512). Chosen first where the CPU (as FDPLUG_CPU_ISA leaves it) has AVX512-VNNI or "
-           "AVX-VNNI, by name elsewhere (AVX2: vpmaddubsw). --op-kernel gguf_linear=cpu_native_gguf_bf16_linear "
-           "keeps bf16 math",
+           "AVX-VNNI, and at x86-64-v3 without it (vpmaddubsw); by name at AVX-512 without VNNI. "
+           "--op-kernel gguf_linear=cpu_native_gguf_bf16_linear keeps bf16 math",
            priority=_packed_priority(), supports=_packed_supports, prepare=_gguf_packed_prepare_factory, q8_inputs=16)
     native("cpu_native_rms_norm", "rms_norm", ("native_norms", "rms_norm"),
            "one compiled call instead of paddle's five ops (float32; the q/k norm's per-head weights too)")

@@ -1,5 +1,5 @@
 """``cpu_native_gguf_packed_linear``: GGUF linears in packed q8 math (csrc/gguf_packed.c; chosen first
-where the build has AVX512-VNNI or AVX-VNNI, by name at other levels from x86-64-v3).
+where the build has AVX512-VNNI or AVX-VNNI and at x86-64-v3 without it; by name at AVX-512 without VNNI).
 
 At load each layer's GGML blocks are repacked into groups of 16 columns (`prepare`: the same bytes,
 another order, so the layer still holds the file's size); every call quantizes ``x`` to 8 bits with
@@ -38,9 +38,8 @@ def available() -> bool:
 
 
 def vnni() -> bool:
-    """Whether they multiply with vpdpbusd (the build has AVX512-VNNI or AVX-VNNI): where they are
-    chosen first. Without it (vpmaddubsw) they ran 0.7-1.5x q8 math at x86-64-v3 (AMD EPYC, avx512,
-    capped to AVX2; Q6_K's bit planes and Q8_0's signs cost most): by name there."""
+    """Whether they multiply with vpdpbusd (the build has AVX512-VNNI or AVX-VNNI; without it
+    vpmaddubsw, its int16 pair sums added as int16 where they cannot overflow)."""
     return bool(load().fdplug_gguf_packed_vnni())
 
 

@@ -33,7 +33,7 @@
  * super-block starts with its 16 columns' headers as the file has them (Q4_K, Q5_K: d, dmin and
  * the 12 scale bytes, 16 bytes a column; Q6_K: the 16 int8 scales and d, 18 bytes), then its 8 pieces.
  *
- * Included by gguf_linear.c where the build has AVX2 (chosen first where it has VNNI too:
+ * Included by gguf_linear.c where the build has AVX2 (where it is chosen first:
  * native_gguf_packed.py).
  * ------------------------------------------------------------------------------------------- */
 
