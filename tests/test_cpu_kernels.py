@@ -41,9 +41,9 @@ if kernels.compiler() is None:  # the reference still serves; say so rather than
 def fresh_kernels(monkeypatch, tmp_path):
     """An empty kernel cache and a forgotten load, so a test sees a first build (and leaves none behind)."""
     monkeypatch.setenv("FDPLUG_CACHE_DIR", str(tmp_path))
-    kernels.load.cache_clear()
+    kernels.forget()
     yield tmp_path
-    kernels.load.cache_clear()
+    kernels.forget()
 
 
 @pytest.mark.parametrize("threads", [1, 3])
@@ -212,7 +212,7 @@ def test_build_is_cached_per_source_and_reused(monkeypatch, tmp_path, tmp_path_f
     there: its name is its key (sources, flags, compiler, CPU), not its directory's."""
     session_library = Path(kernels.load()._name)
     monkeypatch.setenv("FDPLUG_CACHE_DIR", str(tmp_path))
-    kernels.load.cache_clear()
+    kernels.forget()
     try:
         path = kernels.library_path(kernels.compiler())
         assert path.name == session_library.name and path.parent == tmp_path / "kernels"
@@ -224,12 +224,12 @@ def test_build_is_cached_per_source_and_reused(monkeypatch, tmp_path, tmp_path_f
         changed = tmp_path_factory.mktemp("src") / "cpu_kernels.c"
         changed.write_text(kernels.SOURCE.read_text() + "\n/* changed */\n")
         monkeypatch.setattr(kernels, "SOURCE", changed)
-        kernels.load.cache_clear()
+        kernels.forget()
         kernels.load()
         assert len(list(path.parent.glob("*.so"))) == 2
         assert not list(path.parent.glob("tmp*"))  # no half-written build left behind
     finally:
-        kernels.load.cache_clear()
+        kernels.forget()
 
 
 def test_a_failing_compiler_falls_back_to_the_reference_and_says_why(fresh_kernels, monkeypatch):
@@ -244,6 +244,83 @@ def test_a_failing_compiler_falls_back_to_the_reference_and_says_why(fresh_kerne
                                           "op:rope", "op:argmax", "op:gguf_linear", "op:decoder_stack", "attention",
                                           "moe"}
     assert all("false failed" in d.reason for d in rejected)
+
+
+def fake_compiler(folder: Path, about: str, version: str, build: str) -> Path:
+    """A compiler stand-in: ``--version`` prints ``about``, ``-dumpfullversion`` prints ``version``, and a
+    build (any call with ``-o``) runs the shell ``build`` with $OUT the output and $ARGS the arguments,
+    after appending its arguments to ``builds.log`` beside it."""
+    script = folder / "fake-cc"
+    script.write_text(f"""#!/bin/sh
+case "$*" in *--version*) echo '{about}'; exit 0;; *-dumpfullversion*) echo '{version}'; exit 0;; esac
+ARGS="$*"; OUT=""; prev=""
+for a in "$@"; do [ "$prev" = "-o" ] && OUT="$a"; prev="$a"; done
+echo "$ARGS" >> "{folder}/builds.log"
+{build}
+""")
+    script.chmod(0o755)
+    return script
+
+
+def builds(folder: Path) -> list[str]:
+    log = folder / "builds.log"
+    return log.read_text().splitlines() if log.exists() else []
+
+
+def test_a_failed_build_is_remembered_not_tried_again_on_every_call(fresh_kernels, monkeypatch, tmp_path):
+    """A Zen 3 core takes ~2 minutes a build: a failure retried on every call had a suite's first
+    minutes spent rebuilding, so the process keeps the failure until `kernels.forget`."""
+    cc = fake_compiler(tmp_path, "fake 1.0", "1.0", "echo 'error: no' >&2; exit 1")
+    monkeypatch.setenv("CC", str(cc))
+    first, second = kernels.unavailable_reason(), kernels.unavailable_reason()
+    assert first == second and "failed (exit 1)" in first and "error: no" in first
+    with pytest.raises(kernels.KernelsUnavailable, match="error: no"):
+        kernels.load()
+    assert len(builds(tmp_path)) == 1
+    kernels.forget()
+    assert kernels.unavailable_reason() == first and len(builds(tmp_path)) == 2
+
+
+def test_gcc_builds_in_parallel_and_falls_back_to_a_plain_build(fresh_kernels, tmp_path, caplog):
+    """GCC 10+ gets -flto=auto (its code generation on every core); where that build fails, one plain
+    build follows; other compilers get no such flag."""
+    gcc = fake_compiler(tmp_path, "cc (Debian 12.2.0) 12.2.0\nCopyright (C) Free Software Foundation, Inc.", "12.2.0",
+                        'case "$ARGS" in *-flto=auto*) exit 1;; esac; echo built > "$OUT"')
+    assert kernels.parallel_flags((str(gcc),)) == ("-flto=auto",)
+    target = tmp_path / "out" / "lib.so"
+    with caplog.at_level("WARNING", logger="fdplug"):
+        kernels.build([str(gcc)], target)
+    assert target.read_text() == "built\n" and "without -flto=auto" in caplog.text
+    assert ["-flto=auto" in line for line in builds(tmp_path)] == [True, False]
+    other = tmp_path / "other"
+    other.mkdir()
+    old_gcc = fake_compiler(other, "gcc 9.4.0 Free Software Foundation", "9.4.0", "exit 1")
+    clang = fake_compiler(other, "clang version 17.0.6", "17.0.6", "exit 1")
+    assert kernels.parallel_flags((str(old_gcc),)) == () and kernels.parallel_flags((str(clang),)) == ()
+
+
+def test_processes_building_at_once_build_once(fresh_kernels, tmp_path):
+    """Concurrent starts (an API process and its engines, a suite's servers) wait for one build under
+    a file lock instead of each compiling (which, on 2 cores, pushed every build past its timeout)."""
+    import threading
+
+    cc = fake_compiler(tmp_path, "fake 1.0", "1.0", 'sleep 1; echo built > "$OUT"')
+    path = fresh_kernels / "kernels" / "lib.so"
+    errors: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            kernels.build_once([str(cc)], path)
+        except BaseException as exc:  # noqa: BLE001 (reported by the assertion below)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not errors and not any(t.is_alive() for t in threads)
+    assert path.read_text() == "built\n" and len(builds(tmp_path)) == 1
 
 
 def test_kernels_on_makes_a_failed_build_a_startup_error(fresh_kernels, monkeypatch, tmp_path):
