@@ -23,7 +23,7 @@ from fdplug.core.portable import ops as portable
 from fdplug.core.portable.attention import ReferenceAttention
 from fdplug.errors import ConfigError
 from fdplug.plugin_api.sampling_params import SamplingParams
-from fdplug.plugins.cpu import isa, kernels, native_norms
+from fdplug.plugins.cpu import isa, kernel_build, kernels, native_norms
 from fdplug.plugins.cpu.native_attention import NativeCpuAttention
 from fdplug.testing.cases import (
     AttentionCase,
@@ -214,7 +214,7 @@ def test_build_is_cached_per_source_and_reused(monkeypatch, tmp_path, tmp_path_f
     monkeypatch.setenv("FDPLUG_CACHE_DIR", str(tmp_path))
     kernels.forget()
     try:
-        path = kernels.library_path(kernels.compiler())
+        path = kernel_build.library_path(kernels.compiler())
         assert path.name == session_library.name and path.parent == tmp_path / "kernels"
         path.parent.mkdir()
         shutil.copy2(session_library, path)
@@ -222,8 +222,8 @@ def test_build_is_cached_per_source_and_reused(monkeypatch, tmp_path, tmp_path_f
         kernels.load()
         assert path.stat().st_mtime_ns == stamp and len(list(path.parent.glob("*.so"))) == 1
         changed = tmp_path_factory.mktemp("src") / "cpu_kernels.c"
-        changed.write_text(kernels.SOURCE.read_text() + "\n/* changed */\n")
-        monkeypatch.setattr(kernels, "SOURCE", changed)
+        changed.write_text(kernel_build.SOURCE.read_text() + "\n/* changed */\n")
+        monkeypatch.setattr(kernel_build, "SOURCE", changed)
         kernels.forget()
         kernels.load()
         assert len(list(path.parent.glob("*.so"))) == 2
@@ -286,17 +286,17 @@ def test_gcc_builds_in_parallel_and_falls_back_to_a_plain_build(fresh_kernels, t
     build follows; other compilers get no such flag."""
     gcc = fake_compiler(tmp_path, "cc (Debian 12.2.0) 12.2.0\nCopyright (C) Free Software Foundation, Inc.", "12.2.0",
                         'case "$ARGS" in *-flto=auto*) exit 1;; esac; echo built > "$OUT"')
-    assert kernels.parallel_flags((str(gcc),)) == ("-flto=auto",)
+    assert kernel_build.parallel_flags((str(gcc),)) == ("-flto=auto",)
     target = tmp_path / "out" / "lib.so"
     with caplog.at_level("WARNING", logger="fdplug"):
-        kernels.build([str(gcc)], target)
+        kernel_build.build([str(gcc)], target)
     assert target.read_text() == "built\n" and "without -flto=auto" in caplog.text
     assert ["-flto=auto" in line for line in builds(tmp_path)] == [True, False]
     other = tmp_path / "other"
     other.mkdir()
     old_gcc = fake_compiler(other, "gcc 9.4.0 Free Software Foundation", "9.4.0", "exit 1")
     clang = fake_compiler(other, "clang version 17.0.6", "17.0.6", "exit 1")
-    assert kernels.parallel_flags((str(old_gcc),)) == () and kernels.parallel_flags((str(clang),)) == ()
+    assert kernel_build.parallel_flags((str(old_gcc),)) == () and kernel_build.parallel_flags((str(clang),)) == ()
 
 
 def test_processes_building_at_once_build_once(fresh_kernels, tmp_path):
@@ -310,7 +310,7 @@ def test_processes_building_at_once_build_once(fresh_kernels, tmp_path):
 
     def start() -> None:
         try:
-            kernels.build_once([str(cc)], path)
+            kernel_build.build_once([str(cc)], path)
         except BaseException as exc:  # noqa: BLE001 (reported by the assertion below)
             errors.append(exc)
 

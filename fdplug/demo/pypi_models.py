@@ -23,7 +23,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from fdplug.core.file_lock import lock_within
+from fdplug.core.portable.file_lock import lock_within
 from fdplug.core.settings import env
 from fdplug.errors import ModelLoadError
 from fdplug.plugin_api.settings import cache_dir

@@ -40,8 +40,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from fdplug.core.file_lock import lock_within
 from fdplug.core.model.layers.linear_shapes import LinearShape, linear_shapes
+from fdplug.core.portable.file_lock import lock_within
 from fdplug.plugin_api.settings import cache_dir
 
 logger = logging.getLogger(__name__)

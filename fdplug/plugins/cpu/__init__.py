@@ -1,8 +1,8 @@
 """Built-in ``cpu`` plugin: the host CPU as a device, and its compiled kernels.
 
 It registers the cpu device (threads, MKL dispatch, malloc tuning in ``device.py``) and, where the
-kernels in ``csrc/`` build with the system C compiler (``kernels.py``), faster components
-for it: ``cpu_native`` attention (decode reads the paged cache in place), ``cpu_native`` MoE (the
+kernels in ``csrc/`` build with the system C compiler (``kernel_build.py``; loaded by ``kernels.py``),
+faster components for it: ``cpu_native`` attention (decode reads the paged cache in place), ``cpu_native`` MoE (the
 routed experts in one compiled call) and the ``cpu_native`` SwiGLU, RMSNorm, FP8-linear, GGUF-linear and
 linear op kernels. Everything else on the cpu device is the core's portable code.
 """
@@ -86,10 +86,10 @@ def _measure_key(config) -> str:
     """`OpSpec.measure_key` of the linear kernels: what their speed against paddle's matmul depends on."""
     import paddle
 
-    from fdplug.plugins.cpu import isa, kernels
+    from fdplug.plugins.cpu import isa, kernel_build
 
     packed = "packed weights" if settings.PACK_WEIGHTS.value() else "weights in place"
-    return (f"{isa.model_name()} | {isa.describe()} | {kernels.library_path(kernels.compiler()).name} | "
+    return (f"{isa.model_name()} | {isa.describe()} | {kernel_build.library_path(kernel_build.compiler()).name} | "
             f"{packed} | {device.cpu_threads()} threads | paddle {paddle.__version__}")
 
 

@@ -1,10 +1,10 @@
 """An exclusive lock on a file, waited for up to a deadline.
 
 Processes that start together on one machine (an API process and its engines, DP ranks, a PD pair)
-share files under the cache dir: the op timings (`worker.op_timing`), a named model's
-download (`fdplug.demo.pypi_models`). One of them does the work under the lock; the others wait,
-then find it done. Every wait has a deadline, and a file system without locks (some network
-mounts) lets the work go on unlocked rather than fail.
+share files under the cache dir: the op timings (`worker.op_timing`), a named model's download
+(`fdplug.demo.pypi_models`), the cpu kernels' build (`fdplug.plugins.cpu.kernel_build`). One of
+them does the work under the lock; the others wait, then find it done. Every wait has a deadline,
+and a file system without locks (some network mounts) lets the work go on unlocked rather than fail.
 """
 
 from __future__ import annotations

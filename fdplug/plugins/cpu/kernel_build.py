@@ -1,0 +1,140 @@
+"""Building the cpu device's kernel library: the compiler, its flags, the cached library's name, the build.
+
+``csrc/cpu_kernels.c`` (which includes the other files of ``csrc/``) is compiled the first time a
+process needs it, with ``-march=native`` (or for the level ``FDPLUG_CPU_ISA`` caps it to: `isa`),
+into ``$FDPLUG_CACHE_DIR/kernels/`` under a name that hashes the sources, the flags, the compiler
+and the CPU's feature flags: a changed source or a different CPU gets its own build, and a build
+from another machine sharing the directory is never loaded. The build goes to a temporary file
+renamed into place, so no process loads a half-written library, and under a file lock
+(`fdplug.core.portable.file_lock`), so processes starting together (an API process and its engines,
+DP ranks, a test suite's servers) wait for one build instead of each compiling at once.
+
+Why the build is parallel: on an AMD EPYC Zen 3 core (AVX2-only, 2026-11-29) one plain build took
+~123 s, ~95% of it GCC's code generation (``-ftime-report``), past the 120 s the build was allowed
+then: the first ``fdplug serve`` there lost its kernels, and on 2 cores concurrent builds pushed
+every one past it. GCC 10+ now builds with ``-flto=auto``, which splits that code generation into
+partitions compiled on every core (60-74 s on 2 cores, the same arithmetic); a failing parallel
+build is followed by one plain build.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from fdplug.core.portable.file_lock import lock_within
+from fdplug.plugin_api.settings import cache_dir
+from fdplug.plugins.cpu import isa, settings
+
+logger = logging.getLogger("fdplug")
+
+CSRC = Path(__file__).parent / "csrc"
+SOURCE = CSRC / "cpu_kernels.c"    # it #includes the other files of CSRC
+FLAGS = ("-O3", "-fno-math-errno", "-fPIC", "-shared", "-pthread", "-std=c99")   # + the target (`isa.march`)
+BUILD_TIMEOUT_S = 900.0   # one build: ~2 min on a Zen 3 core (measured), several times that on a loaded machine
+
+
+class KernelsUnavailable(RuntimeError):
+    """The compiled kernels cannot be used here; the message says why."""
+
+
+def compiler() -> list[str] | None:
+    """``$CC`` (split like a shell would), else the first of cc, gcc, clang on PATH."""
+    configured = settings.CC.value()
+    if configured:
+        return shlex.split(configured)
+    found = next((shutil.which(name) for name in ("cc", "gcc", "clang") if shutil.which(name)), None)
+    return [found] if found else None
+
+
+def _cpu_fingerprint() -> str:
+    """The CPU model and feature flags: -march=native code is only valid where these match."""
+    lines = [line for line in isa.cpuinfo_lines() if line.startswith(("model name", "flags", "Features"))][:2]
+    return "\n".join(lines) or platform.processor() or platform.machine()
+
+
+def _flags() -> tuple[str, ...]:
+    """The compiler's flags: the target first, so that a flag added to FLAGS (a test's -march) overrides it."""
+    return (*isa.march(), *FLAGS)
+
+
+@functools.lru_cache(maxsize=8)
+def parallel_flags(cc: tuple[str, ...]) -> tuple[str, ...]:
+    """``("-flto=auto",)`` where ``cc`` is GCC 10 or later, else nothing. With it GCC splits the one
+    translation unit's code generation into partitions compiled on every core (`-flto=auto`, GCC 10+);
+    the same source and flags, so the same arithmetic (the tiles are inlined within each partition)."""
+    try:
+        about = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30, check=False).stdout
+        version = subprocess.run([*cc, "-dumpfullversion"], capture_output=True, text=True, timeout=30,
+                                 check=False).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return ()
+    major = version.split(".")[0]
+    return ("-flto=auto",) if "Free Software Foundation" in about and major.isdigit() and int(major) >= 10 else ()
+
+
+def library_path(cc: list[str]) -> Path:
+    key = hashlib.sha256()
+    included = (f.read_bytes() for f in sorted(CSRC.glob("*.c")) if f != SOURCE)
+    flags = " ".join((*_flags(), *parallel_flags(tuple(cc))))
+    for part in (SOURCE.read_bytes(), *included, flags.encode(), " ".join(cc).encode(), _cpu_fingerprint().encode()):
+        key.update(part)
+        key.update(b"\0")
+    return cache_dir() / "kernels" / f"cpu_kernels-{platform.machine()}-{key.hexdigest()[:16]}.so"
+
+
+def _compile(cc: list[str], extra: tuple[str, ...], tmp: str) -> subprocess.CompletedProcess:
+    command = [*cc, *_flags(), *extra, "-I", str(CSRC), "-o", tmp, str(SOURCE), "-lm"]
+    try:
+        return subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise KernelsUnavailable(f"the C compiler {cc[0]!r} could not run: {exc}") from None
+
+
+def build(cc: list[str], target: Path) -> None:
+    """Compile the source into ``target`` (atomically), in parallel where the compiler can
+    (`parallel_flags`; if that build fails, once more without). Raises KernelsUnavailable with the
+    compiler's words."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        parallel = parallel_flags(tuple(cc))
+        result = _compile(cc, parallel, tmp)
+        if result.returncode != 0 and parallel:
+            logger.warning("the parallel build of the cpu kernels failed; building them again without %s",
+                           " ".join(parallel))
+            result = _compile(cc, (), tmp)
+        if result.returncode != 0:
+            words = (result.stderr or result.stdout).strip().splitlines()[-5:]
+            raise KernelsUnavailable(f"{cc[0]} failed (exit {result.returncode}): " + " | ".join(words))
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def build_once(cc: list[str], path: Path) -> None:
+    """``path`` built unless it exists, by one process of the machine at a time: the others wait for
+    its build (within `BUILD_TIMEOUT_S`), then find it there. Raises KernelsUnavailable."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "a+") as lock:
+        if lock_within(lock, BUILD_TIMEOUT_S + 60) is False:
+            raise KernelsUnavailable(f"another process has been building {path.name} for over "
+                                     f"{BUILD_TIMEOUT_S + 60:.0f} s")
+        if path.exists():   # built by the process that held the lock
+            return
+        logger.info("building the cpu kernels with %s into %s (once for this CPU and source: a minute or two)",
+                    cc[0], path)
+        start = time.monotonic()
+        build(cc, path)
+        logger.info("built the cpu kernels in %.0f s", time.monotonic() - start)
