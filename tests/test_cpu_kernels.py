@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -249,11 +250,11 @@ def test_a_failing_compiler_falls_back_to_the_reference_and_says_why(fresh_kerne
     assert all("false failed" in d.reason for d in rejected)
 
 
-def fake_compiler(folder: Path, about: str, version: str, build: str) -> Path:
+def fake_compiler(folder: Path, about: str, version: str, build: str, name: str = "fake-cc") -> Path:
     """A compiler stand-in: ``--version`` prints ``about``, ``-dumpfullversion`` prints ``version``, and a
     build (any call with ``-o``) runs the shell ``build`` with $OUT the output and $ARGS the arguments,
     after appending its arguments to ``builds.log`` beside it."""
-    script = folder / "fake-cc"
+    script = folder / name
     script.write_text(f"""#!/bin/sh
 case "$*" in *--version*) echo '{about}'; exit 0;; *-dumpfullversion*) echo '{version}'; exit 0;; esac
 ARGS="$*"; OUT=""; prev=""
@@ -270,6 +271,7 @@ def builds(folder: Path) -> list[str]:
     return log.read_text().splitlines() if log.exists() else []
 
 
+@pytest.mark.own_build
 def test_a_failed_build_is_remembered_not_tried_again_on_every_call(fresh_kernels, monkeypatch, tmp_path):
     """A Zen 3 core takes ~2 minutes a build: a failure retried on every call had a suite's first
     minutes spent rebuilding, so the process keeps the failure until `kernels.forget`."""
@@ -284,24 +286,52 @@ def test_a_failed_build_is_remembered_not_tried_again_on_every_call(fresh_kernel
     assert kernels.unavailable_reason() == first and len(builds(tmp_path)) == 2
 
 
-def test_gcc_builds_in_parallel_and_falls_back_to_a_plain_build(fresh_kernels, tmp_path, caplog):
+@pytest.mark.own_build
+def test_gcc_builds_in_parallel_and_falls_back_to_a_plain_build(fresh_kernels, monkeypatch, tmp_path, caplog):
     """GCC 10+ gets -flto=auto (its code generation on every core); where that build fails, one plain
     build follows; other compilers get no such flag."""
     gcc = fake_compiler(tmp_path, "cc (Debian 12.2.0) 12.2.0\nCopyright (C) Free Software Foundation, Inc.", "12.2.0",
                         'case "$ARGS" in *-flto=auto*) exit 1;; esac; echo built > "$OUT"')
+    monkeypatch.setenv("MAKE", "/bin/sh")   # a make on PATH or not, this machine's answer is not the question
     assert kernel_build.parallel_flags((str(gcc),)) == ("-flto=auto",)
     target = tmp_path / "out" / "lib.so"
     with caplog.at_level("WARNING", logger="fdplug"):
         kernel_build.build([str(gcc)], target)
     assert target.read_text() == "built\n" and "without -flto=auto" in caplog.text
     assert ["-flto=auto" in line for line in builds(tmp_path)] == [True, False]
-    other = tmp_path / "other"
-    other.mkdir()
-    old_gcc = fake_compiler(other, "gcc 9.4.0 Free Software Foundation", "9.4.0", "exit 1")
-    clang = fake_compiler(other, "clang version 17.0.6", "17.0.6", "exit 1")
+    old_gcc = fake_compiler(tmp_path, "gcc 9.4.0 Free Software Foundation", "9.4.0", "exit 1", name="gcc-9")
+    clang = fake_compiler(tmp_path, "clang version 17.0.6", "17.0.6", "exit 1", name="clang")
     assert kernel_build.parallel_flags((str(old_gcc),)) == () and kernel_build.parallel_flags((str(clang),)) == ()
+    gcc_12 = fake_compiler(tmp_path, "gcc 12.2.0 Free Software Foundation", "12.2.0", "exit 1", name="gcc-12")
+    monkeypatch.setenv("MAKE", str(tmp_path / "no-make"))   # GCC runs its LTO partitions through make
+    assert kernel_build.parallel_flags((str(gcc_12),)) == ()
 
 
+@pytest.mark.own_build
+def test_a_build_past_its_time_is_ended_with_every_process_it_started(fresh_kernels, monkeypatch, tmp_path):
+    """A compile still running at BUILD_TIMEOUT_S is killed with its children (GCC's cc1, lto1, make):
+    left running, they took the 2 cores from the next process's build."""
+    cc = fake_compiler(tmp_path, "fake 1.0", "1.0", f'sleep 60 & echo $! > "{tmp_path}/child"; wait')
+    monkeypatch.setattr(kernel_build, "BUILD_TIMEOUT_S", 1.0)
+    with pytest.raises(kernels.KernelsUnavailable, match="did not finish within 1 s"):
+        kernel_build.build([str(cc)], tmp_path / "out" / "lib.so")
+    child = int((tmp_path / "child").read_text())
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{child}").exists() and "Z" not in Path(f"/proc/{child}/stat").read_text().split()[2]:
+        assert time.monotonic() < deadline, "the compiler's child outlived the timeout"
+        time.sleep(0.05)
+    assert not list((tmp_path / "out").glob("tmp*"))
+
+
+@pytest.mark.own_build
+def test_an_unwritable_cache_is_kernels_unavailable_not_an_os_error(fresh_kernels, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(kernels.KernelsUnavailable, match="set FDPLUG_CACHE_DIR"):
+        kernel_build.build_once(["cc"], blocker / "kernels" / "lib.so")
+
+
+@pytest.mark.own_build
 def test_processes_building_at_once_build_once(fresh_kernels, tmp_path):
     """Concurrent starts (an API process and its engines, a suite's servers) wait for one build under
     a file lock instead of each compiling (which, on 2 cores, pushed every build past its timeout)."""

@@ -19,6 +19,7 @@ build is followed by one plain build.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -26,6 +27,7 @@ import os
 import platform
 import shlex
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -40,7 +42,7 @@ logger = logging.getLogger("fdplug")
 CSRC = Path(__file__).parent / "csrc"
 SOURCE = CSRC / "cpu_kernels.c"    # it #includes the other files of CSRC
 FLAGS = ("-O3", "-fno-math-errno", "-fPIC", "-shared", "-pthread", "-std=c99")   # + the target (`isa.march`)
-BUILD_TIMEOUT_S = 900.0   # one build: ~2 min on a Zen 3 core (measured), several times that on a loaded machine
+BUILD_TIMEOUT_S = 900.0   # a build (both tries): ~2 min on a Zen 3 core (measured), more on a loaded machine
 
 
 class KernelsUnavailable(RuntimeError):
@@ -69,9 +71,12 @@ def _flags() -> tuple[str, ...]:
 
 @functools.lru_cache(maxsize=8)
 def parallel_flags(cc: tuple[str, ...]) -> tuple[str, ...]:
-    """``("-flto=auto",)`` where ``cc`` is GCC 10 or later, else nothing. With it GCC splits the one
-    translation unit's code generation into partitions compiled on every core (`-flto=auto`, GCC 10+);
-    the same source and flags, so the same arithmetic (the tiles are inlined within each partition)."""
+    """``("-flto=auto",)`` where ``cc`` is GCC 10 or later and ``make`` is there (GCC's LTO runs its
+    partitions through ``make -jN``), else nothing. With it GCC splits the one translation unit's code
+    generation into partitions compiled on every core; the same source and flags, so the same
+    arithmetic (the tiles are inlined within each partition)."""
+    if shutil.which(os.environ.get("MAKE") or "make") is None:
+        return ()
     try:
         about = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30, check=False).stdout
         version = subprocess.run([*cc, "-dumpfullversion"], capture_output=True, text=True, timeout=30,
@@ -92,31 +97,50 @@ def library_path(cc: list[str]) -> Path:
     return cache_dir() / "kernels" / f"cpu_kernels-{platform.machine()}-{key.hexdigest()[:16]}.so"
 
 
-def _compile(cc: list[str], extra: tuple[str, ...], tmp: str) -> subprocess.CompletedProcess:
+def _compile(cc: list[str], extra: tuple[str, ...], tmp: str, deadline: float) -> tuple[int, str]:
+    """(exit status, output) of one compile, ended with all its processes (the driver's cc1, lto1 and
+    make children too: a session of their own) if it is still running at ``deadline``."""
     command = [*cc, *_flags(), *extra, "-I", str(CSRC), "-o", tmp, str(SOURCE), "-lm"]
     try:
-        return subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False)
-    except (OSError, subprocess.TimeoutExpired) as exc:
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+    except OSError as exc:
         raise KernelsUnavailable(f"the C compiler {cc[0]!r} could not run: {exc}") from None
+    try:
+        output, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        return proc.returncode, output
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise KernelsUnavailable(f"the C compiler {cc[0]!r} did not finish within {BUILD_TIMEOUT_S:.0f} s") from None
+    finally:
+        if proc.poll() is None:   # interrupted (KeyboardInterrupt, a signal): no compiler left behind
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _last_lines(output: str, n: int = 5) -> str:
+    return " | ".join(output.strip().splitlines()[-n:])
 
 
 def build(cc: list[str], target: Path) -> None:
-    """Compile the source into ``target`` (atomically), in parallel where the compiler can
-    (`parallel_flags`; if that build fails, once more without). Raises KernelsUnavailable with the
-    compiler's words."""
+    """Compile the source into ``target`` (atomically) within `BUILD_TIMEOUT_S`, in parallel where the
+    compiler can (`parallel_flags`; if that build fails, once more without, in the time left). Raises
+    KernelsUnavailable with the compiler's words."""
+    deadline = time.monotonic() + BUILD_TIMEOUT_S
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
         parallel = parallel_flags(tuple(cc))
-        result = _compile(cc, parallel, tmp)
-        if result.returncode != 0 and parallel:
-            logger.warning("the parallel build of the cpu kernels failed; building them again without %s",
-                           " ".join(parallel))
-            result = _compile(cc, (), tmp)
-        if result.returncode != 0:
-            words = (result.stderr or result.stdout).strip().splitlines()[-5:]
-            raise KernelsUnavailable(f"{cc[0]} failed (exit {result.returncode}): " + " | ".join(words))
+        status, output = _compile(cc, parallel, tmp, deadline)
+        if status != 0 and parallel:
+            logger.warning("the parallel build of the cpu kernels failed (%s); building them again without %s",
+                           _last_lines(output, 3), " ".join(parallel))
+            status, output = _compile(cc, (), tmp, deadline)
+        if status != 0:
+            raise KernelsUnavailable(f"{cc[0]} failed (exit {status}): " + _last_lines(output))
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -125,16 +149,21 @@ def build(cc: list[str], target: Path) -> None:
 
 def build_once(cc: list[str], path: Path) -> None:
     """``path`` built unless it exists, by one process of the machine at a time: the others wait for
-    its build (within `BUILD_TIMEOUT_S`), then find it there. Raises KernelsUnavailable."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "a+") as lock:
-        if lock_within(lock, BUILD_TIMEOUT_S + 60) is False:
-            raise KernelsUnavailable(f"another process has been building {path.name} for over "
-                                     f"{BUILD_TIMEOUT_S + 60:.0f} s")
-        if path.exists():   # built by the process that held the lock
-            return
-        logger.info("building the cpu kernels with %s into %s (once for this CPU and source: a minute or two)",
-                    cc[0], path)
-        start = time.monotonic()
-        build(cc, path)
-        logger.info("built the cpu kernels in %.0f s", time.monotonic() - start)
+    its build (at most `BUILD_TIMEOUT_S`, then a minute), then find it there. Raises
+    KernelsUnavailable (an unwritable cache directory too)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.with_suffix(".lock"), "a+") as lock:
+            if lock_within(lock, BUILD_TIMEOUT_S + 60) is False and not path.exists():
+                raise KernelsUnavailable(f"another process has been building {path.name} for over "
+                                         f"{BUILD_TIMEOUT_S + 60:.0f} s")
+            if path.exists():   # built by the process that held the lock
+                return
+            logger.info("building the cpu kernels with %s into %s (once for this CPU and source: a minute or two)",
+                        cc[0], path)
+            start = time.monotonic()
+            build(cc, path)
+            logger.info("built the cpu kernels in %.0f s", time.monotonic() - start)
+    except OSError as exc:
+        raise KernelsUnavailable(f"cannot build into {path.parent}: {exc} (set FDPLUG_CACHE_DIR to a writable "
+                                 "directory)") from None
