@@ -65,26 +65,29 @@ def mode() -> str:
     return settings.CPU_KERNELS.value()
 
 
+_failure: str | None = None   # why the kernels are unavailable, once a load has failed in this process
+
+
 @functools.cache
-def _load_or_failure() -> ctypes.CDLL | KernelsUnavailable:
+def load() -> ctypes.CDLL:
+    """The kernel library, built on first use (a cache hit on every later call: the kernels' hot
+    path). Raises KernelsUnavailable; a failure is kept for the process too (`forget` drops both),
+    so a failed build is not tried again on every call."""
+    global _failure
+    if _failure is not None:
+        raise KernelsUnavailable(_failure)
     try:
         return _load()
     except KernelsUnavailable as exc:
-        return exc
-
-
-def load() -> ctypes.CDLL:
-    """The kernel library, built on first use. Raises KernelsUnavailable; the library or the failure
-    is kept for the process (`forget` drops it), so a failed build is not tried again on every call."""
-    lib = _load_or_failure()
-    if isinstance(lib, KernelsUnavailable):
-        raise KernelsUnavailable(str(lib))
-    return lib
+        _failure = str(exc)
+        raise
 
 
 def forget() -> None:
     """Drop the loaded library or remembered failure: the next `load` looks (and builds) again."""
-    _load_or_failure.cache_clear()
+    global _failure
+    _failure = None
+    load.cache_clear()
 
 
 def _load() -> ctypes.CDLL:
