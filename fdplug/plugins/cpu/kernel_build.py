@@ -9,7 +9,7 @@ renamed into place, so no process loads a half-written library, and under a file
 (`fdplug.core.portable.file_lock`), so processes starting together (an API process and its engines,
 DP ranks, a test suite's servers) wait for one build instead of each compiling at once.
 
-Why the build is parallel: on an AMD EPYC Zen 3 core (AVX2-only, 2026-11-29) one plain build took
+Why the build is parallel: on AMD EPYC, avx2-or-less (Zen 3, 2026-11-29) one plain build took
 ~123 s, ~95% of it GCC's code generation (``-ftime-report``), past the 120 s the build was allowed
 then: the first ``fdplug serve`` there lost its kernels, and on 2 cores concurrent builds pushed
 every one past it. GCC 10+ now builds with ``-flto=auto``, which splits that code generation into
