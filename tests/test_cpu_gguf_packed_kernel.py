@@ -56,7 +56,8 @@ def test_kernel_is_q8_math_in_runs_of_16(qtype):
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q5_0", "Q6_K", "Q8_0"])
 def test_the_same_bits_whatever_the_batch_the_route_or_the_threads(qtype):
     """A row alone on one thread (registers) gives its bits in a batch of 300 on two (each group
-    decoded once into a buffer), packed at load or per call: a token's logits do not depend on its
+    decoded once into a buffer), packed at load or per call, and so do batches of 9-33 rows (the
+    32-weight types unpack each group in every tile up to 32): a token's logits do not depend on its
     batch, and the tied lm_head (packed per call where the loader keeps the file's table) agrees."""
     k = depth(qtype, 2 if qtype.endswith("_K") else 18)
     w = paddle.to_tensor(_random_gguf_blocks(qtype, 48, k, np.random.default_rng(32)))
@@ -68,6 +69,9 @@ def test_the_same_bits_whatever_the_batch_the_route_or_the_threads(qtype):
         for weight in (packed, w):
             alone = native_gguf_packed.gguf_linear(x[r:r + 1], weight, qtype, k, threads=1).numpy()
             np.testing.assert_array_equal(alone[0], batch[r], err_msg=f"row {r}, {type(weight).__name__}")
+    for rows in (9, 20, 32, 33):   # several tiles each unpacking the group (32-weight types), then decoded once
+        np.testing.assert_array_equal(native_gguf_packed.gguf_linear(x[:rows], packed, qtype, k, threads=2).numpy(),
+                                      batch[:rows], err_msg=f"the first {rows} rows")
 
 
 @needs_tiles
@@ -143,7 +147,7 @@ for qtype in native_gguf_packed.TYPES:
     for n in (48, 40):     # packed at load; per call, a last group of 8
         w = paddle.to_tensor(_random_gguf_blocks(qtype, n, k, rng))
         weight = native_gguf_packed.prepare(w, qtype) if n % 16 == 0 else w
-        for rows in (1, 5, 40):   # registers, and from 5 rows each group decoded into a buffer
+        for rows in (1, 5, 20, 40):   # one tile; 3 tiles each unpacking (32-weight types); decoded once
             out[f"{qtype}-{n}-{rows}"] = native_gguf_packed.gguf_linear(x[:rows], weight, qtype, k, threads=2).numpy()
 np.savez(sys.argv[1], **out)
 """

@@ -44,9 +44,18 @@
 #define GP_MR 8    /* rows a tile: at 8 rows 1.05-1.5x 4 (one tile instead of two), from 64 rows even
                       within this machine's noise (AMD EPYC, avx512; 6 between) */
 #endif
-#ifndef GP_DECODE_ROWS
-#define GP_DECODE_ROWS GP_MR   /* above this many rows each group is decoded once into a buffer */
+/* Above this many rows each group is decoded once into a buffer (gp_decode_group) that every row
+ * tile then loads; at or below it each tile unpacks the group's pieces itself. The 32-weight types
+ * unpack cheaply (nibbles, Q5's one plane, Q8_0's signs) from a group 3.5-4x smaller than its
+ * decoded copy (Q4_1 at K = 1,536: 15 KB against 58 KB, past a 32 KB L1), so up to 32 rows they
+ * unpack: at 12-32 rows 0.98-1.29x decoding's speed (most 1.05-1.2x), at 48 0.96-1.16x (Q4_0,
+ * Q4_1, Q5_0, Q8_0 on SmolLM2's three shapes, 2 threads, interleaved; AMD EPYC, avx2-or-less).
+ * The K-quants decode from GP_MR rows on (each tile would compute their scale factors again, and
+ * Q6_K's planes: undecoded 0.89-0.93x at 16 rows, 0.62-0.94x at 64). */
+#ifndef GP_DECODE_ROWS_32
+#define GP_DECODE_ROWS_32 32
 #endif
+static inline int gp_decode_rows(int qtype) { return GG_QK(qtype) == 32 ? GP_DECODE_ROWS_32 : GP_MR; }
 
 static inline int gp_offset(int QT) {
     return QT == GG_Q4_0 ? 8 : QT == GG_Q5_0 ? 16 : QT == GG_Q8_0 ? 128 : QT == GG_Q6_K ? 32 : 0;
@@ -280,7 +289,7 @@ static void *gp_worker(void *arg) {
     }
     const int64_t row_bytes = (int64_t)(job->depth / GG_QK(job->qtype)) * GG_BYTES(job->qtype);
     const int64_t own_bytes = job->packed ? 0 : (GP_COLS * row_bytes + 63) / 64 * 64;
-    const int decode = job->rows > GP_DECODE_ROWS;   /* several row tiles a group: decode it once */
+    const int decode = job->rows > gp_decode_rows(job->qtype);   /* many row tiles a group: decode it once */
     const int64_t bytes = own_bytes + (decode ? (int64_t)(job->depth / 32) * GP_DECODED : 0);
     uint8_t *buffer = bytes ? (uint8_t *)gg_panel_buffer((bytes + 3) / 4) : NULL;
     if (bytes && buffer == NULL) {
