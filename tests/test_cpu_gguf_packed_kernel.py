@@ -70,8 +70,9 @@ def test_the_same_bits_whatever_the_batch_the_route_or_the_threads(qtype):
             alone = native_gguf_packed.gguf_linear(x[r:r + 1], weight, qtype, k, threads=1).numpy()
             np.testing.assert_array_equal(alone[0], batch[r], err_msg=f"row {r}, {type(weight).__name__}")
     for rows in (9, 20, 32, 33):   # several tiles each unpacking the group (32-weight types), then decoded once
-        np.testing.assert_array_equal(native_gguf_packed.gguf_linear(x[:rows], packed, qtype, k, threads=2).numpy(),
-                                      batch[:rows], err_msg=f"the first {rows} rows")
+        for weight in (packed, w):
+            np.testing.assert_array_equal(native_gguf_packed.gguf_linear(x[:rows], weight, qtype, k, threads=2).numpy(),
+                                          batch[:rows], err_msg=f"the first {rows} rows, {type(weight).__name__}")
 
 
 @needs_tiles
