@@ -56,8 +56,8 @@ def test_kernel_is_q8_math_in_runs_of_16(qtype):
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q5_0", "Q6_K", "Q8_0"])
 def test_the_same_bits_whatever_the_batch_the_route_or_the_threads(qtype):
     """A row alone on one thread (registers) gives its bits in a batch of 300 on two (each group
-    decoded once into a buffer), packed at load or per call, and so do batches of 9-33 rows (the
-    32-weight types unpack each group in every tile up to 32): a token's logits do not depend on its
+    decoded once into a buffer), packed at load or per call, and so do batches of 9-33 rows (at AVX2
+    the 32-weight types unpack each group in every tile up to 32): a token's logits do not depend on its
     batch, and the tied lm_head (packed per call where the loader keeps the file's table) agrees."""
     k = depth(qtype, 2 if qtype.endswith("_K") else 18)
     w = paddle.to_tensor(_random_gguf_blocks(qtype, 48, k, np.random.default_rng(32)))

@@ -51,9 +51,14 @@
  * unpack: at 12-32 rows 0.98-1.29x decoding's speed (most 1.05-1.2x), at 48 0.96-1.16x (Q4_0,
  * Q4_1, Q5_0, Q8_0 on SmolLM2's three shapes, 2 threads, interleaved; AMD EPYC, avx2-or-less).
  * The K-quants decode from GP_MR rows on (each tile would compute their scale factors again, and
- * Q6_K's planes: undecoded 0.89-0.93x at 16 rows, 0.62-0.94x at 64). */
+ * Q6_K's planes: undecoded 0.89-0.93x at 16 rows, 0.62-0.94x at 64). At AVX-512 (one 512-bit half,
+ * twice the registers) not measured: there every type decodes from GP_MR rows on, as before. */
 #ifndef GP_DECODE_ROWS_32
+#ifdef GG_Q8_512
+#define GP_DECODE_ROWS_32 GP_MR
+#else
 #define GP_DECODE_ROWS_32 32
+#endif
 #endif
 static inline int gp_decode_rows(int qtype) { return GG_QK(qtype) == 32 ? GP_DECODE_ROWS_32 : GP_MR; }
 
