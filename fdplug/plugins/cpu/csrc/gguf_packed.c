@@ -53,14 +53,14 @@
  * The K-quants decode from GP_MR rows on (each tile would compute their scale factors again, and
  * Q6_K's planes: undecoded 0.89-0.93x at 16 rows, 0.62-0.94x at 64). At AVX-512 (one 512-bit half,
  * twice the registers) not measured: there every type decodes from GP_MR rows on, as before. */
-#ifndef GP_DECODE_ROWS_32
+static inline int gp_decode_rows(int qtype) {
 #ifdef GG_Q8_512
-#define GP_DECODE_ROWS_32 GP_MR
+    (void)qtype;
+    return GP_MR;
 #else
-#define GP_DECODE_ROWS_32 32
+    return GG_QK(qtype) == 32 ? 32 : GP_MR;
 #endif
-#endif
-static inline int gp_decode_rows(int qtype) { return GG_QK(qtype) == 32 ? GP_DECODE_ROWS_32 : GP_MR; }
+}
 
 static inline int gp_offset(int QT) {
     return QT == GG_Q4_0 ? 8 : QT == GG_Q5_0 ? 16 : QT == GG_Q8_0 ? 128 : QT == GG_Q6_K ? 32 : 0;

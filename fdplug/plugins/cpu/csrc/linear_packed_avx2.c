@@ -19,10 +19,11 @@
  * narrow last panel) reads 64 or 128 bytes of each 256-byte k row of a 64-column panel, so its
  * loads are strided and cross a 4 KB page every 16 k, where the L2 streamer stops: the first row
  * tile over a panel waited on memory for each line. Each k step prefetches its first line
- * LP8_PREFETCH_K rows ahead (a 32-column tile's second line is not prefetched: not measured). On AMD EPYC, avx2-or-less (Zen 3, 2026-11-29,
- * 2 threads, against no prefetch, interleaved): [3072, 576] at 64 rows 1.24-1.51x, the other SmolLM2
- * shapes 1.0-1.2x at 16-256 rows; 96 ahead no better than 48. A hint: the same bits. (The AVX-512
- * tiles take the panel's whole width, one sequential stream, and need none.) */
+ * LP8_PREFETCH_K rows ahead (a 32-column tile's second line is not prefetched: not measured). On
+ * AMD EPYC, avx2-or-less (Zen 3, 2026-11-29, 2 threads, against no prefetch, interleaved):
+ * [3072, 576] at 64 rows 1.24-1.51x, the other SmolLM2 shapes 1.0-1.2x at 16-256 rows; 96 ahead no
+ * better than 48. A hint: the same bits. (The AVX-512 tiles take the panel's whole width, one
+ * sequential stream, and need none.) */
 #ifndef LP8_PREFETCH_K
 #define LP8_PREFETCH_K 48
 #endif
