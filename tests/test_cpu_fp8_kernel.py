@@ -91,7 +91,7 @@ def test_packed_weights_widen_in_registers_with_the_same_bits_for_any_rows(n, k,
 
     q, scales = quantized(n, k, block_k, seed=n + k)
     packed = native_fp8.prepare(q)
-    assert packed.layout == native_linear.PANELS and packed.dtype == q.dtype and packed.shape == (n, k)
+    assert packed.layout == native_linear.layout() and packed.dtype == q.dtype and packed.shape == (n, k)
     rng = np.random.default_rng(n)
     for rows in (1, 5, 7, 300):
         x = paddle.to_tensor(rng.standard_normal((rows, k)).astype(np.float32))

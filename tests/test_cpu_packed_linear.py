@@ -57,7 +57,7 @@ def test_every_panel_width_row_tile_and_k_block(n, k):
     for dtype, bf16_math in kinds():
         tensor, exact = weight(n, k, seed=n + k, dtype=dtype)
         prepared = native_linear.prepare(tensor)
-        assert prepared is not None and prepared.layout == native_linear.PANELS and prepared.shape == (n, k)
+        assert prepared is not None and prepared.layout == native_linear.layout() and prepared.shape == (n, k)
         for rows in (1, 4, 6, 7, 13, 40):
             x = rng.standard_normal((rows, k)).astype(np.float32)
             got = check(x, prepared, exact, bf16_math)
@@ -135,7 +135,7 @@ def test_the_engine_packs_its_linear_layers_once_and_keeps_one_copy(test_model_d
         return
     llm = LLM(str(test_model_dir), max_model_len=64, num_kv_blocks=64, max_num_seqs=8, op_kernels=pinned)
     linears = [layer for layer in llm.engine.runner.model.sublayers() if isinstance(layer, Linear)]
-    assert linears and all(layer.prepared is not None and layer.prepared.layout == native_linear.PANELS
+    assert linears and all(layer.prepared is not None and layer.prepared.layout == native_linear.layout()
                            for layer in linears)
     params = sum(int(np.prod(p.shape)) for p in llm.engine.runner.model.parameters())
     assert llm.engine.runner.model_bytes == 4 * params
@@ -160,7 +160,7 @@ def test_a_preparation_must_keep_dtype_count_and_shape():
     layer.prepare(lambda w: None)
     assert layer.prepared is None and layer.kernel_weight is layer.weight
     layer.prepare(native_linear.prepare)
-    assert layer.prepared.layout == native_linear.PANELS and layer.kernel_weight is layer.prepared
+    assert layer.prepared.layout == native_linear.layout() and layer.kernel_weight is layer.prepared
     assert list(layer.weight.shape) == [128] and layer.prepared.data is layer.weight
     layer.prepare(lambda w: pytest.fail("prepared twice"))
 

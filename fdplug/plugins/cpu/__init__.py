@@ -200,8 +200,8 @@ def fdplug_register_ops(register):
     native("cpu_native_swiglu", "swiglu", ("kernels", "swiglu"),
            "AVX2 SwiGLU on every core (compiled C): 4-5x paddle's single-threaded one (FDPLUG_CPU_KERNELS)")
     native("cpu_native_fp8_linear", "fp8_linear", ("native_fp8", "fp8_linear_or_portable"),
-           "FP8 weights kept one byte, packed at load in panels of 64 columns, widened in registers and "
-           "scaled per block in outer-product tiles (compiled C)", prepare=_fp8_prepare_factory,
+           "FP8 weights kept one byte, packed at load in panels of 64 columns (16 for AVX2), widened in "
+           "registers and scaled per block in outer-product tiles (compiled C)", prepare=_fp8_prepare_factory,
            supports=_tiles_supports("cpu_native_fp8_linear"))
     native("cpu_native_gguf_linear", "gguf_linear", ("native_gguf", "gguf_linear_or_portable"),
            "a GGUF file's GGML blocks (Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q5_K, Q6_K) widened in registers and fed to FMA "
@@ -242,7 +242,7 @@ def fdplug_register_ops(register):
            "greedy sampling's argmax, 16 lanes at a time, rows over the cores (compiled C)")
     native("cpu_native_linear", "linear", ("native_linear", "linear_or_portable"),
            "FMA tiles (AVX-512 or AVX2) on float32 or bf16 weights packed at load in panels of 64 columns "
-           "(compiled C; bf16 widened in registers: half the bytes, float32 math); timed against paddle's "
+           "(16 for AVX2; compiled C; bf16 widened in registers: half the bytes, float32 math); timed against paddle's "
            "matmul on the model's shapes at startup, used where it is not slower",
            prepare=_linear_prepare_factory, supports=_tiles_supports("cpu_native_linear"), measure_key=_measure_key)
     native("cpu_native_bf16_linear", "linear", ("native_linear", "linear_or_portable"),

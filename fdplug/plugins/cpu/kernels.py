@@ -40,6 +40,7 @@ SIGNATURES = {   # (restype, argtypes) of every function the library exports (cs
     "fdplug_linear_bf16dot_available": (_c_int, []),
     "fdplug_linear_packed": (_c_int, [_ptr, _ptr, _c_int, _ptr, _ptr] + [_c_int] * 4),
     "fdplug_linear_packed_fp8": (_c_int, [_ptr] * 5 + [_c_int] * 5),
+    "fdplug_linear_packed_panel": (_c_int, []),
     "fdplug_prefill_attention": (_c_int, [_ptr] * 7 + [_c_int] * 7 + [_c_float, _c_int, _c_int]),
     "fdplug_prefill_attention_available": (_c_int, []),
     "fdplug_rms_norm": (None, [_ptr] * 3 + [_i64, _c_int, _c_int, _c_float, _c_int]),

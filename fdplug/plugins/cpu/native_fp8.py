@@ -41,7 +41,7 @@ def prepare(weight: Any) -> PreparedWeight | None:
     if n == 0 or k == 0 or n % 16:
         return None
     packed = native_linear.prepare(weight.view(paddle.uint8))
-    return PreparedWeight(packed.data.view(paddle.float8_e4m3fn), (n, k), native_linear.PANELS)
+    return PreparedWeight(packed.data.view(paddle.float8_e4m3fn), (n, k), packed.layout)
 
 
 def _fp8_linear_packed(x: Any, weight: PreparedWeight, weight_scale: Any, block_k: int, threads: int) -> Any:
@@ -49,8 +49,8 @@ def _fp8_linear_packed(x: Any, weight: PreparedWeight, weight_scale: Any, block_
 
     cols, depth = weight.shape
     shape, sshape = x.shape, weight_scale.shape
-    if weight.layout != native_linear.PANELS or weight.dtype != paddle.float8_e4m3fn:
-        raise ValueError(f"cpu_native_fp8_linear reads e4m3 weights prepared as {native_linear.PANELS!r}, got "
+    if weight.layout != native_linear.layout() or weight.dtype != paddle.float8_e4m3fn:
+        raise ValueError(f"cpu_native_fp8_linear reads e4m3 weights prepared as {native_linear.layout()!r}, got "
                          f"{weight.layout!r} ({weight.dtype})")
     if shape[-1] != depth or block_k <= 0 or list(sshape) != [cols, -(-depth // block_k)]:
         raise ValueError(f"fp8_linear: x [..., {shape[-1]}], the prepared weight [{cols}, {depth}] and "

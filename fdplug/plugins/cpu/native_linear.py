@@ -22,7 +22,10 @@ tiles would keep the batch invariance and close that gap: `prepare` does that (b
 
 ``prepare`` (the op's `OpSpec.prepare`) packs each linear layer's weight once at load into panels
 of 64 columns, k-major (csrc/linear_packed.c, layout ``cpu_panels64``): outer-product tiles, no
-horizontal sums, one sequential stream a thread in decode. Measured on this machine, 2 threads,
+horizontal sums, one sequential stream a thread in decode. The AVX2 tiles' panels are 16 columns
+(``cpu_panels16``: a 6 x 16 tile's weights one sequential stream, a one-row tile's four);
+`panel_width` asks the loaded library, and the layout's name carries the width. Measured on this
+machine (AVX-512 tiles), 2 threads,
 against the in-place tiles, same run (``bench/linear.py --kernels``): float32 ~205-220 against
 ~90-140 GFLOP/s at 64-1,024 rows (above MKL's 155-207), bf16 math ~390-410 against ~300-380; one
 row 1.3-2x. Each output is one FMA chain over k in order, so batch invariance holds as before;
@@ -43,10 +46,32 @@ from typing import Any
 from fdplug.plugin_api.ops import PreparedWeight
 from fdplug.plugins.cpu.kernels import _contiguous, _rows, empty_f32, load
 
-PANELS = "cpu_panels64"
-"""The packed layout's name (`PreparedWeight.layout`): csrc/linear_packed.c's header describes it."""
-PANEL = 64
+PANELS = "cpu_panels"
+"""The packed layouts' name, the panel width after it (`PreparedWeight.layout`, e.g. ``cpu_panels64``):
+csrc/linear_packed.c's header describes them."""
 _F32, _BF16, _BF16_MATH = 0, 1, 2    # fdplug_linear_packed's kinds
+
+
+_LAYOUTS: dict[int, str] = {}   # id(library) -> its layout's name: asked ~50 times a decode step
+
+
+def panel_width() -> int:
+    """The columns of a panel in the loaded library's layout: 64 (AVX-512 tiles), 16 (AVX2 tiles)."""
+    return int(load().fdplug_linear_packed_panel())
+
+
+def layout() -> str:
+    """The packed layout the loaded library reads (`PreparedWeight.layout`)."""
+    library = load()
+    name = _LAYOUTS.get(id(library))
+    if name is None:
+        name = _LAYOUTS[id(library)] = f"{PANELS}{int(library.fdplug_linear_packed_panel())}"
+    return name
+
+
+def _layout_width(weight: PreparedWeight) -> int:
+    """A prepared weight's panel width, from its layout's name."""
+    return int(weight.layout.removeprefix(PANELS))
 
 
 def prepare(weight: Any) -> PreparedWeight | None:
@@ -60,14 +85,14 @@ def prepare(weight: Any) -> PreparedWeight | None:
     pairs = weight.dtype == paddle.bfloat16   # uint8: e4m3 bytes (native_fp8.prepare), laid out as float32
     if n == 0 or k == 0 or n % 16 or (pairs and k % 2):
         return None
-    panels = []
-    for start in range(0, n, PANEL):
-        width = min(PANEL, n - start)
+    panels, panel = [], panel_width()
+    for start in range(0, n, panel):
+        width = min(panel, n - start)
         block = weight[start:start + width]
         block = (block.reshape([width, k // 2, 2]).transpose([1, 0, 2]) if pairs
                  else block.transpose([1, 0]))
         panels.append(block.flatten())
-    return PreparedWeight(paddle.concat(panels) if len(panels) > 1 else panels[0], (n, k), PANELS)
+    return PreparedWeight(paddle.concat(panels) if len(panels) > 1 else panels[0], (n, k), f"{PANELS}{panel}")
 
 
 def unpack(weight: PreparedWeight) -> Any:
@@ -76,9 +101,9 @@ def unpack(weight: PreparedWeight) -> Any:
 
     n, k = weight.shape
     pairs = weight.dtype == paddle.bfloat16
-    rows = []
-    for start in range(0, n, PANEL):
-        width = min(PANEL, n - start)
+    rows, panel = [], _layout_width(weight)
+    for start in range(0, n, panel):
+        width = min(panel, n - start)
         block = weight.data[start * k:(start + width) * k]
         rows.append(block.reshape([k // 2, width, 2]).transpose([1, 0, 2]).reshape([width, k]) if pairs
                     else block.reshape([k, width]).transpose([1, 0]))
@@ -101,8 +126,8 @@ def bias_pointer(weight: PreparedWeight) -> int | None:
 def _linear_packed(x: Any, weight: PreparedWeight, threads: int, bf16_math: bool) -> Any:
     import paddle
 
-    if weight.layout != PANELS or weight.dtype not in (paddle.float32, paddle.bfloat16):
-        raise ValueError(f"cpu_native_linear reads float32 or bf16 weights prepared as {PANELS!r}, got "
+    if weight.layout != layout() or weight.dtype not in (paddle.float32, paddle.bfloat16):
+        raise ValueError(f"cpu_native_linear reads float32 or bf16 weights prepared as {layout()!r}, got "
                          f"{weight.layout!r} ({weight.dtype})")
     shape = x.shape
     cols, depth = weight.shape

@@ -18,8 +18,10 @@
  * registers (as the FP8 GEMV does: half precision, exact) times their columns' scales, so a weight is
  * e4m3 x scale rounded once, as dequantizing would give, and the layer is never widened in memory.
  *
- * Layout (LP_PANEL = 64 columns; N a multiple of 16, so the last panel is 16, 32, 48 or 64 wide):
- * panel p holds columns [64p, 64p + width) from element 64p * K. float32 and e4m3: (k, j) at k * width + j;
+ * Layout (LP_PANEL columns: 64 for the AVX-512 tiles and below x86-64-v3, 16 for the AVX2 tiles,
+ * fdplug_linear_packed_panel() says which; N a multiple of 16, so a last 64-column panel is 16, 32, 48
+ * or 64 wide): panel p holds columns [LP_PANEL p, LP_PANEL p + width) from element LP_PANEL p * K.
+ * float32 and e4m3: (k, j) at k * width + j;
  * bf16: pairs of k interleaved, (k, j) at (k / 2) * 2 * width + 2 * j + k % 2 (K even), so one
  * 64-byte load is 16 columns times a pair of k: vdpbf16ps's operand as it is, or two float32
  * vectors by a shift and a mask.
@@ -27,7 +29,13 @@
  * Included by cpu_kernels.c after linear_bf16.c (its thread pool, the bf16 rounding of x).
  * ------------------------------------------------------------------------------------------- */
 
-#define LP_PANEL 64
+#if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)) && defined(HAVE_AVX2) && \
+    defined(__F16C__)
+#define LP_AVX2_TILES 1
+#define LP_PANEL 16 /* an AVX2 tile's 16 columns: each k row one 64-byte line, read in sequence */
+#else
+#define LP_PANEL 64 /* an AVX-512 tile's 64 columns: 4 zmm a k row */
+#endif
 #define LP_MR 6         /* rows of a tile: 6 x 4 accumulators + 4 weight vectors of the 32 registers */
 #define LP_K_BLOCK 1024 /* k a pass: a 64-column panel's slice is 256 KB (float32), in L2 for every row tile */
 enum { LP_F32 = 0, LP_BF16 = 1, LP_BF16_MATH = 2, LP_FP8 = 3 };
@@ -44,6 +52,7 @@ typedef struct {
     int block_k;
     const float *bias;        /* [cols] added to the finished sums, or NULL */
     int64_t call;             /* this call's number (lp_calls): what a thread's widened copy belongs to */
+    const float *x_tiles;     /* x in row tiles, k-major (the AVX2 tiles above LP_MR rows), or NULL */
 } packed_job;
 
 static int64_t lp_calls;
@@ -161,7 +170,7 @@ static void packed_block(const packed_job *job, int m0, int mr, int panel, int n
     default: LP_MCASE(LP_BF16_MATH) break;
     }
 }
-#elif defined(HAVE_AVX2) && defined(__F16C__)
+#elif defined(LP_AVX2_TILES)
 #include "linear_packed_avx2.c" /* the same chains in 8-lane tiles: the same bits */
 #else
 /* Below x86-64-v3: the same chains, one output at a time (the bf16 math kind is never asked for:
@@ -189,12 +198,36 @@ static void packed_block(const packed_job *job, int m0, int mr, int panel, int n
 }
 #endif
 
-/* Work items (a block of rows times a piece of panels) from the job's counter until none is left;
- * in each, panel by panel and k block by k block, every row tile of the block. */
+#ifndef LP_AVX2_TILES
+/* A work item's rows [first_row, last_row) times panels [first_panel, end_panel): panel by panel and
+ * k block by k block, every row tile of the block. */
+static void packed_item(const packed_job *job, int first_row, int last_row, int first_panel, int end_panel) {
+    const int k_step = job->rows <= LP_MR ? job->depth : LP_K_BLOCK; /* one row tile: nothing comes back to a k block */
+    for (int panel = first_panel; panel < end_panel; ++panel) {
+        const int left = (job->cols - panel * LP_PANEL) / 16;
+        const int nv = left < 4 ? left : 4;
+        for (int k0 = 0; k0 < job->depth; k0 += k_step) {
+            const int k1 = k0 + k_step < job->depth ? k0 + k_step : job->depth;
+            for (int m0 = first_row; m0 < last_row; m0 += LP_MR)
+                packed_block(job, m0, last_row - m0 < LP_MR ? last_row - m0 : LP_MR, panel, nv, k0, k1);
+        }
+    }
+}
+
+/* The k a block of rows is read for at a time (how many rows keep their inputs in L2). */
+static int packed_k_slice(int depth) { return depth < LP_K_BLOCK ? depth : LP_K_BLOCK; }
+
+/* x as it is: these tiles read its rows in place. */
+static float *packed_x_tiles(packed_job *job, int num_threads) {
+    (void)job, (void)num_threads;
+    return NULL;
+}
+#endif
+
+/* Work items (a block of rows times a piece of panels) from the job's counter until none is left. */
 static void *packed_worker(void *arg) {
     packed_job *job = arg;
     const int panels = (job->cols + LP_PANEL - 1) / LP_PANEL;
-    const int k_step = job->rows <= LP_MR ? job->depth : LP_K_BLOCK; /* one row tile: nothing comes back to a k block */
     for (;;) {
         const int64_t item = __atomic_fetch_add(&job->next_item, 1, __ATOMIC_RELAXED);
         const int64_t first_row = item / job->pieces * job->rows_per_block;
@@ -203,31 +236,26 @@ static void *packed_worker(void *arg) {
         const int end_panel = first_panel + job->panels_per_piece < panels ? first_panel + job->panels_per_piece : panels;
         const int last_row = (int)(first_row + job->rows_per_block < job->rows ? first_row + job->rows_per_block
                                                                                 : job->rows);
-        for (int panel = first_panel; panel < end_panel; ++panel) {
-            const int left = (job->cols - panel * LP_PANEL) / 16;
-            const int nv = left < 4 ? left : 4;
-            for (int k0 = 0; k0 < job->depth; k0 += k_step) {
-                const int k1 = k0 + k_step < job->depth ? k0 + k_step : job->depth;
-                for (int m0 = (int)first_row; m0 < last_row; m0 += LP_MR)
-                    packed_block(job, m0, last_row - m0 < LP_MR ? last_row - m0 : LP_MR, panel, nv, k0, k1);
-            }
-        }
+        packed_item(job, (int)first_row, last_row, first_panel, end_panel);
     }
 }
 
 /* Rows in blocks that keep their inputs in L2, panels in pieces over the threads; runs the job. */
 static void packed_run(packed_job *job, int x_bytes, int num_threads) {
-    const int64_t k_slice = job->depth < LP_K_BLOCK ? job->depth : LP_K_BLOCK;
+    const int64_t k_slice = packed_k_slice(job->depth);
     const int64_t block_rows = LIN_X_BLOCK_BYTES / (k_slice * x_bytes) / LP_MR * LP_MR;
     job->rows_per_block = block_rows < LP_MR ? LP_MR : (int)block_rows;
     const int panels = (job->cols + LP_PANEL - 1) / LP_PANEL;
     const int threads = num_threads > 1 ? num_threads : 1;
-    /* One row tile (decode): a thread's share in about four pieces, each a sequential stream. More
-     * rows: one panel a piece, so both threads stay busy on small layers. */
+    /* One row tile (decode): a thread's share in about four pieces, each read in sequence (one
+     * stream a 64-column panel, four for the AVX2 tiles' 16-column ones). More rows: one panel a
+     * piece, so both threads stay busy on small layers. */
     job->panels_per_piece = job->rows <= LP_MR ? (panels + 4 * threads - 1) / (4 * threads) : 1;
     job->pieces = (panels + job->panels_per_piece - 1) / job->panels_per_piece;
     const int64_t items = (int64_t)job->pieces * ((job->rows + job->rows_per_block - 1) / job->rows_per_block);
+    float *x_tiles = packed_x_tiles(job, num_threads);
     run_workers(packed_worker, job, num_threads < items ? num_threads : (int)items);
+    free(x_tiles);
 }
 
 /* x [rows, depth] float32 times weights packed as above (kind: LP_F32, LP_BF16 in float32 math,
@@ -278,3 +306,6 @@ int fdplug_linear_packed_fp8(const float *x, const uint8_t *w, const float *scal
     free(scales_t);
     return 0;
 }
+
+/* The columns of a panel in the packed layout of this build (the layout native_linear.prepare writes). */
+int fdplug_linear_packed_panel(void) { return LP_PANEL; }
