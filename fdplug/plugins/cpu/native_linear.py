@@ -41,6 +41,7 @@ rows on this machine. Float32 weights it runs exactly as ``cpu_native_linear``.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from fdplug.plugin_api.ops import PreparedWeight
@@ -52,21 +53,20 @@ csrc/linear_packed.c's header describes them."""
 _F32, _BF16, _BF16_MATH = 0, 1, 2    # fdplug_linear_packed's kinds
 
 
-_LAYOUTS: dict[int, str] = {}   # id(library) -> its layout's name: asked ~50 times a decode step
-
-
 def panel_width() -> int:
     """The columns of a panel in the loaded library's layout: 64 (AVX-512 tiles), 16 (AVX2 tiles)."""
     return int(load().fdplug_linear_packed_panel())
 
 
+@functools.cache
+def _layout_of(library: Any) -> str:
+    return f"{PANELS}{int(library.fdplug_linear_packed_panel())}"
+
+
 def layout() -> str:
-    """The packed layout the loaded library reads (`PreparedWeight.layout`)."""
-    library = load()
-    name = _LAYOUTS.get(id(library))
-    if name is None:
-        name = _LAYOUTS[id(library)] = f"{PANELS}{int(library.fdplug_linear_packed_panel())}"
-    return name
+    """The packed layout the loaded library reads (`PreparedWeight.layout`; asked ~50 times a decode
+    step, so kept per library)."""
+    return _layout_of(load())
 
 
 def _layout_width(weight: PreparedWeight) -> int:

@@ -198,14 +198,16 @@ static inline __attribute__((always_inline)) void packed_rows(const packed_job *
     const int64_t first_col = (int64_t)panel * LP_PANEL;
     for (int m0 = first_row; m0 < last_row; m0 += LP_MR) {
         const float *x = job->x_tiles + (int64_t)m0 * job->depth;   /* row tile m0 / LP_MR */
+#define LP8_ROWS(M) packed_tile8(job, m0, first_col, w_at, x, 1, LP_MR, k0, k1, M, 2, KIND)
         switch (last_row - m0) {
-        case 1: packed_tile8(job, m0, first_col, w_at, x, 1, LP_MR, k0, k1, 1, 2, KIND); break;
-        case 2: packed_tile8(job, m0, first_col, w_at, x, 1, LP_MR, k0, k1, 2, 2, KIND); break;
-        case 3: packed_tile8(job, m0, first_col, w_at, x, 1, LP_MR, k0, k1, 3, 2, KIND); break;
-        case 4: packed_tile8(job, m0, first_col, w_at, x, 1, LP_MR, k0, k1, 4, 2, KIND); break;
-        case 5: packed_tile8(job, m0, first_col, w_at, x, 1, LP_MR, k0, k1, 5, 2, KIND); break;
-        default: packed_tile8(job, m0, first_col, w_at, x, 1, LP_MR, k0, k1, 6, 2, KIND); break;
+        case 1: LP8_ROWS(1); break;
+        case 2: LP8_ROWS(2); break;
+        case 3: LP8_ROWS(3); break;
+        case 4: LP8_ROWS(4); break;
+        case 5: LP8_ROWS(5); break;
+        default: LP8_ROWS(6); break;
         }
+#undef LP8_ROWS
     }
 }
 
