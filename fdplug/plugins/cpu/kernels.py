@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -131,10 +132,8 @@ def require() -> None:
 
 
 def _check_float32(*tensors: Any) -> None:
-    import paddle
-
     for t in tensors:
-        if t.dtype != paddle.float32:
+        if not is_float32(t):
             raise TypeError(f"the cpu kernels compute in float32, got {t.dtype}")
 
 
@@ -151,21 +150,46 @@ def kv_type(key_cache: Any, value_cache: Any) -> int:
     return KV_TYPES.index(name)
 
 
-@functools.cache
-def _float32_and_place() -> tuple[Any, Any]:
-    import paddle
+@dataclass(frozen=True, slots=True)
+class PaddleParts:
+    """What the wrappers below ask paddle for on every call, looked up once (`paddle_parts`)."""
 
-    return paddle.float32, paddle.CPUPlace()
+    float32: Any
+    bfloat16: Any
+    uint8: Any
+    place: Any     # paddle.CPUPlace()
+    empty: Any     # paddle._C_ops.empty(shape, dtype, place)
+
+
+@functools.cache
+def paddle_parts() -> PaddleParts:
+    import paddle
+    from paddle import _C_ops
+
+    return PaddleParts(paddle.float32, paddle.bfloat16, paddle.uint8, paddle.CPUPlace(), _C_ops.empty)
+
+
+def is_dtype(dtype: Any, wanted: Any) -> bool:
+    """``dtype == wanted``, by identity first: paddle's dtypes are singletons, and their ``==`` costs
+    1.3-1.8 us against 0.2-0.4 for ``is`` (AMD EPYC, avx2-or-less); a decode step checks a few
+    hundred of them (every op's input and weight)."""
+    return dtype is wanted or dtype == wanted
+
+
+def is_float32(t: Any) -> bool:
+    """Whether tensor ``t`` is float32 (`is_dtype`)."""
+    wanted = paddle_parts().float32
+    dtype = t.dtype
+    return dtype is wanted or dtype == wanted
 
 
 def empty_f32(shape: list[int]) -> Any:
     """An uninitialised float32 host tensor for a kernel's output. Paddle's C op directly: a decode
     step allocates ~330 of these, and ``paddle.empty``'s argument handling cost 3.1 us of the 4.5
-    (measured, this Zen 5): ~0.5 ms a token."""
-    from paddle import _C_ops
-
-    dtype, place = _float32_and_place()
-    return _C_ops.empty(shape, dtype, place)
+    (measured, a Zen 5); the op, dtype and place looked up once more: 5.0 -> 3.5 us a call (AMD
+    EPYC, avx2-or-less)."""
+    parts = paddle_parts()
+    return parts.empty(shape, parts.float32, parts.place)
 
 
 def _rows(shape: list[int]) -> int:
@@ -225,17 +249,15 @@ def swiglu(x: Any, threads: int) -> Any:
 
     Every size goes to C: with the thread pool and this wrapper's plain attribute reads the call
     costs a few microseconds (small inputs went to paddle's op while a call cost ~50 us)."""
-    import paddle
-
     shape = x.shape
     width = shape[-1]
     if width % 2:
         raise ValueError(f"swiglu needs an even last dimension, got {width}")
-    if x.dtype != paddle.float32:
+    if not is_float32(x):
         raise TypeError(f"the cpu kernels compute in float32, got {x.dtype}")
     x = _contiguous(x)
     rows, inter = _rows(shape), width // 2
-    out = paddle.empty([*shape[:-1], inter], dtype="float32")
+    out = empty_f32([*shape[:-1], inter])
     load().fdplug_swiglu(x.data_ptr(), out.data_ptr(), rows, inter,
                          threads if rows * inter >= SWIGLU_MIN_PARALLEL else 1)
     return out

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from fdplug.plugins.cpu.kernels import _contiguous, load
+from fdplug.plugins.cpu.kernels import _contiguous, is_float32, load
 
 # Below this many logits one thread does all the rows (a decode step of a few requests).
 ARGMAX_MIN_PARALLEL = 1 << 16
@@ -19,10 +19,8 @@ ARGMAX_MIN_PARALLEL = 1 << 16
 
 def argmax(logits: Any, threads: int) -> np.ndarray:
     """The ``argmax`` op (`fdplug.plugin_api.ops`) for float32 ``logits [T, V]``; else the portable op."""
-    import paddle
-
     shape = logits.shape
-    if logits.dtype != paddle.float32 or len(shape) != 2:
+    if not is_float32(logits) or len(shape) != 2:
         from fdplug.core.portable.ops import argmax as portable
 
         return portable(logits)

@@ -19,6 +19,7 @@ from fdplug.plugins.cpu.kernels import (
     _contiguous,
     _rows,
     empty_f32,
+    is_float32,
     load,
 )
 
@@ -112,15 +113,15 @@ def fp8_linear_or_portable(x: Any, weight: Any, weight_scale: Any, block_k: int,
     """The ``fp8_linear`` op: `fp8_linear` for float32 inputs of up to FP8_MAX_ROWS rows; for longer
     float32 inputs (prefill) the layer widened once in C and the linear kernel's tiles; else (bf16/fp16
     activations) the portable dequantize-and-matmul."""
-    import paddle
-
     rows = _rows(x.shape)
-    if x.dtype == paddle.float32:
+    if is_float32(x):
         if rows <= FP8_MAX_ROWS or isinstance(weight, PreparedWeight):
             return fp8_linear(x, weight, weight_scale, block_k, threads)
         from fdplug.plugins.cpu.native_linear import linear
 
         return linear(x, dequantize(weight, weight_scale, block_k, threads), threads)
+    import paddle
+
     from fdplug.core.portable.ops import fp8_linear as portable
 
     if not isinstance(weight, PreparedWeight):

@@ -43,13 +43,12 @@ selection: that call runs the portable op, as do activations other than float32.
 """
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 from fdplug.plugin_api.gguf_formats import BLOCK_FORMATS
 from fdplug.plugin_api.gguf_formats import row_bytes as gguf_row_bytes
 from fdplug.plugin_api.ops import PreparedWeight
-from fdplug.plugins.cpu.kernels import _contiguous, _rows, empty_f32, load
+from fdplug.plugins.cpu.kernels import _contiguous, _rows, empty_f32, is_dtype, is_float32, load, paddle_parts
 
 SUPPORTED: tuple[str, ...] = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16")
 """The block types csrc/gguf_linear.c decodes (float16 and bfloat16 rows in runs of 4 values)."""
@@ -66,19 +65,6 @@ def _type_id(qtype: str) -> int:
     return type_id
 
 
-@functools.cache
-def _dtypes() -> tuple[Any, Any]:
-    import paddle
-
-    return paddle.float32, paddle.uint8
-
-
-def _is(dtype: Any, wanted: Any) -> bool:
-    """``dtype == wanted``, by identity first: paddle's dtype ``==`` costs 0.6 us, and the op checks
-    two a call, 120 calls a decode step."""
-    return dtype is wanted or dtype == wanted
-
-
 def takes(qtype: str, k: int) -> bool:
     """Whether the kernel reads rows of ``k`` weights of ``qtype`` (the others run the portable op)."""
     return qtype in _IDS and (qtype not in _HALVES or k % HALF_RUN == 0)
@@ -91,7 +77,7 @@ def _check_weight(weight: Any, qtype: str, k: int) -> int:
         raise ValueError(f"{fmt.name} rows are read in runs of {HALF_RUN} weights here, not {k}")
     row_bytes = gguf_row_bytes(fmt, k)     # (raises for k not a positive multiple of the block)
     shape = weight.shape
-    if not _is(weight.dtype, _dtypes()[1]) or len(shape) != 2 or shape[1] != row_bytes:
+    if not is_dtype(weight.dtype, paddle_parts().uint8) or len(shape) != 2 or shape[1] != row_bytes:
         raise ValueError(f"gguf_linear: {fmt.name} rows of {k} weights are uint8 [N, {row_bytes}]; got "
                          f"{weight.dtype} {list(shape)}")
     return row_bytes
@@ -121,7 +107,7 @@ def gguf_linear(x: Any, weight: Any, qtype: str, k: int, threads: int, bf16_math
     shape = x.shape
     if shape[-1] != k:
         raise ValueError(f"gguf_linear: x [..., {shape[-1]}] against rows of {k} weights")
-    if not _is(x.dtype, _dtypes()[0]):
+    if not is_float32(x):
         raise TypeError(f"the cpu kernels compute in float32, got {x.dtype}")
     rows, cols = _rows(shape), weight.shape[0]
     x = _contiguous(x if len(shape) == 2 else x.reshape([rows, k]))
@@ -154,7 +140,7 @@ def gguf_linear_or_portable(x: Any, weight: Any, qtype: str, k: int, threads: in
     """The ``gguf_linear`` op: `gguf_linear` for float32 inputs and the types in `SUPPORTED` on the
     file's ``[N, row_bytes]`` bytes, at every row count (one summation order: a row's result does
     not depend on its batch); anything else the portable dequantize-and-matmul."""
-    if takes(qtype, k) and _is(x.dtype, _dtypes()[0]) and not isinstance(weight, PreparedWeight):
+    if takes(qtype, k) and is_float32(x) and not isinstance(weight, PreparedWeight):
         return gguf_linear(x, weight, qtype, k, threads, bf16_math, q8_math)
     from fdplug.core.portable.ops import gguf_linear as portable
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from fdplug.plugin_api.ops import PreparedWeight
 from fdplug.plugins.cpu import native_gguf
-from fdplug.plugins.cpu.kernels import _contiguous, _rows, empty_f32, load
+from fdplug.plugins.cpu.kernels import _contiguous, _rows, empty_f32, is_float32, load
 
 LAYOUT = "gguf_groups16"
 """`PreparedWeight.layout` of a packed weight (csrc/gguf_packed.c's group layout)."""
@@ -79,7 +79,7 @@ def gguf_linear(x: Any, weight: Any, qtype: str, k: int, threads: int) -> Any:
     shape = x.shape
     if shape[-1] != k or depth != k:
         raise ValueError(f"gguf_linear: x [..., {shape[-1]}] against packed rows of {depth} weights (k={k})")
-    if not native_gguf._is(x.dtype, native_gguf._dtypes()[0]):
+    if not is_float32(x):
         raise TypeError(f"the cpu kernels compute in float32, got {x.dtype}")
     rows = _rows(shape)
     x = _contiguous(x if len(shape) == 2 else x.reshape([rows, k]))
@@ -98,7 +98,7 @@ def gguf_linear_or_fallback(x: Any, weight: Any, qtype: str, k: int, threads: in
     """The ``gguf_linear`` op: the packed tiles for float32 inputs on a weight `prepare` packed or on
     the file's rows of the types it takes (`TYPES`); F16/BF16 rows in `native_gguf`'s float32 math (no
     integers to keep: as ``OpSpec(q8_inputs=...)`` says); anything else the portable op."""
-    is_f32 = native_gguf._is(x.dtype, native_gguf._dtypes()[0])
+    is_f32 = is_float32(x)
     if isinstance(weight, PreparedWeight):
         if not is_f32:
             raise TypeError(f"gguf_linear: packed {qtype} weights take float32 inputs, got {x.dtype}")

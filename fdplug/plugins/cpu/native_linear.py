@@ -45,7 +45,7 @@ import functools
 from typing import Any
 
 from fdplug.plugin_api.ops import PreparedWeight
-from fdplug.plugins.cpu.kernels import _contiguous, _rows, empty_f32, load
+from fdplug.plugins.cpu.kernels import _contiguous, _rows, empty_f32, is_dtype, is_float32, load, paddle_parts
 
 PANELS = "cpu_panels"
 """The packed layouts' name, the panel width after it (`PreparedWeight.layout`, e.g. ``cpu_panels64``):
@@ -112,30 +112,31 @@ def unpack(weight: PreparedWeight) -> Any:
 
 def bias_pointer(weight: PreparedWeight) -> int | None:
     """The address of the layer's float32 bias ``[N]`` the packed kernels add (None: no bias)."""
-    import paddle
-
     bias = weight.bias
     if bias is None:
         return None
-    if bias.dtype != paddle.float32 or list(bias.shape) != [weight.shape[0]]:
+    if not is_float32(bias) or list(bias.shape) != [weight.shape[0]]:
         raise TypeError(f"the cpu kernels add a float32 bias of [{weight.shape[0]}],"
                         f" got {list(bias.shape)} {bias.dtype}")
     return _contiguous(bias).data_ptr()
 
 
 def _linear_packed(x: Any, weight: PreparedWeight, threads: int, bf16_math: bool) -> Any:
-    import paddle
-
-    if weight.layout != layout() or weight.dtype not in (paddle.float32, paddle.bfloat16):
-        raise ValueError(f"cpu_native_linear reads float32 or bf16 weights prepared as {layout()!r}, got "
-                         f"{weight.layout!r} ({weight.dtype})")
+    parts, wdtype = paddle_parts(), weight.data.dtype
+    if weight.layout != layout():
+        raise ValueError(f"cpu_native_linear reads weights prepared as {layout()!r}, got {weight.layout!r}")
+    if is_dtype(wdtype, parts.float32):
+        kind = _F32
+    elif is_dtype(wdtype, parts.bfloat16):
+        kind = _BF16_MATH if bf16_math else _BF16
+    else:
+        raise ValueError(f"cpu_native_linear reads float32 or bf16 weights prepared as {layout()!r}, got {wdtype}")
     shape = x.shape
     cols, depth = weight.shape
     if shape[-1] != depth:
         raise ValueError(f"linear: x [..., {shape[-1]}] and the prepared weight [{cols}, {depth}] do not match")
-    if x.dtype != paddle.float32:
+    if not is_float32(x):
         raise TypeError(f"the cpu kernels compute in float32, got {x.dtype}")
-    kind = _F32 if weight.dtype == paddle.float32 else _BF16_MATH if bf16_math else _BF16
     rows, x = _rows(shape), _contiguous(x)
     out = empty_f32([rows, cols])
     status = load().fdplug_linear_packed(x.data_ptr(), weight.data.data_ptr(), kind, bias_pointer(weight),
@@ -152,31 +153,33 @@ def linear(x: Any, weight: Any, threads: int, bf16_math: bool = False) -> Any:
     the ``linear`` op's contract (`fdplug.plugin_api.ops`), the weights read in place. ``bf16_math``
     with bf16 weights: ``x`` rounded to bf16 first (`bf16_math_available` must hold).
 
-    Called ~50 times a decode step: the checks are plain attribute reads (this wrapper took ~23 us a
-    call, as long as the kernel on a 512 x 512 layer, before it stopped using numpy and reshapes)."""
-    import paddle
-
+    Called ~50 times a decode step: the checks are plain attribute reads and dtype identities
+    (`is_dtype`; this wrapper took ~23 us a call, as long as the kernel on a 512 x 512 layer, before
+    it stopped using numpy and reshapes; the packed path 28 -> ~23 us at one row of 576 x 576 once
+    its dtype checks went by identity, AMD EPYC, avx2-or-less)."""
     if isinstance(weight, PreparedWeight):
         return _linear_packed(x, weight, threads, bf16_math)
+    parts = paddle_parts()
     shape, wshape = x.shape, weight.shape
     depth = shape[-1]
     if len(wshape) != 2 or wshape[1] != depth:
         raise ValueError(f"linear: x [..., {depth}] and weight {list(wshape)} do not match ([N, {depth}])")
     wdtype = weight.dtype
-    if wdtype != paddle.float32 and wdtype != paddle.bfloat16:
+    is_f32 = is_dtype(wdtype, parts.float32)
+    if not is_f32 and not is_dtype(wdtype, parts.bfloat16):
         raise TypeError(f"the cpu linear kernel reads float32 or bfloat16 weights, got {wdtype}")
-    if x.dtype != paddle.float32:
+    if not is_float32(x):
         raise TypeError(f"the cpu kernels compute in float32, got {x.dtype}")
     rows, cols = _rows(shape), wshape[0]
     x, weight = _contiguous(x), _contiguous(weight)
     out = empty_f32([rows, cols])
-    if bf16_math and wdtype == paddle.bfloat16:
+    if bf16_math and not is_f32:
         if load().fdplug_linear_bf16dot(x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, cols, depth,
                                         threads) != 0:
             raise MemoryError(f"cpu_native_bf16_linear: no memory for the bf16 copy of a [{rows}, {depth}] input")
     else:
-        load().fdplug_linear(x.data_ptr(), weight.data_ptr(), int(wdtype == paddle.float32), out.data_ptr(), rows,
-                             cols, depth, threads)
+        load().fdplug_linear(x.data_ptr(), weight.data_ptr(), int(is_f32), out.data_ptr(), rows, cols, depth,
+                             threads)
     return out if len(shape) == 2 else out.reshape([*shape[:-1], cols])
 
 
@@ -188,10 +191,8 @@ def bf16_math_available() -> bool:
 def linear_or_portable(x: Any, weight: Any, threads: int, bf16_math: bool = False) -> Any:
     """The ``linear`` op: `linear` for float32 activations, else (activations in another dtype) the
     portable matmul."""
-    import paddle
-
-    wdtype = weight.dtype
-    if x.dtype == paddle.float32 and (wdtype == paddle.float32 or wdtype == paddle.bfloat16):
+    parts, wdtype = paddle_parts(), weight.dtype
+    if is_float32(x) and (is_dtype(wdtype, parts.float32) or is_dtype(wdtype, parts.bfloat16)):
         return linear(x, weight, threads, bf16_math)
     from fdplug.core.portable.ops import linear as portable
 

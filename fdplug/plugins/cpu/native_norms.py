@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fdplug.plugins.cpu.kernels import _contiguous, _rows, empty_f32, load
+from fdplug.plugins.cpu.kernels import _contiguous, _rows, empty_f32, is_float32, load
 
 # Below this many rows one thread does the norm: starting the others costs more than it saves.
 RMS_NORM_MIN_PARALLEL_ROWS = 64
@@ -25,11 +25,9 @@ def _norm_threads(rows: int, threads: int) -> int:
 def rms_norm(x: Any, weight: Any, eps: float, threads: int) -> Any:
     """The ``rms_norm`` op (`fdplug.plugin_api.ops`) in one call for float32 ``x [..., D]`` and a
     ``weight`` of ``[D]`` or of ``x``'s trailing ``[heads, D]`` (the q/k norm); else paddle's."""
-    import paddle
-
     shape, wshape = x.shape, weight.shape
     dim = shape[-1]
-    if (x.dtype != paddle.float32 or weight.dtype != paddle.float32 or dim == 0 or len(wshape) > 2
+    if (not is_float32(x) or not is_float32(weight) or dim == 0 or len(wshape) > 2
             or wshape != shape[len(shape) - len(wshape):]):
         from fdplug.core.portable.ops import rms_norm as portable
 
@@ -45,11 +43,9 @@ def rms_norm(x: Any, weight: Any, eps: float, threads: int) -> Any:
 def add_rms_norm(x: Any, residual: Any, weight: Any, eps: float, threads: int) -> tuple[Any, Any]:
     """The ``add_rms_norm`` op: ``(rms_norm(x + residual), x + residual)`` in one call for float32
     ``x``, ``residual`` of one shape ``[..., D]`` and ``weight [D]``; else the portable op."""
-    import paddle
-
     shape = x.shape
     dim = shape[-1]
-    if (x.dtype != paddle.float32 or residual.dtype != paddle.float32 or weight.dtype != paddle.float32
+    if (not is_float32(x) or not is_float32(residual) or not is_float32(weight)
             or dim == 0 or residual.shape != shape or weight.shape != [dim]):
         from fdplug.core.portable.ops import add_rms_norm as portable
 
@@ -69,11 +65,9 @@ ROPE_MIN_PARALLEL_ROWS = 512
 def rope(x: Any, cos: Any, sin: Any, threads: int) -> Any:
     """The ``rope`` op in one call for float32 ``x``, ``cos``, ``sin`` of one shape ``[..., D]``
     with ``D`` even; else the portable op."""
-    import paddle
-
     shape = x.shape
     dim = shape[-1]
-    if (x.dtype != paddle.float32 or cos.dtype != paddle.float32 or sin.dtype != paddle.float32
+    if (not is_float32(x) or not is_float32(cos) or not is_float32(sin)
             or dim % 2 or cos.shape != shape or sin.shape != shape):
         from fdplug.core.portable.ops import rope as portable
 
