@@ -110,6 +110,25 @@ def test_a_weight_in_another_layout_or_shape_is_refused():
     alien = PreparedWeight(prepared.data, prepared.shape, "another_chip_tiles")
     with pytest.raises(ValueError, match="another_chip_tiles"):
         native_linear.linear(paddle.ones([2, 16]), alien, 2)
+    float16 = PreparedWeight(prepared.data.astype("float16"), prepared.shape, prepared.layout)
+    with pytest.raises(ValueError, match="float32 or bf16 weights .* got paddle.float16"):
+        native_linear.linear(paddle.ones([2, 16]), float16, 2)
+    with pytest.raises(TypeError, match="compute in float32, got paddle.float64"):
+        native_linear.linear(paddle.ones([2, 16], dtype="float64"), prepared, 2)
+
+
+def test_dtypes_compare_by_identity_then_by_equality():
+    """The wrappers' dtype checks (`kernels.is_dtype`): identity first, `==` where identity fails."""
+
+    class EqualsEverything:
+        def __eq__(self, other: object) -> bool:
+            return True
+
+    assert kernels.is_dtype(paddle.float32, paddle.float32)
+    assert not kernels.is_dtype(paddle.bfloat16, paddle.float32)
+    assert kernels.is_dtype(EqualsEverything(), paddle.float32)
+    assert kernels.is_float32(paddle.ones([2])) and not kernels.is_float32(paddle.ones([2], dtype="float64"))
+    assert kernels.paddle_parts().empty([3, 2], paddle.float32, paddle.CPUPlace()).shape == [3, 2]
 
 
 def test_the_portable_fallback_unpacks():
