@@ -204,28 +204,38 @@ static inline float gp_float_at(const uint8_t *p) {
     return v;
 }
 
-/* Run j's integer sums (quads 4j .. 4j + 3 of a half's weight vectors v; Q8_0 without VNNI: s their
- * signs) against the inputs of a row's record rec (gp_inputs), from the record's start (-offset * qs).
- * With VNNI one vpdpbusd a quad. Without, vpmaddubsw's int16 pair sums of quads are added as int16
- * where they cannot overflow (inputs |q| <= 127: 4 quads of weights below 32 at most 31,496, 2 of
- * Q6_K's below 64), then widened by one vpmaddwd; Q8_0 (|w| against q with w's sign: |w| <= 128) a
- * quad at a time. The same integers either way. */
-static inline __attribute__((always_inline)) gp_vi gp_run(const gp_vi v[4], const gp_vi s[4], int j, const uint8_t *rec,
-                                                          const int QT) {
+/* Run j's integer sums of both halves (quads 4j .. 4j + 3 of each half's weight vectors; Q8_0
+ * without VNNI: e->s their signs) against the inputs of a row's record rec (gp_inputs), from the
+ * record's start (-offset * qs), into acc[h]. Each input quad is broadcast once for both halves (a
+ * broadcast per half was a third of the AVX2 tile's loads). With VNNI one vpdpbusd a quad. Without,
+ * vpmaddubsw's int16 pair sums of quads are added as int16 where they cannot overflow (inputs |q| <=
+ * 127: 4 quads of weights below 32 at most 31,496, 2 of Q6_K's below 64), then widened by one
+ * vpmaddwd; Q8_0 (|w| against q with w's sign: |w| <= 128) a quad at a time. The same integers
+ * either way. */
+static inline __attribute__((always_inline)) void gp_run(const gp_piece *e, int j, const uint8_t *rec, const int QT,
+                                                         gp_vi acc[GP_HALVES]) {
     const uint8_t *x = rec + 16 * j;
-    gp_vi acc = gp_bcast(rec + 40 + 4 * j);
+    const gp_vi start = gp_bcast(rec + 40 + 4 * j);
+    for (int h = 0; h < GP_HALVES; ++h) acc[h] = start;
 #ifdef GP_VNNI
-    (void)s;
-    for (int q = 0; q < 4; ++q) acc = gp_dot(acc, v[q], gp_bcast(x + 4 * q));
+    for (int q = 0; q < 4; ++q) {
+        const gp_vi b = gp_bcast(x + 4 * q);
+        for (int h = 0; h < GP_HALVES; ++h) acc[h] = gp_dot(acc[h], e->v[h][4 * j + q], b);
+    }
 #else
     const int per = QT == GG_Q8_0 ? 1 : QT == GG_Q6_K ? 2 : 4;
     for (int q = 0; q < 4; q += per) {
-        gp_vi t = gp_pairs16(v[q], GP_SIGNED(QT) ? gp_sign8(gp_bcast(x + 4 * q), s[q]) : gp_bcast(x + 4 * q));
-        for (int i = q + 1; i < q + per; ++i) t = gp_add16(t, gp_pairs16(v[i], gp_bcast(x + 4 * i)));
-        acc = gp_widen_add(acc, t);
+        const gp_vi b = gp_bcast(x + 4 * q);
+        gp_vi t[GP_HALVES];
+        for (int h = 0; h < GP_HALVES; ++h)
+            t[h] = gp_pairs16(e->v[h][4 * j + q], GP_SIGNED(QT) ? gp_sign8(b, e->s[h][4 * j + q]) : b);
+        for (int i = q + 1; i < q + per; ++i) {
+            const gp_vi bi = gp_bcast(x + 4 * i);
+            for (int h = 0; h < GP_HALVES; ++h) t[h] = gp_add16(t[h], gp_pairs16(e->v[h][4 * j + i], bi));
+        }
+        for (int h = 0; h < GP_HALVES; ++h) acc[h] = gp_widen_add(acc[h], t[h]);
     }
 #endif
-    return acc;
 }
 
 /* Rows m0 .. m0 + MR - 1 of the 16 columns of the group at g (or, decoded != NULL, its pieces as
@@ -260,18 +270,21 @@ static inline __attribute__((always_inline)) void gp_tile(const gp_job *job, con
         const uint8_t *rec = in->rec + ((int64_t)p * in->rows + m0) * GP_REC;   /* row r's at r * GP_REC */
         GG_UNROLL
         for (int r = 0; r < MR; ++r) {
+            const uint8_t *x = rec + r * GP_REC;
+            gp_vi a0[GP_HALVES], a1[GP_HALVES];
+            gp_run(&e, 0, x, QT, a0);
+            gp_run(&e, 1, x, QT, a1);
+            const gp_vf d0 = gp_fset1(gp_float_at(x + 32)), d1 = gp_fset1(gp_float_at(x + 36));
+            const gp_vf sx = gp_has_min(QT) ? gp_fset1(gp_float_at(x + 48)) : gp_fzero();
             for (int h = 0; h < GP_HALVES; ++h) {   /* (both halves take the row's broadcast inputs) */
-                const uint8_t *x = rec + r * GP_REC;
-                const gp_vi a0 = gp_run(e.v[h], e.s[h], 0, x, QT), a1 = gp_run(e.v[h] + 4, e.s[h] + 4, 1, x, QT);
-                const gp_vf s0 = gp_mul(gp_f(a0), gp_fset1(gp_float_at(x + 32)));
-                const gp_vf d1 = gp_fset1(gp_float_at(x + 36));
+                const gp_vf s0 = gp_mul(gp_f(a0[h]), d0);
                 gp_vf *a = &acc[r][C][h];
                 if (QT == GG_Q6_K) {
                     *a = gp_fma(s0, e.dw0[h], *a);
-                    *a = gp_fma(gp_mul(gp_f(a1), d1), e.dw1[h], *a);
+                    *a = gp_fma(gp_mul(gp_f(a1[h]), d1), e.dw1[h], *a);
                 } else {
-                    *a = gp_fma(gp_fma(gp_f(a1), d1, s0), e.dw0[h], *a);
-                    if (gp_has_min(QT)) *a = gp_fma(e.ow[h], gp_fset1(gp_float_at(x + 48)), *a);
+                    *a = gp_fma(gp_fma(gp_f(a1[h]), d1, s0), e.dw0[h], *a);
+                    if (gp_has_min(QT)) *a = gp_fma(e.ow[h], sx, *a);
                 }
             }
         }

@@ -269,7 +269,7 @@ int fdplug_linear_packed(const float *x, const void *w, int kind, const float *b
     if (rows <= 0 || cols <= 0) return 0;
     if (cols % 16 != 0 || kind < LP_F32 || kind > LP_BF16_MATH || (kind != LP_F32 && depth % 2 != 0)) return -2;
     if (depth <= 0) return -2;   /* the prepared layouts need a depth */
-    packed_job job = {x, NULL, w, out, rows, cols, depth, kind, 0, 0, 0, 0, 0, NULL, 0, bias, 0};
+    packed_job job = {x, NULL, w, out, rows, cols, depth, kind, 0, 0, 0, 0, 0, NULL, 0, bias, 0, NULL};
     void *buffer = NULL;
     if (kind == LP_BF16_MATH) {
 #ifdef HAVE_BF16_DOT
@@ -301,7 +301,7 @@ int fdplug_linear_packed_fp8(const float *x, const uint8_t *w, const float *scal
     if (scales_t == NULL) return -1;
     for (int n = 0; n < cols; ++n)
         for (int b = 0; b < blocks; ++b) scales_t[(int64_t)b * cols + n] = scales[(int64_t)n * blocks + b] * 256.0f;
-    packed_job job = {x, NULL, w, out, rows, cols, depth, LP_FP8, 0, 0, 0, 0, 0, scales_t, block_k, bias, 0};
+    packed_job job = {x, NULL, w, out, rows, cols, depth, LP_FP8, 0, 0, 0, 0, 0, scales_t, block_k, bias, 0, NULL};
     packed_run(&job, 4, num_threads);
     free(scales_t);
     return 0;
