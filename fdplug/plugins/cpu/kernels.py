@@ -178,9 +178,7 @@ def is_dtype(dtype: Any, wanted: Any) -> bool:
 
 def is_float32(t: Any) -> bool:
     """Whether tensor ``t`` is float32 (`is_dtype`)."""
-    wanted = paddle_parts().float32
-    dtype = t.dtype
-    return dtype is wanted or dtype == wanted
+    return is_dtype(t.dtype, paddle_parts().float32)
 
 
 def empty_f32(shape: list[int]) -> Any:
