@@ -157,6 +157,7 @@ class PaddleParts:
     float32: Any
     bfloat16: Any
     uint8: Any
+    float8_e4m3fn: Any
     place: Any     # paddle.CPUPlace()
     empty: Any     # paddle._C_ops.empty(shape, dtype, place)
 
@@ -166,7 +167,8 @@ def paddle_parts() -> PaddleParts:
     import paddle
     from paddle import _C_ops
 
-    return PaddleParts(paddle.float32, paddle.bfloat16, paddle.uint8, paddle.CPUPlace(), _C_ops.empty)
+    return PaddleParts(paddle.float32, paddle.bfloat16, paddle.uint8, paddle.float8_e4m3fn, paddle.CPUPlace(),
+                       _C_ops.empty)
 
 
 def is_dtype(dtype: Any, wanted: Any) -> bool:

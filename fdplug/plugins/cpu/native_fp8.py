@@ -19,8 +19,10 @@ from fdplug.plugins.cpu.kernels import (
     _contiguous,
     _rows,
     empty_f32,
+    is_dtype,
     is_float32,
     load,
+    paddle_parts,
 )
 
 # Up to this many rows the weights are widened in registers; above, one dequantized copy of the
@@ -46,11 +48,9 @@ def prepare(weight: Any) -> PreparedWeight | None:
 
 
 def _fp8_linear_packed(x: Any, weight: PreparedWeight, weight_scale: Any, block_k: int, threads: int) -> Any:
-    import paddle
-
     cols, depth = weight.shape
     shape, sshape = x.shape, weight_scale.shape
-    if weight.layout != native_linear.layout() or weight.dtype != paddle.float8_e4m3fn:
+    if weight.layout != native_linear.layout() or not is_dtype(weight.dtype, paddle_parts().float8_e4m3fn):
         raise ValueError(f"cpu_native_fp8_linear reads e4m3 weights prepared as {native_linear.layout()!r}, got "
                          f"{weight.layout!r} ({weight.dtype})")
     if shape[-1] != depth or block_k <= 0 or list(sshape) != [cols, -(-depth // block_k)]:
@@ -73,8 +73,6 @@ def fp8_linear(x: Any, weight: Any, weight_scale: Any, block_k: int, threads: in
     ``weight_scale [N, ceil(K / block_k)]`` -> ``[..., N]``: the ``fp8_linear`` op's contract
     (`fdplug.plugin_api.ops`), read in place: the weights stay one byte each (a `prepare`d weight:
     the packed tiles, whatever the row count)."""
-    import paddle
-
     if isinstance(weight, PreparedWeight):
         return _fp8_linear_packed(x, weight, weight_scale, block_k, threads)
     shape, wshape, sshape = x.shape, weight.shape, weight_scale.shape
@@ -85,7 +83,7 @@ def fp8_linear(x: Any, weight: Any, weight_scale: Any, block_k: int, threads: in
     rows = _rows(shape)
     x = _contiguous(x if len(shape) == 2 else x.reshape([rows, depth]))
     _check_float32(x, weight_scale)
-    if weight.dtype != paddle.float8_e4m3fn:
+    if not is_dtype(weight.dtype, paddle_parts().float8_e4m3fn):
         raise TypeError(f"fp8_linear needs a float8_e4m3fn weight, got {weight.dtype}")
     out = empty_f32([rows, cols])
     load().fdplug_fp8_linear(x.data_ptr(), _contiguous(weight).data_ptr(), _contiguous(weight_scale).data_ptr(),

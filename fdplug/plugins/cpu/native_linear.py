@@ -53,20 +53,21 @@ csrc/linear_packed.c's header describes them."""
 _F32, _BF16, _BF16_MATH = 0, 1, 2    # fdplug_linear_packed's kinds
 
 
+@functools.cache
+def _layout_of(library: Any) -> tuple[int, str]:
+    width = int(library.fdplug_linear_packed_panel())
+    return width, f"{PANELS}{width}"
+
+
 def panel_width() -> int:
     """The columns of a panel in the loaded library's layout: 64 (AVX-512 tiles), 16 (AVX2 tiles)."""
-    return int(load().fdplug_linear_packed_panel())
-
-
-@functools.cache
-def _layout_of(library: Any) -> str:
-    return f"{PANELS}{int(library.fdplug_linear_packed_panel())}"
+    return _layout_of(load())[0]
 
 
 def layout() -> str:
     """The packed layout the loaded library reads (`PreparedWeight.layout`; asked ~50 times a decode
     step, so kept per library)."""
-    return _layout_of(load())
+    return _layout_of(load())[1]
 
 
 def _layout_width(weight: PreparedWeight) -> int:

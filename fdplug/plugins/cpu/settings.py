@@ -25,9 +25,8 @@ PACK_WEIGHTS = Setting("FDPLUG_CPU_PACK_WEIGHTS", True, parse_bool,
                        "1 (default): the cpu_native linear kernels pack each linear layer's weights once at load "
                        "(panels of 64 columns, 16 for the AVX2 tiles: ~2x the in-place tiles at 64+ rows), and the "
                        "packed GGUF kernel its blocks (groups of 16 columns); 0: weights stay in the checkpoint's "
-                       "[out, in] layout "
-                       "(the in-place tiles; other bits, same accuracy; GGUF: each group packed per call, the "
-                       "same bits, slower).")
+                       "[out, in] layout (the in-place tiles; other bits, same accuracy; GGUF: each group packed "
+                       "per call, the same bits, slower).")
 CPU_ISA = Setting("FDPLUG_CPU_ISA", "auto", parse_choice("auto", "avx512", "avx2", "sse4"),
                   "Caps the x86 instruction-set level the cpu kernels are compiled for and claim: auto (default) "
                   "what the CPU has; avx512 (x86-64-v4), avx2 (x86-64-v3), sse4 (x86-64-v2). To test a lower "
