@@ -212,8 +212,8 @@ static inline __attribute__((always_inline)) void packed_rows(const packed_job *
 }
 
 /* bf16 weights under more than one row tile: the panel's k block widened once into a float32
- * copy (this thread's, 256 KB at most), which every row tile of the block then reads with the
- * float32 tiles. The same values and the same FMA chains, so the same bits; the widening (a shift
+ * copy (this thread's, 36 KB: 16 x LP8_K_BLOCK floats), which every row tile of the block then
+ * reads with the float32 tiles. The same values and the same FMA chains, so the same bits; the widening (a shift
  * or a mask per 8 weights) is paid once per block instead of once per row tile: it had bf16
  * weights at ~0.67x float32's speed from 64 rows. ``call``: fdplug_linear_packed's call number,
  * so that a copy is never taken for another call's weights at the same address. The buffer lives
@@ -244,7 +244,7 @@ static const float *widened_block(const packed_job *job, int panel, int k0, int 
 /* A work item's rows [first_row, last_row) times panels [first_panel, end_panel). One row tile
  * (decode, small batches): tiles over up to 4 panels, the whole depth, x read in place. More rows
  * (x in row tiles, packed_x_tiles): k pass by k pass, panel by panel, every row tile over the
- * panel's slice while it stays in L1; bf16 weights widened once a slice for all of them.
+ * panel's slice while it stays in L2 (LP8_K_BLOCK); bf16 weights widened once a slice for all of them.
  * The bf16 math kind is never asked for at this level: fdplug_linear_bf16dot_available() is 0. */
 static void packed_item(const packed_job *job, int first_row, int last_row, int first_panel, int end_panel) {
     const int kind = job->kind;
