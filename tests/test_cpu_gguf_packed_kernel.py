@@ -52,6 +52,41 @@ def test_kernel_is_q8_math_in_runs_of_16(qtype):
                                            err_msg=f"{qtype} {n}x{k} {rows} rows {type(each).__name__}")
 
 
+# Each type's quantized bytes in a block: [start, end) (after its scales; Q6_K's before them)
+_INTEGERS = {"Q4_0": (2, 18), "Q4_1": (4, 20), "Q5_0": (2, 22), "Q5_1": (4, 24), "Q8_0": (2, 34),
+             "Q4_K": (16, 144), "Q5_K": (16, 176), "Q6_K": (0, 192)}
+
+
+@needs_tiles
+@pytest.mark.parametrize("qtype", TYPES)
+def test_extreme_integers_do_not_saturate(qtype):
+    """Every weight at its type's extremes (bytes 0x00 and 0xFF: -8 and 7, -16 and 15, -32 and 31
+    after the offset; 0 and 15 or 31 with a min; Q8_0 0x80 and 0x7F: -128 and 127) against inputs
+    that all quantize to +-127: the int16 pair sums at their bound on every route (AVX2's decoded
+    groups from 33 rows take the inputs as q + 128, up to 4 * 2 * 255 * 16 = 32,640), the values of
+    the definition, each row's bits as alone."""
+    from fdplug.plugin_api.gguf_formats import BLOCK_FORMATS
+
+    fmt = BLOCK_FORMATS[qtype]
+    k = depth(qtype, 2 if qtype.endswith("_K") else 4)
+    blocks = _random_gguf_blocks(qtype, 32, k, np.random.default_rng(34)).reshape(32, k // fmt.block, fmt.nbytes)
+    start, end = _INTEGERS[qtype]
+    x = np.where(np.arange(40)[:, None] % 2 == 0, 1.0, -1.0).astype(np.float32).repeat(k, axis=1)
+    x[-1] = np.linspace(-1, 1, k, dtype=np.float32)
+    for fill in (0x80, 0x7F) if qtype == "Q8_0" else (0x00, 0xFF):
+        w = blocks.copy()
+        w[..., start:end] = fill
+        w = paddle.to_tensor(w.reshape(32, -1))
+        want = definition(x, w, qtype, k)
+        for weight in (w, native_gguf_packed.prepare(w, qtype)):
+            batch = native_gguf_packed.gguf_linear(paddle.to_tensor(x), weight, qtype, k, threads=2).numpy()
+            np.testing.assert_allclose(batch, want, rtol=1e-5, atol=1e-6 * np.abs(want).max(),
+                                       err_msg=f"{qtype} bytes {fill:#x}")
+            for r in (0, 1, 39):
+                alone = native_gguf_packed.gguf_linear(paddle.to_tensor(x[r:r + 1]), weight, qtype, k, threads=1)
+                np.testing.assert_array_equal(alone.numpy()[0], batch[r], err_msg=f"{qtype} bytes {fill:#x} row {r}")
+
+
 @needs_tiles
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q5_0", "Q6_K", "Q8_0"])
 def test_the_same_bits_whatever_the_batch_the_route_or_the_threads(qtype):

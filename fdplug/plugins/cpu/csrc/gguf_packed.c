@@ -182,6 +182,19 @@ int fdplug_gguf_pack(const uint8_t *w, uint8_t *out, int cols, int depth, int qt
 #define GP_VNNI 1   /* the tiles' integer products are vpdpbusd (gguf_packed_tiles.c) */
 #endif
 #define GP_REC 64   /* bytes of a row's record for a piece (gp_inputs) */
+#if !defined(GG_Q8_512) && !defined(GP_VNNI)
+#define GP_SWAP 1   /* AVX2 without VNNI: decoded groups multiply with the operands' roles swapped (gguf_packed_tiles.c) */
+#endif
+/* Whether a call's decoded groups take gp_tile_swapped's route (AVX2 without VNNI, every type but Q8_0) */
+static inline int gp_swapped(int qtype, int rows) {
+#ifdef GP_SWAP
+    return qtype != GG_Q8_0 && rows > gp_decode_rows(qtype);
+#else
+    (void)qtype, (void)rows;
+    return 0;
+#endif
+}
+
 
 /* x quantized, a record of GP_REC bytes for each piece p and row, at rec + (p * rows + row) * GP_REC,
  * so that a tile's rows for a piece lie GP_REC bytes apart (one pointer and constant offsets): its 32
@@ -192,6 +205,7 @@ typedef struct {
     uint8_t *rec;
     int64_t rows;
     int pieces, off;
+    int swap;   /* the inputs stored as q ^ 0x80 (unsigned: q + 128) and the starts 0, for gp_tile_swapped */
 } gp_inputs;
 
 /* x's runs [first, last) of 16 (first even; run = row * pieces * 2 + 2 * piece + j) -> their records:
@@ -225,7 +239,7 @@ static void gp_quantize(const float *x, int64_t first, int64_t last, gp_inputs *
         s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
         qs = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1))));
 #endif
-        _mm_storeu_si128((__m128i *)(r + 16 * j), bytes);
+        _mm_storeu_si128((__m128i *)(r + 16 * j), in->swap ? _mm_xor_si128(bytes, _mm_set1_epi8((char)0x80)) : bytes);
         const int32_t start = -in->off * qs;
         memcpy(r + 32 + 4 * j, &d, 4);
         memcpy(r + 40 + 4 * j, &start, 4);
@@ -340,7 +354,8 @@ static int gp_linear(const float *x, const uint8_t *w, float *out, int64_t ld, i
     uint8_t small[GG_SMALL_X / 32 * GP_REC] __attribute__((aligned(64)));
     uint8_t *rec = bytes > (int64_t)sizeof small ? malloc((size_t)bytes) : small;
     if (rec == NULL) return -3;
-    gp_inputs in = {rec, rows, depth / 32, GP_SIGNED(qtype) ? 0 : gp_offset(qtype)};
+    const int swap = gp_swapped(qtype, rows);
+    gp_inputs in = {rec, rows, depth / 32, GP_SIGNED(qtype) || swap ? 0 : gp_offset(qtype), swap};
     const int groups = (cols + GP_COLS - 1) / GP_COLS;
     const int threads = num_threads < groups ? (num_threads > 0 ? num_threads : 1) : groups;
     /* Work items: above GP_MR rows one group each (a group is then >= 9 x 16 x depth multiply-adds,
