@@ -195,7 +195,6 @@ static inline int gp_swapped(int qtype, int rows) {
 #endif
 }
 
-
 /* x quantized, a record of GP_REC bytes for each piece p and row, at rec + (p * rows + row) * GP_REC,
  * so that a tile's rows for a piece lie GP_REC bytes apart (one pointer and constant offsets): its 32
  * inputs q (int8), the runs' scales d[2] (float), the runs' integer sums times -off (start[2], int32:
@@ -328,7 +327,7 @@ static void *gp_worker(void *arg) {
                               job->qtype, own);
                 g = own;
             }
-            if (decoded != NULL) gp_decode_group(g, job->qtype, job->depth, decoded);
+            if (decoded != NULL) gp_decode_group(g, job->qtype, job->depth, job->in->swap, decoded);
             for (int m0 = 0; m0 < job->rows; m0 += GP_MR) {
                 const int mr = job->rows - m0 < GP_MR ? job->rows - m0 : GP_MR;
                 GP_SWITCH_TYPE(job->qtype, GP_ROWS)

@@ -7,7 +7,9 @@
  *
  * Without VNNI, vpmaddubsw's int16 pair sums saturate for Q8_0's bytes offset by 128 (255 * 127 * 2):
  * its weights go signed there (q, |q| against x with q's sign: at most 128 * 127 * 2), and the sum
- * starts at 0 instead of -128 * sum(x's integers): the same integer.
+ * starts at 0 instead of -128 * sum(x's integers): the same integer. At AVX2 without VNNI a decoded
+ * group of every other type takes the operands' roles swapped (gp_tile_swapped: the inputs unsigned
+ * as q + 128, the weights signed from memory), again the same integers.
  * Included by gguf_packed.c (gp_job, gp_inputs, the layout's helpers), after gguf_q8.c (its integer
  * dot products, gg_dot4_add and gg_dot4_add_512).
  * ------------------------------------------------------------------------------------------- */
@@ -86,7 +88,7 @@ static inline void gp_store(float *out, gp_vf a, gp_vf b, int valid) {
 #define GP_DECODED (8 * 64 + 3 * 64)     /* bytes a decoded piece takes (gp_decode_group) */
 #else
 #define GP_SIGNED(QT) ((QT) == GG_Q8_0)  /* Q8_0 as signed bytes (vpmaddubsw) */
-#define GP_DECODED (16 * 64 + 3 * 64)    /* (and Q8_0's signs) */
+#define GP_DECODED (16 * 64 + 3 * 64)    /* (and Q8_0's signs; or gp_swap_piece's two runs' starts) */
 #endif
 
 /* A piece's integers (v: per half, the 8 quads' vectors; Q8_0 without VNNI: |q|, s its signs) and
@@ -164,7 +166,7 @@ static inline __attribute__((always_inline)) void gp_piece_at(const uint8_t *g, 
 }
 
 #ifdef GP_SWAP
-#define GP_SWAPS(QT) ((QT) != GG_Q8_0)   /* decoded groups take gp_tile_swapped */
+#define GP_SWAPS(QT) ((QT) != GG_Q8_0)   /* the types gp_tile_swapped takes (in a call gp_swapped) */
 /* A piece decoded for gp_tile_swapped at d: its integers less the type's offset as signed bytes w
  * (8 vectors of 64 bytes), dw0, dw1, ow as gp_decode_group's, then each run's start -128 * sum(w) of
  * each column (int32, 16 lanes a run, at 704 and 768) */
@@ -191,9 +193,10 @@ static inline void gp_swap_piece(const gp_piece *e, const int QT, uint8_t *d) { 
 #endif
 
 /* Every piece of the group at g, decoded into buf (GP_DECODED bytes a piece: its integers as 8
- * vectors of 64 bytes, dw0, dw1 and ow as 16 floats each, then without VNNI Q8_0's signs): where
- * more than one row tile passes over a group, each then loads what gp_piece_at would compute again */
-static void gp_decode_group(const uint8_t *g, int QT, int depth, uint8_t *buf) {
+ * vectors of 64 bytes, dw0, dw1 and ow as 16 floats each, then without VNNI Q8_0's signs; swap, a
+ * call gp_swapped: gp_swap_piece's): where more than one row tile passes over a group, each then
+ * loads what gp_piece_at would compute again */
+static void gp_decode_group(const uint8_t *g, int QT, int depth, int swap, uint8_t *buf) {
     float dws[16][GP_COLS], ows[8][GP_COLS];
     const int64_t unit = (int64_t)GP_COLS * GG_BYTES(QT);
 #define GP_DECODE(T)                                                                                 \
@@ -202,7 +205,7 @@ static void gp_decode_group(const uint8_t *g, int QT, int depth, uint8_t *buf) {
         gp_piece e;                                                                                  \
         gp_piece_at(g, T, p, dws, ows, &e);                                                          \
         uint8_t *d = buf + (int64_t)p * GP_DECODED;                                                  \
-        if (GP_SWAPS(T)) gp_swap_piece(&e, T, d);                                                  \
+        if (GP_SWAPS(T) && swap) gp_swap_piece(&e, T, d);                                         \
         else for (int h = 0; h < GP_HALVES; ++h) {                                                   \
             for (int q = 0; q < 8; ++q) {                                                            \
                 memcpy(d + 64 * q + GP_VBYTES * h, &e.v[h][q], GP_VBYTES);                          \
@@ -331,8 +334,9 @@ static inline __attribute__((always_inline)) void gp_run_swapped(const uint8_t *
 }
 
 /* gp_tile over a decoded group, the roles swapped (gp_run_swapped): the same integers, the same float
- * steps, so the same bits; ~30% fewer instructions a row and piece at AVX2, where the 16 weight
- * vectors took registers that 16 cannot hold besides a row's work, and were loaded again each row */
+ * steps, so the same bits. At AVX2 the 16 weight vectors of gp_tile do not stay in 16 registers beside
+ * a row's work and were loaded again each row (14 of a row and piece's 89 instructions, Q4_1); here
+ * each weight load is part of its multiply */
 static inline __attribute__((always_inline)) void gp_tile_swapped(const gp_job *job, const uint8_t *decoded,
                                                                   const int QT, int m0, const int MR, int n0) {
     const gp_inputs *in = job->in;
@@ -363,7 +367,7 @@ static inline __attribute__((always_inline)) void gp_tile_swapped(const gp_job *
 static inline __attribute__((always_inline)) void gp_tile(const gp_job *job, const uint8_t *g, const uint8_t *decoded,
                                                           const int QT, int m0, const int MR, int n0) {
 #ifdef GP_SWAP
-    if (GP_SWAPS(QT) && decoded != NULL) {
+    if (GP_SWAPS(QT) && job->in->swap) {   /* (then decoded != NULL: gp_swapped) */
         gp_tile_swapped(job, decoded, QT, m0, MR, n0);
         return;
     }
