@@ -63,8 +63,8 @@ def test_extreme_integers_do_not_saturate(qtype):
     """Every weight at its type's extremes (bytes 0x00 and 0xFF: -8 and 7, -16 and 15, -32 and 31
     after the offset; 0 and 15 or 31 with a min; Q8_0 0x80 and 0x7F: -128 and 127) against inputs
     that all quantize to +-127: the int16 pair sums at their bound on every route (AVX2's decoded
-    groups from 33 rows take the inputs as q + 128, up to 4 * 2 * 255 * 16 = 32,640), the values of
-    the definition, each row's bits as alone."""
+    groups, above 32 rows or 8 for the K-quants, take the inputs as q + 128: up to 4 * 2 * 255 * 16 =
+    32,640), the values of the definition, each row's bits as alone."""
     from fdplug.plugin_api.gguf_formats import BLOCK_FORMATS
 
     fmt = BLOCK_FORMATS[qtype]

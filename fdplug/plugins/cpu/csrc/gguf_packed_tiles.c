@@ -249,6 +249,7 @@ static inline __attribute__((always_inline)) void gp_run(const gp_piece *e, int 
     const gp_vi start = gp_bcast(rec + 40 + 4 * j);
     for (int h = 0; h < GP_HALVES; ++h) acc[h] = start;
 #ifdef GP_VNNI
+    (void)QT;   /* (every type alike) */
     for (int q = 0; q < 4; ++q) {
         const gp_vi b = gp_bcast(x + 4 * q);
         for (int h = 0; h < GP_HALVES; ++h) acc[h] = gp_dot(acc[h], e->v[h][4 * j + q], b);
@@ -396,7 +397,7 @@ static inline __attribute__((always_inline)) void gp_tile(const gp_job *job, con
         }
         const int C = p & 1;   /* the chain */
         const uint8_t *rec = in->rec + ((int64_t)p * in->rows + m0) * GP_REC;   /* row r's at r * GP_REC */
-        gp_vi a0[GP_MR][GP_HALVES];
+        gp_vi a0[GP_MR][GP_HALVES];   /* run 0 of every row, then run 1: a run's weights stay in registers */
         GG_UNROLL
         for (int r = 0; r < MR; ++r) gp_run(&e, 0, rec + r * GP_REC, QT, a0[r]);
         GG_UNROLL
