@@ -184,16 +184,12 @@ int fdplug_gguf_pack(const uint8_t *w, uint8_t *out, int cols, int depth, int qt
 #define GP_REC 64   /* bytes of a row's record for a piece (gp_inputs) */
 #if !defined(GG_Q8_512) && !defined(GP_VNNI)
 #define GP_SWAP 1   /* AVX2 without VNNI: decoded groups multiply with the operands' roles swapped (gguf_packed_tiles.c) */
-#endif
-/* Whether a call's decoded groups take gp_tile_swapped's route (AVX2 without VNNI, every type but Q8_0) */
-static inline int gp_swapped(int qtype, int rows) {
-#ifdef GP_SWAP
-    return qtype != GG_Q8_0 && rows > gp_decode_rows(qtype);
+#define GP_SWAPS(QT) ((QT) != GG_Q8_0)   /* the types that route takes (Q8_0's |w| = 128 would saturate it) */
 #else
-    (void)qtype, (void)rows;
-    return 0;
+#define GP_SWAPS(QT) 0
 #endif
-}
+/* Whether a call's decoded groups take the swapped route (gp_tile_swapped) */
+static inline int gp_swapped(int qtype, int rows) { return GP_SWAPS(qtype) && rows > gp_decode_rows(qtype); }
 
 /* x quantized, a record of GP_REC bytes for each piece p and row, at rec + (p * rows + row) * GP_REC,
  * so that a tile's rows for a piece lie GP_REC bytes apart (one pointer and constant offsets): its 32

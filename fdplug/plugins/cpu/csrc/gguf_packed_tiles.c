@@ -166,10 +166,9 @@ static inline __attribute__((always_inline)) void gp_piece_at(const uint8_t *g, 
 }
 
 #ifdef GP_SWAP
-#define GP_SWAPS(QT) ((QT) != GG_Q8_0)   /* the types gp_tile_swapped takes (in a call gp_swapped) */
-/* A piece decoded for gp_tile_swapped at d: its integers less the type's offset as signed bytes w
- * (8 vectors of 64 bytes), dw0, dw1, ow as gp_decode_group's, then each run's start -128 * sum(w) of
- * each column (int32, 16 lanes a run, at 704 and 768) */
+/* A piece's integers decoded for gp_run_swapped at d: less the type's offset, as signed bytes w (8
+ * vectors of 64 bytes), and each run's start -128 * sum(w) of each column (int32, 16 lanes a run, at
+ * 704 and 768) */
 static inline void gp_swap_piece(const gp_piece *e, const int QT, uint8_t *d) {
     const __m256i off = _mm256_set1_epi8((char)gp_offset(QT)), ones8 = _mm256_set1_epi8(1);
     for (int h = 0; h < GP_HALVES; ++h) {
@@ -180,15 +179,12 @@ static inline void gp_swap_piece(const gp_piece *e, const int QT, uint8_t *d) {
                 _mm256_storeu_si256((__m256i *)(d + 64 * q + GP_VBYTES * h), w);
                 sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, w), _mm256_set1_epi16(1)));
             }
-            _mm256_storeu_si256((__m256i *)(d + 704 + 64 * j + GP_VBYTES * h), _mm256_slli_epi32(_mm256_sub_epi32(_mm256_setzero_si256(), sum), 7));
+            _mm256_storeu_si256((__m256i *)(d + 704 + 64 * j + GP_VBYTES * h),
+                                _mm256_slli_epi32(_mm256_sub_epi32(_mm256_setzero_si256(), sum), 7));
         }
-        memcpy(d + 512 + 4 * GP_LANES * h, &e->dw0[h], GP_VBYTES);
-        memcpy(d + 576 + 4 * GP_LANES * h, &e->dw1[h], GP_VBYTES);
-        memcpy(d + 640 + 4 * GP_LANES * h, &e->ow[h], GP_VBYTES);
     }
 }
 #else
-#define GP_SWAPS(QT) 0
 static inline void gp_swap_piece(const gp_piece *e, const int QT, uint8_t *d) { (void)e, (void)QT, (void)d; }
 #endif
 
@@ -205,9 +201,10 @@ static void gp_decode_group(const uint8_t *g, int QT, int depth, int swap, uint8
         gp_piece e;                                                                                  \
         gp_piece_at(g, T, p, dws, ows, &e);                                                          \
         uint8_t *d = buf + (int64_t)p * GP_DECODED;                                                  \
-        if (GP_SWAPS(T) && swap) gp_swap_piece(&e, T, d);                                         \
-        else for (int h = 0; h < GP_HALVES; ++h) {                                                   \
-            for (int q = 0; q < 8; ++q) {                                                            \
+        const int swapped = GP_SWAPS(T) && swap;                                                     \
+        if (swapped) gp_swap_piece(&e, T, d);                                                        \
+        for (int h = 0; h < GP_HALVES; ++h) {                                                        \
+            for (int q = 0; q < 8 && !swapped; ++q) {   /* (swapped: gp_swap_piece's integers) */    \
                 memcpy(d + 64 * q + GP_VBYTES * h, &e.v[h][q], GP_VBYTES);                          \
                 if (GP_SIGNED(T)) memcpy(d + 704 + 64 * q + GP_VBYTES * h, &e.s[h][q], GP_VBYTES);  \
             }                                                                                        \
