@@ -52,15 +52,26 @@ def stop_leftovers(timeout: float = 10.0) -> list[str]:
     return [" ".join(map(str, proc.args)) for proc in left]
 
 
+def _own_ports(port: int) -> bool:
+    """Whether ``port`` is this pytest-xdist worker's to hand out: the ports in runs of 8, dealt to
+    the workers in turn (``PYTEST_XDIST_WORKER`` gwN of ``PYTEST_XDIST_WORKER_COUNT``; every port
+    outside xdist). Two workers asking at once could otherwise both get a port the kernel just gave
+    back, before either's server binds it; a run of 8 keeps a port and its next (two_free_ports) one
+    worker's."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    return port // 8 % workers == worker
+
+
 def free_port() -> int:
     """A loopback port nothing listens on now, and never one handed out before in this process: two
     asked for one after another can come back the same before the first one's server binds it (a
-    router was once given its prefill server's port)."""
+    router was once given its prefill server's port); nor one another xdist worker may hand out."""
     while True:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        if port not in _HANDED_OUT:
+        if port not in _HANDED_OUT and _own_ports(port):
             _HANDED_OUT.add(port)
             return port
 
