@@ -24,12 +24,43 @@ PINNED_KERNELS = {"FDPLUG_OP_TIMING": "0"}
 os.environ.update(PINNED_KERNELS)   # at import: module- and session-scoped fixtures build engines too
 
 
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def pytest_xdist_auto_num_workers(config) -> int:
-    """``-n auto`` (the README's test command): a worker a core, at most 4. The suite is mostly
-    single-threaded Python and servers waiting on each other, so 2 workers on CI's 2 cores took it
-    from 952 s to 646 s (a third worker: 653 s); past 4, the servers and Ray that each worker starts
-    would want more memory than they gain."""
-    return max(1, min(4, os.cpu_count() or 1))
+    """``-n auto`` (the README's test command): a worker a core, at most 4 (past that the servers and
+    Ray each worker starts would want more memory than they gain). On CI's 2 cores: 952 s in one
+    process, 560 s on 2 workers with the threads and order below (a third worker gained nothing)."""
+    return max(1, min(4, _cores()))
+
+
+# Under pytest-xdist the workers share the cores: an engine or server a test starts computes on its
+# worker's share (FDPLUG_CPU_THREADS, which spawned servers inherit), unless the developer set it. Each
+# taking every core oversubscribed them: 1,264 worker-seconds against 1,001 on 2 workers and 2 cores.
+# The kernels' own tests pass their thread counts explicitly, so the threaded paths are still run.
+if "PYTEST_XDIST_WORKER" in os.environ and "FDPLUG_CPU_THREADS" not in os.environ:
+    os.environ["FDPLUG_CPU_THREADS"] = str(max(1, _cores() // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+
+
+HEAVY_FIRST = frozenset({
+    "test_cli", "test_connection_guard", "test_cpu_isa", "test_device_probes", "test_expert_parallel",
+    "test_fault_containment", "test_fp8_models", "test_fuzz_server", "test_hostile_clients", "test_kv_peers",
+    "test_llm_api", "test_moe_golden", "test_moe_models", "test_server_agent", "test_server_api", "test_server_dp",
+    "test_server_dp_ray", "test_server_ep", "test_server_generation", "test_server_lifecycle",
+    "test_server_multimodal", "test_server_pd", "test_server_vision", "test_smollm2", "test_step_recovery",
+    "test_structured_outputs",
+})
+"""Modules whose tests start servers, processes or real models (seconds a test; ~85% of the suite's
+time). They run first, so that pytest-xdist spreads them over the workers and the short tests even
+out the end: in file order a worker was left with them while the other sat idle for 76-150 s."""
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    items.sort(key=lambda item: item.path.stem not in HEAVY_FIRST)   # (stable: each module's order kept)
 
 
 @pytest.fixture(autouse=True)
