@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from fdplug.plugins.cpu.device import usable_cores
+
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE_PLUGIN = REPO / "examples" / "fdplug-fakechip"   # docs/plugins.md's "Writing a plugin"
 
@@ -24,18 +26,11 @@ PINNED_KERNELS = {"FDPLUG_OP_TIMING": "0"}
 os.environ.update(PINNED_KERNELS)   # at import: module- and session-scoped fixtures build engines too
 
 
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
 def pytest_xdist_auto_num_workers(config) -> int:
     """``-n auto`` (the README's test command): a worker a core, at most 4 (past that the servers and
     Ray each worker starts would want more memory than they gain). On CI's 2 cores: 952 s in one
     process, 560 s on 2 workers with the threads and order below (a third worker gained nothing)."""
-    return max(1, min(4, _cores()))
+    return max(1, min(4, usable_cores()))
 
 
 # Under pytest-xdist the workers share the cores: an engine or server a test starts computes on its
@@ -43,7 +38,8 @@ def pytest_xdist_auto_num_workers(config) -> int:
 # taking every core oversubscribed them: 1,264 worker-seconds against 1,001 on 2 workers and 2 cores.
 # The kernels' own tests pass their thread counts explicitly, so the threaded paths are still run.
 if "PYTEST_XDIST_WORKER" in os.environ and "FDPLUG_CPU_THREADS" not in os.environ:
-    os.environ["FDPLUG_CPU_THREADS"] = str(max(1, _cores() // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+    _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    os.environ["FDPLUG_CPU_THREADS"] = str(max(1, usable_cores() // _workers))
 
 
 HEAVY_FIRST = frozenset({

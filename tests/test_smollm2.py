@@ -78,7 +78,7 @@ def _greedy_with_logprobs(llm: LLM, cases: list[dict]) -> list:
 
 
 def test_the_portable_path_gives_transformers_greedy_tokens(smollm2):
-    """Both prompts in one batch: the portable path dequantizes every layer each step (~0.7 s here),
+    """Both prompts in one batch: the portable path dequantizes every layer each step (0.7-1 s on a 2-core AMD EPYC),
     so a step for both instead of one each takes the test from 40 steps to 33."""
     llm = LLM(smollm2, max_model_len=1024, op_kernels=PORTABLE)
     cases = GOLDEN["greedy"][:1] + GOLDEN["chat"][:1]
