@@ -27,7 +27,7 @@ os.environ.update(PINNED_KERNELS)   # at import: module- and session-scoped fixt
 
 
 def pytest_xdist_auto_num_workers(config) -> int:
-    """``-n auto`` (the README's test command): a worker a core, at most 4 (past that the servers and
+    """``-n auto`` (the README: every core): a worker a core, at most 4 (past that the servers and
     Ray each worker starts would want more memory than they gain). On CI's 2 cores: 952 s in one
     process, 560 s on 2 workers with the threads and order below (a third worker gained nothing)."""
     return max(1, min(4, usable_cores()))
@@ -56,7 +56,8 @@ out the end: in file order a worker was left with them while the other sat idle 
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    items.sort(key=lambda item: item.path.stem not in HEAVY_FIRST)   # (stable: each module's order kept)
+    if "PYTEST_XDIST_WORKER" in os.environ:   # (in one process the order changes nothing)
+        items.sort(key=lambda item: item.path.stem not in HEAVY_FIRST)   # (stable: each module's order kept)
 
 
 @pytest.fixture(autouse=True)
