@@ -82,10 +82,8 @@ def test_the_portable_path_gives_transformers_greedy_tokens(smollm2):
     so a step for both instead of one each takes the test from 40 steps to 33."""
     llm = LLM(smollm2, max_model_len=1024, op_kernels=PORTABLE)
     cases = GOLDEN["greedy"][:1] + GOLDEN["chat"][:1]
-    params = [SamplingParams(max_tokens=len(c["tokens"]), temperature=0, ignore_eos=True) for c in cases]
-    outs = llm.generate([{"prompt_token_ids": c["ids"]} for c in cases], params, use_tqdm=False)
-    for case, out in zip(cases, outs, strict=True):
-        assert list(out.outputs[0].token_ids) == case["tokens"], case.get("prompt") or case["messages"]
+    for case, out in zip(cases, _greedy_with_logprobs(llm, cases), strict=True):
+        assert list(out.token_ids) == case["tokens"], case.get("prompt") or case["messages"]
 
 
 def test_the_selected_kernels_give_transformers_greedy_tokens(selected):
