@@ -33,13 +33,19 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return max(1, min(4, usable_cores()))
 
 
+def xdist_worker() -> tuple[int, int]:
+    """(this pytest-xdist worker's index, the number of workers): gwN of ``PYTEST_XDIST_WORKER_COUNT``;
+    (0, 1) in one process."""
+    return (int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")),
+            int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+
+
 # Under pytest-xdist the workers share the cores: an engine or server a test starts computes on its
 # worker's share (FDPLUG_CPU_THREADS, which spawned servers inherit), unless the developer set it. Each
 # taking every core oversubscribed them: 1,264 worker-seconds against 1,001 on 2 workers and 2 cores.
 # The kernels' own tests pass their thread counts explicitly, so the threaded paths are still run.
 if "PYTEST_XDIST_WORKER" in os.environ and "FDPLUG_CPU_THREADS" not in os.environ:
-    _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    os.environ["FDPLUG_CPU_THREADS"] = str(max(1, usable_cores() // _workers))
+    os.environ["FDPLUG_CPU_THREADS"] = str(max(1, usable_cores() // xdist_worker()[1]))
 
 
 HEAVY_FIRST = frozenset({

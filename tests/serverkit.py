@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.conftest import subprocess_env
+from tests.conftest import subprocess_env, xdist_worker
 
 FDPLUG = str(Path(sys.executable).parent / "fdplug")
 SMALL = ["--max-model-len", "512", "--num-kv-blocks", "600"]   # 9.4 MiB of KV, enough for 32 x 256 tokens
@@ -54,12 +54,10 @@ def stop_leftovers(timeout: float = 10.0) -> list[str]:
 
 def _own_ports(port: int) -> bool:
     """Whether ``port`` is this pytest-xdist worker's to hand out: the ports in runs of 8, dealt to
-    the workers in turn (``PYTEST_XDIST_WORKER`` gwN of ``PYTEST_XDIST_WORKER_COUNT``; every port
-    outside xdist). Two workers asking at once could otherwise both get a port the kernel just gave
-    back, before either's server binds it; a run of 8 keeps a port and its next (two_free_ports) one
-    worker's."""
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    the workers in turn (every port outside xdist). Two workers asking at once could otherwise both
+    get a port the kernel just gave back, before either's server binds it; a run of 8 keeps a port
+    and its next (two_free_ports) one worker's."""
+    worker, workers = xdist_worker()
     return port // 8 % workers == worker
 
 

@@ -84,7 +84,10 @@ def cases(test_model_dir, feature_dir):
 
 
 def generate(llm, prompts):
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    failed = [(i, o.outputs[0].finish_reason, o.error) for i, o in enumerate(outputs) if o.error is not None]
+    assert not failed, f"requests failed (index, finish reason, error): {failed}"
+    return [o.outputs[0].token_ids for o in outputs]
 
 
 def test_features_land_on_their_placeholders(test_model_dir, feature_dir, cases):

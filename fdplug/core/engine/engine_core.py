@@ -134,7 +134,7 @@ class EngineCore:
         return outputs + self._run(scheduler_output), True
 
     def _poll(self) -> list[EngineCoreOutput]:
-        return [output for extension in self.extensions for output in extension.poll()]
+        return log_failures([output for extension in self.extensions for output in extension.poll()])
 
     def _schedule(self) -> SchedulerOutput:
         with self.profiler.phase("schedule"):
@@ -157,13 +157,13 @@ class EngineCore:
             outputs = self._update(so, self.executor.execute(so))
             for extension in self.extensions:
                 extension.finished(outputs)
-            return outputs
+            return log_failures(outputs)
         except ParallelGroupError:   # a peer rank of the expert-parallel group is gone: the engine stops
             raise
         except Exception:   # a bug past the runner, in the engine's own bookkeeping: contain it too
             logger.exception("the engine failed to finish a step; failing its %d requests",
                              len(so.num_scheduled_tokens))
-            return self._fail_step(so)
+            return log_failures(self._fail_step(so))
 
     def _update(self, so: SchedulerOutput, executed: ExecutedStep) -> list[EngineCoreOutput]:
         """The scheduler records the step (a finished request leaves it: `_on_free`); failed
@@ -209,3 +209,13 @@ class EngineCore:
 
     def stats(self):
         return self.scheduler.make_stats()
+
+
+def log_failures(outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+    """Each request that ends with an error is logged once, with its typed error (the operator's
+    record of why; the client gets the same error in its response)."""
+    for output in outputs:
+        if output.error is not None:
+            logger.warning("request %s failed: %s: %s", output.request_id, output.error.get("type"),
+                           output.error.get("message"))
+    return outputs
