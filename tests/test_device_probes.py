@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -107,3 +108,41 @@ def test_cpu_setup_respects_the_users_settings(clean_thread_env):
     mkl, omp, threads = run_setup(MKL_DEBUG_CPU_TYPE="2", OMP_NUM_THREADS="1")
     assert (mkl, omp, threads) == ("2", "1", "1")
     assert run_setup(FDPLUG_CPU_THREADS="3")[1:] == ["3", "3"]
+
+
+def probe_in_a_fresh_process(code: str, extra_paths: list[str] = ()) -> list:
+    out = subprocess.run([PYTHON, "-c", "import json, sys\n" + code], capture_output=True, text=True, timeout=120,
+                         env=subprocess_env(extra_paths=[*extra_paths, str(Path(__file__).resolve().parents[1])]),
+                         check=True, cwd=Path(__file__).resolve().parent)
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def test_the_probes_and_selection_leave_paddle_unimported_and_agree_with_it():
+    """`fdplug serve`'s API process selects and never imports paddle (~1.5 s of CPU a start): the
+    cuda and xpu probes answer from paddle's version file, and give the reasons paddle itself gives."""
+    fresh = probe_in_a_fresh_process(
+        "from fdplug.plugins import cuda, xpu\n"
+        "from fdplug.core.engine.startup import resolve_engine\n"
+        "reasons = [cuda.probe().reason, xpu.probe().reason]\n"
+        "device = resolve_engine(None)[2].device.name\n"
+        "print(json.dumps([reasons, device, 'paddle' in sys.modules]))")
+    assert fresh == [[cuda.probe().reason, xpu.probe().reason], "cpu", False]   # (here paddle is imported)
+    assert f"paddle {paddle.__version__} is not compiled with CUDA" in fresh[0][0]
+
+
+@pytest.mark.parametrize("cuda_version", ["12.6", "False"])
+def test_only_a_build_without_the_device_is_answered_from_the_version_file(tmp_path, cuda_version):
+    """A build whose version file names a CUDA version is asked itself (this stand-in says 0 devices);
+    one that says 'False' is not imported at all (this one would raise)."""
+    package = tmp_path / "paddle"
+    (package / "version").mkdir(parents=True)
+    (package / "version" / "__init__.py").write_text(f"full_version = '9.9.9'\ncuda_version = '{cuda_version}'\n")
+    (package / "__init__.py").write_text(
+        "if __import__('paddle.version').version.cuda_version == 'False': raise RuntimeError('imported')\n"
+        "__version__ = '9.9.9'\n"
+        "def is_compiled_with_cuda(): return True\n"
+        "class device:\n    class cuda:\n        device_count = staticmethod(lambda: 0)\n")
+    reason = probe_in_a_fresh_process("from fdplug.plugins import cuda\nprint(json.dumps(cuda.probe().reason))",
+                                      [str(tmp_path)])
+    assert reason == ("paddle 9.9.9 is not compiled with CUDA support" if cuda_version == "False"
+                      else "paddle is compiled with CUDA but 0 devices are visible")

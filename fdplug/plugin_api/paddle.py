@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ast
+import functools
 import importlib.util
 import warnings
+from pathlib import Path
 from typing import Any
 
 from fdplug.errors import PaddleNotInstalledError
@@ -20,6 +23,26 @@ INSTALL_FIX = (f"install a PaddlePaddle build: `pip install 'fdplug[cpu]'` (CPU)
 def paddle_installed() -> bool:
     """Whether some build of paddle is importable, without importing it."""
     return importlib.util.find_spec("paddle") is not None
+
+
+@functools.cache
+def paddle_build_facts() -> dict[str, Any] | None:
+    """What paddle's build wrote into ``paddle/version/__init__.py`` (``full_version``, ``cuda_version``,
+    ``xpu_xre_version``: the string ``'False'`` where the build had no such device), read as text, without
+    importing paddle; None where the file is not there or not as paddle's setup.py writes it.
+
+    Why: ``import paddle`` costs ~1.5 s of CPU, and the device probes are all that would import it in
+    `fdplug serve`'s API process (its engine processes import paddle anyway). A probe answers "not
+    compiled for it" from these facts and imports paddle only where the build may have the device."""
+    spec = importlib.util.find_spec("paddle")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    try:
+        tree = ast.parse((Path(list(spec.submodule_search_locations)[0]) / "version" / "__init__.py").read_text())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    return {target.id: node.value.value for node in tree.body if isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Constant) for target in node.targets if isinstance(target, ast.Name)}
 
 
 def import_paddle() -> Any:

@@ -36,7 +36,8 @@ def free_memory(index: int = 0) -> int | None:
 def probe() -> Probe:
     return probe_accelerator("CUDA", compiled=lambda p: p.is_compiled_with_cuda(),
                              count=lambda p: p.device.cuda.device_count(), describe=_describe,
-                             install_fix=INSTALL_FIX, visibility_fix=VISIBILITY_FIX)
+                             install_fix=INSTALL_FIX, visibility_fix=VISIBILITY_FIX,
+                             build_fact="cuda_version")
 
 
 @hookimpl

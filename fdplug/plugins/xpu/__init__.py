@@ -31,7 +31,8 @@ def free_memory(index: int = 0) -> int | None:
 def probe() -> Probe:
     return probe_accelerator("XPU", compiled=lambda p: p.is_compiled_with_xpu(),
                              count=lambda p: p.device.xpu.device_count(), describe=_describe,
-                             install_fix=INSTALL_FIX, visibility_fix=VISIBILITY_FIX)
+                             install_fix=INSTALL_FIX, visibility_fix=VISIBILITY_FIX,
+                             build_fact="xpu_xre_version")
 
 
 @hookimpl
