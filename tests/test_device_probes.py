@@ -120,14 +120,21 @@ def probe_in_a_fresh_process(code: str, extra_paths: list[str] = ()) -> list:
 def test_the_probes_and_selection_leave_paddle_unimported_and_agree_with_it():
     """`fdplug serve`'s API process selects and never imports paddle (~1.5 s of CPU a start): the
     cuda and xpu probes answer from paddle's version file, and give the reasons paddle itself gives."""
+    from fdplug.core.plugin_loading.selection import select_components
+    from fdplug.plugin_api.paddle import paddle_build_facts
+
     fresh = probe_in_a_fresh_process(
         "from fdplug.plugins import cuda, xpu\n"
         "from fdplug.core.engine.startup import resolve_engine\n"
         "reasons = [cuda.probe().reason, xpu.probe().reason]\n"
         "device = resolve_engine(None)[2].device.name\n"
         "print(json.dumps([reasons, device, 'paddle' in sys.modules]))")
-    assert fresh == [[cuda.probe().reason, xpu.probe().reason], "cpu", False]   # (here paddle is imported)
-    assert f"paddle {paddle.__version__} is not compiled with CUDA" in fresh[0][0]
+    facts = paddle_build_facts()
+    cpu_build = facts is not None and facts["cuda_version"] == facts["xpu_xre_version"] == "False"
+    # (here paddle is imported: these probes ask it); a CUDA or XPU build is asked in the fresh one too
+    assert fresh == [[cuda.probe().reason, xpu.probe().reason], select_components().device.name, not cpu_build]
+    if cpu_build:
+        assert f"paddle {paddle.__version__} is not compiled with CUDA" in fresh[0][0]
 
 
 @pytest.mark.parametrize("cuda_version", ["12.6", "False"])

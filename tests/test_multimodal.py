@@ -117,8 +117,8 @@ def test_same_tokens_when_prefill_is_split_or_preempted(test_model_dir, feature_
 def test_features_arriving_in_any_order_through_preemption_give_the_same_tokens(test_model_dir, feature_dir, cases,
                                                                                monkeypatch, seed):
     """Each item takes its own (seeded) time to download through the real BOS client, and the requests
-    come in a seeded order: they become ready in other orders and steps, half the seeds preempt (9
-    blocks), and the item two requests share ("cat") is downloaded by both. (Written after one parallel
+    come in a seeded order: they become ready in other orders and steps, about half the seeds preempt
+    here (9 blocks), and the item two requests share ("cat") is downloaded by both. (Written after one parallel
     run of the suite ended the dog-and-cat request of the test above with no tokens; not reproduced.)"""
     _, expected = cases
     rng = random.Random(seed)
