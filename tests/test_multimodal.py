@@ -118,8 +118,9 @@ def test_features_arriving_in_any_order_through_preemption_give_the_same_tokens(
                                                                                monkeypatch, seed):
     """Each item takes its own (seeded) time to download through the real BOS client, and the requests
     come in a seeded order: they become ready in other orders and steps, about half the seeds preempt
-    here (9 blocks), and the item two requests share ("cat") is downloaded by both. (Written after one parallel
-    run of the suite ended the dog-and-cat request of the test above with no tokens; not reproduced.)"""
+    here (9 blocks), and the item two requests share ("cat") is downloaded by both. (Written after one
+    parallel run of the suite ended the dog-and-cat request of the test above with no tokens; not
+    reproduced.)"""
     _, expected = cases
     rng = random.Random(seed)
     with LoopbackBos(access_key="AKtest") as bos:
