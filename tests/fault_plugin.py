@@ -14,8 +14,10 @@ every step that runs it fails in the way ``FAULT["mode"]`` names:
 - ``broken``: every step fails, whoever is in it (a runner broken as a whole);
 - ``broken_until_rebuilt``: the same, until the engine rebuilds the runner's requests.
 
-``times`` > 0 limits how many steps fail (a transient fault). ``FAULT`` starts from the
-``FAULTY_RUNNER`` environment variable (JSON), so a server's engine process can be given one.
+``times`` > 0 limits how many steps fail (a transient fault). ``step_s`` > 0 makes every step take
+that many seconds longer, whoever is in it (a slow device: a stream's tokens arrive that far apart).
+``FAULT`` starts from the ``FAULTY_RUNNER`` environment variable (JSON), so a server's engine process
+can be given one.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import time
 
 import numpy as np
 
@@ -32,7 +35,7 @@ from fdplug.errors import RequestStepError
 from fdplug.plugin_api.specs import ANY_DEVICE, ModelRunnerSpec
 
 FDPLUG_API_VERSION = "4.0"
-FAULT: dict = {"mode": None, "marker": 77, "after": 0, "times": 0, "fired": 0,
+FAULT: dict = {"mode": None, "marker": 77, "after": 0, "times": 0, "fired": 0, "step_s": 0.0,
                **json.loads(os.environ.get("FAULTY_RUNNER", "{}"))}
 
 
@@ -73,6 +76,11 @@ class FaultyRunner(ModelRunner):
                 FAULT["fired"] += 1
                 new = dataclasses.replace(new, sampling_params=dataclasses.replace(new.sampling_params, top_k=2**70))
         super()._add_request(new)
+
+    def execute_model(self, so):
+        if FAULT["step_s"] > 0:
+            time.sleep(FAULT["step_s"])
+        return super().execute_model(so)
 
     def _prepare_inputs(self, so):
         inputs = super()._prepare_inputs(so)

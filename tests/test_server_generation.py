@@ -6,10 +6,13 @@ concurrent streams that must each match the same prompt's non-streamed greedy re
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
+from tests.conftest import REPO
 from tests.serverkit import SMALL, Server, wait_until
+from tests.test_step_recovery import install
 
 PROMPTS = [f"Request {i}: the {w} of the day is" for i, w in enumerate(
     ["weather", "news", "story", "plan", "song", "word", "joke", "task"] * 4)]
@@ -161,9 +164,17 @@ def test_32_concurrent_streams_match_greedy(server, client):
 
 
 def test_stream_interval_sends_the_first_token_alone_then_several_per_chunk(test_model_dir, client, tmp_path):
-    """--stream-interval 4: fewer chunks, the same text as a chunk per step, the first token not delayed."""
-    srv = Server([*SMALL, "--model", str(test_model_dir), "--served-model-name", "sharp", "--stream-interval", "4"],
-                 tmp_path / "interval.log").wait_ready()
+    """--stream-interval 4: fewer chunks, the same text as a chunk per step, the first token not delayed.
+
+    The steps take 0.15 s each (the test runner's ``step_s``: a slow device): the test model's own take
+    a millisecond or two, so on a loaded machine several tokens could be queued before the response
+    first reads them, and a response sends what is queued together (one parallel run's first chunk
+    held 6 tokens); 0.45 s between the first token and the fourth leaves the API process the time."""
+    site = tmp_path / "site"
+    install(site)
+    srv = Server([*SMALL, "--model", str(test_model_dir), "--served-model-name", "sharp", "--stream-interval", "4",
+                  "--runner", "faulty"], tmp_path / "interval.log", FAULTY_RUNNER=json.dumps({"step_s": 0.15}),
+                 PYTHONPATH=f"{site}:{REPO}").wait_ready()
     try:
         batched = srv.openai()
         expected = complete(client, PROMPTS[9], max_tokens=11, ignore_eos=True).choices[0].text
@@ -177,6 +188,6 @@ def test_stream_interval_sends_the_first_token_alone_then_several_per_chunk(test
                                                max_completion_tokens=9, temperature=0, stream=True,
                                                extra_body={"ignore_eos": True})
         parts = [c.choices[0].delta.content for c in chat if c.choices and c.choices[0].delta.content]
-        assert 1 <= len(parts) <= 4 and "chunks of 4 tokens" in srv.log()
+        assert 1 <= len(parts) <= 4 and "chunks of 4 tokens" in srv.log() and "chosen   faulty" in srv.log()
     finally:
         assert srv.stop() == 0, srv.log()
