@@ -4,7 +4,8 @@ Tests and ``bench/feature_download.py`` use it instead of mocks: the SDK signs, 
 errors and times out exactly as it would against BOS. It serves path-style ``GET /bucket/key`` from
 memory, checks that ``Authorization`` has the ``bce-auth-v1/...`` form (and, if given, the access
 key), and can inject per-key latency, error statuses, throttling and dropped connections for the
-first N requests of a key. Every request is counted per key with its arrival time.
+first N requests of a key. Every request is counted per key with its arrival time, and the most
+requests it answered at once is kept (``max_in_flight``: whether a client really fetched in parallel).
 
     with LoopbackBos(access_key="AK") as bos:
         bos.put("bucket", "a/b.npy", data, latency=0.02)
@@ -73,6 +74,8 @@ class LoopbackBos:
         self._latency: dict[Key, float] = {}
         self._faults: dict[Key, deque[Fault]] = defaultdict(deque)
         self._requests: dict[Key, list[float]] = defaultdict(list)
+        self._in_flight = 0
+        self.max_in_flight = 0   # the most requests being answered at once since the server started
         self._lock = threading.Lock()
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
@@ -148,6 +151,12 @@ class LoopbackBos:
 
     # -- used by the handler ---------------------------------------------------------------------------
 
+    def _answering(self, delta: int) -> None:
+        """A request starts (+1) or ends (-1) being answered."""
+        with self._lock:
+            self._in_flight += delta
+            self.max_in_flight = max(self.max_in_flight, self._in_flight)
+
     def _admit(self, key: Key, authorized: bool = True) -> tuple[float, Fault | None, bytes | None]:
         """Count the request; for an authorized one, take the next injected fault and the object."""
         with self._lock:
@@ -168,6 +177,13 @@ class _Handler(BaseHTTPRequestHandler):
     server: _Server
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        self.server.bos._answering(+1)
+        try:
+            self._get()
+        finally:
+            self.server.bos._answering(-1)
+
+    def _get(self) -> None:
         bos = self.server.bos
         parts = unquote(urlsplit(self.path).path).lstrip("/").split("/", 1)
         key: Key = (parts[0], parts[1] if len(parts) > 1 else "")
