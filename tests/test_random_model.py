@@ -7,7 +7,6 @@ import multiprocessing
 import os
 import subprocess
 import sys
-import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -85,12 +84,6 @@ def test_deterministic_bytes(tmp_path, model_dir):
     assert other != model_dir
     for name in FILES:
         assert (other / name).read_bytes() == (model_dir / name).read_bytes(), name
-
-
-def test_generation_is_fast(tmp_path):
-    start = time.perf_counter()
-    demo.write_random_model(tmp_path)
-    assert time.perf_counter() - start < 5.0  # ~0.3 s on the 2-core CI machine; generous for load
 
 
 def test_reused_then_repaired(tmp_path):
