@@ -87,9 +87,13 @@ def cases(test_model_dir, feature_dir):
 
 
 def generate(llm, prompts):
+    """Every request's tokens; one that failed or ended short is named with its finish reason, error
+    and token count, and the engine's counters (which path a rare failure took, not only its tokens)."""
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    failed = [(i, o.outputs[0].finish_reason, o.error) for i, o in enumerate(outputs) if o.error is not None]
-    assert not failed, f"requests failed (index, finish reason, error): {failed}"
+    short = [(i, o.outputs[0].finish_reason, o.error, len(o.outputs[0].token_ids)) for i, o in enumerate(outputs)
+             if o.error is not None or len(o.outputs[0].token_ids) != GREEDY.max_tokens]
+    assert not short, f"requests that failed or ended short (index, finish reason, error, tokens): {short}; " \
+                      f"engine: {llm.engine.stats()}"
     return [o.outputs[0].token_ids for o in outputs]
 
 
