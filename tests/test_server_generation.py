@@ -166,10 +166,11 @@ def test_32_concurrent_streams_match_greedy(server, client):
 def test_stream_interval_sends_the_first_token_alone_then_several_per_chunk(test_model_dir, client, tmp_path):
     """--stream-interval 4: fewer chunks, the same text as a chunk per step, the first token not delayed.
 
-    The steps take 0.15 s each (the test runner's ``step_s``: a slow device): the test model's own take
-    a millisecond or two, so on a loaded machine several tokens could be queued before the response
-    first reads them, and a response sends what is queued together (one parallel run's first chunk
-    held 6 tokens); 0.45 s between the first token and the fourth leaves the API process the time."""
+    The steps take 0.15 s each (``tests/fault_plugin.py``'s runner with ``step_s``: a slow device): the
+    test model's own take a millisecond or two, so on a loaded machine several tokens could be queued
+    before the response first reads them, and a response sends what is queued together (a run of the
+    suite with one thread got 6 tokens in the first chunk); 0.45 s between the first token and the
+    fourth leaves the API process the time."""
     site = tmp_path / "site"
     install(site)
     srv = Server([*SMALL, "--model", str(test_model_dir), "--served-model-name", "sharp", "--stream-interval", "4",
