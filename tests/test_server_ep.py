@@ -13,7 +13,6 @@ cannot work are refused before anything loads.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import time
@@ -26,12 +25,12 @@ from fdplug.core.model.text.tokenizer import Tokenizer
 from fdplug.errors import ConfigError
 from fdplug.server.api.launcher import serve
 from fdplug.server.api.server_settings import ServerSettings
-from tests.conftest import REPO, write_test_model
+from tests.conftest import write_test_model
 from tests.serverkit import Server, alive, wait_until
 from tests.test_moe_golden import greedy, servable
 from tests.test_moe_models import QWEN2_MOE
 from tests.test_server_dp import per_engine
-from tests.test_step_recovery import AFTER, MARKER, install
+from tests.test_step_recovery import AFTER, MARKER, faulty_runner_env
 
 FIXTURES = ("qwen3_moe", "ernie4_5_moe")    # top-3 softmax routing; selection bias and shared experts
 
@@ -95,12 +94,9 @@ def test_a_rank_idle_for_hundreds_of_steps_never_holds_the_other_up(tmp_path):
 def test_a_failing_request_on_one_rank_fails_alone_and_both_ranks_keep_their_tokens(tmp_path):
     import openai
 
-    site = tmp_path / "site"
-    install(site)
-    fault = json.dumps({"mode": "raise", "marker": MARKER, "after": AFTER})
+    env = faulty_runner_env(tmp_path / "site", mode="raise", marker=MARKER, after=AFTER)
     model = write_test_model(tmp_path / "moe", **QWEN2_MOE)
-    server = start(model, tmp_path / "ep.log", "--max-model-len", "128", "--runner", "faulty",
-                   FAULTY_RUNNER=fault, PYTHONPATH=f"{site}:{REPO}")
+    server = start(model, tmp_path / "ep.log", "--max-model-len", "128", "--runner", "faulty", **env)
     prompts = [[10 + i, 20 + 3 * i, 30, 40 - i] for i in range(4)]
 
     async def run(with_culprit: bool):

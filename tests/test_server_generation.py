@@ -6,13 +6,11 @@ concurrent streams that must each match the same prompt's non-streamed greedy re
 from __future__ import annotations
 
 import asyncio
-import json
 
 import pytest
 
-from tests.conftest import REPO
 from tests.serverkit import SMALL, Server, wait_until
-from tests.test_step_recovery import install
+from tests.test_step_recovery import faulty_runner_env
 
 PROMPTS = [f"Request {i}: the {w} of the day is" for i, w in enumerate(
     ["weather", "news", "story", "plan", "song", "word", "joke", "task"] * 4)]
@@ -171,11 +169,9 @@ def test_stream_interval_sends_the_first_token_alone_then_several_per_chunk(test
     before the response first reads them, and a response sends what is queued together (a run of the
     suite with one thread got 6 tokens in the first chunk); 0.45 s between the first token and the
     fourth leaves the API process the time."""
-    site = tmp_path / "site"
-    install(site)
     srv = Server([*SMALL, "--model", str(test_model_dir), "--served-model-name", "sharp", "--stream-interval", "4",
-                  "--runner", "faulty"], tmp_path / "interval.log", FAULTY_RUNNER=json.dumps({"step_s": 0.15}),
-                 PYTHONPATH=f"{site}:{REPO}").wait_ready()
+                  "--runner", "faulty"], tmp_path / "interval.log",
+                 **faulty_runner_env(tmp_path / "site", step_s=0.15)).wait_ready()
     try:
         batched = srv.openai()
         expected = complete(client, PROMPTS[9], max_tokens=11, ignore_eos=True).choices[0].text

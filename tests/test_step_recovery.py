@@ -34,6 +34,13 @@ def install(site) -> None:
     write_dist(site, "fdplug-faulty", "0.1", {"faulty": "tests.fault_plugin"})
 
 
+def faulty_runner_env(site, **fault) -> dict[str, str]:
+    """Installs the plugin in ``site``; the environment a server takes to run it (``--runner faulty``)
+    with ``fault`` (`fault_plugin.FAULT`'s keys) in its engine process."""
+    install(site)
+    return {"FAULTY_RUNNER": json.dumps(fault), "PYTHONPATH": f"{site}:{REPO}"}
+
+
 @pytest.fixture(scope="module")
 def llm(test_model_dir, tmp_path_factory):
     site = tmp_path_factory.mktemp("site")
@@ -168,13 +175,10 @@ def test_a_runner_broken_as_a_whole_is_rebuilt_once_and_then_fails_the_step(llm,
 
 @pytest.fixture(scope="module")
 def faulty_server(test_model_dir, tmp_path_factory):
-    site = tmp_path_factory.mktemp("site")
-    install(site)
-    fault = json.dumps({"mode": "raise", "marker": MARKER, "after": AFTER})
+    env = faulty_runner_env(tmp_path_factory.mktemp("site"), mode="raise", marker=MARKER, after=AFTER)
     srv = Server(["--model", str(test_model_dir), "--served-model-name", "m", "--runner", "faulty",
                   "--max-model-len", "128", "--num-kv-blocks", "200"],
-                 tmp_path_factory.mktemp("serve") / "faulty.log", FAULTY_RUNNER=fault,
-                 PYTHONPATH=f"{site}:{REPO}").wait_ready()
+                 tmp_path_factory.mktemp("serve") / "faulty.log", **env).wait_ready()
     yield srv
     assert srv.stop() == 0, srv.log()
 
