@@ -1,0 +1,175 @@
+"""The op kernels besides the linears against the portable ops: RMSNorm, the residual add + RMSNorm,
+RoPE, SwiGLU, argmax, and the attention and MoE backends against the reference backends.
+
+    python bench/ops.py                     # SmolLM2-135M's sizes, 1 to 1,024 tokens
+    python bench/ops.py --quick             # fewer, shorter repetitions
+    FDPLUG_CPU_ISA=avx2 python bench/ops.py # the kernels built for x86-64-v3
+
+Issue 33 asks every cpu kernel to be at least as fast as the portable op on every shape the engine
+gives it, at every instruction-set level; the linears have `bench/gemm.py` and the startup timing
+(`fdplug.core.worker.op_timing`), these ops had no figure of their own. Each op runs as the engine
+calls it: the kernel the selection chose for the op (``spec.factory(EngineConfig())``, threads as
+the engine's) against `fdplug.core.portable.ops` (paddle's ops), on the shapes of a SmolLM2-135M
+step (hidden 576, 9 query and 3 KV heads of 64, intermediate 1,536, vocabulary 49,152) at 1, 32,
+256 and 1,024 tokens (argmax: the sampled rows, 1, 32 and 64); attention: one layer's ``forward``
+(the KV write, then attention; ``prepare`` is once a step, outside the timing) of the selected
+backend against ``reference`` (paddle's matmuls and softmax), decode with 1, 16 and 64 sequences of
+512 keys each, prefill of one fresh 256- and 1,024-token prompt; MoE: one layer's routed experts
+(``forward``) of the selected backend against ``reference`` on `bench/moe.py`'s model (32 experts of
+width 384, top-4, hidden 512) at 1, 32 and 256 tokens. Microseconds a call, the two
+alternated (ABAB...), medians; 'x' = portable time / kernel time. The first line names the CPU and
+the level the kernels were built for.
+"""  # noqa: E501 (printed verbatim by --help: RawDescriptionHelpFormatter)
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+import numpy as np
+from gemm import seconds  # one timing: as many calls as fit in a budget
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB = 576, 9, 3, 64, 1536, 49152
+MOE_HIDDEN, MOE_INTER, EXPERTS, TOP_K = 512, 384, 32, 4   # bench/moe.py's model
+TOKENS = (1, 32, 256, 1024)
+SAMPLED = (1, 32, 64)
+EPS = 1e-5
+
+
+def cases(rows: int, rng: np.random.Generator) -> dict[str, tuple]:
+    """Each op's arguments for ``rows`` tokens (float32, as the engine passes them)."""
+    import paddle
+
+    def t(*shape: int):
+        return paddle.to_tensor(rng.standard_normal(shape).astype(np.float32))
+
+    angle = rng.uniform(0, 6.3, (rows, 1, HEAD_DIM)).astype(np.float32)
+    cos = {h: paddle.to_tensor(np.broadcast_to(np.cos(angle), (rows, h, HEAD_DIM)).copy()) for h in (HEADS, KV_HEADS)}
+    sin = {h: paddle.to_tensor(np.broadcast_to(np.sin(angle), (rows, h, HEAD_DIM)).copy()) for h in (HEADS, KV_HEADS)}
+    return {"rms_norm": (t(rows, HIDDEN), t(HIDDEN), EPS),
+            "add_rms_norm": (t(rows, HIDDEN), t(rows, HIDDEN), t(HIDDEN), EPS),
+            "rope q": (t(rows, HEADS, HEAD_DIM), cos[HEADS], sin[HEADS]),
+            "rope k": (t(rows, KV_HEADS, HEAD_DIM), cos[KV_HEADS], sin[KV_HEADS]),
+            "swiglu": (t(rows, 2 * INTER),)}
+
+
+def attention_step(seqs: int, query_len: int, context: int, block_size: int):
+    """`AttentionMetadata` of one step: ``seqs`` sequences of ``context`` keys, the last
+    ``query_len`` of each queried (decode: 1; a fresh prompt: all), each in blocks of its own."""
+    from fdplug.plugin_api.attention import AttentionMetadata, causal_key_end, cdiv
+
+    blocks = cdiv(context, block_size)
+    positions = np.tile(np.arange(context - query_len, context, dtype=np.int64), seqs)
+    tables = 1 + np.arange(seqs * blocks, dtype=np.int64).reshape(seqs, blocks)   # block 0: the null block
+    seq_of_token = np.repeat(np.arange(seqs), query_len)
+    slots = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+    return AttentionMetadata(query_start_loc=np.arange(seqs + 1, dtype=np.int64) * query_len,
+                             seq_lens=np.full(seqs, context, dtype=np.int64), positions=positions,
+                             key_end=causal_key_end(positions), slot_mapping=slots, block_tables=tables,
+                             block_size=block_size), 1 + seqs * blocks
+
+
+def attention_call(backend, meta, num_blocks: int, rng: np.random.Generator):
+    """One layer's ``forward`` on caches of random keys and values, as a call without arguments."""
+    import paddle
+
+    meta.validate()
+    shape = backend.kv_cache_shape(num_blocks, meta.block_size, KV_HEADS, HEAD_DIM)
+    key_cache, value_cache = (paddle.to_tensor(rng.standard_normal(shape).astype(np.float32)) for _ in range(2))
+    tokens = meta.num_tokens
+    q = paddle.to_tensor(rng.standard_normal((tokens, HEADS, HEAD_DIM)).astype(np.float32))
+    k, v = (paddle.to_tensor(rng.standard_normal((tokens, KV_HEADS, HEAD_DIM)).astype(np.float32)) for _ in range(2))
+    prepared = backend.prepare(meta)
+    return lambda: backend.forward(q, k, v, key_cache, value_cache, prepared, HEAD_DIM ** -0.5)
+
+
+def moe_call(backend, tokens: int, rng: np.random.Generator):
+    """One MoE layer's routed experts (random weights, softmax top-4 routing) as a call without arguments."""
+    import paddle
+
+    from fdplug.core.portable.moe_routing import select_experts
+    from fdplug.plugin_api.moe import ExpertWeights, Routing
+
+    def t(*shape: int, scale: float = 1.0):
+        return paddle.to_tensor((rng.standard_normal(shape) * scale).astype(np.float32))
+
+    layer = backend.load_weights(ExpertWeights(t(EXPERTS, MOE_INTER, MOE_HIDDEN, scale=MOE_HIDDEN ** -0.5),
+                                               t(EXPERTS, MOE_INTER, MOE_HIDDEN, scale=MOE_HIDDEN ** -0.5),
+                                               t(EXPERTS, MOE_HIDDEN, MOE_INTER, scale=MOE_INTER ** -0.5)))
+    hidden = t(tokens, MOE_HIDDEN)
+    weights, ids = select_experts(t(tokens, EXPERTS), Routing(TOP_K), None)
+    return lambda: backend.forward(hidden, weights, ids, layer)
+
+
+def time_pair(kernel, portable, args: tuple, rounds: int, budget: float) -> tuple[float, float]:
+    """Median seconds a call of each, alternated (ABAB...)."""
+    got: dict[str, list[float]] = {"kernel": [], "portable": []}
+    calls = {"kernel": lambda: kernel(*args), "portable": lambda: portable(*args)}
+    for r in range(rounds):
+        for name in (("kernel", "portable") if r % 2 == 0 else ("portable", "kernel")):
+            got[name].append(seconds(calls[name], budget))
+    return statistics.median(got["kernel"]), statistics.median(got["portable"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer, shorter repetitions")
+    args = parser.parse_args()
+
+    import paddle
+
+    from fdplug import select_components
+    from fdplug.core.config import EngineConfig
+    from fdplug.core.portable import ops as portable_ops
+    from fdplug.plugins.cpu import device, isa
+
+    paddle.set_device("cpu")
+    selection = select_components("cpu")
+    config = EngineConfig()
+    rounds, budget = (3, 0.02) if args.quick else (7, 0.05)
+    print(f"CPU: {isa.model_name()}, kernels built for {isa.describe()}")
+    print(f"{device.cpu_threads()} threads; microseconds a call, medians of {rounds} interleaved timings; "
+          "'x' = portable time / kernel time")
+    rng = np.random.default_rng(0)
+    slower = []
+    for rows in TOKENS:
+        for name, call_args in cases(rows, rng).items():
+            op = name.split()[0]
+            spec = selection.ops[op]
+            kernel_s, portable_s = time_pair(spec.factory(config), getattr(portable_ops, op), call_args, rounds, budget)
+            slower += [f"{name} at {rows}"] if kernel_s > portable_s else []
+            print(f"{name:13} {rows:5} tokens | {spec.name:24} {kernel_s * 1e6:9.1f} us | portable "
+                  f"{portable_s * 1e6:9.1f} us | {portable_s / kernel_s:6.2f}x")
+    argmax = selection.ops["argmax"]
+    for rows in SAMPLED:
+        logits = paddle.to_tensor(rng.standard_normal((rows, VOCAB)).astype(np.float32))
+        kernel_s, portable_s = time_pair(argmax.factory(config), portable_ops.argmax, (logits,), rounds, budget)
+        slower += [f"argmax at {rows}"] if kernel_s > portable_s else []
+        print(f"{'argmax':13} {rows:5} rows   | {argmax.name:24} {kernel_s * 1e6:9.1f} us | portable "
+              f"{portable_s * 1e6:9.1f} us | {portable_s / kernel_s:6.2f}x")
+    reference = select_components("cpu", attention="reference").attention.factory(config)
+    chosen = selection.attention
+    backend = chosen.factory(config)
+    for label, seqs, query_len, context in [("decode", 1, 1, 512), ("decode", 16, 1, 512), ("decode", 64, 1, 512),
+                                            ("prefill", 1, 256, 256), ("prefill", 1, 1024, 1024)]:
+        meta, num_blocks = attention_step(seqs, query_len, context, config.block_size)
+        kernel_s, portable_s = time_pair(attention_call(backend, meta, num_blocks, rng),
+                                         attention_call(reference, meta, num_blocks, rng), (), rounds, budget)
+        what = f"{seqs} x {context} keys" if label == "decode" else f"{query_len} tokens"
+        slower += [f"{label} attention, {what}"] if kernel_s > portable_s else []
+        print(f"{label + ' attn':13} {what:>14} | {chosen.name:17} {kernel_s * 1e6:9.1f} us | reference "
+              f"{portable_s * 1e6:9.1f} us | {portable_s / kernel_s:6.2f}x")
+    moe = selection.moe
+    moe_backend, moe_reference = moe.factory(config), select_components("cpu", moe="reference").moe.factory(config)
+    for tokens in (1, 32, 256):
+        kernel_s, portable_s = time_pair(moe_call(moe_backend, tokens, rng), moe_call(moe_reference, tokens, rng), (),
+                                         rounds, budget)
+        slower += [f"MoE experts at {tokens}"] if kernel_s > portable_s else []
+        print(f"{'MoE experts':13} {tokens:5} tokens | {moe.name:24} {kernel_s * 1e6:9.1f} us | reference "
+              f"{portable_s * 1e6:9.1f} us | {portable_s / kernel_s:6.2f}x")
+    print("kernel slower than the portable op: " + (", ".join(slower) if slower else "none"))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
