@@ -7,7 +7,8 @@
  * stay under 5% of a step, was 6.7%). Sixteen lanes (AVX-512; eight with AVX2, in two sets, so that
  * two compare-and-blend chains run at once; at x86-64-v2 four sets of four) each keep their first
  * maximum (a strict >, false for NaN), then the lane with the largest value and, among equals, the
- * lowest index wins; rows over threads. The lanes are only a split of the columns: any split gives the same answer.
+ * lowest index wins; rows over threads. The lanes are only a split of the columns: any split gives
+ * the same answer.
  * ------------------------------------------------------------------------------------------- */
 
 typedef struct {
