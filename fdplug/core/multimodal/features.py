@@ -1,9 +1,9 @@
 """Pre-encoded multimodal features: bytes from a storage -> a checked ``[num_tokens, hidden_size]`` array.
 
-Safe by default: ``.npy`` (loaded with ``allow_pickle=False``) and single-tensor ``.safetensors``
-are parsed without executing anything. Python pickle, FastDeploy's format, runs arbitrary code
-when loaded, so it is refused unless ``FDPLUG_ALLOW_PICKLE_FEATURES=1``: enable it only when every
-feature URL comes from a source you trust as much as the server itself.
+Safe by default: ``.npy`` (its header read by `_decode_npy`, its data as raw bytes) and
+single-tensor ``.safetensors`` are parsed without executing anything. Python pickle, FastDeploy's
+format, runs arbitrary code when loaded, so it is refused unless ``FDPLUG_ALLOW_PICKLE_FEATURES=1``:
+enable it only when every feature URL comes from a source you trust as much as the server itself.
 
 numpy has no bfloat16, so bf16 features come back as float32 (exact: bf16 is the top half of an
 fp32). float16 stays float16; float32 stays float32.
@@ -11,10 +11,11 @@ fp32). float16 stays float16; float32 stays float32.
 
 from __future__ import annotations
 
-import io
 import json
 import pickle
+import re
 import struct
+from math import prod
 from typing import Any
 
 import numpy as np
@@ -50,7 +51,7 @@ def decode_feature(data: bytes, url: str) -> np.ndarray:
     fmt = detect_format(data, url)
     try:
         if fmt == "npy":
-            arr = np.load(io.BytesIO(data), allow_pickle=False)
+            arr = _decode_npy(data, url)
         elif fmt == "safetensors":
             arr = _decode_safetensors(data, url)
         else:
@@ -93,6 +94,62 @@ def _looks_like_safetensors(data: bytes) -> bool:
         return False
     (size,) = struct.unpack("<Q", data[:8])
     return 2 <= size <= len(data) - 8 and data[8:9] == b"{"
+
+
+_NPY_ENTRY = re.compile(r"""\s*(['"])(\w+)\1\s*:\s*(?:(['"])([^'"]*)\3|(True|False)|\(([\d\s,L]*)\))\s*(,|(?=\}))""")
+_NPY_DESCR = re.compile(r"[<>|=]?[a-zA-Z]\d*")
+NPY_MAX_HEADER = 10_000   # bytes, as np.load's max_header_size: a header past it is refused
+
+
+def _decode_npy(data: bytes, url: str) -> np.ndarray:
+    """A ``.npy`` file's array, read without numpy's header parser.
+
+    Why not ``np.load``: it reads the header, a Python dict literal, with ``ast.literal_eval``, and
+    CPython 3.11's AST constructor counts its recursion depth in state the interpreter's threads
+    share, so two threads parsing at once can fail with ``SystemError: AST constructor recursion
+    depth mismatch`` (cpython gh-106905). Features are decoded in the fetch threads, several at
+    once: one run of the test suite in twenty under pytest-xdist lost a request that way (a
+    ``cat.npy`` fetched beside a ``dog.npy``). The header holds three keys (numpy's format, versions
+    1-3: ``descr``, a plain type code such as ``'<f4'``; ``fortran_order``; ``shape``, a tuple of
+    ints), read here with a regular expression; anything else (a structured or object dtype) is
+    refused by name."""
+    def refuse(why: str) -> FeatureFormatError:
+        return FeatureFormatError(f"feature {url} could not be read as npy: {why}.", url=url, fix=_FORMAT_FIX)
+
+    if not data.startswith(NPY_MAGIC):
+        raise refuse("it does not start with numpy's magic string")
+    major = data[6] if len(data) > 7 else 0
+    if major not in (1, 2, 3):
+        raise refuse(f"npy format version {major} is not 1, 2 or 3")
+    size_format, start = ("<H", 10) if major == 1 else ("<I", 12)
+    if len(data) < start:
+        raise refuse("the file ends inside its header")
+    (header_len,) = struct.unpack(size_format, data[8:start])
+    if header_len > NPY_MAX_HEADER:
+        raise refuse(f"its header of {header_len} bytes is over {NPY_MAX_HEADER}")
+    header = data[start:start + header_len].decode("utf-8" if major == 3 else "latin-1").strip()
+    if len(data) < start + header_len or not (header.startswith("{") and header.endswith("}")):
+        raise refuse("its header is not a dict")
+    fields, at = {}, 1
+    while at < len(header) - 1 and (entry := _NPY_ENTRY.match(header, at)) is not None:
+        quote, text, flag, dims = entry.group(3, 4, 5, 6)   # a string, True/False or a tuple's inside
+        fields[entry.group(2)] = text if quote else (flag == "True") if flag else dims
+        at = entry.end()
+    if header[at:-1].strip() or set(fields) != {"descr", "fortran_order", "shape"}:
+        raise refuse(f"its header {header[:200]!r} is not a plain array's (descr, fortran_order, shape)")
+    descr, fortran, shape_text = fields["descr"], fields["fortran_order"], fields["shape"]
+    if not isinstance(descr, str) or not _NPY_DESCR.fullmatch(descr) or not isinstance(fortran, bool) \
+            or not isinstance(shape_text, str):
+        raise refuse(f"its header {header[:200]!r} is not a plain array's")
+    shape = tuple(int(d.strip().rstrip("L")) for d in shape_text.split(",") if d.strip())
+    dtype = np.dtype(descr)
+    if dtype.hasobject:
+        raise refuse("it holds Python objects")
+    count, offset = prod(shape), start + header_len
+    if len(data) - offset < count * dtype.itemsize:
+        raise refuse(f"{len(data) - offset} bytes of data for shape {shape} of {dtype}")
+    arr = np.frombuffer(data, dtype=dtype, count=count, offset=offset)
+    return arr.reshape(shape[::-1]).T if fortran else arr.reshape(shape)
 
 
 def _decode_safetensors(data: bytes, url: str) -> np.ndarray:
