@@ -78,13 +78,19 @@ def seconds(call, budget: float) -> float:
     return (time.perf_counter() - start) / n
 
 
-def compare(calls: dict, flops: float, rounds: int, budget: float) -> dict[str, float]:
+def median_seconds(calls: dict, rounds: int, budget: float) -> dict[str, float]:
+    """Median seconds a call of each, the calls alternated round by round (ABBA...)."""
     got: dict[str, list[float]] = {name: [] for name in calls}
     names = list(calls)
     for r in range(rounds):
         for name in (names if r % 2 == 0 else names[::-1]):
             got[name].append(seconds(calls[name], budget))
-    return {name: flops / statistics.median(v) / 1e9 for name, v in got.items()}
+    return {name: statistics.median(v) for name, v in got.items()}
+
+
+def compare(calls: dict, flops: float, rounds: int, budget: float) -> dict[str, float]:
+    """GFLOP/s of each call (`median_seconds`)."""
+    return {name: flops / t / 1e9 for name, t in median_seconds(calls, rounds, budget).items()}
 
 
 def main() -> None:

@@ -21,11 +21,10 @@ tiles (``cpu_native_gguf_q8_linear``) as ``q8 math``. The first line names the C
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
 import numpy as np
-from gemm import seconds  # one timing: as many calls as fit in a budget
+from gemm import median_seconds  # the calls alternated, median seconds of each
 
 ROWS = (1, 8, 64, 256)
 TYPES = ("Q4_1", "Q8_0", "Q6_K")
@@ -52,16 +51,6 @@ def blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
         return raw.reshape(n, -1)
 
 
-def compare(calls: dict, rounds: int, budget: float) -> dict[str, float]:
-    """Median seconds a call of each, the calls alternated round by round."""
-    got: dict[str, list[float]] = {name: [] for name in calls}
-    names = list(calls)
-    for r in range(rounds):
-        for name in (names if r % 2 == 0 else names[::-1]):
-            got[name].append(seconds(calls[name], budget))
-    return {name: statistics.median(v) for name, v in got.items()}
-
-
 def line(qtype: str, n: int, k: int, rows: int, rounds: int, budget: float, threads: int,
          rng: np.random.Generator) -> str:
     import paddle
@@ -83,7 +72,7 @@ def line(qtype: str, n: int, k: int, rows: int, rounds: int, budget: float, thre
     if rows > 8:   # the route the kernel declined for its batch invariance: widened in C, paddle's matmul
         calls["widen+matmul"] = lambda: paddle.matmul(x, native_gguf.dequantize(w, qtype, k, threads),
                                                       transpose_y=True)
-    t = compare(calls, rounds, budget)
+    t = median_seconds(calls, rounds, budget)
     best = min(("bf16 math", "q8 math", "kernel"), key=lambda name: t.get(name, float("inf")))
     flops = 2.0 * n * k * rows
     return (f"{qtype:5s} [{n:5d}, {k:4d}] {rows:4d} rows | "

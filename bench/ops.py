@@ -24,11 +24,10 @@ the level the kernels were built for.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
 import numpy as np
-from gemm import seconds  # one timing: as many calls as fit in a budget
+from gemm import median_seconds  # the calls alternated, median seconds of each
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB = 576, 9, 3, 64, 1536, 49152
 MOE_HIDDEN, MOE_INTER, EXPERTS, TOP_K = 512, 384, 32, 4   # bench/moe.py's model
@@ -103,13 +102,19 @@ def moe_call(backend, tokens: int, rng: np.random.Generator):
 
 
 def time_pair(kernel, portable, args: tuple, rounds: int, budget: float) -> tuple[float, float]:
-    """Median seconds a call of each, alternated (ABAB...)."""
-    got: dict[str, list[float]] = {"kernel": [], "portable": []}
-    calls = {"kernel": lambda: kernel(*args), "portable": lambda: portable(*args)}
-    for r in range(rounds):
-        for name in (("kernel", "portable") if r % 2 == 0 else ("portable", "kernel")):
-            got[name].append(seconds(calls[name], budget))
-    return statistics.median(got["kernel"]), statistics.median(got["portable"])
+    """Median seconds a call of each (`median_seconds`)."""
+    t = median_seconds({"kernel": lambda: kernel(*args), "portable": lambda: portable(*args)}, rounds, budget)
+    return t["kernel"], t["portable"]
+
+
+def report(what: str, chosen: str, times: tuple[float, float], against: str, slower: list[str]) -> None:
+    """One line: the chosen kernel's and the portable op's microseconds a call and their ratio; a
+    kernel slower than the op is added to ``slower``."""
+    kernel_s, portable_s = times
+    if kernel_s > portable_s:
+        slower.append(" ".join(what.split()))
+    print(f"{what:27} | {chosen:24} {kernel_s * 1e6:9.1f} us | {against} {portable_s * 1e6:9.1f} us | "
+          f"{portable_s / kernel_s:6.2f}x")
 
 
 def main() -> None:
@@ -132,42 +137,33 @@ def main() -> None:
     print(f"{device.cpu_threads()} threads; microseconds a call, medians of {rounds} interleaved timings; "
           "'x' = portable time / kernel time")
     rng = np.random.default_rng(0)
-    slower = []
+    slower: list[str] = []
     for rows in TOKENS:
         for name, call_args in cases(rows, rng).items():
-            op = name.split()[0]
-            spec = selection.ops[op]
-            kernel_s, portable_s = time_pair(spec.factory(config), getattr(portable_ops, op), call_args, rounds, budget)
-            slower += [f"{name} at {rows}"] if kernel_s > portable_s else []
-            print(f"{name:13} {rows:5} tokens | {spec.name:24} {kernel_s * 1e6:9.1f} us | portable "
-                  f"{portable_s * 1e6:9.1f} us | {portable_s / kernel_s:6.2f}x")
+            spec = selection.ops[name.split()[0]]
+            times = time_pair(spec.factory(config), getattr(portable_ops, spec.op), call_args, rounds, budget)
+            report(f"{name:13} {rows:5} tokens", spec.name, times, "portable", slower)
     argmax = selection.ops["argmax"]
     for rows in SAMPLED:
         logits = paddle.to_tensor(rng.standard_normal((rows, VOCAB)).astype(np.float32))
-        kernel_s, portable_s = time_pair(argmax.factory(config), portable_ops.argmax, (logits,), rounds, budget)
-        slower += [f"argmax at {rows}"] if kernel_s > portable_s else []
-        print(f"{'argmax':13} {rows:5} rows   | {argmax.name:24} {kernel_s * 1e6:9.1f} us | portable "
-              f"{portable_s * 1e6:9.1f} us | {portable_s / kernel_s:6.2f}x")
-    reference = select_components("cpu", attention="reference").attention.factory(config)
+        times = time_pair(argmax.factory(config), portable_ops.argmax, (logits,), rounds, budget)
+        report(f"{'argmax':13} {rows:5} rows", argmax.name, times, "portable", slower)
     chosen = selection.attention
     backend = chosen.factory(config)
+    reference = select_components("cpu", attention="reference").attention.factory(config)
     for label, seqs, query_len, context in [("decode", 1, 1, 512), ("decode", 16, 1, 512), ("decode", 64, 1, 512),
                                             ("prefill", 1, 256, 256), ("prefill", 1, 1024, 1024)]:
         meta, num_blocks = attention_step(seqs, query_len, context, config.block_size)
-        kernel_s, portable_s = time_pair(attention_call(backend, meta, num_blocks, rng),
-                                         attention_call(reference, meta, num_blocks, rng), (), rounds, budget)
+        times = time_pair(attention_call(backend, meta, num_blocks, rng),
+                          attention_call(reference, meta, num_blocks, rng), (), rounds, budget)
         what = f"{seqs} x {context} keys" if label == "decode" else f"{query_len} tokens"
-        slower += [f"{label} attention, {what}"] if kernel_s > portable_s else []
-        print(f"{label + ' attn':13} {what:>14} | {chosen.name:17} {kernel_s * 1e6:9.1f} us | reference "
-              f"{portable_s * 1e6:9.1f} us | {portable_s / kernel_s:6.2f}x")
+        report(f"{label + ' attn':13} {what:>13}", chosen.name, times, "reference", slower)
     moe = selection.moe
     moe_backend, moe_reference = moe.factory(config), select_components("cpu", moe="reference").moe.factory(config)
     for tokens in (1, 32, 256):
-        kernel_s, portable_s = time_pair(moe_call(moe_backend, tokens, rng), moe_call(moe_reference, tokens, rng), (),
-                                         rounds, budget)
-        slower += [f"MoE experts at {tokens}"] if kernel_s > portable_s else []
-        print(f"{'MoE experts':13} {tokens:5} tokens | {moe.name:24} {kernel_s * 1e6:9.1f} us | reference "
-              f"{portable_s * 1e6:9.1f} us | {portable_s / kernel_s:6.2f}x")
+        times = time_pair(moe_call(moe_backend, tokens, rng), moe_call(moe_reference, tokens, rng), (), rounds,
+                          budget)
+        report(f"{'MoE experts':13} {tokens:5} tokens", moe.name, times, "reference", slower)
     print("kernel slower than the portable op: " + (", ".join(slower) if slower else "none"))
 
 
