@@ -177,10 +177,19 @@ class _Handler(BaseHTTPRequestHandler):
     server: _Server
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        self._in_flight = True
         self.server.bos._answering(+1)
         try:
             self._get()
         finally:
+            self._answered()
+
+    def _answered(self) -> None:
+        """The request stops counting as in flight before its response's first byte: a client that
+        has read the response may send its next request before this thread runs again (on a loaded
+        machine a sequential client was seen two in flight when this ran after the write)."""
+        if self._in_flight:
+            self._in_flight = False
             self.server.bos._answering(-1)
 
     def _get(self) -> None:
@@ -201,6 +210,7 @@ class _Handler(BaseHTTPRequestHandler):
             return self._error(fault.status, fault.code, "injected fault")
         if data is None:
             return self._error(404, "NoSuchKey", "The specified key does not exist.")
+        self._answered()
         self.send_response(200)
         self.send_header("Content-Type", "application/octet-stream")
         self.send_header("Content-Length", str(len(data)))
@@ -210,6 +220,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _error(self, status: int, code: str, message: str) -> None:
         body = json.dumps({"code": code, "message": message, "requestId": str(uuid.uuid4())}).encode()
+        self._answered()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
