@@ -12,7 +12,6 @@ import json
 import threading
 from pathlib import Path
 
-import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -22,7 +21,7 @@ from fdplug.core.model.layers.decoder import DecoderForCausalLM
 from fdplug.core.model.layers.linear import Linear
 from fdplug.core.model.layers.linear_shapes import LinearShape, linear_shapes
 from fdplug.core.portable.ops import PORTABLE
-from fdplug.core.worker import op_timing
+from fdplug.core.worker import op_timing, timing_cache
 from fdplug.plugin_api.ops import PreparedWeight
 from fdplug.plugins.cpu import isa, kernels
 
@@ -76,9 +75,9 @@ def _shape(name: str, n: int = 64, k: int = 32, logits: bool = False) -> LinearS
 def test_a_shape_goes_to_the_kernel_only_where_it_is_not_slower_at_any_row_count(tmp_path):
     shapes = [_shape("qkv_proj"), _shape("down_proj", 32, 64), _shape("lm_head", 100, 32, logits=True)]
     time_shape, calls = _figures(slow={"down_proj"})
-    figures, cached = op_timing._measured(tmp_path / "t.json", "key", shapes, time_shape)
+    figures, cached = timing_cache.measured(tmp_path / "t.json", "key", shapes, op_timing._name, time_shape)
     assert not cached and calls == shapes
-    plan = op_timing.LinearPlan("k", "p", tuple(op_timing.ShapeTiming.of(s, figures[op_timing._name(s)])
+    plan = op_timing.LinearPlan("k", "p", tuple(timing_cache.Timing.of(s, figures[op_timing._name(s)])
                                                 for s in shapes), cached)
     assert [plan.uses_kernel(s) for s in shapes] == [True, False, True]
     text = plan.describe()
@@ -89,20 +88,20 @@ def test_a_shape_goes_to_the_kernel_only_where_it_is_not_slower_at_any_row_count
 def test_figures_are_cached_per_key_and_a_bad_file_is_measured_again(tmp_path):
     path, shapes = tmp_path / "t.json", [_shape("qkv_proj"), _shape("o_proj", 32, 32)]
     time_shape, calls = _figures(slow=set())
-    op_timing._measured(path, "key", shapes, time_shape)
-    _, cached = op_timing._measured(path, "key", shapes, time_shape)
+    timing_cache.measured(path, "key", shapes, op_timing._name, time_shape)
+    _, cached = timing_cache.measured(path, "key", shapes, op_timing._name, time_shape)
     assert cached and len(calls) == 2                                   # nothing timed again
-    op_timing._measured(path, "key", [*shapes, _shape("gate_up_proj", 128, 32)], time_shape)
+    timing_cache.measured(path, "key", [*shapes, _shape("gate_up_proj", 128, 32)], op_timing._name, time_shape)
     assert len(calls) == 3                                              # only the new shape
-    op_timing._measured(path, "another CPU", shapes, time_shape)
+    timing_cache.measured(path, "another CPU", shapes, op_timing._name, time_shape)
     assert len(calls) == 5                                              # another key: all of them
     saved = json.loads(path.read_text())
     saved["shapes"][op_timing._name(shapes[0])]["kernel"] = ["fast"]    # edited by hand: not trusted
     path.write_text(json.dumps(saved))
-    op_timing._measured(path, "another CPU", shapes, time_shape)
+    timing_cache.measured(path, "another CPU", shapes, op_timing._name, time_shape)
     assert len(calls) == 6
     path.write_text("{not json")
-    op_timing._measured(path, "another CPU", shapes, time_shape)
+    timing_cache.measured(path, "another CPU", shapes, op_timing._name, time_shape)
     assert len(calls) == 8
 
 
@@ -117,8 +116,9 @@ def test_processes_starting_together_time_each_shape_once(tmp_path):
         gate.wait(5)
         return {"rows": [1], "kernel": [1.0], "portable": [2.0]}
 
-    threads = [threading.Thread(target=lambda: results.append(op_timing._measured(tmp_path / "t.json", "key",
-                                                                                  shapes, slow_timer)))
+    threads = [threading.Thread(target=lambda: results.append(timing_cache.measured(tmp_path / "t.json", "key",
+                                                                                    shapes, op_timing._name,
+                                                                                    slow_timer)))
                for _ in range(2)]
     for t in threads:
         t.start()
@@ -179,8 +179,12 @@ def test_the_real_figures_are_cached_and_shown_by_explain(test_model_dir, tmp_pa
     assert "(cached figures)" in second.output
     assert [line for line in second.output.splitlines() if "GFLOP/s" in line] == \
         [line for line in first.output.splitlines() if "GFLOP/s" in line]
-    (saved,) = (tmp_path / "op_timings").glob("*.json")
-    assert np.all(np.array([v for e in json.loads(saved.read_text())["shapes"].values() for v in e["kernel"]]) > 0)
+    row_lines = [line for line in first.output.splitlines() if " us at 1/32" in line]
+    assert [line.split(" (")[0].strip() for line in row_lines] == ["[64]", "[64]", "[6, 16]", "[256]", "[512]"]
+    assert [line for line in second.output.splitlines() if " us at " in line] == row_lines
+    saved = sorted((tmp_path / "op_timings").glob("*.json"))
+    assert len(saved) == 6                                              # the linear kernel's and five row ops'
+    assert all(v > 0 for path in saved for e in json.loads(path.read_text())["shapes"].values() for v in e["kernel"])
     named = CliRunner().invoke(main, ["explain", "--model", str(test_model_dir), "--op-kernel", "linear=paddle_linear"])
     assert "GFLOP/s" not in named.output and "per layer shape" not in named.output
 
@@ -188,11 +192,11 @@ def test_the_real_figures_are_cached_and_shown_by_explain(test_model_dir, tmp_pa
 def test_within_the_timings_noise_is_a_tie_and_beyond_it_a_loss():
     """Two GEMMs at the machine's peak measure a few percent apart either way: that must not cost
     a shape its kernel (and decode its speed-up); more than the noise does."""
-    def timing(kernel_at_256: float) -> op_timing.ShapeTiming:
-        return op_timing.ShapeTiming(_shape("gate_up_proj"), (1, 32, 256), (70.0, 220.0, kernel_at_256),
+    def timing(kernel_at_256: float) -> timing_cache.Timing:
+        return timing_cache.Timing(_shape("gate_up_proj"), (1, 32, 256), (70.0, 220.0, kernel_at_256),
                                      (40.0, 190.0, 250.0))
-    assert timing(250 * (1 - op_timing.NOISE) + 0.5).kernel_wins
-    assert timing(250 * (1 - op_timing.NOISE) - 0.5).slower_at == (256,)
+    assert timing(250 * (1 - timing_cache.NOISE) + 0.5).kernel_wins
+    assert timing(250 * (1 - timing_cache.NOISE) - 0.5).slower_at == (256,)
 
 
 def test_a_failed_timing_gives_that_shape_the_portable_op_and_is_not_cached(tmp_path):
@@ -202,22 +206,22 @@ def test_a_failed_timing_gives_that_shape_the_portable_op_and_is_not_cached(tmp_
     def failing(shape):
         return None if "o_proj" in shape.layers else time_shape(shape)
 
-    figures, cached = op_timing._measured(path, "key", shapes, failing)
+    figures, cached = timing_cache.measured(path, "key", shapes, op_timing._name, failing)
     assert not cached and set(figures) == {op_timing._name(shapes[0])}
-    plan = op_timing.LinearPlan("k", "p", tuple(op_timing.ShapeTiming.of(s, figures.get(op_timing._name(s),
-                                                                                        op_timing._NONE))
+    plan = op_timing.LinearPlan("k", "p", tuple(timing_cache.Timing.of(s, figures.get(op_timing._name(s),
+                                                                                        timing_cache.NO_FIGURES))
                                                 for s in shapes), cached)
     assert [plan.uses_kernel(s) for s in shapes] == [True, False]
     assert "(o_proj): timing failed (see the log) -> p" in plan.describe()
-    _, cached = op_timing._measured(path, "key", shapes, time_shape)
+    _, cached = timing_cache.measured(path, "key", shapes, op_timing._name, time_shape)
     assert not cached and len(calls) == 2                               # the failed one timed again, only it
 
 
 def test_no_usable_cache_directory_means_timing_without_one(tmp_path):
     (tmp_path / "file").write_text("not a directory")
     time_shape, calls = _figures(slow=set())
-    figures, cached = op_timing._measured(tmp_path / "file" / "op_timings" / "t.json", "key", [_shape("qkv_proj")],
-                                          time_shape)
+    figures, cached = timing_cache.measured(tmp_path / "file" / "op_timings" / "t.json", "key",
+                                            [_shape("qkv_proj")], op_timing._name, time_shape)
     assert not cached and len(calls) == 1 and len(figures) == 1
 
 
@@ -225,11 +229,11 @@ def test_a_lock_held_past_the_timeout_means_no_timing(tmp_path, monkeypatch):
     import fcntl
 
     path = tmp_path / "t.json"
-    monkeypatch.setattr(op_timing, "LOCK_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(timing_cache, "LOCK_TIMEOUT_S", 0.2)
     time_shape, calls = _figures(slow=set())
     with open(path.with_suffix(".lock"), "a+") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
-        assert op_timing._measured(path, "key", [_shape("qkv_proj")], time_shape) is None
+        assert timing_cache.measured(path, "key", [_shape("qkv_proj")], op_timing._name, time_shape) is None
     assert not calls
 
 
@@ -239,8 +243,11 @@ def test_fdplug_op_timing_0_and_an_explicit_kernel_are_not_timed(monkeypatch):
     if kernels.unavailable_reason() is not None or isa.level() < 3:
         pytest.skip("the cpu linear kernels need their build and x86-64-v3")
     monkeypatch.setenv("FDPLUG_OP_TIMING", "1")
-    assert select_components("cpu").measured_ops == {"linear"}
-    assert select_components("cpu", ops={"linear": "cpu_native_linear"}).measured_ops == frozenset()
+    row_ops = {"rms_norm", "add_rms_norm", "rope", "swiglu", "argmax"}
+    assert select_components("cpu").measured_ops == {"linear", *row_ops}
+    assert select_components("cpu", ops={"linear": "cpu_native_linear"}).measured_ops == row_ops
+    assert select_components("cpu", ops={"swiglu": "cpu_native_swiglu"}).measured_ops == \
+        {"linear"} | row_ops - {"swiglu"}
     monkeypatch.setenv("FDPLUG_OP_TIMING", "0")
     selection = select_components("cpu")
     assert selection.measured_ops == frozenset() and selection.to_names()["measured_ops"] == []
@@ -248,9 +255,12 @@ def test_fdplug_op_timing_0_and_an_explicit_kernel_are_not_timed(monkeypatch):
     assert rebuilt.measured_ops == {"linear"}                           # another process follows the names
 
 
-def test_only_linear_kernels_may_name_a_measure_key():
+def test_only_the_measured_ops_kernels_may_name_a_measure_key():
     from fdplug.plugin_api.specs import OpSpec, validate_spec
 
-    with pytest.raises(ValueError, match="only 'linear' kernels are timed"):
-        validate_spec(OpSpec(name="x", op="swiglu", devices=("cpu",), factory=lambda c: None,
+    for op in ("linear", "rms_norm", "add_rms_norm", "rope", "swiglu", "argmax"):
+        validate_spec(OpSpec(name="x", op=op, devices=("cpu",), factory=lambda c: None, measure_key=lambda c: "k"),
+                      OpSpec)
+    with pytest.raises(ValueError, match="only linear, rms_norm, add_rms_norm, rope, swiglu, argmax kernels are timed"):
+        validate_spec(OpSpec(name="x", op="gguf_linear", devices=("cpu",), factory=lambda c: None,
                              measure_key=lambda c: "k"), OpSpec)

@@ -60,15 +60,20 @@ def explain_command(device: str, runner: str | None, attention: str | None, moe:
     if model_config is not None:
         from fdplug.core.model.checkpoint.footprint import model_summary
         from fdplug.core.worker.op_timing import plan_linear
+        from fdplug.core.worker.row_op_timing import plan_row_ops
 
         model_config.keep_weights(config.dtype, config.weight_dtype)
         click.echo(model_summary(model_config, config.dtype, selection.moe.name, selection.ops))
-        if "linear" in selection.measured_ops and selection.device.setup is not None:
+        if selection.measured_ops and selection.device.setup is not None:
             selection.device.setup()    # threads and math library as the engine runs them: the same figures
-        linear_plan = plan_linear(selection, config, model_config)
+        linear_plan, row_plan = plan_linear(selection, config, model_config), plan_row_ops(selection, config,
+                                                                                            model_config)
         if linear_plan is not None:
             click.echo(linear_plan.describe())
-    elif "linear" in selection.measured_ops:
-        click.echo(f"op:linear: {selection.ops['linear'].name} is timed against the portable op on the model's "
-                   "layer shapes at startup and runs those where it is not slower (--model DIR shows the figures)")
+        if row_plan is not None:
+            click.echo(row_plan.describe(in_stack=None))   # whether a fused stack runs decode: known after load
+    elif selection.measured_ops:
+        click.echo(f"measured ops: {', '.join(sorted(selection.measured_ops))}: each kernel is timed against the "
+                   "portable op on the model's shapes at startup and runs where it is not slower (linear: per layer "
+                   "shape; the others: per op); --model DIR shows the figures")
     click.echo(f"selected: {selection.summary()}")

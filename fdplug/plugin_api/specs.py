@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from fdplug.plugin_api.ops import OPS, PREPARED_OPS
+from fdplug.plugin_api.ops import MEASURED_OPS, OPS, PREPARED_OPS
 from fdplug.plugin_api.parsers import ReasoningParserSpec, ToolParserSpec
 from fdplug.plugin_api.settings import Setting
 
@@ -160,13 +160,16 @@ class OpSpec(ComponentSpec):
     (a `fdplug.plugin_api.ops.PreparedWeight`, or None to keep the weight as it is) is what the kernel
     then receives as that layer's ``weight`` (FP8 scales stay as they are).
 
-    ``measure_key`` (``linear`` only): for a kernel whose speed against the portable op depends on
-    the machine (a CPU's instruction-set level, a GPU's generation). Chosen by priority (not by
-    name), it is then timed against the portable op once on each of the model's layer shapes, and
-    runs only the shapes where it is not slower at any row count measured (beyond noise); the others run the
-    portable op (`fdplug.core.worker.op_timing`). ``measure_key(config)`` is a string that
+    ``measure_key`` (the ops of `fdplug.plugin_api.ops.MEASURED_OPS`; the row ops since API 4.5): for
+    a kernel whose speed against the portable op depends on the machine (a CPU's instruction-set
+    level, a GPU's generation). Chosen by priority (not by name), it is then timed against the
+    portable op once on the model's shapes at the row counts the engine gives it, and runs only where
+    it is not slower at any of them (beyond noise): a ``linear`` kernel per layer shape (the other
+    shapes run the portable op, `fdplug.core.worker.op_timing`), a row op's (``rms_norm``,
+    ``add_rms_norm``, ``rope``, ``swiglu``, ``argmax``) per op: slower on any shape, and the op runs
+    the portable one (`fdplug.core.worker.row_op_timing`). ``measure_key(config)`` is a string that
     changes whenever those figures could (the CPU model and level, the kernel build, the thread
-    count): the figures are cached under it. Named with ``--op-kernel``, the kernel runs every shape.
+    count): the figures are cached under it. Named with ``--op-kernel``, the kernel runs everywhere.
     """
 
     op: str = ""
@@ -266,8 +269,9 @@ def validate_spec(spec: Any, expected: type) -> None:
                          f"{', '.join(map(str, Q8_RUNS))}, and set only for a 'gguf_linear' op without bf16_inputs")
     if isinstance(spec, OpSpec) and spec.measure_key is not None:
         _require_callable(spec, "measure_key")
-        if spec.op != "linear":
-            raise ValueError(f"measure_key of {spec.name!r}: only 'linear' kernels are timed against the portable op")
+        if spec.op not in MEASURED_OPS:
+            raise ValueError(f"measure_key of {spec.name!r}: only {', '.join(MEASURED_OPS)} kernels are timed "
+                             "against the portable op")
     if isinstance(spec, OpSpec) and spec.prepare is not None:
         _require_callable(spec, "prepare")
         if spec.op not in PREPARED_OPS:

@@ -64,6 +64,8 @@ class EngineCore:
             selection.device.setup()
         self.runner = selection.runner.factory(config, selection)
         model = self.runner.load_model()
+        # as the runner settled it at load (a row op's kernel slower than the portable op gives way to it)
+        self.selection = selection = getattr(self.runner, "selection", selection)
         self.kv_plan = self.runner.initialize_kv_cache()
         self.scheduler = Scheduler(SchedulerConfig.from_engine_config(config, self.kv_plan.num_blocks))
         self.kv_transfer = make_side(config, selection, self.runner, self.scheduler, model.vocab_size)   # PD

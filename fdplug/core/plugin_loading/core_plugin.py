@@ -11,7 +11,7 @@ first, as the plugin ``core``, which cannot be disabled.
 
 from __future__ import annotations
 
-from fdplug.core.portable import PORTABLE_LINEAR
+from fdplug.core.portable.op_specs import PORTABLE_OPS
 from fdplug.plugin_api.hookspecs import API_VERSION, hookimpl
 from fdplug.plugin_api.specs import (
     ANY_DEVICE,
@@ -19,7 +19,6 @@ from fdplug.plugin_api.specs import (
     KVConnectorSpec,
     ModelRunnerSpec,
     MoEBackendSpec,
-    OpSpec,
 )
 
 FDPLUG_API_VERSION = API_VERSION
@@ -41,14 +40,6 @@ def _moe_factory(config):
     from fdplug.core.portable.moe import ReferenceMoE
 
     return ReferenceMoE()
-
-
-def _op_factory(op: str):
-    def factory(config):
-        from fdplug.core.portable import ops
-
-        return getattr(ops, op)
-    return factory
 
 
 @hookimpl
@@ -75,31 +66,8 @@ def fdplug_register_moe_backends(register):
 
 @hookimpl
 def fdplug_register_ops(register):
-    register(OpSpec(name="paddle_swiglu", op="swiglu", devices=(ANY_DEVICE,), factory=_op_factory("swiglu"),
-                    description="paddle.nn.functional.swiglu"))
-    register(OpSpec(name="paddle_rms_norm", op="rms_norm", devices=(ANY_DEVICE,), factory=_op_factory("rms_norm"),
-                    description="float32 mean of squares, rsqrt, weight (four Paddle ops)"))
-    register(OpSpec(name="paddle_fp8_linear", op="fp8_linear", devices=(ANY_DEVICE,),
-                    factory=_op_factory("fp8_linear"),
-                    description="the FP8 layer dequantized to the compute dtype, then one paddle matmul"))
-    register(OpSpec(name="paddle_gguf_linear", op="gguf_linear", devices=(ANY_DEVICE,),
-                    factory=_op_factory("gguf_linear"),
-                    description="the layer's GGML blocks dequantized to the compute dtype, then one paddle matmul"))
-    register(OpSpec(name="paddle_add_rms_norm", op="add_rms_norm", devices=(ANY_DEVICE,),
-                    factory=_op_factory("add_rms_norm"), description="one Paddle add, then paddle_rms_norm"))
-    register(OpSpec(name="paddle_rope", op="rope", devices=(ANY_DEVICE,), factory=_op_factory("rope"),
-                    description="x * cos + roll(x, D/2) * sin (four Paddle ops)"))
-    register(OpSpec(name="paddle_argmax", op="argmax", devices=(ANY_DEVICE,), factory=_op_factory("argmax"),
-                    description="paddle's argmax over each row, copied to the host"))
-    register(OpSpec(name="paddle_layer_by_layer", op="decoder_stack", devices=(ANY_DEVICE,),
-                    factory=_op_factory("decoder_stack"),
-                    description="no fused stack: each layer's ops run one by one through their selected kernels"))
-    register(OpSpec(name="paddle_vision_attention", op="vision_attention", devices=(ANY_DEVICE,),
-                    factory=_op_factory("vision_attention"),
-                    description="softmax attention per segment, equal-length segments batched in one matmul"))
-    register(OpSpec(name=PORTABLE_LINEAR, op="linear", devices=(ANY_DEVICE,), factory=_op_factory("linear"),
-                    description="one paddle matmul of the weights as stored (bf16 weights under float32 "
-                                "activations: cast first, a copy per call)"))
+    for spec in PORTABLE_OPS.values():
+        register(spec)
 
 
 def _connector_factory(name: str):

@@ -6,7 +6,7 @@ on: a device probe of the usual shape (`device_probe`), KV block copies between 
 (`kv_blocks`), parallel downloads in order (`ordered_fetch`), structured outputs' token masks
 (`grammar_masks`), a file lock with a deadline for work one process of a machine does for all
 (`file_lock`: the op timings, a model's download, the cpu kernels' build). The core registers them for every
-device as the plugin ``core`` (`fdplug.core.plugin_loading.core_plugin`); a device plugin
+device as the plugin ``core`` (`fdplug.core.plugin_loading.core_plugin`; the ops' specs: `op_specs`); a device plugin
 registers faster ones with a higher priority, and may import and extend these.
 """
 

@@ -79,6 +79,7 @@ class ModelRunner:
         from fdplug.core.model.layers.fused_stack import attach as attach_stack
         from fdplug.core.model.loader import load_model
         from fdplug.core.worker.op_timing import plan_linear
+        from fdplug.core.worker.row_op_timing import plan_row_ops
 
         self.paddle.set_device(self.place)
         cfg = ModelConfig.from_dir(self.config.model_dir, self.config.quantization)
@@ -93,13 +94,19 @@ class ModelRunner:
         ops = self.selection.ops
         kernels = Kernels(**{op: spec.factory(self.config) for op, spec in ops.items()},
                           **{f"prepare_{op}": ops[op].prepare(self.config) for op in PREPARED_OPS if ops[op].prepare})
-        self.argmax = kernels.argmax
         self.model, self.model_config = load_model(self.config.model_dir, self.attn_backend, dtype=self.config.dtype,
                                                    max_positions=self.config.max_model_len, kernels=kernels,
                                                    moe_backend=self.moe_backend, quantization=self.config.quantization,
                                                    weight_dtype=self.config.weight_dtype, expert_parallel=group,
                                                    linear_plan=linear_plan)
         self.model.eval()
+        logger.info(attach_stack(self.model, kernels, self.selection))
+        row_plan = plan_row_ops(self.selection, self.config, cfg)   # a row op's kernel only where not slower
+        if row_plan is not None:
+            self.selection, kernels, lines = row_plan.settle(self.model, kernels, self.selection, self.config)
+            for line in lines:
+                logger.info(line)
+        self.argmax = kernels.argmax
         mm = self.model_config.multimodal
         self.mrope = mm.mrope_rule() if mm is not None and self.model_config.rope.mrope_section else None
         if mm is not None and mm.image_spec is not None:   # pictures in: the model's vision tower
@@ -108,7 +115,6 @@ class ModelRunner:
 
             self.image_encoder = ImageEncoder(self.config.model_dir, weight_files(self.config.model_dir),
                                               self.model_config.architecture, mm.image_spec, kernels)
-        logger.info(attach_stack(self.model, kernels, self.selection))
         # The routed experts live in the MoE backend's layout, not as parameters: count them as loaded.
         params = sum(int(np.prod(p.shape)) * p.element_size() for p in self.model.parameters())
         self.model_bytes = params + footprint.expert_bytes

@@ -83,14 +83,19 @@ def _tiles_supports(name: str):
 
 
 def _measure_key(config) -> str:
-    """`OpSpec.measure_key` of the linear kernels: what their speed against paddle's matmul depends on."""
+    """`OpSpec.measure_key` of the row-op kernels (norms, RoPE, SwiGLU, argmax): what their speed
+    against paddle's ops depends on."""
     import paddle
 
     from fdplug.plugins.cpu import isa, kernel_build
 
-    packed = "packed weights" if settings.PACK_WEIGHTS.value() else "weights in place"
     return (f"{isa.model_name()} | {isa.describe()} | {kernel_build.library_path(kernel_build.compiler()).name} | "
-            f"{packed} | {device.cpu_threads()} threads | paddle {paddle.__version__}")
+            f"{device.cpu_threads()} threads | paddle {paddle.__version__}")
+
+
+def _linear_measure_key(config) -> str:
+    """`OpSpec.measure_key` of the linear kernels: as the row ops', and whether weights are packed."""
+    return f"{_measure_key(config)} | {'packed weights' if settings.PACK_WEIGHTS.value() else 'weights in place'}"
 
 
 def _bf16_math_supports(name: str, module: str, otherwise: str):
@@ -198,7 +203,8 @@ def fdplug_register_ops(register):
                         description=description, **spec))
 
     native("cpu_native_swiglu", "swiglu", ("kernels", "swiglu"),
-           "AVX2 SwiGLU on every core (compiled C): 4-5x paddle's single-threaded one (FDPLUG_CPU_KERNELS)")
+           "AVX2 SwiGLU on every core (compiled C): 4-5x paddle's single-threaded one (FDPLUG_CPU_KERNELS); timed "
+           "against it at startup on the model's widths, used where not slower", measure_key=_measure_key)
     native("cpu_native_fp8_linear", "fp8_linear", ("native_fp8", "fp8_linear_or_portable"),
            "FP8 weights kept one byte, packed at load in panels of 64 columns (16 for AVX2), widened in "
            "registers and scaled per block in outer-product tiles (compiled C)", prepare=_fp8_prepare_factory,
@@ -230,21 +236,23 @@ def fdplug_register_ops(register):
            "--op-kernel gguf_linear=cpu_native_gguf_bf16_linear keeps bf16 math",
            priority=_packed_priority(), supports=_packed_supports, prepare=_gguf_packed_prepare_factory, q8_inputs=16)
     native("cpu_native_rms_norm", "rms_norm", ("native_norms", "rms_norm"),
-           "one compiled call instead of paddle's five ops (float32; the q/k norm's per-head weights too)")
+           "one compiled call instead of paddle's five ops (float32; the q/k norm's per-head weights too)",
+           measure_key=_measure_key)
     native("cpu_native_add_rms_norm", "add_rms_norm", ("native_norms", "add_rms_norm"),
-           "the residual add and the norm in one compiled pass over each row (float32)")
+           "the residual add and the norm in one compiled pass over each row (float32)", measure_key=_measure_key)
     native("cpu_native_rope", "rope", ("native_norms", "rope"),
-           "the NeoX rotation in one compiled call, bit-identical to paddle's four ops")
+           "the NeoX rotation in one compiled call, bit-identical to paddle's four ops", measure_key=_measure_key)
     native("cpu_native_decoder_stack", "decoder_stack", ("native_stack", "decoder_stack"),
            "a decode step's layers in one compiled call of the kernels above (GGUF linears, cpu_native "
            "attention; bit-identical to running them layer by layer); other models and steps: layer by layer")
     native("cpu_native_argmax", "argmax", ("native_argmax", "argmax"),
-           "greedy sampling's argmax, 16 lanes at a time, rows over the cores (compiled C)")
+           "greedy sampling's argmax, 16 lanes at a time, rows over the cores (compiled C)", measure_key=_measure_key)
     native("cpu_native_linear", "linear", ("native_linear", "linear_or_portable"),
            "FMA tiles (AVX-512 or AVX2) on float32 or bf16 weights packed at load in panels of 64 columns "
            "(16 for AVX2; compiled C; bf16 widened in registers: half the bytes, float32 math); timed against paddle's "
            "matmul on the model's shapes at startup, used where it is not slower",
-           prepare=_linear_prepare_factory, supports=_tiles_supports("cpu_native_linear"), measure_key=_measure_key)
+           prepare=_linear_prepare_factory, supports=_tiles_supports("cpu_native_linear"),
+           measure_key=_linear_measure_key)
     native("cpu_native_bf16_linear", "linear", ("native_linear", "linear_or_portable"),
            "bf16 weights in bf16 math (AVX512-BF16 dot products: inputs rounded to bf16, float32 sums; ~2x "
            "cpu_native_linear where compute-bound); float32 weights as cpu_native_linear. --op-kernel "
@@ -252,7 +260,7 @@ def fdplug_register_ops(register):
            bound={"bf16_math": True}, priority=20, bf16_inputs=True, prepare=_linear_prepare_factory,
            supports=_bf16_math_supports("cpu_native_bf16_linear", "native_linear",
                                         "bf16 weights run as cpu_native_linear's float32 math"),
-           measure_key=_measure_key)
+           measure_key=_linear_measure_key)
 
 
 @hookimpl

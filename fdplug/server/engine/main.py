@@ -143,7 +143,7 @@ def _build(spec: EngineSpec) -> tuple[Any, P.EngineInfo]:
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
         max_waiting_requests=config.max_waiting_requests,
         block_size=plan.block_size, num_kv_blocks=plan.num_blocks - 1, kv_cache_tokens=plan.num_tokens,
-        kv_cache_description=plan.describe(), selection=selection.to_names())
+        kv_cache_description=plan.describe(), selection=core.selection.to_names())
     return core, info
 
 

@@ -134,3 +134,16 @@ class MRotaryEmbedding(RotaryEmbedding):
         flat = positions.reshape([-1])
         return tuple((paddle.gather(table, flat).reshape([3, num, -1]) * self.axis_masks).sum(axis=0)
                      .unsqueeze(1).tile([1, self.heads, 1]) for table in (self.cos, self.sin))
+
+
+def use_row_kernels(model: nn.Layer, kernels: Kernels) -> None:
+    """Point every norm, MLP activation and RoPE of ``model`` at ``kernels``' ``rms_norm``,
+    ``add_rms_norm``, ``swiglu`` and ``rope``: after load, where startup timing gave an op the
+    portable kernel instead (`fdplug.core.worker.row_op_timing`)."""
+    for layer in model.sublayers(include_self=True):
+        if isinstance(layer, RMSNorm):
+            layer.kernel, layer.add_kernel = kernels.rms_norm, kernels.add_rms_norm
+        elif isinstance(layer, SwiGLU):
+            layer.activation = kernels.swiglu
+        elif isinstance(layer, RotaryEmbedding):
+            layer.kernel = kernels.rope

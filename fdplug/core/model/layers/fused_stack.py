@@ -19,6 +19,12 @@ from fdplug.plugin_api.decoder_stack import DecoderStack, StackLayer, StackLinea
 from fdplug.plugin_api.ops import Kernels
 from fdplug.plugin_api.selection import Selection
 
+OPS_INSIDE = ("rms_norm", "rope", "swiglu")
+"""The row ops a decode step does not call once a stack is attached: the layers' (their norms, RoPE,
+MLP activation) run inside it; the final norm's ``add_rms_norm`` and the sampler's ``argmax`` still
+run (`DecoderForCausalLM._forward`). Their one-row figure does not decide their kernel then
+(`fdplug.core.worker.row_op_timing`)."""
+
 
 def _linear(layer: Any) -> StackLinear | None:
     if isinstance(layer, GgufLinear):
