@@ -5,7 +5,7 @@
     python bench/levels.py --quick                  # 3 pairs, fewer requests
 
 Issue 33's bar: with the default selection (the linear kernel timed against paddle's matmul per
-layer shape, `fdplug.core.worker.op_timing`) no engine figure is below the all-portable
+layer shape, `fdplug.core.worker.op_timing`; the row ops' kernels per op, `row_op_timing`) no engine figure is below the all-portable
 configuration's (every op, attention and MoE the core's Paddle code), in the same run. The model
 has SmolLM2-135M-Instruct's sizes (hidden 576, 30 layers, 9 heads of 64, 3 KV heads, intermediate
 1,536, vocabulary 49,152, tied embeddings) in the demo's Qwen2 layout (q/k/v biases: the random
@@ -68,6 +68,7 @@ def main() -> None:
     logging.disable(logging.INFO)
     from fdplug.core.frontend.llm import LLM
     from fdplug.core.model.layers.linear import Linear
+    from fdplug.core.worker.row_op_timing import ROW_OPS
     from fdplug.plugins.cpu import isa
 
     pairs = 3 if args.quick else 6
@@ -83,9 +84,11 @@ def main() -> None:
             runner = llms["selected"].engine.runner
             portable_layers = sum(isinstance(layer, Linear) and layer.prepared is None
                                   for layer in runner.model.sublayers())
+            ops = llms["selected"].engine.selection.ops
+            row_ops = ", ".join(f"{op} {ops[op].name}" for op in ROW_OPS)
             print(f"{weights} weights: selected {llms['selected'].engine.selection.summary()}; linear "
-                  f"{llms['selected'].engine.selection.ops['linear'].name} ({portable_layers} layers on paddle's "
-                  f"matmul, faster on their shape)")
+                  f"{ops['linear'].name} ({portable_layers} layers on paddle's matmul, faster on their shape); "
+                  f"row ops as timed: {row_ops}")
             figures = {"TTFT 1,024 tokens (s)": abba(llms, pairs, ttft),
                        "single-stream decode (tok/s)": abba(llms, pairs, decode_tokens_per_s),
                        "64 requests (output tok/s)": abba(llms, max(2, pairs // 2), batch_tokens_per_s)}

@@ -185,8 +185,14 @@ def test_the_real_figures_are_cached_and_shown_by_explain(test_model_dir, tmp_pa
     saved = sorted((tmp_path / "op_timings").glob("*.json"))
     assert len(saved) == 6                                              # the linear kernel's and five row ops'
     assert all(v > 0 for path in saved for e in json.loads(path.read_text())["shapes"].values() for v in e["kernel"])
-    named = CliRunner().invoke(main, ["explain", "--model", str(test_model_dir), "--op-kernel", "linear=paddle_linear"])
+    untimed = next(line for line in first.output.splitlines() if line.startswith("not timed against"))
+    assert "fp8_linear=cpu_native_fp8_linear" in untimed and "swiglu=" not in untimed and " linear=" not in untimed
+    named = CliRunner().invoke(main, ["explain", "--model", str(test_model_dir), "--op-kernel", "linear=paddle_linear",
+                                      "--op-kernel", "swiglu=cpu_native_swiglu"])
     assert "GFLOP/s" not in named.output and "per layer shape" not in named.output
+    assert "op:swiglu" not in named.output.split("row ops per op")[1]           # named: untimed, and said so
+    assert "swiglu=cpu_native_swiglu" in next(line for line in named.output.splitlines()
+                                              if line.startswith("not timed against"))
 
 
 def test_within_the_timings_noise_is_a_tie_and_beyond_it_a_loss():

@@ -76,4 +76,17 @@ def explain_command(device: str, runner: str | None, attention: str | None, moe:
         click.echo(f"measured ops: {', '.join(sorted(selection.measured_ops))}: each kernel is timed against the "
                    "portable op on the model's shapes at startup and runs where it is not slower (linear: per layer "
                    "shape; the others: per op); --model DIR shows the figures")
+    untimed = _untimed(selection)
+    if untimed:
+        click.echo(untimed)
     click.echo(f"selected: {selection.summary()}")
+
+
+def _untimed(selection) -> str | None:
+    """The ops whose kernel is not the portable one and is not timed against it: which, and why not."""
+    from fdplug.core.portable.op_specs import PORTABLE_OPS
+
+    left = [f"{op}={spec.name}" for op, spec in selection.ops.items()
+            if op not in selection.measured_ops and spec.name != PORTABLE_OPS[op].name]
+    return None if not left else ("not timed against the portable op (the kernel has no measure_key, or was named "
+                                  "with --op-kernel, or FDPLUG_OP_TIMING=0): " + ", ".join(left))
