@@ -1,7 +1,8 @@
 """The cpu plugin's ``decoder_stack`` op (`fdplug.plugins.cpu.native_stack`): a decode step's layers in
 one compiled call give what the layers one by one give, bit for bit (logprobs, tokens and the KV
 cache), on GGUF models of every architecture it runs (Qwen2's biases, Qwen3's q/k norm, projections
-mixing block types); other steps and other models run layer by layer, with the reason."""
+mixing block types) and on float models packed for cpu_native_linear; other steps and other models
+run layer by layer, with the reason."""
 
 from __future__ import annotations
 
@@ -109,11 +110,39 @@ def test_the_stack_declines_what_it_does_not_run_and_says_why(tmp_path, caplog):
         "attention backend 'reference' (it runs cpu_native's)"
 
 
-def test_a_float_model_runs_layer_by_layer(test_model_dir, caplog):
+@pytest.mark.parametrize("dtype", ["auto", "bfloat16"])
+def test_a_float_models_decode_steps_through_the_stack_are_the_layers_bit_for_bit(test_model_dir, dtype, caplog):
+    """Float32 and bf16 weights packed for cpu_native_linear (the test model's q/k/v biases added
+    inside the packed kernel, as layer by layer), the embedding rows looked up by the model."""
     with caplog.at_level("INFO", logger="fdplug"):
-        llm = LLM(str(test_model_dir), max_model_len=64, num_kv_blocks=16)
-    assert llm.engine.runner.model.fused_stack is None
-    assert "decoder stack: layer by layer (layer 0: float linear layers (it runs GGUF blocks))" in caplog.text
+        fused = LLM(str(test_model_dir), max_model_len=64, num_kv_blocks=32, max_num_seqs=4, dtype=dtype)
+    assert "decoder stack: cpu_native_decoder_stack (every layer of a decode step in one call)" in caplog.text
+    assert fused.engine.runner.model.layers[0].self_attn.qkv_proj.prepared.bias is not None
+    layered = LLM(str(test_model_dir), max_model_len=64, num_kv_blocks=32, max_num_seqs=4, dtype=dtype,
+                  op_kernels=LAYER_BY_LAYER)
+    counting = fused.engine.runner.model.fused_stack = Counting(fused.engine.runner.model.fused_stack)
+    assert not counting.embeds
+    assert _run(fused) == _run(layered)          # tokens and every logprob value, exactly
+    assert counting.ran >= 8 and counting.declined >= 1
+    for (k1, v1), (k2, v2) in zip(fused.engine.runner.kv_caches, layered.engine.runner.kv_caches, strict=True):
+        assert np.array_equal(k1.numpy(), k2.numpy()) and np.array_equal(v1.numpy(), v2.numpy())
+
+
+def test_a_float_model_whose_layers_are_not_packed_runs_layer_by_layer(test_model_dir, tmp_path, monkeypatch):
+    """paddle's matmul chosen for the linears (as the startup timing may for a layer shape), or the
+    weights left [N, K]; a GGUF model ignores the linear op's choice, a float model the GGUF one's."""
+    portable = LLM(str(test_model_dir), max_model_len=64, num_kv_blocks=16, op_kernels={"linear": "paddle_linear"})
+    assert portable.engine.runner.model.fused_stack is None
+    assert _decline(portable) == "ops chosen that it does not run: linear=paddle_linear"
+    assert _decline(portable, linear="cpu_native_linear", gguf_linear="paddle_gguf_linear").startswith(
+        "layer 0: float linear layers left [N, K]")
+    monkeypatch.setenv("FDPLUG_CPU_PACK_WEIGHTS", "0")
+    unpacked = LLM(str(test_model_dir), max_model_len=64, num_kv_blocks=16)
+    assert unpacked.engine.runner.model.fused_stack is None
+    assert _decline(unpacked).startswith("layer 0: float linear layers left [N, K] (the startup timing put")
+    monkeypatch.delenv("FDPLUG_CPU_PACK_WEIGHTS")
+    gguf, _ = write_pair(tmp_path, "llama", types={}, tokenizer=True)
+    assert _decline(LLM(str(gguf), max_model_len=64, num_kv_blocks=16), linear="paddle_linear") is None
 
 
 def test_token_ids_outside_the_vocabulary_never_reach_the_kernel(tmp_path):

@@ -7,10 +7,12 @@ same kernels the cpu plugin's ops run, back to back in C, for steps whose every 
 query token (what ``cpu_native`` attention prepares as a single decode group); other steps
 (prefill, mixed) run layer by layer. The result is the layer-by-layer one bit for bit.
 
-It takes what its own ops compute: GGUF linears of the types csrc/gguf_linear.c decodes, float32
-activations and norms, ``cpu_native`` attention and the plugin's norm, RoPE, SwiGLU and GGUF
-kernels selected for those ops. Anything else (float or FP8 linears, a user's ``--op-kernel``
-choice of another kernel) it declines at load, with the reason, and the layers run one by one.
+It takes what its own ops compute: GGUF linears of the types csrc/gguf_linear.c decodes, or float
+and bf16 linears packed at load for ``cpu_native_linear`` (``cpu_native_bf16_linear``), float32
+activations and norms, ``cpu_native`` attention and the plugin's norm, RoPE, SwiGLU, GGUF and linear
+kernels selected for those ops. Anything else (FP8 linears, float layers the startup timing left
+on paddle's matmul or the kernel left unpacked, a user's ``--op-kernel`` choice of another kernel)
+it declines at load, with the reason, and the layers run one by one.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from fdplug.core.portable.attention import _Prepared
 from fdplug.plugin_api.decoder_stack import DecoderStack, StackLinear
 from fdplug.plugin_api.gguf_formats import row_bytes
 from fdplug.plugin_api.ops import PreparedWeight
-from fdplug.plugins.cpu import kernels
+from fdplug.plugins.cpu import kernels, native_linear
 from fdplug.plugins.cpu.native_attention import _KernelGroup
 from fdplug.plugins.cpu.native_gguf import _IDS, SUPPORTED, takes
 from fdplug.plugins.cpu.native_gguf_packed import LAYOUT, TYPES
@@ -35,17 +37,22 @@ MATHS = {"cpu_native_gguf_linear": 0, "cpu_native_gguf_bf16_linear": 1, "cpu_nat
 """The GGUF linear kernels and their math, as csrc/gguf_linear.c numbers it (GG_MATH_F32, _BF16, _Q8,
 _PACKED: the last reads weights the loader packed, `native_gguf_packed.prepare`)."""
 PACKED = MATHS["cpu_native_gguf_packed_linear"]
+FLOAT_KINDS = {"cpu_native_linear": False, "cpu_native_bf16_linear": True}
+"""The float linear kernels whose packed layers it runs, and whether in bf16 math (bf16 weights)."""
 OWN_OPS = {"rms_norm": ("cpu_native_rms_norm",), "add_rms_norm": ("cpu_native_add_rms_norm",),
-           "rope": ("cpu_native_rope",), "swiglu": ("cpu_native_swiglu",), "gguf_linear": tuple(MATHS)}
+           "rope": ("cpu_native_rope",), "swiglu": ("cpu_native_swiglu",), "gguf_linear": tuple(MATHS),
+           "linear": tuple(FLOAT_KINDS)}
 """The kernels whose work the stack does: it runs only where one of these was selected for each op
-(for the linears, in the math of the one selected)."""
+(for the linears, in the math of the one selected; ``gguf_linear`` only for GGUF layers, ``linear``
+only for float ones)."""
+_F32, _BF16, _BF16_MATH = 0, 1, 2   # fdplug_linear_packed's kinds (native_linear's)
 
 _p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 
 class _Linear(ctypes.Structure):
     _fields_ = [("weight", _p * MAX_GROUPS), ("bias", _p), ("qtype", _i * MAX_GROUPS), ("rows", _i * MAX_GROUPS),
-                ("groups", _i), ("depth", _i), ("cols", _i)]
+                ("groups", _i), ("depth", _i), ("cols", _i), ("packed_kind", _i)]
 
 
 class _Layer(ctypes.Structure):
@@ -73,11 +80,25 @@ def _float32_vector(t: Any, shape: list[int], what: str) -> str | None:
     return None
 
 
+def _float_reason(linear: StackLinear) -> str | None:
+    """None if the stack runs float ``linear``: one float32 or bf16 weight packed by
+    `native_linear.prepare` in the loaded library's layout (what ``cpu_native_linear`` reads)."""
+    (weight, _), = linear.groups
+    if not isinstance(weight, PreparedWeight) or weight.layout != native_linear.layout():
+        return ("float linear layers left [N, K] (the startup timing put their shape on paddle's matmul, N is not "
+                "a multiple of 16, or FDPLUG_CPU_PACK_WEIGHTS=0)")
+    if str(weight.dtype) not in ("paddle.float32", "paddle.bfloat16"):
+        return f"{weight.dtype} packed weights (it runs float32 and bf16)"
+    return None
+
+
 def _linear_reason(linear: StackLinear, packed: bool = False) -> str | None:
     """None if the stack runs ``linear``: the file's blocks, or (``packed``) every group as
-    `native_gguf_packed.prepare` laid it out."""
+    `native_gguf_packed.prepare` laid it out; a float layer as `_float_reason` says."""
+    if linear.format == "float":
+        return _float_reason(linear)
     if linear.format != "gguf":
-        return f"{linear.format} linear layers (it runs GGUF blocks)"
+        return f"{linear.format} linear layers (it runs GGUF blocks and packed float ones)"
     if len(linear.groups) > MAX_GROUPS:
         return f"a projection of {len(linear.groups)} block-type groups (at most {MAX_GROUPS})"
     for weight, qtype in linear.groups:
@@ -92,9 +113,18 @@ def _linear_reason(linear: StackLinear, packed: bool = False) -> str | None:
     return None
 
 
+def _formats(stack: DecoderStack) -> set[str]:
+    return {linear.format for layer in stack.layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)}
+
+
 def decline_reason(stack: DecoderStack) -> str | None:
     """None if the stack runs these layers; else why not."""
-    other = [f"{op}={stack.ops.get(op)}" for op, names in OWN_OPS.items() if stack.ops.get(op) not in names]
+    formats = _formats(stack)
+    if len(formats) > 1:
+        return f"layers of {' and '.join(sorted(formats))} linears (it runs one kind a model)"
+    unused = {"gguf_linear"} if "gguf" not in formats else {"linear"}
+    other = [f"{op}={stack.ops.get(op)}" for op, names in OWN_OPS.items()
+             if op not in unused and stack.ops.get(op) not in names]
     if other:
         return "ops chosen that it does not run: " + ", ".join(other)
     if stack.attention != "cpu_native":
@@ -105,7 +135,7 @@ def decline_reason(stack: DecoderStack) -> str | None:
     hidden, inter, attn = stack.hidden_size, stack.intermediate_size, stack.num_heads * stack.head_dim
     shapes = ((hidden, attn + 2 * stack.num_kv_heads * stack.head_dim), (attn, hidden), (hidden, 2 * inter),
               (inter, hidden))   # (in, out) of qkv, o, gate_up, down: the C code's strides
-    packed = MATHS[stack.ops["gguf_linear"]] == PACKED
+    packed = MATHS.get(stack.ops["gguf_linear"]) == PACKED
     for i, layer in enumerate(stack.layers):
         for linear, shape in zip((layer.qkv, layer.o, layer.gate_up, layer.down), shapes, strict=True):
             reason = _linear_reason(linear, packed) or (linear.bias is not None and _float32_vector(
@@ -127,12 +157,18 @@ def _ptr(t: Any) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _c_linear(linear: StackLinear) -> _Linear:
+def _c_linear(linear: StackLinear, bf16_math: bool) -> _Linear:
     rows = linear.group_rows()
-    weights = (w.data if isinstance(w, PreparedWeight) else w for w, _ in linear.groups)
+    weights = [w.data if isinstance(w, PreparedWeight) else w for w, _ in linear.groups]
+    if linear.format == "float":   # native_linear._linear_packed's call: the bias inside, the same kind
+        (weight, _), = linear.groups
+        kind = _F32 if str(weight.dtype) == "paddle.float32" else _BF16_MATH if bf16_math else _BF16
+        return _Linear((_p * MAX_GROUPS)(weights[0].data_ptr()), native_linear.bias_pointer(weight),
+                       (_i * MAX_GROUPS)(), (_i * MAX_GROUPS)(*rows), 1, linear.in_features, linear.out_features,
+                       kind)
     return _Linear((_p * MAX_GROUPS)(*(w.data_ptr() for w in weights)), _ptr(linear.bias),
                    (_i * MAX_GROUPS)(*(_IDS[q] for _, q in linear.groups)), (_i * MAX_GROUPS)(*rows),
-                   len(linear.groups), linear.in_features, linear.out_features)
+                   len(linear.groups), linear.in_features, linear.out_features, -1)
 
 
 class CpuDecoderStack:
@@ -141,17 +177,19 @@ class CpuDecoderStack:
     def __init__(self, stack: DecoderStack, threads: int) -> None:
         self.stack, self.threads = stack, threads     # (the stack holds the tensors the pointers point into)
         self.lib = kernels.load()
+        bf16_math = FLOAT_KINDS.get(stack.ops.get("linear"), False)
         layers = (_Layer * len(stack.layers))(*(
-            _Layer(_ptr(ly.input_norm), _ptr(ly.post_norm), _ptr(ly.qk_norm), _c_linear(ly.qkv), _c_linear(ly.o),
-                   _c_linear(ly.gate_up), _c_linear(ly.down)) for ly in stack.layers))
+            _Layer(_ptr(ly.input_norm), _ptr(ly.post_norm), _ptr(ly.qk_norm),
+                   *(_c_linear(linear, bf16_math) for linear in (ly.qkv, ly.o, ly.gate_up, ly.down)))
+            for ly in stack.layers))
         table = stack.embedding
-        self.embeds = table is not None and _linear_reason(table) is None     # GGUF rows it decodes itself
+        self.embeds = table is not None and table.format == "gguf" and _linear_reason(table) is None   # rows it decodes
         self.vocab = table.out_features if self.embeds else 0
         embed_ptr, embed_type = (table.groups[0][0].data_ptr(), _IDS[table.groups[0][1]]) if self.embeds else (None, 0)
         self.model = _Model(layers, embed_ptr, row_bytes(table.groups[0][1], stack.hidden_size) if self.embeds else 0,
                             embed_type, len(stack.layers), stack.hidden_size, stack.intermediate_size,
                             stack.num_heads, stack.num_kv_heads, stack.head_dim, stack.rms_norm_eps,
-                            stack.attention_scale, MATHS[stack.ops["gguf_linear"]])
+                            stack.attention_scale, MATHS.get(stack.ops["gguf_linear"], 0))
         self.layers = layers
         self.caches: Any = None          # the kv_caches list the pointer arrays below were made from
         self.cache_pointers: tuple[np.ndarray, np.ndarray] | None = None

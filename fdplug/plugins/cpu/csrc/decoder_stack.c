@@ -14,6 +14,9 @@
  * projection's groups write their columns side by side (gg_linear's row stride) instead of being
  * joined after, and q and k come out of RoPE in their own buffers instead of as split views.
  *
+ * A float model's linears (weights packed at load, linear_packed.c) run as the cpu_native_linear op
+ * runs them: fdplug_linear_packed with the layer's bias, the same call as layer by layer.
+ *
  * Layout as the model's: x, residual [T, hidden]; qkv [T, (H + 2 KV) * D], q heads then k then v;
  * gate_up [T, 2 I], gate then up; the caches as cpu_kernels.c's attention reads them. Included by
  * cpu_kernels.c after every kernel it calls.
@@ -26,6 +29,8 @@ typedef struct {                          /* one linear layer: row groups of one
     const float *bias;                     /* [cols] or NULL */
     int qtype[DS_MAX_GROUPS], rows[DS_MAX_GROUPS];
     int groups, depth, cols;
+    int packed_kind;                       /* -1: GGML blocks; else weight[0] is packed (fdplug_linear_packed's
+                                            * kind: LP_F32, LP_BF16, LP_BF16_MATH) and bias its bias */
 } ds_linear;
 
 typedef struct {
@@ -66,6 +71,11 @@ int64_t fdplug_decoder_stack_scratch(const ds_model *m, int tokens) {
 
 /* out [T, cols] = x [T, depth] @ W^T (+ bias), each group's columns at its offset. */
 static int ds_linear_run(const ds_linear *l, const float *x, float *out, int tokens, int math, int threads) {
+    if (l->packed_kind >= 0) { /* -1: no memory for bf16 math's copy of x (-3 below); -2: checked at prepare */
+        const int status = fdplug_linear_packed(x, l->weight[0], l->packed_kind, l->bias, out, tokens, l->cols,
+                                                l->depth, threads);
+        return status == -1 ? -3 : status;
+    }
     int offset = 0;
     for (int g = 0; g < l->groups; ++g) {
         const int status = gg_linear(x, l->weight[g], out + offset, l->cols, tokens, l->rows[g], l->depth,
@@ -113,8 +123,8 @@ static void ds_rotate_and_cache(const ds_model *m, const ds_layer *layer, const 
 }
 
 /* Every layer of one step. Returns 0; -1 if attention had no scratch memory or threads; -2 if a
- * linear's block type is not decoded here (the caller checked them all at prepare); -3 if bf16 or q8
- * math had no memory for its copy of a linear's input. */
+ * linear's block type or packed shape is not run here (the caller checked them all at prepare); -3 if
+ * bf16 or q8 math had no memory for its copy of a linear's input. */
 int fdplug_decoder_stack(const ds_model *m, const ds_step *s) {
     const int T = s->tokens, hidden = m->hidden, inter = m->inter, threads = s->threads;
     const int64_t qk = (int64_t)(m->heads + m->kv_heads) * m->head_dim, attn = (int64_t)m->heads * m->head_dim;
