@@ -156,12 +156,14 @@ def test_the_engine_runs_the_portable_op_on_the_shapes_where_it_is_faster(test_m
     assert layers.self_attn.qkv_proj.kernel is not PORTABLE.linear
     assert isinstance(layers.self_attn.qkv_proj.kernel_weight, PreparedWeight)
     assert model.lm_head is None and model.logits_kernel is PORTABLE.linear   # the tied lm_head
+    assert model.fused_stack is None         # o_proj on paddle's matmul: the stack needs every layer packed
     calls.clear()
     pinned = _engine(test_model_dir, op_kernels={"linear": "cpu_native_linear"})
     model = pinned.engine.runner.model
     want = [o.outputs[0].token_ids for o in pinned.generate(prompts, params, use_tqdm=False)]
     assert not calls                                                    # named: not measured
     assert model.layers[0].self_attn.o_proj.kernel is not PORTABLE.linear and model.logits_kernel is not PORTABLE.linear
+    assert model.fused_stack is not None     # every layer packed: decode steps in one call
     assert got == want
 
 

@@ -85,7 +85,8 @@ def _float_reason(linear: StackLinear) -> str | None:
     `native_linear.prepare` in the loaded library's layout (what ``cpu_native_linear`` reads)."""
     (weight, _), = linear.groups
     if not isinstance(weight, PreparedWeight) or weight.layout != native_linear.layout():
-        return ("float linear layers left [N, K] (the startup timing put their shape on paddle's matmul, N is not "
+        return ("float linear layers left [N, K] (the startup timing put their shape on paddle's matmul, where "
+                "--op-kernel linear=cpu_native_linear keeps the kernel, and so the stack, on every shape; or N is not "
                 "a multiple of 16, or FDPLUG_CPU_PACK_WEIGHTS=0)")
     if str(weight.dtype) not in ("paddle.float32", "paddle.bfloat16"):
         return f"{weight.dtype} packed weights (it runs float32 and bf16)"
