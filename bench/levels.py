@@ -61,18 +61,24 @@ def batch_tokens_per_s(llm, rng, requests: int = 64) -> float:
     return requests * 64 / seconds(llm, [prompt(rng, 128) for _ in range(requests)], 64)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def start(parser: argparse.ArgumentParser) -> tuple[argparse.Namespace, int]:
+    """An engine bench's start (this one's and bench/stack.py's): ``--quick`` added and the arguments
+    parsed, the engines' logs off, the CPU and its level printed. -> (arguments, ABBA pairs)."""
     parser.add_argument("--quick", action="store_true", help="3 pairs of each")
     args = parser.parse_args()
     logging.disable(logging.INFO)
+    from fdplug.plugins.cpu import isa
+
+    print(f"CPU: {isa.model_name()}, {isa.describe()}")
+    return args, 3 if args.quick else 6
+
+
+def main() -> None:
     from fdplug.core.frontend.llm import LLM
     from fdplug.core.model.layers.linear import Linear
     from fdplug.core.worker.row_op_timing import ROW_OPS
-    from fdplug.plugins.cpu import isa
 
-    pairs = 3 if args.quick else 6
-    print(f"CPU: {isa.model_name()}, {isa.describe()}")
+    _, pairs = start(argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
     with tempfile.TemporaryDirectory() as tmp:
         float_dir = Path(tmp) / "smollm2-shaped"
         float_dir.mkdir()

@@ -17,11 +17,10 @@ The first line names the CPU and the level the kernels were built for.
 from __future__ import annotations
 
 import argparse
-import logging
 import tempfile
 from pathlib import Path
 
-from levels import SMOLLM2, batch_tokens_per_s, decode_tokens_per_s
+from levels import SMOLLM2, batch_tokens_per_s, decode_tokens_per_s, start
 from linear import abba
 
 from fdplug.demo.random_model import write_random_model
@@ -47,13 +46,7 @@ def compare(model: str, pairs: int, **engine_args) -> dict[str, tuple[float, flo
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gguf", help="a GGUF file to run instead of the random float model")
-    parser.add_argument("--quick", action="store_true", help="3 pairs of each")
-    args = parser.parse_args()
-    logging.disable(logging.INFO)
-    from fdplug.plugins.cpu import isa
-
-    pairs = 3 if args.quick else 6
-    print(f"CPU: {isa.model_name()}, {isa.describe()}")
+    args, pairs = start(parser)
     with tempfile.TemporaryDirectory() as tmp:
         if args.gguf:
             runs = {"gguf": (args.gguf, {})}

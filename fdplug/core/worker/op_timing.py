@@ -32,16 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fdplug.core.model.layers.linear_shapes import LinearShape, linear_shapes
-from fdplug.core.worker.timing_cache import (
-    CALL_SECONDS,
-    NO_FIGURES,
-    PAIRS,
-    Figures,
-    Timing,
-    cache_path,
-    measured,
-    median_seconds,
-)
+from fdplug.core.worker.timing_cache import NO_FIGURES, Figures, Timing, cache_key, cache_path, measured, median_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -93,8 +84,7 @@ def plan_linear(selection: Any, config: Any, model_config: Any) -> LinearPlan | 
     shapes = linear_shapes(model_config, config.dtype)
     if not shapes:    # every linear in another op's format (FP8 blocks, a GGUF file's): nothing to time
         return None
-    key = (f"{spec.name}|{config.dtype}|{spec.measure_key(config)}|rows {ROWS}, lm_head {LOGITS_ROWS}, {PAIRS} "
-           f"pairs of {CALL_SECONDS} s")
+    key = cache_key(spec.name, config.dtype, spec.measure_key(config), f"rows {ROWS}, lm_head {LOGITS_ROWS}")
     path = cache_path(key)
     kernel = spec.factory(config)
     prepare = spec.prepare(config) if spec.prepare is not None else None

@@ -32,16 +32,7 @@ from typing import Any
 from fdplug.core.model.layers import fused_stack
 from fdplug.core.model.layers.basic import use_row_kernels
 from fdplug.core.worker.op_timing import LOGITS_ROWS, ROWS
-from fdplug.core.worker.timing_cache import (
-    CALL_SECONDS,
-    NO_FIGURES,
-    PAIRS,
-    Figures,
-    Timing,
-    cache_path,
-    measured,
-    median_seconds,
-)
+from fdplug.core.worker.timing_cache import NO_FIGURES, Figures, Timing, cache_key, cache_path, measured, median_seconds
 from fdplug.plugin_api.ops import MEASURED_OPS
 
 logger = logging.getLogger(__name__)
@@ -202,8 +193,8 @@ def plan_row_ops(selection: Any, config: Any, model_config: Any) -> RowOpsPlan |
     cached = True
     for op in ops:      # one cache file per kernel: its key is the kernel's
         spec = selection.ops[op]
-        key = (f"{spec.name}|{config.dtype}|{spec.measure_key(config)}|rows {ROWS}, sampled {LOGITS_ROWS}, "
-               f"{PAIRS} pairs of {CALL_SECONDS} s, us a call")
+        key = cache_key(spec.name, config.dtype, spec.measure_key(config),
+                        f"rows {ROWS}, sampled {LOGITS_ROWS}, us a call")
 
         def time_case(case: RowCase, spec: Any = spec) -> Figures | None:
             try:

@@ -41,6 +41,12 @@ Figures = dict[str, list]
 NO_FIGURES: Figures = {"rows": [], "kernel": [], "portable": []}   # an item whose timing failed
 
 
+def cache_key(*parts: str) -> str:
+    """The key figures are cached under: ``parts`` (the kernel, the dtype, its ``measure_key``, the row
+    counts) and this module's timing constants, joined."""
+    return "|".join([*parts, f"{PAIRS} pairs of {CALL_SECONDS} s"])
+
+
 def cache_path(key: str) -> Path:
     """The cache file of the figures measured under ``key``."""
     return cache_dir() / "op_timings" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
