@@ -272,3 +272,26 @@ def test_only_the_measured_ops_kernels_may_name_a_measure_key():
     with pytest.raises(ValueError, match="only linear, rms_norm, add_rms_norm, rope, swiglu, argmax kernels are timed"):
         validate_spec(OpSpec(name="x", op="gguf_linear", devices=("cpu",), factory=lambda c: None,
                              measure_key=lambda c: "k"), OpSpec)
+
+
+def test_explain_says_when_the_plan_keeps_the_fused_stack_off():
+    """A decoder layer's shape on the portable op keeps the stack off (it runs packed layers only);
+    the lm_head's does not (the stack never runs it); no hint without a stack selected."""
+    from fdplug.cli.explain import _stack_hint
+    from fdplug.core.plugin_loading.selection import select_components
+
+    if kernels.unavailable_reason() is not None:
+        pytest.skip("the cpu kernels (and their decoder stack) need their build")
+
+    def plan(losing: str) -> op_timing.LinearPlan:
+        shapes = [_shape("qkv_proj"), _shape("lm_head", 100, 32, logits=True)]
+        time_shape, _ = _figures(slow={losing})
+        return op_timing.LinearPlan("k", "p", tuple(timing_cache.Timing.of(s, time_shape(s)) for s in shapes), False)
+
+    selection = select_components("cpu")
+    assert selection.ops["decoder_stack"].name == "cpu_native_decoder_stack"
+    hint = _stack_hint(plan("qkv_proj"), selection)
+    assert "the layers on p keep cpu_native_decoder_stack off" in hint and "--op-kernel linear=k" in hint
+    assert _stack_hint(plan("lm_head"), selection) is None
+    assert _stack_hint(plan("qkv_proj"), select_components("cpu", ops={"decoder_stack": "paddle_layer_by_layer"})) \
+        is None

@@ -70,6 +70,9 @@ def explain_command(device: str, runner: str | None, attention: str | None, moe:
                                                                                             model_config)
         if linear_plan is not None:
             click.echo(linear_plan.describe())
+            hint = _stack_hint(linear_plan, selection)
+            if hint:
+                click.echo(hint)
         if row_plan is not None:
             click.echo(row_plan.describe(in_stack=None))   # whether a fused stack runs decode: known after load
     elif selection.measured_ops:
@@ -90,3 +93,16 @@ def _untimed(selection) -> str | None:
             if op not in selection.measured_ops and spec.name != PORTABLE_OPS[op].name]
     return None if not left else ("not timed against the portable op (the kernel has no measure_key, or was named "
                                   "with --op-kernel, or FDPLUG_OP_TIMING=0): " + ", ".join(left))
+
+
+def _stack_hint(linear_plan, selection) -> str | None:
+    """Where the plan put a decoder layer's shape on the portable op and a fused decoder stack is
+    selected: that the stack then stays off (it runs the kernel's packed layers), and the fix."""
+    from fdplug.core.portable.op_specs import PORTABLE_OPS
+
+    stack = selection.ops["decoder_stack"].name
+    if stack == PORTABLE_OPS["decoder_stack"].name or all(t.kernel_wins for t in linear_plan.timings
+                                                          if not t.subject.logits):
+        return None
+    return (f"  (the layers on {linear_plan.portable} keep {stack} off: it runs the kernel's packed layers; "
+            f"--op-kernel linear={linear_plan.kernel} keeps the kernel, and so the stack, on every shape)")
