@@ -158,6 +158,7 @@ def test_a_losing_op_runs_the_portable_op_in_every_layer(test_model_dir, tmp_pat
     assert runner.selection.ops["rms_norm"].name == "cpu_native_rms_norm"
     held = _kernels_in_layers(runner.model)
     assert PORTABLE.swiglu in held and PORTABLE.rms_norm not in held and PORTABLE.rope not in held
+    assert all(layer.activation is PORTABLE.swiglu for layer in runner.model.sublayers() if isinstance(layer, SwiGLU))
     assert runner.argmax is PORTABLE.argmax
     assert llm.engine.selection is runner.selection and "swiglu:paddle_swiglu" in llm.describe()   # as it runs
     got = _tokens(llm)

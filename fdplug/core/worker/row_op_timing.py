@@ -12,8 +12,12 @@ vocabulary) at the row counts the engine gives it (`op_timing.ROWS`; argmax the 
 choice is per op, not per shape: where the kernel is slower (beyond the timing's noise) on any
 shape at any row count, or its timing failed, the whole op runs the portable one, so a row's result
 depends neither on its batch nor on which layer calls the op; the fused decoder stack, which runs
-the plugin's own kernels, then declines (`fdplug.plugins.cpu.native_stack`). A vision tower's
-calls of these ops (other widths) are not timed: they follow the op's choice.
+the plugin's own kernels, then declines (`fdplug.plugins.cpu.native_stack`). The plan is settled
+after load (`RowOpsPlan.settle`): where a stack runs the decode steps, the ops inside it
+(`fused_stack.OPS_INSIDE`) are never called at one row, so that figure does not count for them
+(the cpu plugin's SwiGLU at one row ties paddle's single C++ op, and losing the stack over it would
+cost decode ~2x); if a swap then makes the stack decline, the one-row figures count again. A vision
+tower's calls of these ops (other widths) are not timed: they follow the op's choice.
 
 Figures are cached with the linears' (`timing_cache`), one file per kernel and measure key;
 `fdplug explain --model DIR` prints them. ``--op-kernel OP=NAME`` or ``FDPLUG_OP_TIMING=0`` keep a
