@@ -295,3 +295,27 @@ def test_explain_says_when_the_plan_keeps_the_fused_stack_off():
     assert _stack_hint(plan("lm_head"), selection) is None
     assert _stack_hint(plan("qkv_proj"), select_components("cpu", ops={"decoder_stack": "paddle_layer_by_layer"})) \
         is None
+
+
+def test_a_verdict_that_hinges_is_timed_twice_as_long(monkeypatch):
+    """An untimed round each first (allocators settle); then PAIRS alternated rounds, and PAIRS more
+    only where the kernel looks slower beyond the noise, the medians taken over all of them."""
+    seconds = {"kernel": [], "portable": []}
+    results = {"kernel": iter([]), "portable": iter([])}
+
+    def fake(call, sync):
+        name = call()
+        seconds[name].append(1)
+        return next(results[name])
+
+    monkeypatch.setattr(timing_cache, "_seconds", fake)
+    calls = {"kernel": lambda: "kernel", "portable": lambda: "portable"}
+    pairs = timing_cache.PAIRS
+    results.update(kernel=iter([9.0] + [1.0] * 2 * pairs), portable=iter([9.0] + [1.0] * 2 * pairs))
+    assert timing_cache.median_seconds(calls, lambda: None) == {"kernel": 1.0, "portable": 1.0}
+    assert len(seconds["kernel"]) == len(seconds["portable"]) == 1 + pairs       # a tie: decided
+    seconds.update(kernel=[], portable=[])
+    slow_then_fast = [1.2] * pairs + [0.9] * pairs                               # looked slower, then was not
+    results.update(kernel=iter([9.0, *slow_then_fast]), portable=iter([9.0] + [1.0] * 2 * pairs))
+    got = timing_cache.median_seconds(calls, lambda: None)
+    assert len(seconds["kernel"]) == 1 + 2 * pairs and got == {"kernel": (1.2 + 0.9) / 2, "portable": 1.0}
