@@ -101,7 +101,9 @@ def median_seconds(calls: Mapping[str, Callable[[], Any]], sync: Callable[[], An
     3072] float32 output: ~15 page faults a call for the first ~100 calls, none after, AMD EPYC,
     avx2-or-less; the engine runs in that steady state). Where the kernel then looks slower by more
     than `NOISE`, where the verdict hinges, `PAIRS` more rounds are timed and the medians taken over
-    all: the 256-row GEMMs, a tie at the machine's FMA peak, had flipped a shape on one run in two."""
+    all. The 256-row GEMMs of SmolLM2's float32 layers, a tie at the FMA peak called in a steady loop,
+    had sent one and three of its four layer shapes to paddle's matmul in two runs; with both, 0-2 in
+    four (AMD EPYC, avx2-or-less: on that VM such a tie stays a coin toss at the 5% line)."""
     for call in calls.values():
         _seconds(call, sync)
     names = list(calls)
