@@ -10,8 +10,10 @@ gives it, at every instruction-set level; the linears have `bench/gemm.py` and t
 (`fdplug.core.worker.op_timing`), these ops had no figure of their own. Each op runs as the engine
 calls it: the kernel the selection chose for the op (``spec.factory(EngineConfig())``, threads as
 the engine's) against `fdplug.core.portable.ops` (paddle's ops), on the shapes of a SmolLM2-135M
-step (hidden 576, 9 query and 3 KV heads of 64, intermediate 1,536, vocabulary 49,152) at 1, 32,
-256 and 1,024 tokens (argmax: the sampled rows, 1, 32 and 64); attention: one layer's ``forward``
+step (hidden 576, 9 query and 3 KV heads of 64, intermediate 1,536, vocabulary 49,152; the
+arguments the startup timing builds, `row_op_timing.RowCase`: RoPE on the q and k heads together,
+as the decoder calls it, where this bench timed them apart before 2026-11-30) at 1, 32, 256 and 1,024
+tokens (argmax: the sampled rows, 1, 32 and 64); attention: one layer's ``forward``
 (the KV write, then attention; ``prepare`` is once a step, outside the timing) of the selected
 backend against ``reference`` (paddle's matmuls and softmax), decode with 1, 16 and 64 sequences of
 512 keys each, prefill of one fresh 256- and 1,024-token prompt; MoE: one layer's routed experts
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 from gemm import median_seconds  # the calls alternated, median seconds of each
@@ -33,24 +36,19 @@ HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB = 576, 9, 3, 64, 1536, 49152
 MOE_HIDDEN, MOE_INTER, EXPERTS, TOP_K = 512, 384, 32, 4   # bench/moe.py's model
 TOKENS = (1, 32, 256, 1024)
 SAMPLED = (1, 32, 64)
-EPS = 1e-5
+SMOLLM2 = SimpleNamespace(hidden_size=HIDDEN, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                          intermediate_size=INTER, vocab_size=VOCAB, num_layers=30, moe=None, qk_norm=False)
+"""The `ModelConfig` fields `row_op_timing.row_cases` reads, SmolLM2-135M's."""
 
 
 def cases(rows: int, rng: np.random.Generator) -> dict[str, tuple]:
-    """Each op's arguments for ``rows`` tokens (float32, as the engine passes them)."""
-    import paddle
+    """Each row op's arguments for ``rows`` tokens of a SmolLM2 step, as the startup timing builds
+    them (`row_op_timing.RowCase`: float32; RoPE on the q and k heads together, as the decoder calls
+    it; argmax on its own, over the sampled rows)."""
+    from fdplug.core.worker.row_op_timing import row_cases
 
-    def t(*shape: int):
-        return paddle.to_tensor(rng.standard_normal(shape).astype(np.float32))
-
-    angle = rng.uniform(0, 6.3, (rows, 1, HEAD_DIM)).astype(np.float32)
-    cos = {h: paddle.to_tensor(np.broadcast_to(np.cos(angle), (rows, h, HEAD_DIM)).copy()) for h in (HEADS, KV_HEADS)}
-    sin = {h: paddle.to_tensor(np.broadcast_to(np.sin(angle), (rows, h, HEAD_DIM)).copy()) for h in (HEADS, KV_HEADS)}
-    return {"rms_norm": (t(rows, HIDDEN), t(HIDDEN), EPS),
-            "add_rms_norm": (t(rows, HIDDEN), t(rows, HIDDEN), t(HIDDEN), EPS),
-            "rope q": (t(rows, HEADS, HEAD_DIM), cos[HEADS], sin[HEADS]),
-            "rope k": (t(rows, KV_HEADS, HEAD_DIM), cos[KV_HEADS], sin[KV_HEADS]),
-            "swiglu": (t(rows, 2 * INTER),)}
+    ops = ("rms_norm", "add_rms_norm", "rope", "swiglu")
+    return {case.op: case.arguments(rows, rng) for case in row_cases(SMOLLM2, ops)}
 
 
 def attention_step(seqs: int, query_len: int, context: int, block_size: int):

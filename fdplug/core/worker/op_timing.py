@@ -32,7 +32,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from fdplug.core.model.layers.linear_shapes import LinearShape, linear_shapes
-from fdplug.core.worker.timing_cache import NO_FIGURES, Figures, Timing, cache_key, cache_path, measured, median_seconds
+from fdplug.core.worker.timing_cache import (
+    NO_FIGURES,
+    Figures,
+    Timing,
+    cache_key,
+    cache_path,
+    measured,
+    median_seconds,
+    on_device,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +126,7 @@ def _time_shape(shape: LinearShape, kernel: Callable, prepare: Callable | None, 
     import numpy as np
     import paddle
 
-    paddle.set_device(place)
+    sync = on_device(place)
     n, k = shape.out_features, shape.in_features
     rng = np.random.default_rng(n * 65537 + k)
     values = rng.standard_normal((n, k), dtype=np.float32)
@@ -128,7 +137,6 @@ def _time_shape(shape: LinearShape, kernel: Callable, prepare: Callable | None, 
     kernel_weight = weight if laid_out is None else laid_out
     rows = LOGITS_ROWS if shape.logits else ROWS
     got: Figures = {"rows": list(rows), "kernel": [], "portable": []}
-    sync = (lambda: None) if place == "cpu" else paddle.device.synchronize
     for r in rows:
         x = paddle.to_tensor(rng.standard_normal((r, k), dtype=np.float32)).astype(dtype)
         seconds = median_seconds({"kernel": lambda x=x: kernel(x, kernel_weight),

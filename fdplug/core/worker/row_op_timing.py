@@ -36,7 +36,16 @@ from typing import Any
 from fdplug.core.model.layers import fused_stack
 from fdplug.core.model.layers.basic import use_row_kernels
 from fdplug.core.worker.op_timing import LOGITS_ROWS, ROWS
-from fdplug.core.worker.timing_cache import NO_FIGURES, Figures, Timing, cache_key, cache_path, measured, median_seconds
+from fdplug.core.worker.timing_cache import (
+    NO_FIGURES,
+    Figures,
+    Timing,
+    cache_key,
+    cache_path,
+    measured,
+    median_seconds,
+    on_device,
+)
 from fdplug.plugin_api.ops import MEASURED_OPS
 
 logger = logging.getLogger(__name__)
@@ -130,13 +139,13 @@ class RowOpsPlan:
     def describe(self, in_stack: Collection[str] | None = ()) -> str:
         """The figures and each op's verdict (``in_stack`` None: not known whether a fused stack runs
         decode steps, so where that changes a verdict both are said)."""
-        verdicts = {op: self._verdict(op, () if in_stack is None else in_stack) for op in self.kernels}
-        kept = [op for op, line in verdicts.items() if line.startswith(f"-> {self.kernels[op]}")]
+        known = () if in_stack is None else in_stack
+        kept = len(self.kernels) - len(self.losing(known))
         lines = [f"row ops per op ({'cached figures' if self.cached else 'measured now'}): the kernel on "
-                 f"{len(kept)} of {len(self.kernels)}, where not slower than the portable op on any of the "
+                 f"{kept} of {len(self.kernels)}, where not slower than the portable op on any of the "
                  "model's shapes"]
         for op, kernel in self.kernels.items():
-            verdict = verdicts[op]
+            verdict = self._verdict(op, known)
             if in_stack is None and self.slower(op) and not self.slower(op, fused_stack.OPS_INSIDE):
                 verdict += f"; where a fused decoder stack runs the decode steps (the log says): -> {kernel}"
             lines.append(f"  op:{op} {verdict}")
@@ -156,11 +165,9 @@ class RowOpsPlan:
         ``selection`` and in the model's layers (`basic.use_row_kernels`). Where a stack runs decode
         steps, its ops are judged without their decode figure; if a swap then makes it decline, they
         are judged again with it. -> (selection, kernels, log lines)."""
-        log: list[str] = []
         stacked = model.fused_stack is not None
-        losing = self.losing(fused_stack.OPS_INSIDE if stacked else ())
-        for line in self.describe(fused_stack.OPS_INSIDE if stacked else ()).splitlines():
-            log.append(line)
+        in_stack = fused_stack.OPS_INSIDE if stacked else ()
+        losing, log = self.losing(in_stack), self.describe(in_stack).splitlines()
         if not losing:
             return selection, kernels, log
         selection, kernels = self._swap(losing, model, kernels, selection, config)
@@ -221,12 +228,10 @@ def plan_row_ops(selection: Any, config: Any, model_config: Any) -> RowOpsPlan |
 def _time_case(case: RowCase, kernel: Any, portable: Any, place: str, dtype: str) -> Figures:
     """Microseconds a call of the kernel and of the portable op on random values of ``case``, per row count."""
     import numpy as np
-    import paddle
 
-    paddle.set_device(place)
+    sync = on_device(place)
     rng = np.random.default_rng(sum(case.width) * 65537 + len(case.op))
     got: Figures = {"rows": list(case.rows), "kernel": [], "portable": []}
-    sync = (lambda: None) if place == "cpu" else paddle.device.synchronize
     for rows in case.rows:
         args = case.arguments(rows, rng, dtype)
         seconds = median_seconds({"kernel": lambda args=args: kernel(*args),
