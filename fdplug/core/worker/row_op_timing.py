@@ -35,17 +35,9 @@ from typing import Any
 
 from fdplug.core.model.layers import fused_stack
 from fdplug.core.model.layers.basic import use_row_kernels
+from fdplug.core.worker import timing_cache as tc
 from fdplug.core.worker.op_timing import LOGITS_ROWS, ROWS
-from fdplug.core.worker.timing_cache import (
-    NO_FIGURES,
-    Figures,
-    Timing,
-    cache_key,
-    cache_path,
-    measured,
-    median_seconds,
-    on_device,
-)
+from fdplug.core.worker.timing_cache import Figures, Timing
 from fdplug.plugin_api.ops import MEASURED_OPS
 
 logger = logging.getLogger(__name__)
@@ -204,8 +196,8 @@ def plan_row_ops(selection: Any, config: Any, model_config: Any) -> RowOpsPlan |
     cached = True
     for op in ops:      # one cache file per kernel: its key is the kernel's
         spec = selection.ops[op]
-        key = cache_key(spec.name, config.dtype, spec.measure_key(config),
-                        f"rows {ROWS}, sampled {LOGITS_ROWS}, us a call")
+        key = tc.cache_key(spec.name, config.dtype, spec.measure_key(config),
+                           f"rows {ROWS}, sampled {LOGITS_ROWS}, us a call")
 
         def time_case(case: RowCase, spec: Any = spec) -> Figures | None:
             try:
@@ -215,12 +207,12 @@ def plan_row_ops(selection: Any, config: Any, model_config: Any) -> RowOpsPlan |
                                case.op, PORTABLE_OPS[case.op].name)
                 return None
 
-        found = measured(cache_path(key), key, [c for c in cases if c.op == op], lambda c: c.name, time_case)
+        found = tc.measured(tc.cache_path(key), key, [c for c in cases if c.op == op], lambda c: c.name, time_case)
         if found is None:
             return None
         figures.update(found[0])
         cached = cached and found[1]
-    timings = tuple(Timing.of(case, figures.get(case.name, NO_FIGURES), "us") for case in cases)
+    timings = tuple(Timing.of(case, figures.get(case.name, tc.NO_FIGURES), "us") for case in cases)
     return RowOpsPlan({op: selection.ops[op].name for op in ops}, {op: PORTABLE_OPS[op] for op in ops}, timings,
                       cached)
 
@@ -229,13 +221,13 @@ def _time_case(case: RowCase, kernel: Any, portable: Any, place: str, dtype: str
     """Microseconds a call of the kernel and of the portable op on random values of ``case``, per row count."""
     import numpy as np
 
-    sync = on_device(place)
+    sync = tc.on_device(place)
     rng = np.random.default_rng(sum(case.width) * 65537 + len(case.op))
     got: Figures = {"rows": list(case.rows), "kernel": [], "portable": []}
     for rows in case.rows:
         args = case.arguments(rows, rng, dtype)
-        seconds = median_seconds({"kernel": lambda args=args: kernel(*args),
-                                  "portable": lambda args=args: portable(*args)}, sync)
+        seconds = tc.median_seconds({"kernel": lambda args=args: kernel(*args),
+                                     "portable": lambda args=args: portable(*args)}, sync)
         for name, s in seconds.items():
             got[name].append(s * 1e6)
     return got
