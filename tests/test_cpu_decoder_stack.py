@@ -81,7 +81,8 @@ def _decline(llm: LLM, **changes: str) -> str | None:
 
     runner = llm.engine.runner
     ops = {op: spec.name for op, spec in runner.selection.ops.items()} | changes
-    return decline_reason(describe(runner.model, ops, ops.pop("attention", runner.selection.attention.name)))
+    stack = describe(runner.model, ops, ops.pop("attention", runner.selection.attention.name))
+    return stack if isinstance(stack, str) else decline_reason(stack)    # the core's reason, or the kernel's
 
 
 def test_the_stack_declines_what_it_does_not_run_and_says_why(tmp_path, caplog):
@@ -135,7 +136,7 @@ def test_a_float_model_whose_layers_are_not_packed_runs_layer_by_layer(test_mode
     assert portable.engine.runner.model.fused_stack is None
     assert _decline(portable) == "ops chosen that it does not run: linear=paddle_linear"
     assert _decline(portable, linear="cpu_native_linear", gguf_linear="paddle_gguf_linear").startswith(
-        "layer 0: float linear layers left [N, K]")
+        "a decoder layer's projection runs the portable op (measured faster")   # as the startup timing may
     monkeypatch.setenv("FDPLUG_CPU_PACK_WEIGHTS", "0")
     unpacked = LLM(str(test_model_dir), max_model_len=64, num_kv_blocks=16)
     assert unpacked.engine.runner.model.fused_stack is None

@@ -17,7 +17,7 @@ import paddle
 import pytest
 
 from fdplug.core.portable.ops import gguf_linear as portable
-from fdplug.core.quant.gguf_blocks import BLOCK_FORMATS, dequantize
+from fdplug.core.quant.gguf_blocks import dequantize, sample_blocks
 from fdplug.plugins.cpu import isa, kernels, native_gguf
 
 if kernels.unavailable_reason() is not None:
@@ -25,7 +25,6 @@ if kernels.unavailable_reason() is not None:
 
 TYPES = native_gguf.SUPPORTED
 ROWS = (1, 3, 8, 9, 64, 300)   # one tile and its tails, two row tiles, the panel route
-_SCALES = {"Q4_0": 2, "Q8_0": 2, "Q5_0": 2, "Q4_1": 4, "Q5_1": 4, "Q4_K": 4, "Q5_K": 4}   # f16 bytes at 0
 
 
 def depths(qtype: str) -> tuple[int, ...]:
@@ -35,19 +34,13 @@ def depths(qtype: str) -> tuple[int, ...]:
 def random_blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
     """``[n, row_bytes]`` random bytes whose float16 fields are finite (either sign, 1e-4 to 1e-1);
     F16/BF16: random bit patterns of values below 2 in magnitude (subnormals, both zeros included)."""
-    fmt = BLOCK_FORMATS[qtype]
     if qtype in ("F16", "BF16"):
         bits = rng.integers(0, 1 << 16, (n, k), dtype=np.uint16)
         top = 0x3F80 if qtype == "BF16" else 0x3C00          # exponents up to 1.x: products stay finite
         exponent = bits & (0x7F80 if qtype == "BF16" else 0x7C00)
         bits = np.where(exponent > top, bits & np.uint16(0x8000 | (top - 1)), bits).astype(np.uint16)
         return bits.view(np.uint8).reshape(n, -1)
-    raw = rng.integers(0, 256, (n, k // fmt.block, fmt.nbytes), dtype=np.uint8)
-    at, count = (208, 2) if qtype == "Q6_K" else (0, _SCALES[qtype])
-    size = (n, k // fmt.block, count // 2)
-    scales = (rng.choice([-1.0, 1.0], size) * np.exp(rng.uniform(np.log(1e-4), np.log(1e-1), size))).astype(np.float16)
-    raw[..., at:at + count] = scales.view(np.uint8).reshape(n, k // fmt.block, count)
-    return raw.reshape(n, -1)
+    return sample_blocks(qtype, n, k, rng)
 
 
 def quantized_blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray | None:

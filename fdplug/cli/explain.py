@@ -59,26 +59,26 @@ def explain_command(device: str, runner: str | None, attention: str | None, moe:
     click.echo(selection.explain())
     if model_config is not None:
         from fdplug.core.model.checkpoint.footprint import model_summary
-        from fdplug.core.worker.op_timing import plan_linear
+        from fdplug.core.worker.op_timing import LINEAR_OPS, plan_linear
         from fdplug.core.worker.row_op_timing import plan_row_ops
 
         model_config.keep_weights(config.dtype, config.weight_dtype)
         click.echo(model_summary(model_config, config.dtype, selection.moe.name, selection.ops))
         if selection.measured_ops and selection.device.setup is not None:
             selection.device.setup()    # threads and math library as the engine runs them: the same figures
-        linear_plan, row_plan = plan_linear(selection, config, model_config), plan_row_ops(selection, config,
-                                                                                            model_config)
-        if linear_plan is not None:
-            click.echo(linear_plan.describe())
-            hint = _stack_hint(linear_plan, selection)
-            if hint:
-                click.echo(hint)
+        for linear_plan in (plan_linear(selection, config, model_config, op) for op in LINEAR_OPS):
+            if linear_plan is not None:
+                click.echo(linear_plan.describe())
+                hint = _stack_hint(linear_plan, selection)
+                if hint:
+                    click.echo(hint)
+        row_plan = plan_row_ops(selection, config, model_config)
         if row_plan is not None:
             click.echo(row_plan.describe(in_stack=None))   # whether a fused stack runs decode: known after load
     elif selection.measured_ops:
         click.echo(f"measured ops: {', '.join(sorted(selection.measured_ops))}: each kernel is timed against the "
-                   "portable op on the model's shapes at startup and runs where it is not slower (linear: per layer "
-                   "shape; the others: per op); --model DIR shows the figures")
+                   "portable op on the model's shapes at startup and runs where it is not slower (the linears: per "
+                   "layer shape; the others: per op); --model DIR shows the figures")
     untimed = _untimed(selection)
     if untimed:
         click.echo(untimed)
@@ -104,5 +104,5 @@ def _stack_hint(linear_plan, selection) -> str | None:
     if stack == PORTABLE_OPS["decoder_stack"].name or all(t.kernel_wins for t in linear_plan.timings
                                                           if not t.subject.logits):
         return None
-    return (f"  (the layers on {linear_plan.portable} keep {stack} off: it runs the kernel's packed layers; "
-            f"--op-kernel linear={linear_plan.kernel} keeps the kernel, and so the stack, on every shape)")
+    return (f"  (the layers on {linear_plan.portable} keep {stack} off: it runs the kernels' own layers; "
+            f"--op-kernel {linear_plan.op}={linear_plan.kernel} keeps the kernel, and so the stack, on every shape)")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,7 @@ from fdplug.core.model.layers.decoder import DecoderForCausalLM
 from fdplug.core.model.layers.fp8_linear import Fp8Linear
 from fdplug.core.model.layers.gguf_linear import GgufLinear
 from fdplug.core.model.layers.linear import Linear
-from fdplug.core.model.layers.linear_shapes import LinearShape
+from fdplug.core.model.layers.linear_shapes import LinearShape, fp8_format
 from fdplug.core.model.weight_slots import Slot, assign_pieces, hand_over_experts, weight_slots
 from fdplug.core.portable.ops import PORTABLE
 from fdplug.core.quant.fp8_rows import expand_scale_rows, fp8_rows
@@ -51,7 +51,7 @@ def load_model(model_dir: str | Path, attn_backend: Any, dtype: str = "float32",
                kernels: Kernels = PORTABLE, moe_backend: Any | None = None,
                quantization: str | None = None,
                weight_dtype: str | None = None, expert_parallel: Any = None,
-               linear_plan: Any = None) -> tuple[DecoderForCausalLM, ModelConfig]:
+               linear_plans: Sequence[Any] = ()) -> tuple[DecoderForCausalLM, ModelConfig]:
     """Build the decoder for ``model_dir``'s config and fill it from its safetensors files.
 
     ``dtype`` is the compute dtype (float32 on CPU); checkpoint tensors are cast to it.
@@ -61,8 +61,9 @@ def load_model(model_dir: str | Path, attn_backend: Any, dtype: str = "float32",
     ``weight_dtype="bfloat16"`` with a float32 ``dtype`` keeps the float linears, the embedding and
     the lm_head in bf16 (`layers.Linear`, the ``linear`` op): half the bytes, float32 math.
     ``expert_parallel`` (a `lockstep.LockstepGroup`): keep this rank's share of the routed experts.
-    ``linear_plan`` (an `op_timing.LinearPlan`): the layer shapes where the portable op runs instead
-    of ``kernels.linear`` (faster there, as measured); None: the kernel runs every layer.
+    ``linear_plans`` (`op_timing.LinearPlan`s of ``linear``, ``fp8_linear``, ``gguf_linear``): the
+    layer shapes where the portable op runs instead of the op's kernel (faster there, as measured); an
+    op without one runs its kernel on every layer.
     """
     started = time.perf_counter()
     cfg = ModelConfig.from_dir(model_dir, quantization).keep_weights(dtype, weight_dtype)
@@ -75,19 +76,20 @@ def load_model(model_dir: str | Path, attn_backend: Any, dtype: str = "float32",
     else:
         load_weights(model, cfg, files, show_progress=show_progress)
     head_copy = 0
+    for plan in linear_plans:   # first: a layer on the portable op keeps its weight as it is
+        _portable_where_faster(model, plan)
     if kernels.prepare_gguf_linear is not None:
         for layer in model.sublayers():
             if isinstance(layer, GgufLinear):
                 layer.prepare(kernels.prepare_gguf_linear)
-        head_copy = model.prepare_tied_head(kernels.prepare_gguf_linear)
-    if linear_plan is not None:
-        _portable_where_faster(model, linear_plan)
+        if model.embed_type is None or model.gguf_kernel is not PORTABLE.gguf_linear:
+            head_copy = model.prepare_tied_head(kernels.prepare_gguf_linear)
     for kind, prepare in ((Linear, kernels.prepare_linear), (Fp8Linear, kernels.prepare_fp8_linear)):
         layers = [layer for layer in model.sublayers() if isinstance(layer, kind)]
         if prepare is None or not layers:
             continue
         for layer in layers:
-            if layer.kernel is not PORTABLE.linear:   # the portable op reads the weight as it is
+            if layer.kernel not in (PORTABLE.linear, PORTABLE.fp8_linear):   # the portable op reads it as it is
                 layer.prepare(prepare)
         prepared = [layer.prepared.layout for layer in layers if layer.prepared is not None]
         logger.info("%s layers: %d of %d laid out for their kernel at load%s", kind.__name__, len(prepared),
@@ -105,18 +107,33 @@ def load_model(model_dir: str | Path, attn_backend: Any, dtype: str = "float32",
 
 
 def _portable_where_faster(model: DecoderForCausalLM, plan: Any) -> None:
-    """The portable ``linear`` for the layers (and the tied lm_head) whose shape it runs faster than
-    the kernel (`op_timing.LinearPlan`); those keep their weight as it is (nothing to prepare)."""
-    def shape_of(weight: Any, prepared: bool, logits: bool) -> LinearShape:
-        n, k = weight.shape
-        return LinearShape(n, k, str(weight.dtype).removeprefix("paddle."), prepared, logits, ())
+    """The portable op of ``plan.op`` for the layers (a GGUF projection's block-type groups, the tied
+    lm_head) whose shape it runs faster than the kernel (`op_timing.LinearPlan`); those keep their
+    weight as it is (nothing to prepare)."""
+    def kernel_on(n: int, k: int, fmt: Any, logits: bool, prepared: bool = True) -> bool:
+        return plan.uses_kernel(LinearShape(int(n), int(k), str(fmt).removeprefix("paddle."), prepared, logits, ()))
 
     for layer in model.sublayers():
-        if isinstance(layer, Linear) and not plan.uses_kernel(shape_of(layer.weight, True, layer is model.lm_head)):
+        logits = layer is model.lm_head
+        if plan.op == "linear" and isinstance(layer, Linear) and not kernel_on(*layer.weight.shape,
+                                                                                layer.weight.dtype, logits):
             layer.kernel = PORTABLE.linear
-    if (model.lm_head is None and model.embed_type is None
-            and not plan.uses_kernel(shape_of(model.embed_tokens, False, True))):
+        elif plan.op == "fp8_linear" and isinstance(layer, Fp8Linear) and not kernel_on(
+                *layer.weight.shape, fp8_format(layer.block_k), logits):
+            layer.kernel = PORTABLE.fp8_linear
+        elif plan.op == "gguf_linear" and isinstance(layer, GgufLinear):
+            for group, (qtype, rows) in enumerate(layer.layout.groups):
+                if not kernel_on(rows, layer.in_features, qtype, logits):
+                    layer.use_portable(group)
+    if model.lm_head is not None:
+        return
+    cfg = model.config
+    if plan.op == "linear" and model.embed_type is None and not kernel_on(*model.embed_tokens.shape,
+                                                                           model.embed_tokens.dtype, True, False):
         model.logits_kernel = PORTABLE.linear
+    if plan.op == "gguf_linear" and model.embed_type is not None and not kernel_on(cfg.vocab_size, cfg.hidden_size,
+                                                                                    model.embed_type, True):
+        model.gguf_kernel = PORTABLE.gguf_linear
 
 
 def weight_files(model_dir: str | Path) -> list[Path]:

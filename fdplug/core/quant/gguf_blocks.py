@@ -246,3 +246,30 @@ def dequantize(raw: paddle.Tensor, fmt: BlockFormat | str, k: int, dtype: str = 
         # Quantized blocks cannot reach this: their nonzero values are multiples of 2^-24.
         out = paddle.where(out.abs() < 2.0 ** -26, paddle.copysign(paddle.zeros_like(out), out), out)
     return out.astype(dtype)
+
+
+# The float16 fields of each block type (scales, and the Q4_1/Q5_1/K-quant minimums), as byte ranges.
+_F16_FIELDS = {"Q4_0": (0, 2), "Q5_0": (0, 2), "Q8_0": (0, 2), "Q4_1": (0, 4), "Q5_1": (0, 4), "Q4_K": (0, 4),
+               "Q5_K": (0, 4), "Q6_K": (208, 210)}
+
+
+def sample_blocks(fmt: BlockFormat | str, rows: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """``[rows, row_bytes(fmt, k)]`` uint8: random blocks of ``fmt`` whose float16 fields are finite
+    (either sign, 1e-4 to 1e-1), every bit pattern of the packed integers; F32/F16/BF16 rows of
+    normal values of order 0.1. Why: a kernel's speed on a layer shape (`op_timing`) and its
+    numerics on every pattern (the kernel tests) need blocks of every type, and ``gguf.quants``
+    writes none of the K-quants."""
+    f = _resolve(fmt)
+    if f.name in _FLOAT_VIEW:
+        values = (rng.standard_normal((rows, k)) * 0.1).astype(np.float32)
+        if f.name == "F16":
+            values = values.astype(np.float16)
+        elif f.name == "BF16":
+            values = (values.view(np.uint32) >> 16).astype(np.uint16)
+        return values.view(np.uint8).reshape(rows, -1)
+    raw = rng.integers(0, 256, (rows, k // f.block, f.nbytes), dtype=np.uint8)
+    lo, hi = _F16_FIELDS[f.name]
+    size = (rows, k // f.block, (hi - lo) // 2)
+    scales = (rng.choice([-1.0, 1.0], size) * np.exp(rng.uniform(np.log(1e-4), np.log(1e-1), size))).astype(np.float16)
+    raw[..., lo:hi] = scales.view(np.uint8).reshape(rows, k // f.block, hi - lo)
+    return raw.reshape(rows, -1)

@@ -78,7 +78,7 @@ class ModelRunner:
         from fdplug.core.model.checkpoint.footprint import model_summary
         from fdplug.core.model.layers.fused_stack import attach as attach_stack
         from fdplug.core.model.loader import load_model
-        from fdplug.core.worker.op_timing import plan_linear
+        from fdplug.core.worker.op_timing import LINEAR_OPS, plan_linear
         from fdplug.core.worker.row_op_timing import plan_row_ops
 
         self.paddle.set_device(self.place)
@@ -88,8 +88,8 @@ class ModelRunner:
         footprint = check_weights_fit(cfg, self.config.dtype, self.selection, group.size if group else 1)
         self.attn_backend = self.selection.attention.factory(self.config)
         self.moe_backend = self.selection.moe.factory(self.config) if cfg.moe is not None else None
-        linear_plan = plan_linear(self.selection, self.config, cfg)
-        for line in linear_plan.describe().splitlines() if linear_plan is not None else ():
+        linear_plans = [plan for op in LINEAR_OPS if (plan := plan_linear(self.selection, self.config, cfg, op))]
+        for line in (line for plan in linear_plans for line in plan.describe().splitlines()):
             logger.info(line)
         ops = self.selection.ops
         kernels = Kernels(**{op: spec.factory(self.config) for op, spec in ops.items()},
@@ -98,7 +98,7 @@ class ModelRunner:
                                                    max_positions=self.config.max_model_len, kernels=kernels,
                                                    moe_backend=self.moe_backend, quantization=self.config.quantization,
                                                    weight_dtype=self.config.weight_dtype, expert_parallel=group,
-                                                   linear_plan=linear_plan)
+                                                   linear_plans=linear_plans)
         self.model.eval()
         logger.info(attach_stack(self.model, kernels, self.selection))
         row_plan = plan_row_ops(self.selection, self.config, cfg)   # a row op's kernel only where not slower

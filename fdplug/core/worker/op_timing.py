@@ -1,5 +1,5 @@
-"""Selection that measures: a ``linear`` kernel runs only the layer shapes where it is not slower
-than the portable op, on this machine, as timed once.
+"""Selection that measures: a ``linear``, ``fp8_linear`` or ``gguf_linear`` kernel runs only the
+layer shapes where it is not slower than the portable op, on this machine, as timed once.
 
 Why: a kernel's speed against the library's depends on the machine, not on its priority. The cpu
 plugin's AVX-512 tiles fell back to a scalar loop on AVX2-only CPUs (~40x below paddle's matmul)
@@ -10,7 +10,9 @@ by priority, is timed against the portable op on each of the model's layer shape
 of decodes, a prefill chunk; the lm_head sees only the sampled rows): interleaved pairs, medians
 compared. It keeps a shape only if it is not slower at any row count (by more than the timing's
 noise, `timing_cache.NOISE`), so the choice is per shape, never per row count, and a row's result
-does not depend on its batch. The figures are cached per machine and kernel build, under a file
+does not depend on its batch. The FP8 and GGUF linears the same, on random weights in the layer's
+format (a GGUF projection per block-type group: each group is one call; `LinearShape.weight_dtype`
+names the format). The figures are cached per machine and kernel build, under a file
 lock (`timing_cache`). `fdplug explain --model DIR` prints each shape's figures. The other ops a
 plugin times (norms, RoPE, SwiGLU, argmax) are chosen per op: `row_op_timing`.
 
@@ -31,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from fdplug.core.model.layers.linear_shapes import LinearShape, linear_shapes
+from fdplug.core.model.layers.linear_shapes import LinearShape, fp8_block_k, linear_shapes
 from fdplug.core.worker.timing_cache import (
     NO_FIGURES,
     Figures,
@@ -49,14 +51,18 @@ ROWS = (1, 32, 256)        # a decode row, a batch of decodes, a slice of a pref
 LOGITS_ROWS = (1, 32)      # the lm_head runs on the sampled rows only
 
 
+LINEAR_OPS = ("linear", "fp8_linear", "gguf_linear")   # float, FP8 and GGUF weights: timed per layer shape
+
+
 @dataclass(frozen=True, slots=True)
 class LinearPlan:
-    """Which layer shapes the measured kernel runs; the portable op runs the others."""
+    """Which layer shapes the measured kernel of ``op`` runs; the portable op runs the others."""
 
     kernel: str
     portable: str
     timings: tuple[Timing, ...]     # subject: a `LinearShape`
     cached: bool
+    op: str = "linear"
 
     def uses_kernel(self, shape: LinearShape) -> bool:
         """Whether layers of ``shape`` run the kernel (a shape never measured: yes, as selected,
@@ -64,12 +70,12 @@ class LinearPlan:
         for timing in self.timings:
             if timing.subject.key == shape.key:
                 return timing.kernel_wins
-        logger.warning("linear layer %s was not measured: it runs %s as selected", shape.describe(), self.kernel)
+        logger.warning("%s layer %s was not measured: it runs %s as selected", self.op, shape.describe(), self.kernel)
         return True
 
     def describe(self) -> str:
         wins = sum(t.kernel_wins for t in self.timings)
-        head = (f"op:linear per layer shape ({'cached figures' if self.cached else 'measured now'}): "
+        head = (f"op:{self.op} per layer shape ({'cached figures' if self.cached else 'measured now'}): "
                 f"{self.kernel} on {wins} of {len(self.timings)} shapes"
                 + (f", {self.portable} on the others (the kernel slower there)" if wins < len(self.timings) else ""))
         return "\n".join([head, *(self._line(t) for t in self.timings)])
@@ -80,31 +86,31 @@ class LinearPlan:
         return f"  {timing.subject.describe()}: {timing.figures(self.kernel, self.portable)} -> {verdict}"
 
 
-def plan_linear(selection: Any, config: Any, model_config: Any) -> LinearPlan | None:
-    """The plan for the selected ``linear`` kernel on ``model_config``'s layers (after
-    `ModelConfig.keep_weights`), or None where it is not measured (named explicitly, or no
-    ``measure_key``: then it runs every shape; or the model has no float linear layer)."""
-    spec = selection.ops["linear"]
-    if "linear" not in selection.measured_ops or spec.measure_key is None:
+def plan_linear(selection: Any, config: Any, model_config: Any, op: str = "linear") -> LinearPlan | None:
+    """The plan for the selected kernel of ``op`` (one of `LINEAR_OPS`) on ``model_config``'s layers
+    (after `ModelConfig.keep_weights`), or None where it is not measured (named explicitly, or no
+    ``measure_key``: then it runs every shape; or the model has no layer in that op's format)."""
+    spec = selection.ops[op]
+    if op not in selection.measured_ops or spec.measure_key is None:
         return None
-    from fdplug.core.portable import PORTABLE_LINEAR
-    from fdplug.core.portable.ops import linear as portable
+    from fdplug.core.portable import ops as portable_ops
+    from fdplug.core.portable.op_specs import PORTABLE_OPS
 
-    shapes = linear_shapes(model_config, config.dtype)
-    if not shapes:    # every linear in another op's format (FP8 blocks, a GGUF file's): nothing to time
+    shapes = linear_shapes(model_config, config.dtype, op)
+    if not shapes:    # every linear in another op's format (float, FP8 blocks, a GGUF file's): nothing to time
         return None
     key = cache_key(spec.name, config.dtype, spec.measure_key(config), f"rows {ROWS}, lm_head {LOGITS_ROWS}")
     path = cache_path(key)
-    kernel = spec.factory(config)
+    kernel, portable, portable_name = spec.factory(config), getattr(portable_ops, op), PORTABLE_OPS[op].name
     prepare = spec.prepare(config) if spec.prepare is not None else None
     place = selection.device.paddle_place_name(config.device_index)
 
     def time_shape(shape: LinearShape) -> Figures | None:
         try:
-            return _time_shape(shape, kernel, prepare, portable, config.dtype, place)
+            return _time_shape(shape, kernel, prepare, portable, config.dtype, place, op)
         except Exception as exc:   # noqa: BLE001 - any failure: this shape runs the portable op
-            logger.warning("timing %s on linear layers %s failed (%r): they run %s", spec.name, shape.describe(),
-                           exc, PORTABLE_LINEAR)
+            logger.warning("timing %s on %s layers %s failed (%r): they run %s", spec.name, op, shape.describe(),
+                           exc, portable_name)
             return None
 
     found = measured(path, key, shapes, _name, time_shape)
@@ -112,7 +118,7 @@ def plan_linear(selection: Any, config: Any, model_config: Any) -> LinearPlan | 
         return None
     figures, cached = found
     timings = tuple(Timing.of(shape, figures.get(_name(shape), NO_FIGURES)) for shape in shapes)
-    return LinearPlan(spec.name, PORTABLE_LINEAR, timings, cached)
+    return LinearPlan(spec.name, portable_name, timings, cached, op)
 
 
 def _name(shape: LinearShape) -> str:
@@ -121,7 +127,7 @@ def _name(shape: LinearShape) -> str:
 
 
 def _time_shape(shape: LinearShape, kernel: Callable, prepare: Callable | None, portable: Callable, dtype: str,
-                place: str) -> Figures:
+                place: str, op: str = "linear") -> Figures:
     """GFLOP/s of the kernel and of the portable op on random weights of ``shape``, per row count."""
     import numpy as np
     import paddle
@@ -129,18 +135,42 @@ def _time_shape(shape: LinearShape, kernel: Callable, prepare: Callable | None, 
     sync = on_device(place)
     n, k = shape.out_features, shape.in_features
     rng = np.random.default_rng(n * 65537 + k)
-    values = rng.standard_normal((n, k), dtype=np.float32)
-    values *= 0.05
-    weight = paddle.to_tensor(values).astype(shape.weight_dtype)
-    del values
-    laid_out = prepare(weight) if prepare is not None and shape.prepared else None
-    kernel_weight = weight if laid_out is None else laid_out
+    kernel_args, portable_args = _weights(op, shape, prepare, rng)
     rows = LOGITS_ROWS if shape.logits else ROWS
     got: Figures = {"rows": list(rows), "kernel": [], "portable": []}
     for r in rows:
         x = paddle.to_tensor(rng.standard_normal((r, k), dtype=np.float32)).astype(dtype)
-        seconds = median_seconds({"kernel": lambda x=x: kernel(x, kernel_weight),
-                                  "portable": lambda x=x: portable(x, weight)}, sync)
+        seconds = median_seconds({"kernel": lambda x=x: kernel(x, *kernel_args),
+                                  "portable": lambda x=x: portable(x, *portable_args)}, sync)
         for name, s in seconds.items():
             got[name].append(2.0 * r * n * k / s / 1e9)
     return got
+
+
+def _weights(op: str, shape: LinearShape, prepare: Callable | None, rng: Any) -> tuple[tuple, tuple]:
+    """The kernel's and the portable op's arguments after ``x``, for random weights of ``shape`` in
+    ``op``'s format: the kernel's laid out by its ``prepare`` where the layers are (`LinearShape.prepared`)."""
+    import numpy as np
+    import paddle
+
+    n, k, fmt = shape.out_features, shape.in_features, shape.weight_dtype
+    if op == "gguf_linear":
+        from fdplug.core.quant.gguf_blocks import sample_blocks
+
+        raw = paddle.to_tensor(sample_blocks(fmt, n, k, rng))
+        laid_out = prepare(raw, fmt) if prepare is not None else None
+        return (raw if laid_out is None else laid_out, fmt, k), (raw, fmt, k)
+    values = rng.standard_normal((n, k), dtype=np.float32)
+    values *= 0.05
+    if op == "fp8_linear":
+        from fdplug.core.quant.fp8_rows import expand_scale_rows
+        from fdplug.plugin_api.fp8 import block_quant
+
+        block_k = fp8_block_k(fmt)
+        weight, grid = block_quant(paddle.to_tensor(values), (block_k, block_k))
+        scales = expand_scale_rows(grid, n, block_k)
+        laid_out = prepare(weight) if prepare is not None else None
+        return (weight if laid_out is None else laid_out, scales, block_k), (weight, scales, block_k)
+    weight = paddle.to_tensor(values).astype(fmt)
+    laid_out = prepare(weight) if prepare is not None and shape.prepared else None
+    return (weight if laid_out is None else laid_out,), (weight,)

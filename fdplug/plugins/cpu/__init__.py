@@ -94,7 +94,8 @@ def _measure_key(config) -> str:
 
 
 def _linear_measure_key(config) -> str:
-    """`OpSpec.measure_key` of the linear kernels: as the row ops', and whether weights are packed."""
+    """`OpSpec.measure_key` of the linear kernels (float, FP8, GGUF): as the row ops', and whether
+    weights are packed."""
     return f"{_measure_key(config)} | {'packed weights' if settings.PACK_WEIGHTS.value() else 'weights in place'}"
 
 
@@ -207,18 +208,21 @@ def fdplug_register_ops(register):
            "against it at startup on the model's widths, used where not slower", measure_key=_measure_key)
     native("cpu_native_fp8_linear", "fp8_linear", ("native_fp8", "fp8_linear_or_portable"),
            "FP8 weights kept one byte, packed at load in panels of 64 columns (16 for AVX2), widened in "
-           "registers and scaled per block in outer-product tiles (compiled C)", prepare=_fp8_prepare_factory,
-           supports=_tiles_supports("cpu_native_fp8_linear"))
+           "registers and scaled per block in outer-product tiles (compiled C); timed against the portable op on "
+           "the model's shapes at startup, used where not slower", prepare=_fp8_prepare_factory,
+           supports=_tiles_supports("cpu_native_fp8_linear"), measure_key=_linear_measure_key)
     native("cpu_native_gguf_linear", "gguf_linear", ("native_gguf", "gguf_linear_or_portable"),
            "a GGUF file's GGML blocks (Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q5_K, Q6_K) widened in registers and fed to FMA "
            "tiles, read in place (compiled C; prefill: a panel widened once a thread); other types or "
-           "non-float32 inputs: the portable op", supports=_tiles_supports("cpu_native_gguf_linear"))
+           "non-float32 inputs: the portable op", supports=_tiles_supports("cpu_native_gguf_linear"),
+           measure_key=_linear_measure_key)
     native("cpu_native_gguf_bf16_linear", "gguf_linear", ("native_gguf", "gguf_linear_or_portable"),
            "cpu_native_gguf_linear's tiles in bf16 math (AVX512-BF16 dot products: inputs and decoded weights "
            "rounded to bf16, float32 sums; 1.4-1.9x from 64 rows, ~0.92x at one). --op-kernel "
            "gguf_linear=cpu_native_gguf_linear keeps float32 math", bound={"bf16_math": True}, priority=20,
            supports=_bf16_math_supports("cpu_native_gguf_bf16_linear", "native_gguf",
-                                        "GGUF linears run as cpu_native_gguf_linear's float32 math"), bf16_inputs=True)
+                                        "GGUF linears run as cpu_native_gguf_linear's float32 math"), bf16_inputs=True,
+           measure_key=_linear_measure_key)
     native("cpu_native_gguf_q8_linear", "gguf_linear", ("native_gguf", "gguf_linear_or_portable"),
            "cpu_native_gguf_linear in q8 math, as llama.cpp: inputs quantized to 8 bits per 4 values, each "
            "32 weights' products summed as integers (vpmaddubsw; 1.4-1.9x the float32 tiles at 1-8 rows, "
@@ -226,7 +230,8 @@ def fdplug_register_ops(register):
            "first at x86-64-v3 where the packed tiles are missing, by name elsewhere; SmolLM2-135M's "
            "perplexity +0.09% (bf16 math +0.11%). "
            "--op-kernel gguf_linear=cpu_native_gguf_linear keeps float32 math",
-           bound={"q8_math": True}, priority=_q8_math_priority(), supports=_q8_math_supports, q8_inputs=True)
+           bound={"q8_math": True}, priority=_q8_math_priority(), supports=_q8_math_supports, q8_inputs=True,
+           measure_key=_linear_measure_key)
     native("cpu_native_gguf_packed_linear", "gguf_linear", ("native_gguf_packed", "gguf_linear_or_fallback"),
            "q8 math on GGUF blocks repacked at load into groups of 16 columns (the same bytes): inputs quantized "
            "to 8 bits per 16 values, each run's products summed as integers with the columns in the lanes "
@@ -234,7 +239,8 @@ def fdplug_register_ops(register):
            "EPYC, avx512). Chosen first where the CPU (as FDPLUG_CPU_ISA leaves it) has AVX512-VNNI or "
            "AVX-VNNI, and at x86-64-v3 without it (vpmaddubsw); by name at AVX-512 without VNNI. "
            "--op-kernel gguf_linear=cpu_native_gguf_bf16_linear keeps bf16 math",
-           priority=_packed_priority(), supports=_packed_supports, prepare=_gguf_packed_prepare_factory, q8_inputs=16)
+           priority=_packed_priority(), supports=_packed_supports, prepare=_gguf_packed_prepare_factory, q8_inputs=16,
+           measure_key=_linear_measure_key)
     native("cpu_native_rms_norm", "rms_norm", ("native_norms", "rms_norm"),
            "one compiled call instead of paddle's five ops (float32; the q/k norm's per-head weights too)",
            measure_key=_measure_key)

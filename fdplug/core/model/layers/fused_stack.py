@@ -15,6 +15,8 @@ from fdplug.core.model.layers.basic import SwiGLU
 from fdplug.core.model.layers.decoder import Attention, DecoderForCausalLM
 from fdplug.core.model.layers.gguf_linear import GgufLinear
 from fdplug.core.model.layers.linear import Linear
+from fdplug.core.portable.op_specs import PORTABLE_OPS
+from fdplug.core.portable.ops import PORTABLE
 from fdplug.plugin_api.decoder_stack import DecoderStack, StackLayer, StackLinear
 from fdplug.plugin_api.ops import Kernels
 from fdplug.plugin_api.selection import Selection
@@ -26,7 +28,16 @@ run (`DecoderForCausalLM._forward`). Their one-row figure does not decide their 
 (`fdplug.core.worker.row_op_timing`)."""
 
 
-def _linear(layer: Any) -> StackLinear | None:
+def _linear(layer: Any, ops: Mapping[str, str]) -> StackLinear | str:
+    """The layer as the stack gets it, or why it cannot: the stack runs the ops' kernels, so a layer
+    on the portable op where a kernel is selected (measured faster on its shape,
+    `fdplug.core.worker.op_timing`) keeps it off."""
+    if (isinstance(layer, GgufLinear) and PORTABLE.gguf_linear in layer.kernels
+            and ops.get("gguf_linear") != PORTABLE_OPS["gguf_linear"].name
+            or isinstance(layer, Linear) and layer.kernel is PORTABLE.linear
+            and ops.get("linear") != PORTABLE_OPS["linear"].name):
+        return ("a decoder layer's projection runs the portable op (measured faster than the kernel on its shape; "
+                "--op-kernel names the kernel for every shape)")
     if isinstance(layer, GgufLinear):
         groups = tuple((w, qtype) for w, (qtype, _) in zip(layer.kernel_weights, layer.layout.groups, strict=True))
         return StackLinear("gguf", groups, layer.in_features, layer.layout.rows, layer.bias)
@@ -35,7 +46,7 @@ def _linear(layer: Any) -> StackLinear | None:
         dtype = str(layer.weight.dtype).removeprefix("paddle.")
         return StackLinear("float", ((layer.kernel_weight, dtype),), int(in_features), int(out_features),
                            None if layer.prepared is not None else layer.bias)
-    return None
+    return "FP8 linear layers are not described for a fused stack"
 
 
 def describe(model: DecoderForCausalLM, ops: Mapping[str, str], attention: str) -> DecoderStack | str:
@@ -48,9 +59,10 @@ def describe(model: DecoderForCausalLM, ops: Mapping[str, str], attention: str) 
         attn, mlp = layer.self_attn, layer.mlp
         if not isinstance(attn, Attention) or not isinstance(mlp, SwiGLU):
             return f"layer {len(layers)} is not the dense decoder layer"
-        linears = [_linear(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-        if any(linear is None for linear in linears):
-            return "FP8 linear layers are not described for a fused stack"
+        linears = [_linear(p, ops) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        reason = next((linear for linear in linears if isinstance(linear, str)), None)
+        if reason is not None:
+            return reason
         layers.append(StackLayer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, *linears,
                                  qk_norm=None if attn.qk_norm is None else attn.qk_norm.weight))
     table = model.embed_tokens

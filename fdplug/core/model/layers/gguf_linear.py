@@ -17,6 +17,7 @@ from paddle import nn
 
 from fdplug.core.model.checkpoint.gguf_weights import GgufLayout
 from fdplug.core.model.layers.linear import empty_parameter
+from fdplug.core.portable.ops import PORTABLE
 from fdplug.core.quant.gguf_blocks import dequantize, row_bytes
 from fdplug.errors import WeightMismatchError
 from fdplug.plugin_api.ops import PreparedWeight
@@ -35,7 +36,10 @@ class GgufLinear(nn.Layer):
                                       f"the file's metadata makes them {out_features}.", tensor=layout.modules[0],
                                       fix="the file does not match its own metadata: download it again, or convert "
                                           "it again with llama.cpp.")
-        self.in_features, self.layout, self.kernel = in_features, layout, kernel
+        self.in_features, self.layout = in_features, layout
+        # the op's kernel per group: the selected one, or the portable op where it measured faster on
+        # the group's shape (`use_portable`, `fdplug.core.worker.op_timing`)
+        self.kernels: tuple[Callable, ...] = (kernel,) * len(layout.groups)
         self.names = tuple("weight" if i == 0 else f"weight_{i}" for i in range(len(layout.groups)))
         for name, (qtype, rows) in zip(self.names, layout.groups, strict=True):
             setattr(self, name, empty_parameter([rows, row_bytes(qtype, in_features)], "uint8"))
@@ -53,14 +57,20 @@ class GgufLinear(nn.Layer):
             row -= rows
         raise IndexError(f"row {row} beyond the layer's {self.layout.rows}")
 
+    def use_portable(self, group: int) -> None:
+        """Run group ``group`` through the portable op (its shape measured faster there); before
+        `prepare`, which then leaves that group's bytes as they are."""
+        self.kernels = tuple(PORTABLE.gguf_linear if i == group else k for i, k in enumerate(self.kernels))
+
     def prepare(self, prepare: Callable[[Any, str], PreparedWeight | None]) -> None:
-        """Hand each group to the kernel's ``prepare`` once (`OpSpec.prepare`); it keeps the bytes."""
+        """Hand each group its kernel runs to that kernel's ``prepare`` once (`OpSpec.prepare`); it
+        keeps the bytes. A group on the portable op reads them as they are."""
         if self.prepared:
             return
         prepared = []
-        for name, (qtype, _) in zip(self.names, self.layout.groups, strict=True):
+        for name, (qtype, _), kernel in zip(self.names, self.layout.groups, self.kernels, strict=True):
             weight = getattr(self, name)
-            each = prepare(weight, qtype)
+            each = None if kernel is PORTABLE.gguf_linear else prepare(weight, qtype)
             if each is not None and (each.data.dtype != weight.dtype or each.data.size != weight.size):
                 raise ValueError(f"the kernel prepared a {qtype} weight of {weight.size} bytes as "
                                  f"{each.data.size} {each.data.dtype}: it must keep the bytes")
@@ -68,8 +78,8 @@ class GgufLinear(nn.Layer):
         self.kernel_weights, self.prepared = tuple(prepared), True
 
     def forward(self, x: Any) -> Any:
-        outs = [self.kernel(x, w, qtype, self.in_features)
-                for w, (qtype, _) in zip(self.kernel_weights, self.layout.groups, strict=True)]
+        outs = [kernel(x, w, qtype, self.in_features)
+                for kernel, w, (qtype, _) in zip(self.kernels, self.kernel_weights, self.layout.groups, strict=True)]
         out = outs[0] if len(outs) == 1 else paddle.concat(outs, axis=-1)
         return out if self.bias is None else out + self.bias
 
