@@ -136,3 +136,29 @@ def test_a_layer_that_does_not_fit_fails_its_transfer_and_writes_nothing():
         assert not any(cache.numpy().any() for pair in target for cache in pair)
     finally:
         rogue.close(0), receiver.close()
+
+
+def test_a_pull_whose_sender_refused_before_the_send_fails_at_the_next_poll(monkeypatch):
+    """The receiver's one connection attempt may be refused (the sender gone) before the pull is sent
+    (ZMQ connects in its I/O thread): the send then has no pipe and fails at once. That pull fails
+    through ``poll`` like one whose sender died later, nothing written; cancelling it forgets it."""
+    target = caches("HBTD", "float32", None)
+    receiver = TCPReceiver(target, "HBTD")
+    real_connect = receiver._connect
+
+    def refused_at_once(address):
+        socket = real_connect(address)
+        socket.close(0)                             # a socket whose send fails as a pipe-less one's does
+        return socket
+
+    monkeypatch.setattr(receiver, "_connect", refused_at_once)
+    conn = {"addr": "tcp://127.0.0.1:9", "transfer_id": "c" * 32, "num_blocks": 2}
+    receiver.pull(conn, [1, 2])
+    with pytest.raises(ValueError, match="already being pulled"):
+        receiver.pull(conn, [1, 2])
+    done, failed = receiver.poll()
+    assert not done and "could not be reached" in failed["c" * 32] and receiver.poll() == (set(), {})
+    receiver.pull({**conn, "transfer_id": "d" * 32}, [1, 2])
+    receiver.cancel("d" * 32)
+    assert receiver.poll() == (set(), {})
+    assert not any(np.any(c.numpy()) for pair in target for c in pair)

@@ -68,6 +68,7 @@ class TCPReceiver:
         self.caches, self.layout, self.stall_timeout, self.peers = caches, layout, stall_timeout, peers
         self.context = context or zmq.Context.instance()
         self.pulls: dict[str, Pull] = {}
+        self.refused: dict[str, str] = {}   # pulls whose sender was gone before they were sent: the next poll's
         key = caches[0][0]
         self.sizes = {axis: int(key.shape[i]) for i, axis in enumerate(layout)}
         self.dtype, self.word = key.dtype, word_dtype(key)
@@ -101,7 +102,7 @@ class TCPReceiver:
         """Start pulling the offer ``conn`` (its blocks from ``first_block`` on) into ``block_ids``."""
         self.check(conn)
         transfer_id = conn["transfer_id"]
-        if transfer_id in self.pulls:
+        if transfer_id in self.pulls or transfer_id in self.refused:
             raise ValueError(f"transfer {transfer_id[:8]}... is already being pulled")
         address = self._address(conn)
         message = _header({"op": "pull", "transfer_id": transfer_id, "first_block": first_block,
@@ -110,8 +111,11 @@ class TCPReceiver:
         try:
             socket.send(message, zmq.NOBLOCK)
         except zmq.ZMQError as exc:
+            # the one connection attempt already failed (a sender gone: loopback refuses at once, and
+            # whether that is before this send is a race): the pull fails as a dead sender's does later
             socket.close(0)
-            raise ValueError(f"the pull could not be queued ({exc})") from None
+            self.refused[transfer_id] = f"the sender at {address} could not be reached ({exc})"
+            return
         self.pulls[transfer_id] = Pull(list(block_ids), time.monotonic(), conn, socket)
 
     def _pull_options(self, conn: dict) -> dict:
@@ -135,6 +139,7 @@ class TCPReceiver:
 
     def cancel(self, transfer_id: str) -> None:
         """Stop a pull (its request ended): nothing more of it is written, and its socket is closed."""
+        self.refused.pop(transfer_id, None)
         if transfer_id in self.pulls:
             self._end(transfer_id)
 
@@ -162,7 +167,7 @@ class TCPReceiver:
     def poll(self) -> tuple[set[str], dict[str, str]]:
         """Land what arrived; ``(done, failed: {transfer id: why})``."""
         done: set[str] = set()
-        failed: dict[str, str] = {}
+        failed, self.refused = self.refused, {}
         for tid, pull in list(self.pulls.items()):
             while self.pulls.get(tid) is pull:
                 try:
