@@ -187,9 +187,8 @@ def test_the_real_figures_are_cached_and_shown_by_explain(test_model_dir, tmp_pa
     saved = sorted((tmp_path / "op_timings").glob("*.json"))
     assert len(saved) == 6                                              # the linear kernel's and five row ops'
     assert all(v > 0 for path in saved for e in json.loads(path.read_text())["shapes"].values() for v in e["kernel"])
-    untimed = next(line for line in first.output.splitlines() if line.startswith("not timed against"))
-    assert "decoder_stack=cpu_native_decoder_stack" in untimed and "swiglu=" not in untimed
-    assert " linear=" not in untimed and "fp8_linear=" not in untimed and "gguf_linear=" not in untimed
+    assert not any(line.startswith("not timed against") for line in first.output.splitlines())   # every op timed
+    assert "op:decoder_stack: cpu_native_decoder_stack is timed against the layers one by one" in first.output
     named = CliRunner().invoke(main, ["explain", "--model", str(test_model_dir), "--op-kernel", "linear=paddle_linear",
                                       "--op-kernel", "swiglu=cpu_native_swiglu"])
     assert "GFLOP/s" not in named.output and "per layer shape" not in named.output
@@ -253,12 +252,12 @@ def test_fdplug_op_timing_0_and_an_explicit_kernel_are_not_timed(monkeypatch):
         pytest.skip("the cpu linear kernels need their build and x86-64-v3")
     monkeypatch.setenv("FDPLUG_OP_TIMING", "1")
     row_ops = {"rms_norm", "add_rms_norm", "rope", "swiglu", "argmax"}
-    linears = {"linear", "fp8_linear", "gguf_linear"}
-    assert select_components("cpu").measured_ops == linears | row_ops
+    others = {"linear", "fp8_linear", "gguf_linear", "decoder_stack"}
+    assert select_components("cpu").measured_ops == others | row_ops
     assert select_components("cpu", ops={"linear": "cpu_native_linear"}).measured_ops == \
-        linears - {"linear"} | row_ops
+        others - {"linear"} | row_ops
     assert select_components("cpu", ops={"swiglu": "cpu_native_swiglu"}).measured_ops == \
-        linears | row_ops - {"swiglu"}
+        others | row_ops - {"swiglu"}
     monkeypatch.setenv("FDPLUG_OP_TIMING", "0")
     selection = select_components("cpu")
     assert selection.measured_ops == frozenset() and selection.to_names()["measured_ops"] == []
@@ -269,12 +268,13 @@ def test_fdplug_op_timing_0_and_an_explicit_kernel_are_not_timed(monkeypatch):
 def test_only_the_measured_ops_kernels_may_name_a_measure_key():
     from fdplug.plugin_api.specs import OpSpec, validate_spec
 
-    for op in ("linear", "fp8_linear", "gguf_linear", "rms_norm", "add_rms_norm", "rope", "swiglu", "argmax"):
+    for op in ("linear", "fp8_linear", "gguf_linear", "rms_norm", "add_rms_norm", "rope", "swiglu", "argmax",
+               "decoder_stack"):
         validate_spec(OpSpec(name="x", op=op, devices=("cpu",), factory=lambda c: None, measure_key=lambda c: "k"),
                       OpSpec)
     with pytest.raises(ValueError, match="only linear, fp8_linear, gguf_linear, rms_norm, add_rms_norm, rope, swiglu, "
-                                         "argmax kernels are timed"):
-        validate_spec(OpSpec(name="x", op="decoder_stack", devices=("cpu",), factory=lambda c: None,
+                                         "argmax, decoder_stack kernels are timed"):
+        validate_spec(OpSpec(name="x", op="vision_attention", devices=("cpu",), factory=lambda c: None,
                              measure_key=lambda c: "k"), OpSpec)
 
 

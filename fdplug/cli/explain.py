@@ -61,6 +61,7 @@ def explain_command(device: str, runner: str | None, attention: str | None, moe:
         from fdplug.core.model.checkpoint.footprint import model_summary
         from fdplug.core.worker.op_timing import LINEAR_OPS, plan_linear
         from fdplug.core.worker.row_op_timing import plan_row_ops
+        from fdplug.core.worker.stack_timing import cached_plan
 
         model_config.keep_weights(config.dtype, config.weight_dtype)
         click.echo(model_summary(model_config, config.dtype, selection.moe.name, selection.ops))
@@ -75,10 +76,18 @@ def explain_command(device: str, runner: str | None, attention: str | None, moe:
         row_plan = plan_row_ops(selection, config, model_config)
         if row_plan is not None:
             click.echo(row_plan.describe(in_stack=None))   # whether a fused stack runs decode: known after load
+        stack_plan = cached_plan(selection, config, model_config)    # timed on the loaded model: an earlier start's
+        if stack_plan is not None:
+            click.echo(stack_plan.describe())
+        elif "decoder_stack" in selection.measured_ops:
+            click.echo(f"op:decoder_stack: {selection.ops['decoder_stack'].name} is timed against the layers one "
+                       "by one once the model is loaded, where it takes the model (no figures of an earlier start "
+                       "here yet; the startup log says)")
     elif selection.measured_ops:
         click.echo(f"measured ops: {', '.join(sorted(selection.measured_ops))}: each kernel is timed against the "
                    "portable op on the model's shapes at startup and runs where it is not slower (the linears: per "
-                   "layer shape; the others: per op); --model DIR shows the figures")
+                   "layer shape; the row ops: per op; a decoder stack: on the loaded model's decode steps); --model "
+                   "DIR shows the figures")
     untimed = _untimed(selection)
     if untimed:
         click.echo(untimed)

@@ -98,9 +98,10 @@ OPS: tuple[str, ...] = ("swiglu", "rms_norm", "fp8_linear", "linear", "add_rms_n
 PREPARED_OPS: tuple[str, ...] = ("linear", "fp8_linear", "gguf_linear")
 """The ops whose kernels may lay out the layers' weights once at load (`OpSpec.prepare`)."""
 MEASURED_OPS: tuple[str, ...] = ("linear", "fp8_linear", "gguf_linear", "rms_norm", "add_rms_norm", "rope", "swiglu",
-                                  "argmax")
+                                  "argmax", "decoder_stack")
 """The ops whose kernels may be timed against the portable op at startup (`OpSpec.measure_key`):
-the linears (``linear``, ``fp8_linear``, ``gguf_linear``) per layer shape, the others (the row ops) per op."""
+the linears (``linear``, ``fp8_linear``, ``gguf_linear``) per layer shape, the row ops per op, a
+``decoder_stack`` on the loaded model's decode steps against its layers one by one."""
 
 
 @dataclass(slots=True)

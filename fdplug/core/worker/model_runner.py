@@ -80,6 +80,7 @@ class ModelRunner:
         from fdplug.core.model.loader import load_model
         from fdplug.core.worker.op_timing import LINEAR_OPS, plan_linear
         from fdplug.core.worker.row_op_timing import plan_row_ops
+        from fdplug.core.worker.stack_timing import plan_stack
 
         self.paddle.set_device(self.place)
         cfg = ModelConfig.from_dir(self.config.model_dir, self.config.quantization)
@@ -101,6 +102,10 @@ class ModelRunner:
                                                    linear_plans=linear_plans)
         self.model.eval()
         logger.info(attach_stack(self.model, kernels, self.selection))
+        stack_plan = plan_stack(self.model, self.attn_backend, self.selection, self.config)   # kept where not slower
+        if stack_plan is not None:
+            logger.info(stack_plan.describe())
+            self.selection = stack_plan.settle(self.model, self.selection)
         row_plan = plan_row_ops(self.selection, self.config, cfg)   # a row op's kernel only where not slower
         if row_plan is not None:
             self.selection, kernels, lines = row_plan.settle(self.model, kernels, self.selection, self.config)

@@ -1,8 +1,9 @@
 """What selection that measures shares: the interleaved timer, the tie rule, and the figures' cache.
 
-Two plans time a kernel against the portable op once per machine: the ``linear`` kernel per layer
-shape (`op_timing`) and the row ops' kernels (norms, RoPE, SwiGLU, argmax) per op
-(`row_op_timing`). Both time the two calls alternately (ABBA...: neither always goes first, so a
+Three plans time a kernel against the portable op once per machine: the linear kernels (float, FP8,
+GGUF) per layer shape (`op_timing`), the row ops' kernels (norms, RoPE, SwiGLU, argmax) per op
+(`row_op_timing`), and a fused decoder stack on the loaded model's decode steps (`stack_timing`).
+All time the two calls alternately (ABBA...: neither always goes first, so a
 machine's drift hits both), take medians, call a difference within `NOISE` a tie, and cache the
 figures in ``$FDPLUG_CACHE_DIR/op_timings/`` under a key that changes whenever they could (the
 kernel's ``measure_key``: the CPU model and level, the kernel build, the threads), measured under a
@@ -159,7 +160,7 @@ def measured(path: Path, key: str, items: list[Any], name: Callable[[Any], str],
     with lock:
         if not _locked(lock, path):
             return None
-        figures = _read(path, key)
+        figures = read_figures(path, key)
         missing = [item for item in items if name(item) not in figures]
         for item in missing:
             entry = time_item(item)
@@ -182,7 +183,7 @@ def _locked(lock: Any, path: Path) -> bool:
     return taken is not False
 
 
-def _read(path: Path, key: str) -> dict[str, Figures]:
+def read_figures(path: Path, key: str) -> dict[str, Figures]:
     """The cached figures under ``key`` (empty where the file is missing, unreadable or another key's)."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))

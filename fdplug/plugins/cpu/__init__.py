@@ -250,7 +250,8 @@ def fdplug_register_ops(register):
            "the NeoX rotation in one compiled call, bit-identical to paddle's four ops", measure_key=_measure_key)
     native("cpu_native_decoder_stack", "decoder_stack", ("native_stack", "decoder_stack"),
            "a decode step's layers in one compiled call of the kernels above (GGUF linears, cpu_native "
-           "attention; bit-identical to running them layer by layer); other models and steps: layer by layer")
+           "attention; bit-identical to running them layer by layer); other models and steps: layer by layer; "
+           "timed against the layers one by one once loaded, kept where not slower", measure_key=_measure_key)
     native("cpu_native_argmax", "argmax", ("native_argmax", "argmax"),
            "greedy sampling's argmax, 16 lanes at a time, rows over the cores (compiled C)", measure_key=_measure_key)
     native("cpu_native_linear", "linear", ("native_linear", "linear_or_portable"),
