@@ -160,8 +160,8 @@ class OpSpec(ComponentSpec):
     (a `fdplug.plugin_api.ops.PreparedWeight`, or None to keep the weight as it is) is what the kernel
     then receives as that layer's ``weight`` (FP8 scales stay as they are).
 
-    ``measure_key`` (the ops of `fdplug.plugin_api.ops.MEASURED_OPS`; the row ops since API 4.5, ``fp8_linear``,
-    ``gguf_linear`` and ``decoder_stack`` since 4.6): for a kernel whose speed against the portable op
+    ``measure_key`` (`fdplug.plugin_api.ops.MEASURED_OPS`; the row ops since API 4.5, ``fp8_linear``,
+    ``gguf_linear``, ``decoder_stack`` since 4.6): for a kernel whose speed against the portable op
     depends on the machine (a CPU's instruction-set level, a GPU's generation). Chosen by priority (not by name), it is then timed against the
     portable op once on the model's shapes at the row counts the engine gives it, and runs only where
     it is not slower at any of them (beyond noise): a linear kernel (``linear``, ``fp8_linear``,
