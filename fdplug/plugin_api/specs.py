@@ -162,16 +162,17 @@ class OpSpec(ComponentSpec):
 
     ``measure_key`` (`fdplug.plugin_api.ops.MEASURED_OPS`; the row ops since API 4.5, ``fp8_linear``,
     ``gguf_linear``, ``decoder_stack`` since 4.6): for a kernel whose speed against the portable op
-    depends on the machine (a CPU's instruction-set level, a GPU's generation). Chosen by priority (not by name), it is then timed against the
-    portable op once on the model's shapes at the row counts the engine gives it, and runs only where
-    it is not slower at any of them (beyond noise): a linear kernel (``linear``, ``fp8_linear``,
-    ``gguf_linear``) per layer shape (a GGUF projection's per block type; the other
-    shapes run the portable op, `fdplug.core.worker.op_timing`), a row op's (``rms_norm``,
-    ``add_rms_norm``, ``rope``, ``swiglu``, ``argmax``) per op: slower on any shape, and the op runs
-    the portable one (`fdplug.core.worker.row_op_timing`), a ``decoder_stack`` on the loaded model's
-    decode steps against its layers one by one (`fdplug.core.worker.stack_timing`).
+    depends on the machine (a CPU's instruction-set level, a GPU's generation). Chosen by priority
+    (not by name), it is then timed against the portable op once on the model's shapes at the row
+    counts the engine gives it, and runs only where it is not slower at any of them (beyond noise): a
+    linear kernel (``linear``, ``fp8_linear``, ``gguf_linear``) per layer shape (a GGUF projection's
+    per block type; the other shapes run the portable op, `fdplug.core.worker.op_timing`), a row op's
+    (``rms_norm``, ``add_rms_norm``, ``rope``, ``swiglu``, ``argmax``) per op: slower on any shape, and
+    the op runs the portable one (`fdplug.core.worker.row_op_timing`), a ``decoder_stack`` on the
+    loaded model's decode steps against its layers one by one (`fdplug.core.worker.stack_timing`).
     ``measure_key(config)`` is a string that changes whenever those figures could (the CPU model and
-    level, the kernel build, the thread count): the figures are cached under it. Named with ``--op-kernel``, the kernel runs everywhere.
+    level, the kernel build, the thread count): the figures are cached under it. Named with
+    ``--op-kernel``, the kernel runs everywhere.
     """
 
     op: str = ""
