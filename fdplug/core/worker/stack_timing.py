@@ -128,7 +128,8 @@ def _time_steps(model: Any, backend: Any, config: Any, place: str) -> Figures:
 
     sync, cfg, stack = tc.on_device(place), model.config, model.fused_stack
     block = config.block_size
-    context = block - 1                     # each sequence's keys fill its one block
+    # each sequence's keys fill its one block (within the positions the RoPE tables hold)
+    context = min(block, config.max_model_len or block, cfg.max_position_embeddings) - 1
     shape = list(backend.kv_cache_shape(max(SEQUENCES) + 1, block, cfg.num_kv_heads, cfg.head_dim))
     caches = [(paddle.zeros(shape, config.kv_dtype()), paddle.zeros(shape, config.kv_dtype()))
               for _ in range(cfg.num_layers)]
