@@ -94,7 +94,8 @@ def main() -> None:
             row_ops = ", ".join(f"{op} {ops[op].name}" for op in ROW_OPS)
             print(f"{weights} weights: selected {llms['selected'].engine.selection.summary()}; linear "
                   f"{ops['linear'].name} ({portable_layers} layers on paddle's matmul, faster on their shape); "
-                  f"row ops as timed: {row_ops}")
+                  f"row ops as timed: {row_ops}; decode steps: {ops['decoder_stack'].name} ("
+                  f"{'fused' if runner.model.fused_stack is not None else 'layer by layer'})")
             figures = {"TTFT 1,024 tokens (s)": abba(llms, pairs, ttft),
                        "single-stream decode (tok/s)": abba(llms, pairs, decode_tokens_per_s),
                        "64 requests (output tok/s)": abba(llms, max(2, pairs // 2), batch_tokens_per_s)}
