@@ -189,6 +189,8 @@ def test_the_real_figures_are_cached_and_shown_by_explain(test_model_dir, tmp_pa
     assert all(v > 0 for path in saved for e in json.loads(path.read_text())["shapes"].values() for v in e["kernel"])
     assert not any(line.startswith("not timed against") for line in first.output.splitlines())   # every op timed
     assert "op:decoder_stack: cpu_native_decoder_stack is timed against the layers one by one" in first.output
+    backends = next(line for line in first.output.splitlines() if line.startswith("chosen by priority, not timed"))
+    assert backends.endswith("attention=cpu_native, moe=cpu_native")     # not ops: said, not measured
     named = CliRunner().invoke(main, ["explain", "--model", str(test_model_dir), "--op-kernel", "linear=paddle_linear",
                                       "--op-kernel", "swiglu=cpu_native_swiglu"])
     assert "GFLOP/s" not in named.output and "per layer shape" not in named.output

@@ -91,6 +91,11 @@ def explain_command(device: str, runner: str | None, attention: str | None, moe:
     untimed = _untimed(selection)
     if untimed:
         click.echo(untimed)
+    backends = [f"{role}={spec.name}" for role, spec in (("attention", selection.attention), ("moe", selection.moe))
+                if spec.name != "reference"]
+    if backends:   # said, so that no one reads the op figures as covering them
+        click.echo(f"chosen by priority, not timed (backends, not ops; bench/prefill.py, bench/moe.py and "
+                   f"bench/levels.py compare them with the reference): {', '.join(backends)}")
     click.echo(f"selected: {selection.summary()}")
 
 
