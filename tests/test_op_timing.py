@@ -145,6 +145,9 @@ def test_the_engine_runs_the_portable_op_on_the_shapes_where_it_is_faster(test_m
     monkeypatch.setenv("FDPLUG_CACHE_DIR", str(tmp_path))
     time_shape, calls = _figures(slow={"o_proj", "lm_head"})
     monkeypatch.setattr(op_timing, "_time_shape", lambda shape, *args: time_shape(shape))
+    from tests.test_quant_op_timing import _row_ops_and_stack_keep_their_kernels
+
+    _row_ops_and_stack_keep_their_kernels(monkeypatch)   # this test is about the linears' plan
     params = SamplingParams(max_tokens=12, temperature=0.0)
     prompts = ["the quick brown fox", "one two three four five six"]
     llm = _engine(test_model_dir)

@@ -93,6 +93,18 @@ def _slow_where(slow_types: set[str], slow_logits: bool):
     return time_shape, calls
 
 
+def _row_ops_and_stack_keep_their_kernels(monkeypatch) -> None:
+    """Real timings of the row ops and the stack could split near ties differently between the
+    engines a test compares (a tiny model's one-row calls)."""
+    from fdplug.core.worker import row_op_timing, stack_timing
+
+    monkeypatch.setattr(row_op_timing, "_time_case", lambda case, *a: {"rows": list(case.rows),
+                                                                        "kernel": [1.0] * len(case.rows),
+                                                                        "portable": [2.0] * len(case.rows)})
+    monkeypatch.setattr(stack_timing, "_time_steps", lambda *a: {"rows": [1, 32], "kernel": [1.0, 1.0],
+                                                                 "portable": [2.0, 2.0]})
+
+
 @NEEDS_KERNELS
 def test_the_engine_runs_the_portable_gguf_op_on_the_groups_where_it_is_faster(tmp_path, monkeypatch, caplog):
     """A Q4_K_M-like mix: the groups of the losing type run the portable op on the file's bytes (the
@@ -105,6 +117,7 @@ def test_the_engine_runs_the_portable_gguf_op_on_the_groups_where_it_is_faster(t
     monkeypatch.setenv("FDPLUG_CACHE_DIR", str(tmp_path / "cache"))
     time_shape, calls = _slow_where({"Q6_K"}, slow_logits=True)
     monkeypatch.setattr(op_timing, "_time_shape", time_shape)
+    _row_ops_and_stack_keep_their_kernels(monkeypatch)   # what this test asserts is the linears' plan
     gguf, _ = write_pair(tmp_path, "llama", types={"model.layers.*.self_attn.v_proj": "Q6_K",
                                                   "model.layers.*.mlp.down_proj": "Q6_K"}, tokenizer=True)
     with caplog.at_level("INFO"):
@@ -153,6 +166,7 @@ def test_the_engine_runs_the_portable_fp8_op_on_the_shapes_where_it_is_faster(te
         return {"rows": list(op_timing.ROWS), "kernel": [100.0, 100.0, 25.0 if slow else 100.0],
                 "portable": [50.0] * 3}
     monkeypatch.setattr(op_timing, "_time_shape", time_shape)
+    _row_ops_and_stack_keep_their_kernels(monkeypatch)
     llm = LLM(str(test_model_dir), max_model_len=64, num_kv_blocks=16, quantization="fp8")
     layer = llm.engine.runner.model.layers[0]
     fp8 = [s for s in calls if s.weight_dtype != "float32"]          # the float lm_head is the linear op's
