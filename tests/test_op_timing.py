@@ -328,3 +328,26 @@ def test_a_verdict_that_hinges_is_timed_twice_as_long(monkeypatch):
     results.update(kernel=iter([9.0, *slow_then_fast]), portable=iter([9.0] + [1.0] * 2 * pairs))
     got = timing_cache.median_seconds(calls, lambda: None)
     assert len(seconds["kernel"]) == 1 + 2 * pairs and got == {"kernel": (1.2 + 0.9) / 2, "portable": 1.0}
+
+
+def test_a_kernel_far_ahead_in_the_first_pair_is_decided_by_it(monkeypatch):
+    """DECISIVE times faster: one pair after the untimed round; slower by as much: every pair (the
+    choice it would change gets the whole evidence)."""
+    seconds = {"kernel": [], "portable": []}
+    results = {}
+
+    def fake(call, sync):
+        name = call()
+        seconds[name].append(1)
+        return next(results[name])
+
+    monkeypatch.setattr(timing_cache, "_seconds", fake)
+    calls = {"kernel": lambda: "kernel", "portable": lambda: "portable"}
+    pairs, far = timing_cache.PAIRS, timing_cache.DECISIVE
+    results.update(kernel=iter([9.0] + [1.0] * 2 * pairs), portable=iter([9.0] + [far] * 2 * pairs))
+    assert timing_cache.median_seconds(calls, lambda: None) == {"kernel": 1.0, "portable": far}
+    assert len(seconds["kernel"]) == len(seconds["portable"]) == 2
+    seconds.update(kernel=[], portable=[])
+    results.update(kernel=iter([9.0] + [far] * 2 * pairs), portable=iter([9.0] + [1.0] * 2 * pairs))
+    timing_cache.median_seconds(calls, lambda: None)
+    assert len(seconds["kernel"]) == len(seconds["portable"]) == 1 + 2 * pairs

@@ -33,6 +33,7 @@ from fdplug.plugin_api.settings import cache_dir
 logger = logging.getLogger(__name__)
 
 PAIRS = 5                  # interleaved (kernel, portable) timings per row count
+DECISIVE = 3.0             # a kernel this much faster in the first pair is decided: no later pair could turn it
 CALL_SECONDS = 0.01        # a timing repeats the call for about this long (a 1-row call can take ~10 us)
 MIN_CALLS = 3              # ... and at least this often
 NOISE = 0.05               # slower by less than this is a tie (this machine drifts; medians of 5 pairs differ ~2-4%)
@@ -47,6 +48,7 @@ def cache_key(*parts: str) -> str:
     """The key figures are cached under: ``parts`` (the kernel, the dtype, its ``measure_key``, the row
     counts) and this module's timing constants, joined."""
     return "|".join([*parts, f"{PAIRS} pairs of {CALL_SECONDS} s, {MIN_CALLS} calls at least, a round untimed, "
+                             f"one pair where the kernel is {DECISIVE}x faster, "
                              "twice where the kernel looks slower"])
 
 
@@ -113,7 +115,10 @@ def median_seconds(calls: Mapping[str, Callable[[], Any]], sync: Callable[[], An
     than `NOISE`, where the verdict hinges, `PAIRS` more rounds are timed and the medians taken over
     all. The 256-row GEMMs of SmolLM2's float32 layers, a tie at the FMA peak called in a steady loop,
     had sent one and three of its four layer shapes to paddle's matmul in two runs; with both, 0-2 in
-    four (AMD EPYC, avx2-or-less: on that VM such a tie stays a coin toss at the 5% line)."""
+    four (AMD EPYC, avx2-or-less: on that VM such a tie stays a coin toss at the 5% line). Where the
+    first pair has the kernel `DECISIVE` times faster, that pair decides: the portable GGUF and FP8 ops
+    dequantize a layer per call (~100x slower at one row), and timing them five times over took most
+    of a first start (SmolLM2's Q4_1 file: 21 s against 9 with cached figures)."""
     for call in calls.values():
         _seconds(call, sync)
     names = list(calls)
@@ -124,6 +129,8 @@ def median_seconds(calls: Mapping[str, Callable[[], Any]], sync: Callable[[], An
     for i in range(2 * PAIRS):
         for name in (names if i % 2 == 0 else names[::-1]):
             timed[name].append(_seconds(calls[name], sync))
+        if i == 0 and timed["portable"][0] >= DECISIVE * timed["kernel"][0]:
+            break   # far beyond the drift; a wrong call here would need a 3x spike, and keeps the priority's choice
         if i == PAIRS - 1:
             first = medians()
             if first["portable"] >= first["kernel"] * (1 - NOISE):
