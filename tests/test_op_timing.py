@@ -306,48 +306,45 @@ def test_explain_says_when_the_plan_keeps_the_fused_stack_off():
         is None
 
 
-def test_a_verdict_that_hinges_is_timed_twice_as_long(monkeypatch):
-    """An untimed round each first (allocators settle); then PAIRS alternated rounds, and PAIRS more
-    only where the kernel looks slower beyond the noise, the medians taken over all of them."""
-    seconds = {"kernel": [], "portable": []}
-    results = {"kernel": iter([]), "portable": iter([])}
+def _scripted_timer(monkeypatch):
+    """``median_seconds`` on scripted seconds: -> (a call of it on ``kernel``/``portable`` series, the
+    windows each was timed in)."""
+    timed = {"kernel": [], "portable": []}
+    results = {}
 
     def fake(call, sync):
         name = call()
-        seconds[name].append(1)
+        timed[name].append(1)
         return next(results[name])
 
     monkeypatch.setattr(timing_cache, "_seconds", fake)
     calls = {"kernel": lambda: "kernel", "portable": lambda: "portable"}
+
+    def run(kernel: list[float], portable: list[float]) -> dict[str, float]:
+        timed.update(kernel=[], portable=[])
+        results.update(kernel=iter([9.0, *kernel]), portable=iter([9.0, *portable]))   # the untimed round first
+        return timing_cache.median_seconds(calls, lambda: None)
+    return run, timed
+
+
+def test_a_verdict_that_hinges_is_timed_twice_as_long(monkeypatch):
+    """An untimed round each first (allocators settle); then PAIRS alternated rounds, and PAIRS more
+    only where the kernel looks slower beyond the noise, the medians taken over all of them."""
+    run, timed = _scripted_timer(monkeypatch)
     pairs = timing_cache.PAIRS
-    results.update(kernel=iter([9.0] + [1.0] * 2 * pairs), portable=iter([9.0] + [1.0] * 2 * pairs))
-    assert timing_cache.median_seconds(calls, lambda: None) == {"kernel": 1.0, "portable": 1.0}
-    assert len(seconds["kernel"]) == len(seconds["portable"]) == 1 + pairs       # a tie: decided
-    seconds.update(kernel=[], portable=[])
-    slow_then_fast = [1.2] * pairs + [0.9] * pairs                               # looked slower, then was not
-    results.update(kernel=iter([9.0, *slow_then_fast]), portable=iter([9.0] + [1.0] * 2 * pairs))
-    got = timing_cache.median_seconds(calls, lambda: None)
-    assert len(seconds["kernel"]) == 1 + 2 * pairs and got == {"kernel": (1.2 + 0.9) / 2, "portable": 1.0}
+    assert run([1.0] * 2 * pairs, [1.0] * 2 * pairs) == {"kernel": 1.0, "portable": 1.0}
+    assert len(timed["kernel"]) == len(timed["portable"]) == 1 + pairs                # a tie: decided
+    slow_then_fast = [1.2] * pairs + [0.9] * pairs                                    # looked slower, then was not
+    got = run(slow_then_fast, [1.0] * 2 * pairs)
+    assert len(timed["kernel"]) == 1 + 2 * pairs and got == {"kernel": (1.2 + 0.9) / 2, "portable": 1.0}
 
 
 def test_a_kernel_far_ahead_in_the_first_pair_is_decided_by_it(monkeypatch):
     """DECISIVE times faster: one pair after the untimed round; slower by as much: every pair (the
     choice it would change gets the whole evidence)."""
-    seconds = {"kernel": [], "portable": []}
-    results = {}
-
-    def fake(call, sync):
-        name = call()
-        seconds[name].append(1)
-        return next(results[name])
-
-    monkeypatch.setattr(timing_cache, "_seconds", fake)
-    calls = {"kernel": lambda: "kernel", "portable": lambda: "portable"}
+    run, timed = _scripted_timer(monkeypatch)
     pairs, far = timing_cache.PAIRS, timing_cache.DECISIVE
-    results.update(kernel=iter([9.0] + [1.0] * 2 * pairs), portable=iter([9.0] + [far] * 2 * pairs))
-    assert timing_cache.median_seconds(calls, lambda: None) == {"kernel": 1.0, "portable": far}
-    assert len(seconds["kernel"]) == len(seconds["portable"]) == 2
-    seconds.update(kernel=[], portable=[])
-    results.update(kernel=iter([9.0] + [far] * 2 * pairs), portable=iter([9.0] + [1.0] * 2 * pairs))
-    timing_cache.median_seconds(calls, lambda: None)
-    assert len(seconds["kernel"]) == len(seconds["portable"]) == 1 + 2 * pairs
+    assert run([1.0] * 2 * pairs, [far] * 2 * pairs) == {"kernel": 1.0, "portable": far}
+    assert len(timed["kernel"]) == len(timed["portable"]) == 2
+    run([far] * 2 * pairs, [1.0] * 2 * pairs)
+    assert len(timed["kernel"]) == len(timed["portable"]) == 1 + 2 * pairs
