@@ -122,16 +122,21 @@ def bias_pointer(weight: PreparedWeight) -> int | None:
     return _contiguous(bias).data_ptr()
 
 
-def _linear_packed(x: Any, weight: PreparedWeight, threads: int, bf16_math: bool) -> Any:
+def packed_kind(weight: PreparedWeight, bf16_math: bool) -> int:
+    """fdplug_linear_packed's kind for a weight `prepare` packed: float32, or bf16 in float32 or (with
+    ``bf16_math``) bf16 math. The layer's call and the decoder stack's take it from here."""
     parts, wdtype = paddle_parts(), weight.data.dtype
     if weight.layout != layout():
         raise ValueError(f"cpu_native_linear reads weights prepared as {layout()!r}, got {weight.layout!r}")
     if is_dtype(wdtype, parts.float32):
-        kind = _F32
-    elif is_dtype(wdtype, parts.bfloat16):
-        kind = _BF16_MATH if bf16_math else _BF16
-    else:
-        raise ValueError(f"cpu_native_linear reads float32 or bf16 weights prepared as {layout()!r}, got {wdtype}")
+        return _F32
+    if is_dtype(wdtype, parts.bfloat16):
+        return _BF16_MATH if bf16_math else _BF16
+    raise ValueError(f"cpu_native_linear reads float32 or bf16 weights prepared as {layout()!r}, got {wdtype}")
+
+
+def _linear_packed(x: Any, weight: PreparedWeight, threads: int, bf16_math: bool) -> Any:
+    kind = packed_kind(weight, bf16_math)
     shape = x.shape
     cols, depth = weight.shape
     if shape[-1] != depth:

@@ -45,7 +45,6 @@ OWN_OPS = {"rms_norm": ("cpu_native_rms_norm",), "add_rms_norm": ("cpu_native_ad
 """The kernels whose work the stack does: it runs only where one of these was selected for each op
 (for the linears, in the math of the one selected; ``gguf_linear`` only for GGUF layers, ``linear``
 only for float ones)."""
-_F32, _BF16, _BF16_MATH = 0, 1, 2   # fdplug_linear_packed's kinds (native_linear's)
 
 _p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
@@ -163,10 +162,9 @@ def _c_linear(linear: StackLinear, bf16_math: bool) -> _Linear:
     weights = [w.data if isinstance(w, PreparedWeight) else w for w, _ in linear.groups]
     if linear.format == "float":   # native_linear._linear_packed's call: the bias inside, the same kind
         (weight, _), = linear.groups
-        kind = _F32 if str(weight.dtype) == "paddle.float32" else _BF16_MATH if bf16_math else _BF16
         return _Linear((_p * MAX_GROUPS)(weights[0].data_ptr()), native_linear.bias_pointer(weight),
                        (_i * MAX_GROUPS)(), (_i * MAX_GROUPS)(*rows), 1, linear.in_features, linear.out_features,
-                       kind)
+                       native_linear.packed_kind(weight, bf16_math))
     return _Linear((_p * MAX_GROUPS)(*(w.data_ptr() for w in weights)), _ptr(linear.bias),
                    (_i * MAX_GROUPS)(*(_IDS[q] for _, q in linear.groups)), (_i * MAX_GROUPS)(*rows),
                    len(linear.groups), linear.in_features, linear.out_features, -1)
