@@ -69,8 +69,8 @@ def plan_stack(model: Any, backend: Any, selection: Any, config: Any) -> StackPl
     """The stack's plan on the loaded ``model`` (its stack attached), or None where it is not measured:
     no stack took the model, the kernel named (``--op-kernel``) or without a ``measure_key``,
     ``FDPLUG_OP_TIMING=0``, or another process held the figures' lock too long."""
-    spec = selection.ops[OP]
-    if model.fused_stack is None or OP not in selection.measured_ops or spec.measure_key is None:
+    spec = _measured_spec(selection)
+    if model.fused_stack is None or spec is None:
         return None
     key, place = _key(spec, config, model.config), selection.device.paddle_place_name(config.device_index)
 
@@ -90,12 +90,18 @@ def plan_stack(model: Any, backend: Any, selection: Any, config: Any) -> StackPl
 
 def cached_plan(selection: Any, config: Any, model_config: Any) -> StackPlan | None:
     """The figures an earlier start measured for this model here (`fdplug explain`), or None."""
-    spec = selection.ops[OP]
-    if OP not in selection.measured_ops or spec.measure_key is None:
+    spec = _measured_spec(selection)
+    if spec is None:
         return None
     key = _key(spec, config, model_config)
     figures = tc.read_figures(tc.cache_path(key), key)
     return _plan(spec.name, figures, True) if SUBJECT in figures else None
+
+
+def _measured_spec(selection: Any) -> Any:
+    """The selected stack kernel's spec where it is to be timed (chosen by priority, a ``measure_key``)."""
+    spec = selection.ops[OP]
+    return spec if OP in selection.measured_ops and spec.measure_key is not None else None
 
 
 def _plan(kernel: str, figures: dict[str, Figures], cached: bool) -> StackPlan:
