@@ -72,7 +72,7 @@ def plan_stack(model: Any, backend: Any, selection: Any, config: Any) -> StackPl
     spec = _measured_spec(selection)
     if model.fused_stack is None or spec is None:
         return None
-    key, place = _key(spec, config, model.config), selection.device.paddle_place_name(config.device_index)
+    key, place = _key(selection, config, model.config), selection.device.paddle_place_name(config.device_index)
 
     def time_steps(_: str) -> Figures | None:
         try:
@@ -93,7 +93,7 @@ def cached_plan(selection: Any, config: Any, model_config: Any) -> StackPlan | N
     spec = _measured_spec(selection)
     if spec is None:
         return None
-    key = _key(spec, config, model_config)
+    key = _key(selection, config, model_config)
     figures = tc.read_figures(tc.cache_path(key), key)
     return _plan(spec.name, figures, True) if SUBJECT in figures else None
 
@@ -111,14 +111,17 @@ def _plan(kernel: str, figures: dict[str, Figures], cached: bool) -> StackPlan:
                      cached)
 
 
-def _key(spec: Any, config: Any, cfg: Any) -> str:
+def _key(selection: Any, config: Any, cfg: Any) -> str:
+    spec = selection.ops[OP]
+    ops = ", ".join(f"{op}={s.name}" for op, s in sorted(selection.ops.items()))   # the kernels the stack runs
     return tc.cache_key(spec.name, config.dtype, spec.measure_key(config), f"decode steps of {SEQUENCES} sequences, "
-                        f"{CONTEXT_NOTE}, us a step", _model_key(cfg, config))
+                        f"{CONTEXT_NOTE}, us a step", _model_key(cfg, config), f"{ops}, attention "
+                        f"{selection.attention.name}")
 
 
 def _model_key(cfg: Any, config: Any) -> str:
-    """What a decode step's speed depends on besides the machine: the model's shapes and formats, the
-    KV cache's element type, the selected ops."""
+    """What a decode step's speed depends on besides the machine and the kernels (`_key`): the model's
+    shapes and formats, the KV cache's element type."""
     quant = cfg.quant.describe() if cfg.quant is not None else "float"
     return (f"{cfg.architecture} {cfg.num_layers} layers, hidden {cfg.hidden_size}, mlp {cfg.intermediate_size}, "
             f"heads {cfg.num_heads}/{cfg.num_kv_heads}x{cfg.head_dim}, vocab {cfg.vocab_size}, qk norm {cfg.qk_norm}, "
