@@ -8,8 +8,10 @@ on rank 0's node) gives transformers' greedy tokens on a MoE fixture, from eithe
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import signal
 
 import httpx
@@ -25,8 +27,15 @@ from tests.test_server_dp import golden_model, per_engine  # noqa: E402, F401  (
 
 
 def test_ray_engines_answer_like_one_engine_and_come_back_after_a_kill(golden_model, tmp_path):  # noqa: F811 (the imported fixture)
-    server = Server(["--model", str(golden_model), "--served-model-name", "golden", "--max-model-len", "128",
-                     "--num-kv-blocks", "256", "--data-parallel-size", "2", "--data-parallel-backend", "ray"],
+    # room for a stream that outlasts the kill: 120 tokens of this tiny model had once all been made
+    # (and buffered by the client) before the SIGKILL landed, in a CI run. Plain RoPE: a longer
+    # table leaves the first positions' logits as they are.
+    model = tmp_path / "llama-2k"
+    shutil.copytree(golden_model, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))
+    server = Server(["--model", str(model), "--served-model-name", "golden", "--max-model-len", "2048",
+                     "--num-kv-blocks", "512", "--data-parallel-size", "2", "--data-parallel-backend", "ray"],
                     tmp_path / "ray.log", RAY_AUTH_MODE="disabled").wait_ready(180)
     try:
         log = server.log()
@@ -42,7 +51,7 @@ def test_ray_engines_answer_like_one_engine_and_come_back_after_a_kill(golden_mo
             assert abs(reply.choices[0].logprobs.token_logprobs[0] - want.max()) <= 1e-4, k
 
         engines = httpx.get(server.url + "/health").json()["engines"]
-        stream = client.completions.create(model="golden", prompt=[1, 2, 3], max_tokens=120, temperature=0,
+        stream = client.completions.create(model="golden", prompt=[1, 2, 3], max_tokens=2000, temperature=0,
                                            stream=True, extra_body={"ignore_eos": True})
         chunks = iter(stream)
         next(chunks)
