@@ -18,7 +18,7 @@ tokens (argmax: the sampled rows, 1, 32 and 64); attention: one layer's ``forwar
 backend against ``reference`` (paddle's matmuls and softmax), decode with 1, 16 and 64 sequences of
 512 keys each, prefill of one fresh 256- and 1,024-token prompt; MoE: one layer's routed experts
 (``forward``) of the selected backend against ``reference`` on `bench/moe.py`'s model (32 experts of
-width 384, top-4, hidden 512) at 1, 32 and 256 tokens. Microseconds a call, the two
+width 384, top-4 of random distinct experts, hidden 512) at 1, 32 and 256 tokens. Microseconds a call, the two
 alternated (ABAB...), medians; 'x' = portable time / kernel time. The first line names the CPU and
 the level the kernels were built for.
 """  # noqa: E501 (printed verbatim by --help: RawDescriptionHelpFormatter)
@@ -39,6 +39,9 @@ SAMPLED = (1, 32, 64)
 SMOLLM2 = SimpleNamespace(hidden_size=HIDDEN, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
                           intermediate_size=INTER, vocab_size=VOCAB, num_layers=30, moe=None, qk_norm=False)
 """The `ModelConfig` fields `row_op_timing.row_cases` reads, SmolLM2-135M's."""
+BENCH_MOE = SimpleNamespace(hidden_size=MOE_HIDDEN, moe=SimpleNamespace(
+    num_experts=EXPERTS, intermediate_size=MOE_INTER, routing=SimpleNamespace(top_k=TOP_K)))
+"""The fields `expert_samples.experts_call` reads, bench/moe.py's model."""
 
 
 def cases(rows: int, rng: np.random.Generator) -> dict[str, tuple]:
@@ -51,52 +54,21 @@ def cases(rows: int, rng: np.random.Generator) -> dict[str, tuple]:
     return {case.op: case.arguments(rows, rng) for case in row_cases(SMOLLM2, ops)}
 
 
-def attention_step(seqs: int, query_len: int, context: int, block_size: int):
-    """`AttentionMetadata` of one step: ``seqs`` sequences of ``context`` keys, the last
-    ``query_len`` of each queried (decode: 1; a fresh prompt: all), each in blocks of its own."""
-    from fdplug.plugin_api.attention import AttentionMetadata, causal_key_end, cdiv
-
-    blocks = cdiv(context, block_size)
-    positions = np.tile(np.arange(context - query_len, context, dtype=np.int64), seqs)
-    tables = 1 + np.arange(seqs * blocks, dtype=np.int64).reshape(seqs, blocks)   # block 0: the null block
-    seq_of_token = np.repeat(np.arange(seqs), query_len)
-    slots = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
-    return AttentionMetadata(query_start_loc=np.arange(seqs + 1, dtype=np.int64) * query_len,
-                             seq_lens=np.full(seqs, context, dtype=np.int64), positions=positions,
-                             key_end=causal_key_end(positions), slot_mapping=slots, block_tables=tables,
-                             block_size=block_size), 1 + seqs * blocks
-
-
 def attention_call(backend, meta, num_blocks: int, rng: np.random.Generator):
-    """One layer's ``forward`` on caches of random keys and values, as a call without arguments."""
-    import paddle
+    """One layer's ``forward`` on caches of random keys and values (float32), as a call without
+    arguments: the startup timing's (`backend_timing.attention_call`) at SmolLM2's heads."""
+    from fdplug.core.config import EngineConfig
+    from fdplug.core.worker.backend_timing import attention_call as call
 
-    meta.validate()
-    shape = backend.kv_cache_shape(num_blocks, meta.block_size, KV_HEADS, HEAD_DIM)
-    key_cache, value_cache = (paddle.to_tensor(rng.standard_normal(shape).astype(np.float32)) for _ in range(2))
-    tokens = meta.num_tokens
-    q = paddle.to_tensor(rng.standard_normal((tokens, HEADS, HEAD_DIM)).astype(np.float32))
-    k, v = (paddle.to_tensor(rng.standard_normal((tokens, KV_HEADS, HEAD_DIM)).astype(np.float32)) for _ in range(2))
-    prepared = backend.prepare(meta)
-    return lambda: backend.forward(q, k, v, key_cache, value_cache, prepared, HEAD_DIM ** -0.5)
+    return call(backend, SMOLLM2, EngineConfig(dtype="float32"), meta, num_blocks, rng)
 
 
 def moe_call(backend, tokens: int, rng: np.random.Generator):
-    """One MoE layer's routed experts (random weights, softmax top-4 routing) as a call without arguments."""
-    import paddle
+    """One MoE layer's routed experts (random float32 weights, random top-4 routing) as a call without
+    arguments: the startup timing's (`expert_samples.experts_call`) on bench/moe.py's model."""
+    from fdplug.core.worker.expert_samples import ExpertFormat, experts_call
 
-    from fdplug.core.portable.moe_routing import select_experts
-    from fdplug.plugin_api.moe import ExpertWeights, Routing
-
-    def t(*shape: int, scale: float = 1.0):
-        return paddle.to_tensor((rng.standard_normal(shape) * scale).astype(np.float32))
-
-    layer = backend.load_weights(ExpertWeights(t(EXPERTS, MOE_INTER, MOE_HIDDEN, scale=MOE_HIDDEN ** -0.5),
-                                               t(EXPERTS, MOE_INTER, MOE_HIDDEN, scale=MOE_HIDDEN ** -0.5),
-                                               t(EXPERTS, MOE_HIDDEN, MOE_INTER, scale=MOE_INTER ** -0.5)))
-    hidden = t(tokens, MOE_HIDDEN)
-    weights, ids = select_experts(t(tokens, EXPERTS), Routing(TOP_K), None)
-    return lambda: backend.forward(hidden, weights, ids, layer)
+    return experts_call(backend, BENCH_MOE, ExpertFormat(), "float32", 1 << 40, rng)(tokens)
 
 
 def time_pair(kernel, portable, args: tuple, rounds: int, budget: float) -> tuple[float, float]:
@@ -125,6 +97,7 @@ def main() -> None:
     from fdplug import select_components
     from fdplug.core.config import EngineConfig
     from fdplug.core.portable import ops as portable_ops
+    from fdplug.core.worker.backend_timing import step_metadata
     from fdplug.plugins.cpu import device, isa
 
     paddle.set_device("cpu")
@@ -151,7 +124,7 @@ def main() -> None:
     reference = select_components("cpu", attention="reference").attention.factory(config)
     for label, seqs, query_len, context in [("decode", 1, 1, 512), ("decode", 16, 1, 512), ("decode", 64, 1, 512),
                                             ("prefill", 1, 256, 256), ("prefill", 1, 1024, 1024)]:
-        meta, num_blocks = attention_step(seqs, query_len, context, config.block_size)
+        meta, num_blocks = step_metadata(seqs, query_len, context, config.block_size)
         times = time_pair(attention_call(backend, meta, num_blocks, rng),
                           attention_call(reference, meta, num_blocks, rng), (), rounds, budget)
         what = f"{seqs} x {context} keys" if label == "decode" else f"{query_len} tokens"

@@ -82,8 +82,9 @@ def test_the_linear_kernels_need_x86_64_v3_and_say_so_below():
     gguf = out.split("op:gguf_linear:")[1].split("op:")[0]
     assert "chosen   cpu_native_gguf_packed_linear" in gguf                  # packed q8 math first there
     assert "rejected cpu_native_gguf_q8_linear" in gguf
-    assert "measured ops: add_rms_norm, argmax, decoder_stack, fp8_linear, gguf_linear, linear, rms_norm, rope, " \
-           "swiglu: each kernel is timed against the portable op on the model's shapes at startup" in out
+    assert "measured: add_rms_norm, argmax, attention, decoder_stack, fp8_linear, gguf_linear, linear, moe, " \
+           "rms_norm, rope, swiglu: each kernel is timed against the portable op on the model's shapes at startup" \
+        in out
     out = subprocess.run([FDPLUG, "explain"], capture_output=True, text=True, env=subprocess_env(FDPLUG_CPU_ISA="sse4"),
                          timeout=300, check=True).stdout
     linear = out.split("op:linear:")[1].split("op:")[0]

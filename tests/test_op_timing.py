@@ -184,16 +184,16 @@ def test_the_real_figures_are_cached_and_shown_by_explain(test_model_dir, tmp_pa
     assert "(cached figures)" in second.output
     assert [line for line in second.output.splitlines() if "GFLOP/s" in line] == \
         [line for line in first.output.splitlines() if "GFLOP/s" in line]
-    row_lines = [line for line in first.output.splitlines() if " us at 1/32" in line]
+    row_lines = [line for line in first.output.splitlines() if " us at 1/32" in line and line.endswith(" rows")]
     assert [line.split(" (")[0].strip() for line in row_lines] == ["[64]", "[64]", "[6, 16]", "[256]", "[512]"]
-    assert [line for line in second.output.splitlines() if " us at " in line] == row_lines
+    assert [line for line in second.output.splitlines() if " us at " in line and line.endswith(" rows")] == row_lines
     saved = sorted((tmp_path / "op_timings").glob("*.json"))
-    assert len(saved) == 6                                              # the linear kernel's and five row ops'
+    assert len(saved) == 7                                  # the linear kernel's, five row ops', the attention's
     assert all(v > 0 for path in saved for e in json.loads(path.read_text())["shapes"].values() for v in e["kernel"])
     assert not any(line.startswith("not timed against") for line in first.output.splitlines())   # every op timed
     assert "op:decoder_stack: cpu_native_decoder_stack is timed against the layers one by one" in first.output
-    backends = next(line for line in first.output.splitlines() if line.startswith("chosen by priority, not timed"))
-    assert backends.endswith("attention=cpu_native, moe=cpu_native")     # not ops: said, not measured
+    assert "attention backend (measured now; one layer's call) -> cpu_native" in first.output   # a dense model: no moe
+    assert "attention backend (cached figures; one layer's call) -> cpu_native" in second.output
     named = CliRunner().invoke(main, ["explain", "--model", str(test_model_dir), "--op-kernel", "linear=paddle_linear",
                                       "--op-kernel", "swiglu=cpu_native_swiglu"])
     assert "GFLOP/s" not in named.output and "per layer shape" not in named.output
@@ -257,7 +257,7 @@ def test_fdplug_op_timing_0_and_an_explicit_kernel_are_not_timed(monkeypatch):
         pytest.skip("the cpu linear kernels need their build and x86-64-v3")
     monkeypatch.setenv("FDPLUG_OP_TIMING", "1")
     row_ops = {"rms_norm", "add_rms_norm", "rope", "swiglu", "argmax"}
-    others = {"linear", "fp8_linear", "gguf_linear", "decoder_stack"}
+    others = {"linear", "fp8_linear", "gguf_linear", "decoder_stack", "attention", "moe"}   # and the backends
     assert select_components("cpu").measured_ops == others | row_ops
     assert select_components("cpu", ops={"linear": "cpu_native_linear"}).measured_ops == \
         others - {"linear"} | row_ops
@@ -271,7 +271,8 @@ def test_fdplug_op_timing_0_and_an_explicit_kernel_are_not_timed(monkeypatch):
 
 
 def test_only_the_measured_ops_kernels_may_name_a_measure_key():
-    from fdplug.plugin_api.specs import OpSpec, validate_spec
+    from fdplug.plugin_api.spec_checks import validate_spec
+    from fdplug.plugin_api.specs import OpSpec
 
     for op in ("linear", "fp8_linear", "gguf_linear", "rms_norm", "add_rms_norm", "rope", "swiglu", "argmax",
                "decoder_stack"):

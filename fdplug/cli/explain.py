@@ -59,6 +59,7 @@ def explain_command(device: str, runner: str | None, attention: str | None, moe:
     click.echo(selection.explain())
     if model_config is not None:
         from fdplug.core.model.checkpoint.footprint import model_summary
+        from fdplug.core.worker.backend_timing import plan_backends
         from fdplug.core.worker.op_timing import LINEAR_OPS, plan_linear
         from fdplug.core.worker.row_op_timing import plan_row_ops
         from fdplug.core.worker.stack_timing import cached_plan
@@ -83,19 +84,21 @@ def explain_command(device: str, runner: str | None, attention: str | None, moe:
             click.echo(f"op:decoder_stack: {selection.ops['decoder_stack'].name} is timed against the layers one "
                        "by one once the model is loaded, where it takes the model (no figures of an earlier start "
                        "here yet; the startup log says)")
+        for backend_plan in plan_backends(selection, config, model_config):
+            click.echo(backend_plan.describe())
     elif selection.measured_ops:
-        click.echo(f"measured ops: {', '.join(sorted(selection.measured_ops))}: each kernel is timed against the "
+        click.echo(f"measured: {', '.join(sorted(selection.measured_ops))}: each kernel is timed against the "
                    "portable op on the model's shapes at startup and runs where it is not slower (the linears: per "
-                   "layer shape; the row ops: per op; a decoder stack: on the loaded model's decode steps); --model "
-                   "DIR shows the figures")
+                   "layer shape; the row ops: per op; a decoder stack: on the loaded model's decode steps), each "
+                   "backend (attention, moe) against the reference; --model DIR shows the figures")
     untimed = _untimed(selection)
     if untimed:
         click.echo(untimed)
     backends = [f"{role}={spec.name}" for role, spec in (("attention", selection.attention), ("moe", selection.moe))
-                if spec.name != "reference"]
-    if backends:   # said, so that no one reads the op figures as covering them
-        click.echo(f"chosen by priority, not timed (backends, not ops; bench/prefill.py, bench/moe.py and "
-                   f"bench/levels.py compare them with the reference): {', '.join(backends)}")
+                if spec.name != "reference" and role not in selection.measured_ops]
+    if backends:   # said, so that no one reads the figures as covering them
+        click.echo("not timed against the reference (the backend has no measure_key, or was named, or "
+                   f"FDPLUG_OP_TIMING=0): {', '.join(backends)}")
     click.echo(f"selected: {selection.summary()}")
 
 

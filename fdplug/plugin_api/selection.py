@@ -22,6 +22,8 @@ from fdplug.plugin_api.specs import (
 )
 
 COMPONENT_ROLES = ("runner", "attention", "moe")
+MEASURED_BACKENDS = ("attention", "moe")
+"""The roles whose backend may be timed against the core's ``reference`` (`AttentionBackendSpec.measure_key`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +56,9 @@ class Selection:
     kv_connector: KVConnectorSpec | None = None     # only for a prefill or decode instance (--role)
     measured_ops: frozenset[str] = frozenset()
     """The ops whose kernel was chosen by priority and names a ``measure_key``: the core times it
-    against the portable op on the model's shapes (`OpSpec.measure_key`). Not those named explicitly."""
+    against the portable op on the model's shapes (`OpSpec.measure_key`); and the roles of
+    `MEASURED_BACKENDS` whose backend was, timed against the reference (API 4.7). Not those named
+    explicitly."""
 
     def to_names(self) -> dict[str, Any]:
         """The choice as plain names: ``select_components(**names)`` rebuilds it in another process."""

@@ -11,14 +11,12 @@ first, as the plugin ``core``, which cannot be disabled.
 
 from __future__ import annotations
 
-from fdplug.core.portable.op_specs import PORTABLE_OPS
+from fdplug.core.portable.op_specs import PORTABLE_OPS, REFERENCE_BACKENDS
 from fdplug.plugin_api.hookspecs import API_VERSION, hookimpl
 from fdplug.plugin_api.specs import (
     ANY_DEVICE,
-    AttentionBackendSpec,
     KVConnectorSpec,
     ModelRunnerSpec,
-    MoEBackendSpec,
 )
 
 FDPLUG_API_VERSION = API_VERSION
@@ -28,18 +26,6 @@ def _runner_factory(config, selection):
     from fdplug.core.worker.model_runner import ModelRunner
 
     return ModelRunner(config, selection)
-
-
-def _attention_factory(config):
-    from fdplug.core.portable.attention import ReferenceAttention
-
-    return ReferenceAttention()
-
-
-def _moe_factory(config):
-    from fdplug.core.portable.moe import ReferenceMoE
-
-    return ReferenceMoE()
 
 
 @hookimpl
@@ -52,16 +38,12 @@ def fdplug_register_model_runners(register):
 
 @hookimpl
 def fdplug_register_attention_backends(register):
-    register(AttentionBackendSpec(name="reference", devices=(ANY_DEVICE,), factory=_attention_factory, priority=0,
-                                  description="plain Paddle matmuls over the paged cache, masks from the mask spec"))
+    register(REFERENCE_BACKENDS["attention"])
 
 
 @hookimpl
 def fdplug_register_moe_backends(register):
-    register(MoEBackendSpec(name="reference", devices=(ANY_DEVICE,), factory=_moe_factory, priority=0,
-                            weight_formats=("none", "fp8_block", "gguf"),
-                            description="a Paddle loop over the experts that got tokens (fp8_block, gguf: each "
-                                        "dequantized when it runs)"))
+    register(REFERENCE_BACKENDS["moe"])
 
 
 @hookimpl

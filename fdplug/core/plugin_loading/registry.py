@@ -12,7 +12,8 @@ from typing import Any
 
 from fdplug.errors import RegistrationError
 from fdplug.plugin_api.settings import SETTINGS, declare
-from fdplug.plugin_api.specs import SPEC_TYPES, validate_spec
+from fdplug.plugin_api.spec_checks import validate_spec
+from fdplug.plugin_api.specs import SPEC_TYPES
 
 
 @dataclass(frozen=True, slots=True)

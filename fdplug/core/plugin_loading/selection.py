@@ -20,7 +20,7 @@ from fdplug.core.plugin_loading.registry import Entry
 from fdplug.core.settings import env
 from fdplug.errors import ConfigError, DeviceUnavailableError, SelectionError, UnknownComponentError
 from fdplug.plugin_api.ops import OPS
-from fdplug.plugin_api.selection import COMPONENT_ROLES, Decision, Selection
+from fdplug.plugin_api.selection import COMPONENT_ROLES, MEASURED_BACKENDS, Decision, Selection
 from fdplug.plugin_api.specs import DeviceSpec, FeatureStorageSpec, Probe
 
 AUTO = "auto"
@@ -38,7 +38,8 @@ def select_components(device: str = AUTO, runner: str | None = None, attention: 
     fix), `UnknownComponentError` (no plugin registered that name) or `SelectionError` (no candidate
     fits); each carries the decisions made so far.
 
-    ``measured_ops``: the ops whose kernel is timed against the portable op on the model's shapes
+    ``measured_ops``: the ops whose kernel is timed against the portable op on the model's shapes, and
+    the backend roles (``attention``, ``moe``) whose backend is timed against the reference
     (`Selection.measured_ops`); None: those chosen here by priority whose spec has a ``measure_key``,
     unless FDPLUG_OP_TIMING=0 (a list: how another process rebuilds a selection, whose ops it names).
     """
@@ -60,12 +61,14 @@ def select_components(device: str = AUTO, runner: str | None = None, attention: 
                              decisions=tuple(decisions))
     connector = (_select_component(plugins, "kv_connector", kv_connector, device_entry.spec.name, config, decisions)
                  if config.kv_role is not None else None)
+    specs = {**op_specs, **{role: chosen[role] for role in MEASURED_BACKENDS}}   # what may be timed, by name
     if measured_ops is None:
-        measured_ops = [op for op, spec in op_specs.items()
-                        if spec.measure_key is not None and op not in (ops or {}) and env("FDPLUG_OP_TIMING")]
+        asked = {**(ops or {}), "attention": attention, "moe": moe}
+        measured_ops = [name for name, spec in specs.items()
+                        if spec.measure_key is not None and asked.get(name) is None and env("FDPLUG_OP_TIMING")]
     return Selection(device_entry.spec, probe, chosen["runner"], chosen["attention"], chosen["moe"],
                      MappingProxyType(op_specs), MappingProxyType(storage_specs), tuple(decisions), connector,
-                     frozenset(op for op in measured_ops if op in op_specs and op_specs[op].measure_key is not None))
+                     frozenset(name for name in measured_ops if name in specs and specs[name].measure_key is not None))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,14 +1,15 @@
-"""The portable kernel of each op as the `OpSpec` the core registers for every device.
+"""The portable kernel of each op as the `OpSpec` the core registers for every device, and the
+reference attention and MoE backends' specs.
 
-Kept here, not only in the core plugin's hook: a kernel that startup timing finds slower than the
-portable op gives way to this very spec (`fdplug.core.worker.row_op_timing`), so the selection then
-names it as if it had been chosen.
+Kept here, not only in the core plugin's hook: a kernel or a backend that startup timing finds
+slower than the portable one gives way to this very spec (`fdplug.core.worker.row_op_timing`,
+`fdplug.core.worker.backend_timing`), so the selection then names it as if it had been chosen.
 """
 
 from __future__ import annotations
 
 from fdplug.core.portable import PORTABLE_LINEAR
-from fdplug.plugin_api.specs import ANY_DEVICE, OpSpec
+from fdplug.plugin_api.specs import ANY_DEVICE, AttentionBackendSpec, MoEBackendSpec, OpSpec
 
 
 def _op_factory(op: str):
@@ -38,3 +39,26 @@ PORTABLE_OPS: dict[str, OpSpec] = {spec.op: spec for spec in (
     _portable_op("linear", "one paddle matmul of the weights as stored (bf16 weights under float32 activations: "
                  "cast first, a copy per call)", name=PORTABLE_LINEAR))}
 """Each op's portable kernel (`fdplug.core.portable.ops`), by op."""
+
+
+def _attention_factory(config):
+    from fdplug.core.portable.attention import ReferenceAttention
+
+    return ReferenceAttention()
+
+
+def _moe_factory(config):
+    from fdplug.core.portable.moe import ReferenceMoE
+
+    return ReferenceMoE()
+
+
+REFERENCE_BACKENDS: dict[str, AttentionBackendSpec | MoEBackendSpec] = {
+    "attention": AttentionBackendSpec(name="reference", devices=(ANY_DEVICE,), factory=_attention_factory,
+                                      description="plain Paddle matmuls over the paged cache, masks from the mask "
+                                                  "spec"),
+    "moe": MoEBackendSpec(name="reference", devices=(ANY_DEVICE,), factory=_moe_factory,
+                          weight_formats=("none", "fp8_block", "gguf"),
+                          description="a Paddle loop over the experts that got tokens (fp8_block, gguf: each "
+                                      "dequantized when it runs)")}
+"""The core's reference backend of each role of `fdplug.plugin_api.selection.MEASURED_BACKENDS`."""

@@ -78,6 +78,7 @@ class ModelRunner:
         from fdplug.core.model.checkpoint.footprint import model_summary
         from fdplug.core.model.layers.fused_stack import attach as attach_stack
         from fdplug.core.model.loader import load_model
+        from fdplug.core.worker.backend_timing import settle as settle_backends
         from fdplug.core.worker.op_timing import LINEAR_OPS, plan_linear
         from fdplug.core.worker.row_op_timing import plan_row_ops
         from fdplug.core.worker.stack_timing import plan_stack
@@ -87,6 +88,7 @@ class ModelRunner:
         cfg.keep_weights(self.config.dtype, self.config.weight_dtype)
         group = expert_parallel_group(self.config, cfg)
         footprint = check_weights_fit(cfg, self.config.dtype, self.selection, group.size if group else 1)
+        self.selection = settle_backends(self.selection, self.config, cfg)   # a backend only where not slower
         self.attn_backend = self.selection.attention.factory(self.config)
         self.moe_backend = self.selection.moe.factory(self.config) if cfg.moe is not None else None
         linear_plans = [plan for op in LINEAR_OPS if (plan := plan_linear(self.selection, self.config, cfg, op))]

@@ -83,8 +83,8 @@ def _tiles_supports(name: str):
 
 
 def _measure_key(config) -> str:
-    """`OpSpec.measure_key` of the row-op kernels (norms, RoPE, SwiGLU, argmax): what their speed
-    against paddle's ops depends on."""
+    """`OpSpec.measure_key` of the row-op kernels (norms, RoPE, SwiGLU, argmax), and the attention and
+    MoE backends': what their speed against paddle's ops depends on."""
     import paddle
 
     from fdplug.plugins.cpu import isa, kernel_build
@@ -178,7 +178,7 @@ def fdplug_register_devices(register):
 @hookimpl
 def fdplug_register_attention_backends(register):
     register(AttentionBackendSpec(name="cpu_native", devices=("cpu",), factory=_native_attention_factory, priority=10,
-                                  supports=_native_kernels_supports,
+                                  supports=_native_kernels_supports, measure_key=_measure_key,
                                   description="decode reads the paged cache in place (compiled C); prefill as "
                                               "the reference (FDPLUG_CPU_KERNELS)"))
 
@@ -187,6 +187,7 @@ def fdplug_register_attention_backends(register):
 def fdplug_register_moe_backends(register):
     register(MoEBackendSpec(name="cpu_native", devices=("cpu",), factory=_native_moe_factory, priority=10,
                             weight_formats=("none", "fp8_block", "gguf"), supports=_native_kernels_supports,
+                            measure_key=_measure_key,
                             description="float experts: every expert of a layer in one compiled call (grouped "
                                         "GEMMs, SwiGLU fused, all cores); fp8_block: two compiled FP8 linears per "
                                         "expert, weights read in place; gguf: the compiled GGUF linear on each "
