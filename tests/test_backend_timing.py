@@ -103,8 +103,10 @@ def test_a_backend_slower_than_the_reference_gives_way_to_it(moe_model, tmp_path
         want = "reference" if role in slower else "cpu_native"
         assert getattr(runner.selection, role).name == want
         assert f"{role}={want}" in llm.describe()
+        lost = ("reference (cpu_native slower on decode, 64 keys a sequence at 1/32 sequences; prefill at 64 tokens)"
+                if role == "attention" else "reference (cpu_native slower on routed experts at 1/32/256 tokens)")
         assert f"{role} backend (measured now; one layer's call) -> " + (
-            "reference (cpu_native slower or not timed)" if role in slower else "cpu_native") in caplog.text
+            lost if role in slower else "cpu_native") in caplog.text
     assert type(runner.attn_backend).__name__ == ("ReferenceAttention" if "attention" in slower else
                                                   "NativeCpuAttention")
     assert type(runner.model.layers[0].mlp.backend).__name__ == ("ReferenceMoE" if "moe" in slower else "NativeCpuMoE")
@@ -127,6 +129,10 @@ def test_a_failed_timing_gives_the_role_the_reference(test_model_dir, tmp_path, 
         settled = backend_timing.settle(selection, config, ModelConfig.from_dir(test_model_dir))
     assert settled.attention.name == "reference" and settled.moe.name == "cpu_native"   # a dense model: moe untimed
     assert "timing attention backend cpu_native on decode, 64 keys a sequence" in caplog.text
+    plan, = backend_timing.plan_backends(selection, config, ModelConfig.from_dir(test_model_dir))
+    assert plan.describe().splitlines()[0] == ("attention backend (measured now; one layer's call) -> reference "
+                                               "(cpu_native slower on decode, 64 keys a sequence: its timing failed; "
+                                               "prefill: its timing failed)")
     assert "RuntimeError('no kernel for this shape')" in caplog.text
     assert not list((tmp_path / "op_timings").glob("*.json"))     # nothing cached: timed again at the next start
 

@@ -64,7 +64,10 @@ class BackendPlan:
         return all(t.kernel_wins for t in self.timings)
 
     def describe(self) -> str:
-        verdict = self.backend if self.keeps else f"reference ({self.backend} slower or not timed)"
+        lost = "; ".join(f"{t.subject.name.split(':')[0]} at {'/'.join(map(str, t.slower_at))} {t.subject.unit}"
+                         if t.rows else f"{t.subject.name.split(':')[0]}: its timing failed" for t in self.timings
+                         if not t.kernel_wins)
+        verdict = self.backend if self.keeps else f"reference ({self.backend} slower on {lost})"
         lines = [f"{self.role} backend ({'cached figures' if self.cached else 'measured now'}; one layer's call) "
                  f"-> {verdict}"]
         for t in self.timings:
@@ -80,8 +83,9 @@ def plan_backends(selection: Any, config: Any, model_config: Any) -> list[Backen
     for role, cases in (("attention", attention_cases(model_config, config)),
                         ("moe", moe_cases(model_config, config.dtype))):
         spec = getattr(selection, role)
-        if role in selection.measured_ops and spec.measure_key is not None and cases:
-            plans.extend(plan for plan in [_plan(role, spec, cases, selection, config)] if plan is not None)
+        if role in selection.measured_ops and spec.measure_key is not None and cases and \
+                (plan := _plan(role, spec, cases, selection, config)) is not None:
+            plans.append(plan)
     return plans
 
 
