@@ -192,14 +192,16 @@ def attention_call(backend: Any, cfg: Any, config: Any, meta: Any, num_blocks: i
 
 def moe_cases(cfg: Any, dtype: str) -> list[Case]:
     """One case per expert format of ``cfg``'s MoE layers (none for a dense model), ``dtype`` the compute dtype."""
-    from fdplug.core.worker.expert_samples import expert_formats, experts_call
+    from fdplug.core.worker.expert_samples import expert_formats
 
-    if cfg.moe is None:
-        return []
-    cases = []
-    for fmt in expert_formats(cfg):
-        def build(backend: Any, rng: Any, fmt: Any = fmt) -> Any:
-            return experts_call(backend, cfg, fmt, dtype, EXPERT_BYTES, rng)
+    return [] if cfg.moe is None else [moe_case(cfg, fmt, dtype) for fmt in expert_formats(cfg)]
 
-        cases.append(Case(f"routed experts: {fmt.describe(cfg, dtype, EXPERT_BYTES)}", MOE_TOKENS, "tokens", build))
-    return cases
+
+def moe_case(cfg: Any, fmt: Any, dtype: str) -> Case:
+    """One layer's routed experts in ``fmt`` (an `expert_samples.ExpertFormat`)."""
+    from fdplug.core.worker.expert_samples import experts_call
+
+    def build(backend: Any, rng: Any) -> Any:
+        return experts_call(backend, cfg, fmt, dtype, EXPERT_BYTES, rng)
+
+    return Case(f"routed experts: {fmt.describe(cfg, dtype, EXPERT_BYTES)}", MOE_TOKENS, "tokens", build)
