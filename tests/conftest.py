@@ -177,3 +177,17 @@ def write_test_model(out_dir: Path, **overrides) -> Path:
 @pytest.fixture(scope="session")
 def test_model_dir(tmp_path_factory) -> Path:
     return write_test_model(tmp_path_factory.mktemp("models") / "sharp")
+
+
+def explain_measuring(model: Path, cache: Path, monkeypatch, *args: str) -> str:
+    """``fdplug explain --model MODEL ARGS`` with the startup timing on (the tests' default pins the
+    kernels) and its figures cached under ``cache``; -> its output (a failure fails the test)."""
+    from click.testing import CliRunner
+
+    from fdplug.cli import main
+
+    monkeypatch.setenv("FDPLUG_OP_TIMING", "1")
+    monkeypatch.setenv("FDPLUG_CACHE_DIR", str(cache))
+    out = CliRunner().invoke(main, ["explain", "--model", str(model), *args])
+    assert out.exit_code == 0, out.output
+    return out.output

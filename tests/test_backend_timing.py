@@ -13,10 +13,8 @@ import logging
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
 from fdplug import select_components
-from fdplug.cli import main
 from fdplug.core.config import EngineConfig
 from fdplug.core.model.checkpoint.config import ModelConfig
 from fdplug.core.worker import backend_timing
@@ -25,7 +23,7 @@ from fdplug.plugin_api.spec_checks import validate_spec
 from fdplug.plugin_api.specs import AttentionBackendSpec, MoEBackendSpec
 from fdplug.plugins.cpu import kernels
 from fdplug.testing.gguf_kit import write_pair
-from tests.conftest import write_test_model
+from tests.conftest import explain_measuring, write_test_model
 from tests.test_gguf_moe import CASES as GGUF_MOE
 from tests.test_moe_models import QWEN3_MOE
 
@@ -139,25 +137,22 @@ def test_a_failed_timing_gives_the_role_the_reference(test_model_dir, tmp_path, 
 
 @NEEDS_KERNELS
 def test_the_real_figures_are_cached_and_shown_by_explain(moe_model, tmp_path, monkeypatch):
-    monkeypatch.setenv("FDPLUG_OP_TIMING", "1")
-    monkeypatch.setenv("FDPLUG_CACHE_DIR", str(tmp_path))
-    first = CliRunner().invoke(main, ["explain", "--model", str(moe_model)])
-    assert first.exit_code == 0, first.output
-    lines = [line for line in first.output.splitlines() if " us at " in line and ("keys" in line or "experts" in line
-                                                                                     or line.startswith("  prefill"))]
+    first = explain_measuring(moe_model, tmp_path, monkeypatch)
+    lines = [line for line in first.splitlines() if " us at " in line and ("keys" in line or "experts" in line
+                                                                            or line.startswith("  prefill"))]
     assert [line.split(":")[0].strip() for line in lines] == ["decode, 512 keys a sequence", "prefill",
                                                               "routed experts"]
     assert "cpu_native" in lines[0] and "vs reference" in lines[0] and lines[0].endswith("at 1/32 sequences")
     assert lines[1].endswith("at 256 tokens") and lines[2].endswith("at 1/32/256 tokens")
-    assert "attention backend (measured now" in first.output and "moe backend (measured now" in first.output
-    assert "not timed against the reference" not in first.output
-    second = CliRunner().invoke(main, ["explain", "--model", str(moe_model)])
-    assert "attention backend (cached figures" in second.output and "moe backend (cached figures" in second.output
-    assert [line for line in second.output.splitlines() if line in lines] == lines
-    named = CliRunner().invoke(main, ["explain", "--model", str(moe_model), "--attention", "cpu_native"])
-    assert "attention backend (" not in named.output and "moe backend (cached figures" in named.output
+    assert "attention backend (measured now" in first and "moe backend (measured now" in first
+    assert "not timed against the reference" not in first
+    second = explain_measuring(moe_model, tmp_path, monkeypatch)
+    assert "attention backend (cached figures" in second and "moe backend (cached figures" in second
+    assert [line for line in second.splitlines() if line in lines] == lines
+    named = explain_measuring(moe_model, tmp_path, monkeypatch, "--attention", "cpu_native")
+    assert "attention backend (" not in named and "moe backend (cached figures" in named
     assert "not timed against the reference (the backend has no measure_key, or was named, or FDPLUG_OP_TIMING=0): " \
-           "attention=cpu_native" in named.output
+           "attention=cpu_native" in named
 
 
 def test_the_expert_formats_are_the_models_own(moe_model, tmp_path):

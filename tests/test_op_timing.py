@@ -13,9 +13,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from fdplug.cli import main
 from fdplug.core.model.checkpoint.config import ModelConfig
 from fdplug.core.model.layers.decoder import DecoderForCausalLM
 from fdplug.core.model.layers.linear import Linear
@@ -24,6 +22,7 @@ from fdplug.core.portable.ops import PORTABLE
 from fdplug.core.worker import op_timing, timing_cache
 from fdplug.plugin_api.ops import PreparedWeight
 from fdplug.plugins.cpu import isa, kernels
+from tests.conftest import explain_measuring
 
 GOLDEN = Path(__file__).parent / "fixtures" / "golden"
 NEEDS_KERNELS = pytest.mark.skipif(kernels.unavailable_reason() is not None or isa.level() < 3,
@@ -172,33 +171,30 @@ def test_the_engine_runs_the_portable_op_on_the_shapes_where_it_is_faster(test_m
 
 @NEEDS_KERNELS
 def test_the_real_figures_are_cached_and_shown_by_explain(test_model_dir, tmp_path, monkeypatch):
-    monkeypatch.setenv("FDPLUG_OP_TIMING", "1")
-    monkeypatch.setenv("FDPLUG_CACHE_DIR", str(tmp_path))
-    first = CliRunner().invoke(main, ["explain", "--model", str(test_model_dir)])
-    assert first.exit_code == 0, first.output
-    assert "(measured now)" in first.output
-    lines = [line for line in first.output.splitlines() if "GFLOP/s at 1/32/256 rows" in line]
+    first = explain_measuring(test_model_dir, tmp_path, monkeypatch)
+    assert "(measured now)" in first
+    lines = [line for line in first.splitlines() if "GFLOP/s at 1/32/256 rows" in line]
     assert len(lines) == 4 and all(line.rstrip().endswith(("cpu_native_linear", "cpu_native_bf16_linear"))
                                    or "slower at" in line for line in lines)
-    second = CliRunner().invoke(main, ["explain", "--model", str(test_model_dir)])
-    assert "(cached figures)" in second.output
-    assert [line for line in second.output.splitlines() if "GFLOP/s" in line] == \
-        [line for line in first.output.splitlines() if "GFLOP/s" in line]
-    row_lines = [line for line in first.output.splitlines() if " us at 1/32" in line and line.endswith(" rows")]
+    second = explain_measuring(test_model_dir, tmp_path, monkeypatch)
+    assert "(cached figures)" in second
+    assert [line for line in second.splitlines() if "GFLOP/s" in line] == \
+        [line for line in first.splitlines() if "GFLOP/s" in line]
+    row_lines = [line for line in first.splitlines() if " us at 1/32" in line and line.endswith(" rows")]
     assert [line.split(" (")[0].strip() for line in row_lines] == ["[64]", "[64]", "[6, 16]", "[256]", "[512]"]
-    assert [line for line in second.output.splitlines() if " us at " in line and line.endswith(" rows")] == row_lines
+    assert [line for line in second.splitlines() if " us at " in line and line.endswith(" rows")] == row_lines
     saved = sorted((tmp_path / "op_timings").glob("*.json"))
     assert len(saved) == 7                                  # the linear kernel's, five row ops', the attention's
     assert all(v > 0 for path in saved for e in json.loads(path.read_text())["shapes"].values() for v in e["kernel"])
-    assert not any(line.startswith("not timed against") for line in first.output.splitlines())   # every op timed
-    assert "op:decoder_stack: cpu_native_decoder_stack is timed against the layers one by one" in first.output
-    assert "attention backend (measured now; one layer's call) -> cpu_native" in first.output   # a dense model: no moe
-    assert "attention backend (cached figures; one layer's call) -> cpu_native" in second.output
-    named = CliRunner().invoke(main, ["explain", "--model", str(test_model_dir), "--op-kernel", "linear=paddle_linear",
-                                      "--op-kernel", "swiglu=cpu_native_swiglu"])
-    assert "GFLOP/s" not in named.output and "per layer shape" not in named.output
-    assert "op:swiglu" not in named.output.split("row ops per op")[1]           # named: untimed, and said so
-    assert "swiglu=cpu_native_swiglu" in next(line for line in named.output.splitlines()
+    assert not any(line.startswith("not timed against") for line in first.splitlines())   # every op timed
+    assert "op:decoder_stack: cpu_native_decoder_stack is timed against the layers one by one" in first
+    assert "attention backend (measured now; one layer's call) -> cpu_native" in first   # a dense model: no moe
+    assert "attention backend (cached figures; one layer's call) -> cpu_native" in second
+    named = explain_measuring(test_model_dir, tmp_path, monkeypatch, "--op-kernel", "linear=paddle_linear",
+                              "--op-kernel", "swiglu=cpu_native_swiglu")
+    assert "GFLOP/s" not in named and "per layer shape" not in named
+    assert "op:swiglu" not in named.split("row ops per op")[1]           # named: untimed, and said so
+    assert "swiglu=cpu_native_swiglu" in next(line for line in named.splitlines()
                                               if line.startswith("not timed against"))
 
 
