@@ -307,8 +307,8 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", help="a running server (default: start one)")
-    ap.add_argument("--model", default=None, help="model directory (default: the seeded random model, "
-                    "fdplug.demo.random_model: 4 layers, hidden 256, vocab 512)")
+    ap.add_argument("--model", default=None, help="model directory, GGUF file or smollm2 (default: the seeded random "
+                    "model, fdplug.demo.random_model: 4 layers, hidden 256, vocab 512)")
     ap.add_argument("--served-model-name", default="bench", help="model name on a --url server")
     ap.add_argument("--api-key", default=None, help="API key of a --url server")
     ap.add_argument("--device", default="auto")
@@ -336,9 +336,10 @@ def main() -> None:
     args = ap.parse_args()
 
     from fdplug.core.model.checkpoint.config import ModelConfig
+    from fdplug.demo.pypi_models import resolve_model
     from fdplug.demo.random_model import ensure_random_model
 
-    args.model = args.model or str(ensure_random_model())
+    args.model = resolve_model(args.model) if args.model else str(ensure_random_model())   # smollm2: its file
     vocab_size = ModelConfig.from_dir(args.model).vocab_size
     if args.offline_only:       # the child process of offline_in_subprocess
         prompts, outputs = workload(args, vocab_size, seed=args.prompt_seed)
