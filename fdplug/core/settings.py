@@ -54,9 +54,11 @@ for _setting in (
             "decode then refuses unsigned ones and lets pulled KV into its prefix cache. Unset on decode: any "
             "client's params are taken, but their KV is kept apart from every other request's.", secret=True),
     Setting("FDPLUG_OP_TIMING", True, parse_bool,
-            "0: the kernels chosen by priority run untimed (default 1: a linear kernel is timed against the portable "
-            "op per layer shape at startup and used where not slower; a norm, RoPE, SwiGLU or argmax kernel per op, "
-            "on the model's shapes; the same bits on every machine of a fleet take 0, or --op-kernel)."),
+            "0: the kernels and backends chosen by priority run untimed (default 1: a linear kernel is timed against "
+            "the portable op per layer shape at startup and used where not slower; a norm, RoPE, SwiGLU or argmax "
+            "kernel per op, on the model's shapes; the GGUF and FP8 linears per layer shape, a fused decoder stack on "
+            "the loaded model's decode steps, the attention and MoE backends against the reference; the same bits on "
+            "every machine of a fleet take 0, or --op-kernel)."),
     Setting("FDPLUG_PYPI_INDEX", "https://pypi.org/simple", _parse_name,
             "The package index (PEP 691 JSON simple API) that named models (--model smollm2) are downloaded from."),
     Setting("FDPLUG_MODEL_FETCH_TIMEOUT", 600.0, parse_positive_float,
