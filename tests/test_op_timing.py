@@ -345,3 +345,24 @@ def test_a_kernel_far_ahead_in_the_first_pair_is_decided_by_it(monkeypatch):
     assert len(timed["kernel"]) == len(timed["portable"]) == 2
     run([far] * 2 * pairs, [1.0] * 2 * pairs)
     assert len(timed["kernel"]) == len(timed["portable"]) == 1 + 2 * pairs
+
+
+def test_a_window_is_three_calls_unless_one_call_is_long_already():
+    """Short calls: at least MIN_CALLS a window, against a single slow one; a call past LONG_WINDOW_S
+    (the reference MoE over big GGUF experts: seconds) is its own window, so that a startup timing of
+    slow portable calls does not take three times as long."""
+    import time
+
+    counts = []
+
+    def timed(seconds: float) -> float:
+        counts.append(0)
+
+        def call() -> None:
+            counts[-1] += 1
+            time.sleep(seconds)
+        return timing_cache._seconds(call, lambda: None)
+    assert timed(0.0) < timing_cache.CALL_SECONDS and counts[-1] >= timing_cache.MIN_CALLS
+    timed(timing_cache.LONG_WINDOW_S / 4)                      # past CALL_SECONDS, short of a long window
+    assert counts[-1] == timing_cache.MIN_CALLS
+    assert timed(timing_cache.LONG_WINDOW_S * 1.05) >= timing_cache.LONG_WINDOW_S and counts[-1] == 1

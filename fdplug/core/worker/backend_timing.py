@@ -37,7 +37,7 @@ CONTEXT = 512             # keys a decode step's sequences have (within the mode
 DECODE_SEQUENCES = (1, 32)
 PREFILL = 256             # tokens of a prefill chunk (within the model's length)
 MOE_TOKENS = (1, 32, 256)
-EXPERT_BYTES = 256 << 20  # the timing's experts: at most this many bytes (and at least the top-k)
+EXPERT_BYTES = 64 << 20   # the timing's experts: at most this many bytes (and at least the top-k)
 
 
 @dataclass(frozen=True, slots=True)
