@@ -23,7 +23,10 @@ def _measured(registry, role: str, name: str | None):
     return spec
 
 
-def _runs_every_case(spec, cases, config) -> None:
+def _runs_every_case(spec, cases, config, place: str) -> None:
+    from fdplug.core.worker.timing_cache import on_device
+
+    sync = on_device(place)     # on the device under test, as the engine times it
     key = spec.measure_key(config)
     assert isinstance(key, str) and key, f"measure_key of {spec.name!r} returned {key!r}, not a non-empty str"
     backend = spec.factory(config)
@@ -31,19 +34,21 @@ def _runs_every_case(spec, cases, config) -> None:
         call = case.build(backend, np.random.default_rng(0))
         for size in case.rows:
             call(size)()
+            sync()
 
 
 def test_a_timed_attention_backend_runs_the_timings_inputs(attention_backend_name, fdplug_plugin_set,
-                                                           fdplug_selection):
+                                                           fdplug_selection, fdplug_place):
     from fdplug.core.worker.backend_timing import attention_cases
 
     spec = _measured(fdplug_plugin_set.registry, "attention", attention_backend_name)
     config = EngineConfig(dtype="float32", max_model_len=128)
-    _runs_every_case(spec, attention_cases(MODEL, config), config)
+    _runs_every_case(spec, attention_cases(MODEL, config), config, fdplug_place)
 
 
 @pytest.mark.parametrize("fmt", ["none", "fp8_block", "gguf"])
-def test_a_timed_moe_backend_runs_the_timings_inputs(moe_backend_name, fdplug_plugin_set, fdplug_selection, fmt):
+def test_a_timed_moe_backend_runs_the_timings_inputs(moe_backend_name, fdplug_plugin_set, fdplug_selection,
+                                                     fdplug_place, fmt):
     from fdplug.core.worker import backend_timing
     from fdplug.core.worker.expert_samples import ExpertFormat
 
@@ -53,4 +58,4 @@ def test_a_timed_moe_backend_runs_the_timings_inputs(moe_backend_name, fdplug_pl
     formats = {"none": ExpertFormat(), "fp8_block": ExpertFormat("fp8_block", (128, 128)),
                "gguf": ExpertFormat("gguf", qtypes=(("down", "Q6_K"), ("gate", "Q4_K"), ("up", "Q4_K")))}
     build = backend_timing.moe_case(MODEL, formats[fmt], "float32")
-    _runs_every_case(spec, [build], EngineConfig(dtype="float32"))
+    _runs_every_case(spec, [build], EngineConfig(dtype="float32"), fdplug_place)
