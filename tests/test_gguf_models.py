@@ -191,3 +191,23 @@ def test_damaged_files_and_wrong_options_fail_with_a_fix(tmp_path):
     missing = _rewrite(src, tmp_path / "missing.gguf", drop="blk.1.ffn_up.weight")
     with pytest.raises(WeightMismatchError, match="missing"):
         Steps("missing", 1, model_dir=missing)
+
+
+def test_the_files_reader_gives_ggufs_values_from_a_view_of_the_map(tmp_path):
+    """`gguf_file` opens a file with ``gguf.GGUFReader`` slicing a plain view of its map (the
+    package's memmap slices made opening SmolLM2's vocabulary take seconds): every metadata value and
+    tensor equals the package's own reader's, and a tensor's data is still a view of the file, not a
+    copy read at open."""
+    import gguf
+
+    from fdplug.core.model.checkpoint.gguf_file import _reader_class
+
+    path, _ = write_pair(tmp_path, "qwen2", types=CASES["qwen2"][1], tied=False, tokenizer=True)
+    ours, theirs = _reader_class()(str(path)), gguf.GGUFReader(str(path))
+    assert {k: f.contents() for k, f in ours.fields.items()} == {k: f.contents() for k, f in theirs.fields.items()}
+    assert len(ours.fields["tokenizer.ggml.tokens"].contents()) > 0
+    assert [(t.name, t.tensor_type, t.shape.tolist()) for t in ours.tensors] == \
+        [(t.name, t.tensor_type, t.shape.tolist()) for t in theirs.tensors]
+    assert all(np.array_equal(a.data, b.data) for a, b in zip(ours.tensors, theirs.tensors))
+    data = ours.tensors[0].data
+    assert not data.flags.owndata and isinstance(ours.data.base, np.memmap)    # a view of the map
