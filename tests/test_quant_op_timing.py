@@ -94,13 +94,15 @@ def _slow_where(slow_types: set[str], slow_logits: bool):
 
 
 def _row_ops_and_stack_keep_their_kernels(monkeypatch) -> None:
-    """Real timings of the row ops and the stack could split near ties differently between the
-    engines a test compares (a tiny model's one-row calls)."""
-    from fdplug.core.worker import row_op_timing, stack_timing
+    """Real timings of the row ops, the backends and the stack could split near ties differently
+    between the engines a test compares (a tiny model's one-row calls; a backend losing one would
+    keep the stack off)."""
+    from fdplug.core.worker import backend_timing, row_op_timing, stack_timing
 
-    monkeypatch.setattr(row_op_timing, "_time_case", lambda case, *a: {"rows": list(case.rows),
-                                                                        "kernel": [1.0] * len(case.rows),
-                                                                        "portable": [2.0] * len(case.rows)})
+    def wins(case, *args):
+        return {"rows": list(case.rows), "kernel": [1.0] * len(case.rows), "portable": [2.0] * len(case.rows)}
+    monkeypatch.setattr(row_op_timing, "_time_case", wins)
+    monkeypatch.setattr(backend_timing, "_time_case", wins)
     monkeypatch.setattr(stack_timing, "_time_steps", lambda *a: {"rows": [1, 32], "kernel": [1.0, 1.0],
                                                                  "portable": [2.0, 2.0]})
 

@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from fdplug.cli import main
-from fdplug.core.worker import op_timing, row_op_timing, stack_timing
+from fdplug.core.worker import backend_timing, op_timing, row_op_timing, stack_timing
 from fdplug.plugins.cpu import isa, kernels
 from fdplug.testing.gguf_kit import write_pair
 
@@ -29,8 +29,8 @@ def gguf(tmp_path_factory):
 
 
 def _engine(model, cache, monkeypatch, stack_us=None, swiglu_slower_at_one=False, **kwargs):
-    """An engine measuring its ops into ``cache``: the linears and the row ops win (the row ops'
-    SwiGLU slower at one row if asked); the stack's decode steps take ``stack_us`` (its figures
+    """An engine measuring its ops into ``cache``: the linears, the row ops and the backends win (the
+    row ops' SwiGLU slower at one row if asked); the stack's decode steps take ``stack_us`` (its figures
     against the layers' 100 us at 1 and 32 sequences; None: the real timing)."""
     from fdplug.core.frontend.llm import LLM
 
@@ -43,6 +43,9 @@ def _engine(model, cache, monkeypatch, stack_us=None, swiglu_slower_at_one=False
         return {"rows": list(case.rows), "kernel": [3.0 if slow and r == 1 else 1.0 for r in case.rows],
                 "portable": [2.0] * len(case.rows)}
     monkeypatch.setattr(row_op_timing, "_time_case", row_case)
+    monkeypatch.setattr(backend_timing, "_time_case", lambda case, *a: {"rows": list(case.rows),   # backends win
+                                                                        "kernel": [1.0] * len(case.rows),
+                                                                        "portable": [2.0] * len(case.rows)})
     if stack_us is not None:
         monkeypatch.setattr(stack_timing, "_time_steps", lambda *a: {"rows": [1, 32], "kernel": list(stack_us),
                                                                      "portable": [100.0, 100.0]})

@@ -133,7 +133,7 @@ def _time_steps(model: Any, backend: Any, config: Any, place: str) -> Figures:
     import numpy as np
     import paddle
 
-    from fdplug.plugin_api.attention import AttentionMetadata
+    from fdplug.core.worker.backend_timing import step_metadata
 
     sync, cfg, stack = tc.on_device(place), model.config, model.fused_stack
     block = config.block_size
@@ -145,13 +145,9 @@ def _time_steps(model: Any, backend: Any, config: Any, place: str) -> Figures:
     got: Figures = {"rows": list(SEQUENCES), "kernel": [], "portable": []}
     try:
         for n in SEQUENCES:
-            seqs = np.arange(n)
-            positions = np.full(n, context, dtype=np.int64)
-            meta = AttentionMetadata(np.arange(n + 1, dtype=np.int32), positions + 1, positions, positions + 1,
-                                     (seqs + 1) * block + context, (seqs + 1)[:, None].astype(np.int32), block)
-            meta.validate()
-            prepared = backend.prepare(meta)
-            ids = paddle.to_tensor((seqs % cfg.vocab_size).astype(np.int64))
+            meta, _ = step_metadata(n, 1, context + 1, block)   # one block each, after the null block
+            positions, prepared = meta.positions, backend.prepare(meta)
+            ids = paddle.to_tensor((np.arange(n) % cfg.vocab_size).astype(np.int64))
             rope = np.tile(positions, (3, 1)) if cfg.rope.mrope_section else positions   # text rows: t = h = w
             pos = paddle.to_tensor(rope)
 
