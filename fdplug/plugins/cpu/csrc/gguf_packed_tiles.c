@@ -341,12 +341,13 @@ static inline __attribute__((always_inline)) void gp_tile_swapped(const gp_job *
     gp_vf acc[GP_MR][2][GP_HALVES];
     for (int r = 0; r < MR; ++r)
         for (int h = 0; h < GP_HALVES; ++h) acc[r][0][h] = acc[r][1][h] = gp_fzero();
+    const uint8_t *records = gp_tile_records(in, m0);
     for (int p = 0; p < job->depth / 32; ++p) {
         const uint8_t *d = decoded + (int64_t)p * GP_DECODED;
         gp_piece e;
         gp_factors_at(d, QT, &e);
         const int C = p & 1;
-        const uint8_t *rec = in->rec + ((int64_t)p * in->rows + m0) * GP_REC;
+        const uint8_t *rec = records + (int64_t)p * in->height * GP_REC;
         GG_UNROLL
         for (int r = 0; r < MR; ++r) {
             const uint8_t *x = rec + r * GP_REC;
@@ -373,6 +374,7 @@ static inline __attribute__((always_inline)) void gp_tile(const gp_job *job, con
     const gp_inputs *in = job->in;
     const int pieces = job->depth / 32;
     const int64_t unit = (int64_t)GP_COLS * GG_BYTES(QT);
+    const uint8_t *records = gp_tile_records(in, m0);
     float dws[16][GP_COLS], ows[8][GP_COLS];
     gp_vf acc[GP_MR][2][GP_HALVES];
     for (int r = 0; r < MR; ++r)
@@ -393,7 +395,7 @@ static inline __attribute__((always_inline)) void gp_tile(const gp_job *job, con
             gp_piece_at(g, QT, p, dws, ows, &e);
         }
         const int C = p & 1;   /* the chain */
-        const uint8_t *rec = in->rec + ((int64_t)p * in->rows + m0) * GP_REC;   /* row r's at r * GP_REC */
+        const uint8_t *rec = records + (int64_t)p * in->height * GP_REC;   /* row r's at r * GP_REC */
         gp_vi a0[GP_MR][GP_HALVES];   /* run 0 of every row, then run 1: a run's weights stay in registers */
         GG_UNROLL
         for (int r = 0; r < MR; ++r) gp_run(&e, 0, rec + r * GP_REC, QT, a0[r]);
