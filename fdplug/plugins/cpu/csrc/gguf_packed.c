@@ -93,6 +93,33 @@ static void gp_piece_integers(const uint8_t *blk, int j, int qtype, uint8_t u[32
         for (int i = 0; i < 32; ++i) u[i] ^= 0x80;
 }
 
+/* A piece's bit planes (gp_planes: the integers' bit 4, and Q6_K's bit 5) at dst + 256, 64 bytes a
+ * plane. AVX-512 (GP_PLANE_MASKS) takes a 64-bit mask per input quad q (bit 4c + i: column c's weight
+ * 4q + i), which a masked add spreads over the quad's bytes in one instruction. AVX2 has no such mask
+ * (spreading one took a broadcast, a shuffle, an and, a compare and an and per quad): there byte 4c + i
+ * holds in bit q the bit of column c's weight 4q + i, so that one load spreads all 8 quads of a half,
+ * a shift, an and and an or each (gp_unpack). The layout is the build's own: the library that packs
+ * a weight at load is the one that reads it. */
+#ifdef GG_Q8_512
+#define GP_PLANE_MASKS 1
+#endif
+static void gp_put_planes(const uint8_t u[GP_COLS][32], int qtype, uint8_t *dst) {
+    for (int plane = 0; plane < gp_planes(qtype); ++plane)
+        for (int q = 0; q < 8; ++q) {
+            uint64_t bits = 0;
+            for (int c = 0; c < GP_COLS; ++c)
+                for (int i = 0; i < 4; ++i) bits |= (uint64_t)((u[c][4 * q + i] >> (4 + plane)) & 1) << (4 * c + i);
+#ifdef GP_PLANE_MASKS
+            memcpy(dst + 256 + 64 * plane + 8 * q, &bits, 8);
+#else
+            for (int lane = 0; lane < 64; ++lane) {
+                uint8_t *byte = dst + 256 + 64 * plane + lane;
+                *byte = (uint8_t)((q == 0 ? 0 : *byte) | ((bits >> lane) & 1) << q);
+            }
+#endif
+        }
+}
+
 /* A piece's integers of 16 columns (u[c]: 32 bytes each) in the group layout at dst: each input quad
  * of the 16 columns gathered into one vector (vector q, lane c: u[c][4q .. 4q + 3]) */
 static void gp_put_piece(const uint8_t u[GP_COLS][32], int qtype, uint8_t *dst) {
@@ -110,11 +137,15 @@ static void gp_put_piece(const uint8_t u[GP_COLS][32], int qtype, uint8_t *dst) 
         _mm512_storeu_si512((void *)(dst + 64 * v),
                             _mm512_or_si512(_mm512_and_si512(q[2 * v], low),
                                             _mm512_slli_epi16(_mm512_and_si512(q[2 * v + 1], low), 4)));
+#ifdef GP_PLANE_MASKS
     for (int plane = 0; plane < gp_planes(qtype); ++plane)
         for (int i = 0; i < 8; ++i) {
             const uint64_t bits = _mm512_test_epi8_mask(q[i], _mm512_set1_epi8((char)(0x10 << plane)));
             memcpy(dst + 256 + 64 * plane + 8 * i, &bits, 8);
         }
+#else
+    gp_put_planes(u, qtype, dst);
+#endif
 #else   /* (at load, or a layer the loader could not pack: plain loops) */
     if (qtype == GG_Q8_0) {
         for (int q = 0; q < 8; ++q)
@@ -125,13 +156,7 @@ static void gp_put_piece(const uint8_t u[GP_COLS][32], int qtype, uint8_t *dst) 
         for (int c = 0; c < GP_COLS; ++c)
             for (int i = 0; i < 4; ++i)
                 dst[64 * v + 4 * c + i] = (uint8_t)((u[c][8 * v + i] & 0x0F) | (u[c][8 * v + 4 + i] & 0x0F) << 4);
-    for (int plane = 0; plane < gp_planes(qtype); ++plane)
-        for (int q = 0; q < 8; ++q) {
-            uint64_t bits = 0;
-            for (int c = 0; c < GP_COLS; ++c)
-                for (int i = 0; i < 4; ++i) bits |= (uint64_t)((u[c][4 * q + i] >> (4 + plane)) & 1) << (4 * c + i);
-            memcpy(dst + 256 + 64 * plane + 8 * q, &bits, 8);
-        }
+    gp_put_planes(u, qtype, dst);
 #endif
 }
 

@@ -61,10 +61,6 @@ static inline gp_vi gp_set8(int v) { return _mm256_set1_epi8((char)v); }
 static inline gp_vi gp_abs8(gp_vi a) { return _mm256_abs_epi8(a); }
 static inline gp_vi gp_xor80(gp_vi a) { return _mm256_xor_si256(a, _mm256_set1_epi8((char)0x80)); }
 static inline gp_vi gp_sign8(gp_vi x, gp_vi s) { return _mm256_sign_epi8(x, s); }
-static inline gp_vi gp_plane(gp_vi v, uint64_t m, int h, int plane) {   /* half h: bits 32h .. 32h + 31 */
-    const gp_vi bits = gg_bits256((uint32_t)(m >> (32 * h)));           /* 0x10 where set */
-    return _mm256_or_si256(v, plane ? _mm256_slli_epi16(bits, 1) : bits);
-}
 static inline gp_vi gp_dot(gp_vi acc, gp_vi u, gp_vi s) { return gg_dot4_add(acc, u, s); }
 static inline gp_vi gp_pairs16(gp_vi u, gp_vi s) { return _mm256_maddubs_epi16(u, s); }
 static inline gp_vi gp_add16(gp_vi a, gp_vi b) { return _mm256_add_epi16(a, b); }
@@ -118,12 +114,22 @@ static inline __attribute__((always_inline)) void gp_unpack(const uint8_t *p, co
         e->v[h][2 * i] = gp_and(b, low);
         e->v[h][2 * i + 1] = gp_and(gp_srli4(b), low);
     }
-    for (int plane = 0; plane < gp_planes(QT); ++plane)
+    for (int plane = 0; plane < gp_planes(QT); ++plane) {
+#ifdef GP_PLANE_MASKS
         for (int q = 0; q < 8; ++q) {
             uint64_t m;
             memcpy(&m, p + 256 + 64 * plane + 8 * q, 8);
             e->v[h][q] = gp_plane(e->v[h][q], m, h, plane);   /* (the bit is clear: add = or) */
         }
+#else   /* (gp_put_planes: bit q of a lane's byte is quad q's, moved to bit 4 + plane) */
+        const gp_vi bits = gp_load(p + 256 + 64 * plane + GP_VBYTES * h), one = gp_set8(0x10 << plane);
+        for (int q = 0; q < 8; ++q) {
+            const int to = 4 + plane;   /* (16-bit shifts: what crosses a byte lands below bit `to` or above it) */
+            const gp_vi moved = q <= to ? _mm256_slli_epi16(bits, to - q) : _mm256_srli_epi16(bits, q - to);
+            e->v[h][q] = _mm256_or_si256(e->v[h][q], gp_and(moved, one));
+        }
+#endif
+    }
 }
 
 /* The K-quants' factors of a super-block's 16 columns (headers at h): dw[s][c] and ow[s][c] for
