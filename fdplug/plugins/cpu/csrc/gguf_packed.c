@@ -27,11 +27,13 @@
  * Group layout (16 * the row's bytes: each unit is 16 blocks' bytes, one piece of the 32-weight
  * types or one super-block of the K-quants): integers of piece p as 4 vectors of 64 bytes, byte 4c + i
  * of vector v holding column c's weight 8v + i in its low nibble and 8v + 4 + i in its high one (so
- * vector v gives the lanes of the input quads 2v and 2v + 1); Q5_0/Q5_1/Q5_K: then 8 masks of 64
- * bits, the fifth bits of quads 0-7; Q6_K: two such planes (bits 4, 5); Q8_0: 8 vectors of bytes
- * q ^ 0x80 instead. 32-weight types: then 16 float16 d (and Q4_1, Q5_1: 16 m). K-quants: a
- * super-block starts with its 16 columns' headers as the file has them (Q4_K, Q5_K: d, dmin and
- * the 12 scale bytes, 16 bytes a column; Q6_K: the 16 int8 scales and d, 18 bytes), then its 8 pieces.
+ * vector v gives the lanes of the input quads 2v and 2v + 1); Q5_0/Q5_1/Q5_K: then a plane of 64
+ * bytes, the fifth bits of quads 0-7 (gp_put_planes: as 8 masks at AVX-512, as a byte a lane below);
+ * Q6_K: two such planes (bits 4, 5); Q8_0: 8 vectors of bytes q ^ 0x80 instead. 32-weight types: then
+ * 16 float16 d (and Q4_1, Q5_1: 16 m). K-quants: a super-block starts with its 16 columns' headers,
+ * a field for all 16 columns in one load (gp_k_factors) in the file's bytes: Q4_K, Q5_K: scale byte k
+ * (the file's 12 bytes of 6-bit fields) of the 16 columns at 16 k, then their d, then their dmin (256
+ * bytes); Q6_K: int8 scale i of the 16 columns at 16 i, then their d (288 bytes). Then its 8 pieces.
  *
  * Included by gguf_linear.c where the build has AVX2 (where it is chosen first:
  * native_gguf_packed.py).
@@ -181,8 +183,16 @@ static void gp_pack_group(const uint8_t *w, int64_t row_bytes, int valid, int de
             continue;
         }
         const int header = gp_header(qtype);
-        for (int c = 0; c < GP_COLS; ++c)   /* Q6_K: its scales and d; Q4_K, Q5_K: d, dmin, scales */
-            memcpy(unit + header * c, blk[c] + (qtype == GG_Q6_K ? 192 : 0), (size_t)header);
+        for (int c = 0; c < GP_COLS; ++c) {
+            if (qtype == GG_Q6_K) {   /* the block's 16 scales (at 192) a scale for all columns, then d */
+                for (int i = 0; i < 16; ++i) unit[GP_COLS * i + c] = blk[c][192 + i];
+                memcpy(unit + GP_COLS * 16 + 2 * c, blk[c] + 208, 2);
+            } else {                  /* Q4_K, Q5_K: scale byte k for all columns at 16 k, then d, dmin */
+                for (int k = 0; k < 12; ++k) unit[GP_COLS * k + c] = blk[c][4 + k];
+                memcpy(unit + GP_COLS * 12 + 2 * c, blk[c], 2);
+                memcpy(unit + GP_COLS * 14 + 2 * c, blk[c] + 2, 2);
+            }
+        }
         for (int j = 0; j < 8; ++j) {
             for (int c = 0; c < GP_COLS; ++c) gp_piece_integers(blk[c], j, qtype, u[c]);
             gp_put_piece((const uint8_t (*)[32])u, qtype, unit + GP_COLS * header + j * gp_piece_bytes(qtype));

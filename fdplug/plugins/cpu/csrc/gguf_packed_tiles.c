@@ -132,21 +132,42 @@ static inline __attribute__((always_inline)) void gp_unpack(const uint8_t *p, co
     }
 }
 
-/* The K-quants' factors of a super-block's 16 columns (headers at h): dw[s][c] and ow[s][c] for
- * Q4_K/Q5_K's 8 pieces (ow = -dmin * mn), dw[r][c] for Q6_K's 16 runs: gg_k_scales_sse's products */
+/* The K-quants' factors of a super-block's 16 columns (headers at h, gp_pack_group's: a field of all
+ * 16 columns a load): dw[s][c] and ow[s][c] for Q4_K/Q5_K's 8 pieces (ow = -dmin * mn), dw[r][c] for
+ * Q6_K's 16 runs. A column at a time, then the stores into columns, had been a third of a one-row
+ * Q4_K call. */
 static void gp_k_factors(const uint8_t *h, int QT, float dw[16][GP_COLS], float ow[8][GP_COLS]) {
-    gg_scales s;
-    for (int c = 0; c < GP_COLS; ++c) {
-        if (QT == GG_Q6_K) {   /* the header: 16 int8 scales, then d */
-            const float d = gg_f16(h + 18 * c + 16);
-            for (int i = 0; i < 16; ++i) dw[i][c] = d * (float)(int8_t)h[18 * c + i];
-            continue;
+    if (QT == GG_Q6_K) {   /* the header: scale i of the 16 columns at 16 i (int8), then their d */
+        const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + 256)));
+        const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + 272)));
+        for (int i = 0; i < 16; ++i) {   /* d * (float)scale, as a scalar product: the same bits */
+            const __m128i sc = _mm_loadu_si128((const __m128i *)(h + 16 * i));
+            _mm256_storeu_ps(dw[i], _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
+            _mm256_storeu_ps(dw[i] + 8, _mm256_mul_ps(d1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)))));
         }
-        gg_k_scales_sse(h + 16 * c, QT, &s);
-        for (int i = 0; i < 8; ++i) {
-            dw[i][c] = s.d[i];
-            ow[i][c] = -s.m[i];
-        }
+        return;
+    }
+    /* Q4_K, Q5_K: the 6-bit fields of ggml's get_scale_min_k4 from byte k of all columns at 16 k (scale
+     * and min j < 4: bytes j and j + 4, low 6 bits; j >= 4: the low or high nibble of byte j + 4 and the
+     * top 2 bits of byte j - 4 or j), then d * sc and -(dmin * m): gg_k_scales_sse's products */
+    const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + 192)));
+    const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + 208)));
+    const __m256 m0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + 224)));
+    const __m256 m1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + 240)));
+    const __m128i six = _mm_set1_epi8(0x3F), four = _mm_set1_epi8(0x0F), top = _mm_set1_epi8(0x30);
+    const __m256 negate = _mm256_set1_ps(-0.0f);
+    __m128i q[12];
+    for (int k = 0; k < 12; ++k) q[k] = _mm_loadu_si128((const __m128i *)(h + 16 * k));
+    for (int j = 0; j < 8; ++j) {
+        const __m128i sc = j < 4 ? _mm_and_si128(q[j], six)
+                                 : _mm_or_si128(_mm_and_si128(q[j + 4], four), _mm_and_si128(_mm_srli_epi16(q[j - 4], 2), top));
+        const __m128i mn = j < 4 ? _mm_and_si128(q[j + 4], six)
+                                 : _mm_or_si128(_mm_and_si128(_mm_srli_epi16(q[j + 4], 4), four),
+                                                _mm_and_si128(_mm_srli_epi16(q[j], 2), top));
+        _mm256_storeu_ps(dw[j], _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc))));
+        _mm256_storeu_ps(dw[j] + 8, _mm256_mul_ps(d1, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sc, 8)))));
+        _mm256_storeu_ps(ow[j], _mm256_xor_ps(negate, _mm256_mul_ps(m0, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mn)))));
+        _mm256_storeu_ps(ow[j] + 8, _mm256_xor_ps(negate, _mm256_mul_ps(m1, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(mn, 8))))));
     }
 }
 
