@@ -1,0 +1,117 @@
+"""Two builds of the cpu kernel library against each other on the packed GGUF tiles, in one process.
+
+    python bench/kernel_ab.py --a OLD.so --b NEW.so                     # SmolLM2's shapes, 1/64/1,024 rows
+    python bench/kernel_ab.py --a OLD.so --b NEW.so --types Q6_K --rows 1 --shapes 576x1536
+    python -c "from fdplug.plugins.cpu import kernels; print(kernels.load()._name)"   # this checkout's build
+
+Why: a kernel change is worth a few percent, and this machine drifts by more than that between two
+runs of a process (AMD EPYC, avx2-or-less: +-15-30%). Here both libraries are loaded into one process
+(ctypes), each packs the same GGUF blocks with its own ``fdplug_gguf_pack`` (the packed layout is a
+build's own: its bit planes, its K-quant headers), and their ``fdplug_gguf_linear_packed`` calls
+alternate (A B B A ...) on the same inputs; the median time of each is kept and B's time over A's
+printed (below 1: B is faster). Each pair's outputs are compared first: two builds that differ in
+their bits are refused, so a layout or a schedule change that should keep the bits is checked too.
+``--weights`` copies of each layer are cycled, so that (as in a model) the weights come from memory,
+not from the cache a previous call left them in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import sys
+import time
+
+import numpy as np
+from gguf_linear import blocks  # the GGML blocks of a type (gguf's quantizer, or random bytes)
+
+SHAPES = {"Q4_K": "576x1536,1536x512", "Q5_K": "576x1536", "Q6_K": "576x1536,1536x512"}
+DEFAULT_SHAPES = "1536x576,576x1536"   # SmolLM2's MLP: gate/up, down (the 32-weight types)
+
+
+def library(path: str, qtype_id: int, raw: list, n: int, k: int):
+    """(the linear call, its packed copies of raw) for the library at path"""
+    import paddle
+
+    from fdplug.plugins.cpu import kernels
+
+    lib = ctypes.CDLL(path)
+    linear, pack = lib.fdplug_gguf_linear_packed, lib.fdplug_gguf_pack
+    linear.restype, linear.argtypes = kernels.SIGNATURES["fdplug_gguf_linear_packed"]
+    pack.restype, pack.argtypes = kernels.SIGNATURES["fdplug_gguf_pack"]
+    packed = []
+    for w in raw:
+        out = paddle.empty(w.shape, dtype="uint8")
+        if pack(w.data_ptr(), out.data_ptr(), n, k, qtype_id) != 0:
+            raise SystemExit(f"{path} does not pack {n}x{k} of this type")
+        packed.append(out)
+    return linear, packed
+
+
+def line(args, qtype: str, n: int, k: int, rows: int) -> str:
+    import paddle
+
+    from fdplug.plugins.cpu import native_gguf
+
+    rng = np.random.default_rng(0)
+    raw = [paddle.to_tensor(blocks(qtype, n, k, rng)) for _ in range(args.weights)]
+    x = paddle.to_tensor(rng.standard_normal((rows, k)).astype(np.float32))
+    out = paddle.empty([rows, n], dtype="float32")
+    qid = native_gguf._type_id(qtype)
+    libs = {"A": library(args.a, qid, raw, n, k), "B": library(args.b, qid, raw, n, k)}
+
+    def call(name: str, i: int) -> None:
+        linear, packed = libs[name]
+        if linear(x.data_ptr(), packed[i % len(packed)].data_ptr(), out.data_ptr(), rows, n, k, qid, 1,
+                  args.threads) != 0:
+            raise SystemExit(f"{name} refused {qtype} {n}x{k} at {rows} rows")
+
+    results = {}
+    for name in libs:
+        call(name, 0)
+        results[name] = out.numpy().copy()
+    if not np.array_equal(results["A"], results["B"]):
+        raise SystemExit(f"{qtype} {n}x{k} {rows} rows: A and B give different bits")
+    calls = max(1, min(args.weights, 4096 // rows))
+    seconds = {name: [] for name in libs}
+    i = 0
+    for r in range(args.rounds):
+        for name in ("A", "B") if r % 2 == 0 else ("B", "A"):
+            start = time.perf_counter()
+            for _ in range(calls):
+                call(name, i)
+                i += 1
+            seconds[name].append((time.perf_counter() - start) / calls)
+    a, b = (statistics.median(seconds[name]) for name in ("A", "B"))
+    flops = 2.0 * n * k * rows
+    return (f"{qtype:5s} [{n:5d}, {k:4d}] {rows:5d} rows | A {a * 1e6:9.1f} us {flops / a / 1e9:6.1f} GFLOP/s"
+            f" | B {b * 1e6:9.1f} us {flops / b / 1e9:6.1f} GFLOP/s | B/A time {b / a:.3f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--a", required=True, help="the baseline library (.so)")
+    parser.add_argument("--b", required=True, help="the library under test (.so)")
+    parser.add_argument("--types", default="Q4_1,Q5_0,Q8_0,Q4_K,Q6_K", help="comma-separated GGML types")
+    parser.add_argument("--rows", default="1,64,1024", help="comma-separated row counts")
+    parser.add_argument("--shapes", help=f"comma-separated NxK (default: {DEFAULT_SHAPES}; K-quants {SHAPES})")
+    parser.add_argument("--rounds", type=int, default=16, help="timings of each library (alternated)")
+    parser.add_argument("--weights", type=int, default=32, help="copies of each layer, cycled (from memory)")
+    parser.add_argument("--threads", type=int, default=None, help="the kernels' threads (default: the device's)")
+    args = parser.parse_args()
+    from fdplug.plugins.cpu import device, isa
+
+    device.setup()
+    args.threads = args.threads or device.cpu_threads()
+    print(f"CPU: {isa.model_name()}, {isa.describe()}; {args.threads} threads; medians of {args.rounds} "
+          f"alternated timings; A = {args.a}, B = {args.b}")
+    for qtype in args.types.upper().split(","):
+        for shape in (args.shapes or SHAPES.get(qtype, DEFAULT_SHAPES)).split(","):
+            n, k = (int(v) for v in shape.lower().split("x"))
+            for rows in (int(v) for v in args.rows.split(",")):
+                print(line(args, qtype, n, k, rows), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
