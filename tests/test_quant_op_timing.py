@@ -29,6 +29,7 @@ from fdplug.plugin_api.gguf_formats import BLOCK_FORMATS, row_bytes
 from fdplug.plugin_api.ops import PreparedWeight
 from fdplug.plugins.cpu import isa, kernels
 from fdplug.testing.gguf_kit import write_pair
+from tests.conftest import kernel_wins
 from tests.test_gguf_models import CASES
 
 GOLDEN = Path(__file__).parent / "fixtures" / "golden"
@@ -99,10 +100,8 @@ def _row_ops_and_stack_keep_their_kernels(monkeypatch) -> None:
     keep the stack off)."""
     from fdplug.core.worker import backend_timing, row_op_timing, stack_timing
 
-    def wins(case, *args):
-        return {"rows": list(case.rows), "kernel": [1.0] * len(case.rows), "portable": [2.0] * len(case.rows)}
-    monkeypatch.setattr(row_op_timing, "_time_case", wins)
-    monkeypatch.setattr(backend_timing, "_time_case", wins)
+    monkeypatch.setattr(row_op_timing, "_time_case", kernel_wins)
+    monkeypatch.setattr(backend_timing, "_time_case", kernel_wins)
     monkeypatch.setattr(stack_timing, "_time_steps", lambda *a: {"rows": [1, 32], "kernel": [1.0, 1.0],
                                                                  "portable": [2.0, 2.0]})
 

@@ -15,6 +15,7 @@ from fdplug.cli import main
 from fdplug.core.worker import backend_timing, op_timing, row_op_timing, stack_timing
 from fdplug.plugins.cpu import isa, kernels
 from fdplug.testing.gguf_kit import write_pair
+from tests.conftest import kernel_wins
 
 pytestmark = pytest.mark.skipif(kernels.unavailable_reason() is not None
                                 or isa.level_reason("cpu_native_gguf_linear", 3) is not None,
@@ -43,9 +44,7 @@ def _engine(model, cache, monkeypatch, stack_us=None, swiglu_slower_at_one=False
         return {"rows": list(case.rows), "kernel": [3.0 if slow and r == 1 else 1.0 for r in case.rows],
                 "portable": [2.0] * len(case.rows)}
     monkeypatch.setattr(row_op_timing, "_time_case", row_case)
-    monkeypatch.setattr(backend_timing, "_time_case", lambda case, *a: {"rows": list(case.rows),   # backends win
-                                                                        "kernel": [1.0] * len(case.rows),
-                                                                        "portable": [2.0] * len(case.rows)})
+    monkeypatch.setattr(backend_timing, "_time_case", kernel_wins)   # the backends win
     if stack_us is not None:
         monkeypatch.setattr(stack_timing, "_time_steps", lambda *a: {"rows": [1, 32], "kernel": list(stack_us),
                                                                      "portable": [100.0, 100.0]})
