@@ -242,14 +242,14 @@ typedef struct {
  * put a tile's next piece rows * 64 bytes on, past what the hardware prefetchers follow: at 1,024
  * rows 1.05-1.13x slower on SmolLM2's shapes (Q4_1, Q5_0, Q6_K, Q8_0, interleaved; AMD EPYC,
  * avx2-or-less). */
-static inline const uint8_t *gp_record(const gp_inputs *in, int64_t p, int64_t row) {
-    const int64_t h = in->height;
-    return in->rec + ((row / h * in->pieces + p) * h + row % h) * GP_REC;
-}
 /* The records of the tile of rows from m0 (a multiple of the height) for piece 0; piece p's are
- * p * height * GP_REC bytes on (gp_record without a division in the tiles' loops) */
+ * p * height * GP_REC bytes on (what the tiles' loops step by, without gp_record's division) */
 static inline const uint8_t *gp_tile_records(const gp_inputs *in, int64_t m0) {
     return in->rec + m0 * in->pieces * GP_REC;
+}
+static inline const uint8_t *gp_record(const gp_inputs *in, int64_t p, int64_t row) {
+    const int64_t within = row % in->height;
+    return gp_tile_records(in, row - within) + (p * in->height + within) * GP_REC;
 }
 /* Bytes of the records of rows (whole tiles) of pieces */
 static inline int64_t gp_record_bytes(int64_t rows, int pieces) {
@@ -261,10 +261,11 @@ static inline int64_t gp_record_bytes(int64_t rows, int pieces) {
 static void gp_quantize(const float *x, int64_t first, int64_t last, gp_inputs *in) {
     int32_t first_sum = 0;   /* the piece's first run's qs (its second run comes next: first is even) */
     int64_t row = first / (2 * in->pieces), p = first / 2 % in->pieces;
+    uint8_t *piece0 = (uint8_t *)gp_record(in, 0, row);   /* the row's record for piece 0: a division a row */
     for (int64_t run = first; run < last; ++run) {
         const float *v = x + GP_RUN * run;
         const int j = (int)(run % 2);
-        uint8_t *r = (uint8_t *)gp_record(in, p, row);
+        uint8_t *r = piece0 + p * in->height * GP_REC;
         int32_t qs;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
         const __m512 a = _mm512_loadu_ps(v);
@@ -296,7 +297,7 @@ static void gp_quantize(const float *x, int64_t first, int64_t last, gp_inputs *
             memcpy(&d0, r + 32, 4);
             const float sx = fmaf(d, (float)qs, d0 * (float)first_sum);
             memcpy(r + 48, &sx, 4);
-            if (++p == in->pieces) p = 0, ++row;
+            if (++p == in->pieces) p = 0, piece0 = (uint8_t *)gp_record(in, 0, ++row);
         }
         first_sum = qs;
     }
