@@ -8,7 +8,7 @@ Why: a kernel change is worth a few percent, and this machine drifts by more tha
 runs of a process (AMD EPYC, avx2-or-less: +-15-30%). Here both libraries are loaded into one process
 (ctypes), each packs the same GGUF blocks with its own ``fdplug_gguf_pack`` (the packed layout is a
 build's own: its bit planes, its K-quant headers), and their ``fdplug_gguf_linear_packed`` calls
-alternate (A B B A ...) on the same inputs; the median time of each is kept and B's time over A's
+alternate (A B B A ..., `gemm.median_seconds`) on the same inputs; the median time of each is kept and B's time over A's
 printed (below 1: B is faster). Each pair's outputs are compared first: two builds that differ in
 their bits are refused, so a layout or a schedule change that should keep the bits is checked too.
 ``--weights`` copies of each layer are cycled, so that (as in a model) the weights come from memory,
@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import statistics
+import itertools
 import sys
-import time
 
 import numpy as np
+from gemm import median_seconds  # the calls alternated (ABBA...), median seconds of each
 from gguf_linear import blocks  # the GGML blocks of a type (gguf's quantizer, or random bytes)
 
 SHAPES = {"Q4_K": "576x1536,1536x512", "Q5_K": "576x1536", "Q6_K": "576x1536,1536x512"}
@@ -61,29 +61,25 @@ def line(args, qtype: str, n: int, k: int, rows: int) -> str:
     qid = native_gguf._type_id(qtype)
     libs = {"A": library(args.a, qid, raw, n, k), "B": library(args.b, qid, raw, n, k)}
 
-    def call(name: str, i: int) -> None:
+    def caller(name: str):
         linear, packed = libs[name]
-        if linear(x.data_ptr(), packed[i % len(packed)].data_ptr(), out.data_ptr(), rows, n, k, qid, 1,
-                  args.threads) != 0:
-            raise SystemExit(f"{name} refused {qtype} {n}x{k} at {rows} rows")
+        turn = itertools.count()   # each call the next copy of the layer
 
+        def call() -> None:
+            if linear(x.data_ptr(), packed[next(turn) % len(packed)].data_ptr(), out.data_ptr(), rows, n, k, qid,
+                      1, args.threads) != 0:
+                raise SystemExit(f"{name} refused {qtype} {n}x{k} at {rows} rows")
+        return call
+
+    calls = {name: caller(name) for name in libs}
     results = {}
-    for name in libs:
-        call(name, 0)
+    for name, call in calls.items():
+        call()
         results[name] = out.numpy().copy()
     if not np.array_equal(results["A"], results["B"]):
         raise SystemExit(f"{qtype} {n}x{k} {rows} rows: A and B give different bits")
-    calls = max(1, min(args.weights, 4096 // rows))
-    seconds = {name: [] for name in libs}
-    i = 0
-    for r in range(args.rounds):
-        for name in ("A", "B") if r % 2 == 0 else ("B", "A"):
-            start = time.perf_counter()
-            for _ in range(calls):
-                call(name, i)
-                i += 1
-            seconds[name].append((time.perf_counter() - start) / calls)
-    a, b = (statistics.median(seconds[name]) for name in ("A", "B"))
+    t = median_seconds(calls, args.rounds, args.budget)
+    a, b = t["A"], t["B"]
     flops = 2.0 * n * k * rows
     return (f"{qtype:5s} [{n:5d}, {k:4d}] {rows:5d} rows | A {a * 1e6:9.1f} us {flops / a / 1e9:6.1f} GFLOP/s"
             f" | B {b * 1e6:9.1f} us {flops / b / 1e9:6.1f} GFLOP/s | B/A time {b / a:.3f}")
@@ -97,6 +93,7 @@ def main() -> None:
     parser.add_argument("--rows", default="1,64,1024", help="comma-separated row counts")
     parser.add_argument("--shapes", help=f"comma-separated NxK (default: {DEFAULT_SHAPES}; K-quants {SHAPES})")
     parser.add_argument("--rounds", type=int, default=16, help="timings of each library (alternated)")
+    parser.add_argument("--budget", type=float, default=0.05, help="seconds a timing (its calls repeated)")
     parser.add_argument("--weights", type=int, default=32, help="copies of each layer, cycled (from memory)")
     parser.add_argument("--threads", type=int, default=None, help="the kernels' threads (default: the device's)")
     args = parser.parse_args()
