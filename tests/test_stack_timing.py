@@ -30,11 +30,17 @@ def gguf(tmp_path_factory):
 
 
 def _engine(model, cache, monkeypatch, stack_us=None, swiglu_slower_at_one=False, **kwargs):
-    """An engine measuring its ops into ``cache``: the linears, the row ops and the backends win (the
-    row ops' SwiGLU slower at one row if asked); the stack's decode steps take ``stack_us`` (its figures
-    against the layers' 100 us at 1 and 32 sequences; None: the real timing)."""
+    """An engine measuring its ops into ``cache`` (`_pin_timings`)."""
     from fdplug.core.frontend.llm import LLM
 
+    _pin_timings(cache, monkeypatch, stack_us, swiglu_slower_at_one)
+    return LLM(str(model), max_model_len=64, num_kv_blocks=32, max_num_seqs=4, **kwargs)
+
+
+def _pin_timings(cache, monkeypatch, stack_us=None, swiglu_slower_at_one=False) -> None:
+    """Startup timing on, its figures cached under ``cache``: the linears, the row ops and the backends
+    win (the row ops' SwiGLU slower at one row if asked); the stack's decode steps take ``stack_us``
+    (its figures against the layers' 100 us at 1 and 32 sequences; None: the real timing)."""
     monkeypatch.setenv("FDPLUG_OP_TIMING", "1")   # the tests' default pins the kernels (conftest)
     monkeypatch.setenv("FDPLUG_CACHE_DIR", str(cache))
     monkeypatch.setattr(op_timing, "_time_shape", lambda shape, *a: {"rows": [1], "kernel": [2.0], "portable": [1.0]})
@@ -48,7 +54,6 @@ def _engine(model, cache, monkeypatch, stack_us=None, swiglu_slower_at_one=False
     if stack_us is not None:
         monkeypatch.setattr(stack_timing, "_time_steps", lambda *a: {"rows": [1, 32], "kernel": list(stack_us),
                                                                      "portable": [100.0, 100.0]})
-    return LLM(str(model), max_model_len=64, num_kv_blocks=32, max_num_seqs=4, **kwargs)
 
 
 def _tokens(llm) -> list:
@@ -94,8 +99,10 @@ def test_a_failed_timing_lets_the_stack_go_and_a_named_stack_is_not_timed(gguf, 
 
 
 def test_the_real_figures_are_cached_and_shown_by_explain(gguf, tmp_path, monkeypatch, caplog):
-    before = CliRunner().invoke(main, ["explain", "--model", str(gguf)], env={"FDPLUG_OP_TIMING": "1",
-                                                                             "FDPLUG_CACHE_DIR": str(tmp_path)})
+    # pinned for explain too: it caches the linears' figures, and a real near tie of a tiny layer's
+    # there had kept the stack off (seen under -n 2)
+    _pin_timings(tmp_path, monkeypatch)
+    before = CliRunner().invoke(main, ["explain", "--model", str(gguf)])
     assert "op:decoder_stack: cpu_native_decoder_stack is timed against the layers one by one once the model is " \
            "loaded" in before.output
     with caplog.at_level("INFO"):
