@@ -185,6 +185,8 @@ for qtype in native_gguf_packed.TYPES:
         weight = native_gguf_packed.prepare(w, qtype) if n % 16 == 0 else w
         for rows in (1, 5, 20, 40):   # one tile; 3 tiles each unpacking (32-weight types); decoded once
             out[f"{qtype}-{n}-{rows}"] = native_gguf_packed.gguf_linear(x[:rows], weight, qtype, k, threads=2).numpy()
+        if n % 16 == 0:   # its rows read back (each level's own bit planes)
+            out[f"{qtype}-{n}-read back"] = weight.rows(paddle.to_tensor(np.arange(n - 1, -1, -1))).numpy()
 np.savez(sys.argv[1], **out)
 """
 
@@ -192,7 +194,8 @@ np.savez(sys.argv[1], **out)
 def test_every_level_gives_the_same_bits(tmp_path):
     """AVX-512 with VNNI (vpdpbusd on 16 lanes), AVX-512 without it (vpmaddubsw + vpmaddwd, Q8_0 as
     signed bytes), AVX2 (two halves of 8 lanes) and, where the CPU has it, AVX2 + AVX-VNNI: the same
-    integers and the same float steps per lane, so the same bits (each level a build of its own)."""
+    integers and the same float steps per lane, so the same bits (each level a build of its own); and
+    a packed weight's rows read back from each level's own layout (`PreparedWeight.rows`)."""
     import subprocess
     import sys
 
@@ -216,7 +219,7 @@ def test_every_level_gives_the_same_bits(tmp_path):
         assert result.returncode == 0, result.stderr[-3000:]
         assert result.stdout.split()[1] == str(int(build in vpdpbusd)), f"{build}: vpdpbusd {result.stdout}"
         saved[build] = np.load(path)
-    assert len(saved["native"].files) == 3 * 2 * len(TYPES)
+    assert len(saved["native"].files) == (4 * 2 + 1) * len(TYPES)   # (4 row counts of 2 weights, the rows)
     for name in saved["native"].files:
         for build in saved:
             np.testing.assert_array_equal(saved[build][name], saved["native"][name], err_msg=f"{name} at {build}")

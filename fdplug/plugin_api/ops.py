@@ -56,7 +56,8 @@ Contracts (``T`` tokens as rows; inputs are never modified; results in the input
     `fdplug.plugin_api.gguf_formats.q8_inputs`) for the quantized block types: the portable op's
     result on those values, up to float32 rounding (F16 and BF16 rows as without it). A model whose
     lm_head is its GGUF embedding table hands the lm_head the table as ``prepare`` laid it out (a copy
-    beside the table the embedding reads), or the table itself.
+    beside the table the embedding reads; API 4.8: where that `PreparedWeight` has ``rows``, the
+    embedding reads them and the model drops the file's table), or the table itself.
 ``argmax(logits) -> ids``
     ``logits [T, V]`` float32 -> numpy int64 ``[T]``: each row's largest value's index, the lowest
     among equal values, NaN never chosen (a row of only NaN gives 0); greedy sampling. On the host:
@@ -122,6 +123,11 @@ class PreparedWeight:
     bias: Any = None
     """The layer's bias ``[N]`` (None: none): a kernel handed a `PreparedWeight` adds it itself (in
     its output store: one op less a layer, the same float addition)."""
+    rows: Callable[[Any], Any] | None = None
+    """API 4.8, optional: ``rows(ids)`` -> ``[T, K]`` float32, the rows ``ids`` (int64 ``[T]``, each in
+    ``[0, N)``) of the logical ``[N, K]`` weight with the portable op's values (a GGUF table: what
+    ``gguf_blocks.dequantize`` gives the file's rows, bit for bit). A tied lm_head's table prepared
+    with it is the only copy the model keeps: the embedding reads its token rows here."""
 
     @property
     def dtype(self) -> Any:

@@ -100,9 +100,13 @@ def load_model(model_dir: str | Path, attn_backend: Any, dtype: str = "float32",
     if gguf is not None:
         held = sum(int(p.numel()) * p.element_size() for p in model.parameters())
         held += sum(getattr(layer, "expert_bytes", 0) for layer in model.sublayers())   # the MoE backend's
+        shared = head_copy and model.embed_tokens is None   # (`prepare_tied_head`: one copy of the table)
         logger.info("%s; %.1f MB of weights held (the file: %.1f MB)%s", cfg.quant.describe(), (held + head_copy) / 1e6,
-                    gguf.stat().st_size / 1e6, f", {head_copy / 1e6:.1f} MB of it the tied lm_head laid out for its "
-                    "kernel beside the embedding table" if head_copy else "")
+                    gguf.stat().st_size / 1e6,
+                    f", the tied embedding table ({head_copy / 1e6:.1f} MB) once, laid out for the lm_head's kernel, "
+                    "the embedding reading its rows there" if shared else
+                    f", {head_copy / 1e6:.1f} MB of it the tied lm_head laid out for its kernel beside the embedding "
+                    "table" if head_copy else "")
     return model, cfg
 
 

@@ -57,6 +57,7 @@ SIGNATURES = {   # (restype, argtypes) of every function the library exports (cs
     "fdplug_gguf_packed_available": (_c_int, []),
     "fdplug_gguf_packed_vnni": (_c_int, []),
     "fdplug_gguf_pack": (_c_int, [_ptr] * 2 + [_c_int] * 3),
+    "fdplug_gguf_packed_rows": (_c_int, [_ptr, _ptr, _c_int, _ptr] + [_c_int] * 3),
     "fdplug_gguf_dequant": (_c_int, [_ptr] * 2 + [_c_int] * 4),
     "fdplug_decoder_stack": (_c_int, [_ptr] * 2),
     "fdplug_decoder_stack_scratch": (_i64, [_ptr, _c_int]),

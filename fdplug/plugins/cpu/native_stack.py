@@ -62,7 +62,7 @@ class _Layer(ctypes.Structure):
 class _Model(ctypes.Structure):
     _fields_ = [("layers", ctypes.POINTER(_Layer)), ("embed_table", _p), ("embed_row_bytes", ctypes.c_int64),
                 ("embed_qtype", _i), ("num_layers", _i), ("hidden", _i), ("inter", _i), ("heads", _i),
-                ("kv_heads", _i), ("head_dim", _i), ("eps", _f), ("scale", _f), ("math", _i)]
+                ("kv_heads", _i), ("head_dim", _i), ("eps", _f), ("scale", _f), ("math", _i), ("embed_packed", _i)]
 
 
 class _Step(ctypes.Structure):
@@ -182,13 +182,16 @@ class CpuDecoderStack:
                    *(_c_linear(linear, bf16_math) for linear in (ly.qkv, ly.o, ly.gate_up, ly.down)))
             for ly in stack.layers))
         table = stack.embedding
-        self.embeds = table is not None and table.format == "gguf" and _linear_reason(table) is None   # rows it decodes
+        gguf_table = table is not None and table.format == "gguf"
+        packed = gguf_table and isinstance(table.groups[0][0], PreparedWeight)   # the tied lm_head's copy
+        self.embeds = gguf_table and _linear_reason(table, packed) is None   # rows it decodes
         self.vocab = table.out_features if self.embeds else 0
-        embed_ptr, embed_type = (table.groups[0][0].data_ptr(), _IDS[table.groups[0][1]]) if self.embeds else (None, 0)
+        embed_ptr, embed_type = ((table.groups[0][0].data if packed else table.groups[0][0]).data_ptr(),
+                                 _IDS[table.groups[0][1]]) if self.embeds else (None, 0)
         self.model = _Model(layers, embed_ptr, row_bytes(table.groups[0][1], stack.hidden_size) if self.embeds else 0,
                             embed_type, len(stack.layers), stack.hidden_size, stack.intermediate_size,
                             stack.num_heads, stack.num_kv_heads, stack.head_dim, stack.rms_norm_eps,
-                            stack.attention_scale, MATHS.get(stack.ops["gguf_linear"], 0))
+                            stack.attention_scale, MATHS.get(stack.ops["gguf_linear"], 0), int(packed))
         self.layers = layers
         self.caches: Any = None          # the kv_caches list the pointer arrays below were made from
         self.cache_pointers: tuple[np.ndarray, np.ndarray] | None = None

@@ -157,15 +157,30 @@ class DecoderForCausalLM(nn.Layer):
 
     def prepare_tied_head(self, prepare: Callable[[Any, str], Any]) -> int:
         """A GGUF model whose lm_head is its embedding table: the ``gguf_linear`` kernel's layout of the
-        table for the lm_head (`OpSpec.prepare`), kept beside the table the embedding reads row by row
-        (a second copy: its bytes are returned, 0 where the kernel keeps the file's layout)."""
+        table for the lm_head (`OpSpec.prepare`). Where that layout gives its rows back
+        (`PreparedWeight.rows`) the embedding reads them there and the file's table is dropped: one
+        copy. Else it stays beside the copy for the embedding. Returns the laid-out copy's bytes, which
+        are not a parameter (0 where the kernel keeps the file's layout)."""
         if self.embed_type is None or self.lm_head is not None or self.head_weight is not None:
             return 0
         self.head_weight = prepare(self.embed_tokens, self.embed_type)
-        return 0 if self.head_weight is None else int(self.embed_tokens.size)
+        if self.head_weight is None:
+            return 0
+        copy_bytes = int(self.embed_tokens.size)
+        if self.head_weight.rows is not None:
+            self.embed_tokens = None   # (`embed` and the fused stack read the prepared copy)
+        return copy_bytes
+
+    def embedding_table(self) -> tuple[Any, str | None]:
+        """The table the embedding reads and its GGUF block type (None: a float table): the file's, or
+        the lm_head's laid-out copy once `prepare_tied_head` dropped the file's."""
+        return (self.head_weight if self.embed_tokens is None else self.embed_tokens), self.embed_type
 
     def embed(self, input_ids: Any) -> Any:
         """Token embeddings ``[T, hidden]``; multimodal code replaces rows before ``forward``."""
+        if self.embed_type is not None and self.embed_tokens is None:   # (`prepare_tied_head`)
+            rows = self.head_weight.rows(input_ids)
+            return rows if self.dtype_name == "float32" else rows.astype(self.dtype_name)
         if self.embed_type is not None:
             return embedding_rows(self.embed_tokens, self.embed_type, self.config.hidden_size, input_ids,
                                   self.dtype_name)

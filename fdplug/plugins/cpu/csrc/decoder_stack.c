@@ -45,6 +45,7 @@ typedef struct {
     int embed_qtype, num_layers, hidden, inter, heads, kv_heads, head_dim;
     float eps, scale;
     int math;                              /* the linears' math: gg_linear's GG_MATH_F32, _BF16 or _Q8 */
+    int embed_packed;                      /* embed_table in fdplug_gguf_pack's groups (a tied lm_head's copy) */
 } ds_model;
 
 typedef struct {                          /* one step's inputs, outputs and attention metadata */
@@ -136,9 +137,16 @@ int fdplug_decoder_stack(const ds_model *m, const ds_step *s) {
     const float *embed = s->embed;
     int status;
     if (embed == NULL) { /* the rows the portable op dequantizes (gguf_blocks.dequantize's bits) */
-        for (int t = 0; t < T; ++t)
+        for (int t = 0; t < T; ++t) {
+#ifdef GG_HAVE_PACKED
+            if (m->embed_packed) {
+                gp_row(m->embed_table, m->embed_qtype, hidden, s->ids[t], rows + (int64_t)t * hidden);
+                continue;
+            }
+#endif
             gg_dequant_row(m->embed_table + s->ids[t] * m->embed_row_bytes, m->embed_qtype, hidden,
                            rows + (int64_t)t * hidden, 0);
+        }
         embed = rows;
     }
     for (int i = 0; i < m->num_layers; ++i) {

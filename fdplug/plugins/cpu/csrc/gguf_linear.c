@@ -426,6 +426,11 @@ int fdplug_gguf_pack(const uint8_t *w, uint8_t *out, int cols, int depth, int qt
     (void)w, (void)out, (void)cols, (void)depth, (void)qtype;
     return -4;
 }
+int fdplug_gguf_packed_rows(const uint8_t *packed, const int64_t *ids, int n, float *out, int cols, int depth,
+                            int qtype) {
+    (void)packed, (void)ids, (void)n, (void)out, (void)cols, (void)depth, (void)qtype;
+    return -4;
+}
 #endif
 
 int fdplug_gguf_bf16_available(void) {

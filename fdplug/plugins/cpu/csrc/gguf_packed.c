@@ -318,6 +318,7 @@ typedef struct {
 } gp_job;
 
 #include "gguf_packed_tiles.c"
+#include "gguf_packed_rows.c"
 
 #define GP_CAP(MR) ((MR) < GP_MR ? (MR) : GP_MR)   /* (mr <= GP_MR: the cases above it never run) */
 #define GP_ROWS(QT)                                                                                  \
