@@ -53,12 +53,17 @@
  * unpack: at 12-32 rows 0.98-1.29x decoding's speed (most 1.05-1.2x), at 48 0.96-1.16x (Q4_0,
  * Q4_1, Q5_0, Q8_0 on SmolLM2's three shapes, 2 threads, interleaved; AMD EPYC, avx2-or-less).
  * The K-quants decode from GP_MR rows on (each tile would compute their scale factors again, and
- * Q6_K's planes: undecoded 0.89-0.93x at 16 rows, 0.62-0.94x at 64). At AVX-512 (one 512-bit half,
- * twice the registers) not measured: there every type decodes from GP_MR rows on, as before. */
+ * Q6_K's planes: undecoded 0.89-0.93x at 16 rows, 0.62-0.94x at 64). Q8_0 without VNNI never
+ * decodes (gp_tile_q8_signed unpacks a run at a time, an xor and an abs a vector): with that tile,
+ * 0.95-0.96x the decoded route's time on the 49152 x 576 lm_head at 64-1,024 rows (2 threads,
+ * interleaved; AMD EPYC, avx2-or-less). At AVX-512 (one 512-bit half, twice the registers) not
+ * measured: there every type decodes from GP_MR rows on, as before. */
 static inline int gp_decode_rows(int qtype) {
 #ifdef GG_Q8_512
     (void)qtype;
     return GP_MR;
+#elif !defined(GG_DOT4_VNNI)
+    return qtype == GG_Q8_0 ? 1 << 30 : GG_QK(qtype) == 32 ? 32 : GP_MR;
 #else
     return GG_QK(qtype) == 32 ? 32 : GP_MR;
 #endif
