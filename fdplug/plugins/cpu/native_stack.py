@@ -183,7 +183,8 @@ class CpuDecoderStack:
             for ly in stack.layers))
         table = stack.embedding
         gguf_table = table is not None and table.format == "gguf"
-        packed = gguf_table and isinstance(table.groups[0][0], PreparedWeight)   # the tied lm_head's copy
+        packed = (gguf_table and isinstance(table.groups[0][0], PreparedWeight)   # the tied lm_head's copy
+                  and table.groups[0][0].layout == LAYOUT)
         self.embeds = gguf_table and _linear_reason(table, packed) is None   # rows it decodes
         self.vocab = table.out_features if self.embeds else 0
         embed_ptr, embed_type = ((table.groups[0][0].data if packed else table.groups[0][0]).data_ptr(),

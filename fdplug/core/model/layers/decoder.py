@@ -171,10 +171,10 @@ class DecoderForCausalLM(nn.Layer):
             self.embed_tokens = None   # (`embed` and the fused stack read the prepared copy)
         return copy_bytes
 
-    def embedding_table(self) -> tuple[Any, str | None]:
-        """The table the embedding reads and its GGUF block type (None: a float table): the file's, or
-        the lm_head's laid-out copy once `prepare_tied_head` dropped the file's."""
-        return (self.head_weight if self.embed_tokens is None else self.embed_tokens), self.embed_type
+    def embedding_table(self) -> Any:
+        """The table the embedding reads: the file's, or the lm_head's laid-out copy (a
+        `PreparedWeight`) once `prepare_tied_head` dropped the file's."""
+        return self.head_weight if self.embed_tokens is None else self.embed_tokens
 
     def embed(self, input_ids: Any) -> Any:
         """Token embeddings ``[T, hidden]``; multimodal code replaces rows before ``forward``."""

@@ -65,7 +65,7 @@ def describe(model: DecoderForCausalLM, ops: Mapping[str, str], attention: str) 
             return reason
         layers.append(StackLayer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, *linears,
                                  qk_norm=None if attn.qk_norm is None else attn.qk_norm.weight))
-    table = model.embedding_table()[0]   # (the lm_head's packed copy where the file's table was dropped)
+    table = model.embedding_table()   # (the lm_head's packed copy where the file's table was dropped)
     embedding = (StackLinear("gguf", ((table, model.embed_type),), cfg.hidden_size, cfg.vocab_size)
                  if model.embed_type is not None else
                  StackLinear("float", ((table, str(table.dtype).removeprefix("paddle.")),), cfg.hidden_size,
