@@ -79,4 +79,6 @@ class DecoderStack:
     attention: str
     embedding: StackLinear | None = None
     """The token embedding table ``[vocab, hidden]`` as a "linear" of ``hidden`` inputs (a GGUF
-    file's blocks, or float rows): a stack that reads its rows itself says so (``run.embeds``)."""
+    file's blocks, or float rows; API 4.8: or, for a tied lm_head whose prepared table gives its
+    rows back, that `PreparedWeight`, the model's only copy): a stack that reads its rows itself
+    says so (``run.embeds``)."""

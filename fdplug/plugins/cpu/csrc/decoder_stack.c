@@ -138,12 +138,14 @@ int fdplug_decoder_stack(const ds_model *m, const ds_step *s) {
     int status;
     if (embed == NULL) { /* the rows the portable op dequantizes (gguf_blocks.dequantize's bits) */
         for (int t = 0; t < T; ++t) {
-#ifdef GG_HAVE_PACKED
             if (m->embed_packed) {
+#ifdef GG_HAVE_PACKED
                 gp_row(m->embed_table, m->embed_qtype, hidden, s->ids[t], rows + (int64_t)t * hidden);
                 continue;
-            }
+#else
+                return -2;   /* (a packed table only comes from a build that packs: unreachable) */
 #endif
+            }
             gg_dequant_row(m->embed_table + s->ids[t] * m->embed_row_bytes, m->embed_qtype, hidden,
                            rows + (int64_t)t * hidden, 0);
         }

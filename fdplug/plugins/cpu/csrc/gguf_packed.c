@@ -62,7 +62,7 @@ static inline int gp_decode_rows(int qtype) {
 #ifdef GG_Q8_512
     (void)qtype;
     return GP_MR;
-#elif !defined(GG_DOT4_VNNI)
+#elif !defined(GG_DOT4_VNNI)   /* (GP_SWAP's condition, defined below: AVX2 without VNNI) */
     return qtype == GG_Q8_0 ? 1 << 30 : GG_QK(qtype) == 32 ? 32 : GP_MR;
 #else
     return GG_QK(qtype) == 32 ? 32 : GP_MR;

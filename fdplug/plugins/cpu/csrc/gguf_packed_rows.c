@@ -6,8 +6,8 @@
  * fma(q, d, o) with gg_pair_of's integer q and factors d, o. The integers are read back from the
  * group (nibbles, bit planes, Q8_0's bytes as q ^ 0x80), a K-quant's header fields are put back in
  * the file's order and decoded by the same gg_k_scales_sse. A scalar loop: a step asks for its
- * tokens' rows only (at 2,048 tokens of 576 weights ~1.2 M weights, well under a millisecond's
- * share of a prefill step that takes seconds).
+ * tokens' rows only (a 2,048-token prefill step of SmolLM2 ~1.2 M weights, milliseconds against
+ * the step's seconds).
  *
  * Included by gguf_packed.c (the layout's helpers), after gguf_bytes.c (gg_k_scales_sse).
  * ------------------------------------------------------------------------------------------- */

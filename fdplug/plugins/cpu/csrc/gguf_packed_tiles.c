@@ -388,14 +388,16 @@ static inline __attribute__((always_inline)) void gp_tile_swapped(const gp_job *
 }
 #endif
 
+#ifdef GP_SWAP
 /* gp_tile for Q8_0 at AVX2 without VNNI (its bytes signed: vpmaddubsw on |w| against the inputs
  * with w's sign), from the packed group (gp_decode_rows: it never decodes), a run and a half at a
  * time: the run's 4 quads of w and |w| in that half stay in 8 registers while every row of the tile
  * takes them. gp_tile's loop holds a piece's 32 such vectors (8 quads, 2 halves), past AVX2's 16
  * registers, so each row loaded them again from the stack. The same integer sums (each quad's pair
  * sums widened as gp_run's), the same float steps: the same bits. Against gp_tile (decoding above
- * 32 rows): 0.81-0.88x the time on SmolLM2's Q8_0 shapes at 1-1,024 rows, 0.93-0.95x on its
- * 49152 x 576 lm_head at 64-128 rows (2 threads, interleaved; AMD EPYC, avx2-or-less). */
+ * 32 rows): 0.80-0.90x the time on SmolLM2's Q8_0 shapes at 1-64 rows, 0.84-1.02x at 1,024,
+ * 0.93-0.97x on its 49152 x 576 lm_head at 64 rows (2 threads, interleaved; AMD EPYC,
+ * avx2-or-less). */
 static inline __attribute__((always_inline)) void gp_tile_q8_signed(const gp_job *job, const uint8_t *g, int m0,
                                                                     const int MR, int n0) {
     const gp_inputs *in = job->in;
@@ -434,6 +436,7 @@ static inline __attribute__((always_inline)) void gp_tile_q8_signed(const gp_job
     }
     gp_store_rows(job, acc, m0, MR, n0);
 }
+#endif
 
 /* Rows m0 .. m0 + MR - 1 of the 16 columns of the group at g (or, decoded != NULL, its pieces as
  * gp_decode_group left them), out's columns n0 .. n0 + 15 (those below job->cols) */
