@@ -75,7 +75,6 @@ def load_model(model_dir: str | Path, attn_backend: Any, dtype: str = "float32",
         load_gguf_weights(model, cfg, open_gguf(gguf), show_progress=show_progress)
     else:
         load_weights(model, cfg, files, show_progress=show_progress)
-    head_copy = 0
     for plan in linear_plans:   # first: a layer on the portable op keeps its weight as it is
         _portable_where_faster(model, plan)
     if kernels.prepare_gguf_linear is not None:
@@ -83,7 +82,7 @@ def load_model(model_dir: str | Path, attn_backend: Any, dtype: str = "float32",
             if isinstance(layer, GgufLinear):
                 layer.prepare(kernels.prepare_gguf_linear)
         if model.embed_type is None or model.gguf_kernel is not PORTABLE.gguf_linear:
-            head_copy = model.prepare_tied_head(kernels.prepare_gguf_linear)
+            model.prepare_tied_head(kernels.prepare_gguf_linear)
     for kind, prepare in ((Linear, kernels.prepare_linear), (Fp8Linear, kernels.prepare_fp8_linear)):
         layers = [layer for layer in model.sublayers() if isinstance(layer, kind)]
         if prepare is None or not layers:
@@ -100,6 +99,7 @@ def load_model(model_dir: str | Path, attn_backend: Any, dtype: str = "float32",
     if gguf is not None:
         held = sum(int(p.numel()) * p.element_size() for p in model.parameters())
         held += sum(getattr(layer, "expert_bytes", 0) for layer in model.sublayers())   # the MoE backend's
+        head_copy = model.head_copy_bytes()
         shared = head_copy and model.embed_tokens is None   # (`prepare_tied_head`: one copy of the table)
         logger.info("%s; %.1f MB of weights held (the file: %.1f MB)%s", cfg.quant.describe(), (held + head_copy) / 1e6,
                     gguf.stat().st_size / 1e6,

@@ -124,8 +124,7 @@ class ModelRunner:
                                               self.model_config.architecture, mm.image_spec, kernels)
         # The routed experts live in the MoE backend's layout, not as parameters: count them as loaded.
         params = sum(int(np.prod(p.shape)) * p.element_size() for p in self.model.parameters())
-        head = getattr(self.model, "head_weight", None)   # a tied GGUF table laid out for the lm_head
-        self.model_bytes = params + footprint.expert_bytes + (int(head.data.size) if head is not None else 0)
+        self.model_bytes = params + footprint.expert_bytes + self.model.head_copy_bytes()
         for line in model_summary(cfg, self.config.dtype, self.selection.moe.name, self.selection.ops).splitlines():
             logger.info(line)
         return ModelInfo(self.model_config.vocab_size, self.model_config.hidden_size, self.model_bytes)

@@ -155,21 +155,21 @@ class DecoderForCausalLM(nn.Layer):
                                       heads=cfg.num_heads + cfg.num_kv_heads, kernels=kernels)  # q, k together
         self.eval()
 
-    def prepare_tied_head(self, prepare: Callable[[Any, str], Any]) -> int:
+    def prepare_tied_head(self, prepare: Callable[[Any, str], Any]) -> None:
         """A GGUF model whose lm_head is its embedding table: the ``gguf_linear`` kernel's layout of the
         table for the lm_head (`OpSpec.prepare`). Where that layout gives its rows back
         (`PreparedWeight.rows`) the embedding reads them there and the file's table is dropped: one
-        copy. Else it stays beside the copy for the embedding. Returns the laid-out copy's bytes, which
-        are not a parameter (0 where the kernel keeps the file's layout)."""
+        copy. Else it stays beside the copy for the embedding."""
         if self.embed_type is None or self.lm_head is not None or self.head_weight is not None:
-            return 0
+            return
         self.head_weight = prepare(self.embed_tokens, self.embed_type)
-        if self.head_weight is None:
-            return 0
-        copy_bytes = int(self.embed_tokens.size)
-        if self.head_weight.rows is not None:
+        if self.head_weight is not None and self.head_weight.rows is not None:
             self.embed_tokens = None   # (`embed` and the fused stack read the prepared copy)
-        return copy_bytes
+
+    def head_copy_bytes(self) -> int:
+        """Bytes of the tied table as `prepare_tied_head` laid it out: held, but not a parameter."""
+        head = getattr(self, "head_weight", None)   # (only a GGUF model's table has one)
+        return 0 if head is None else int(head.data.numel()) * head.data.element_size()
 
     def embedding_table(self) -> Any:
         """The table the embedding reads: the file's, or the lm_head's laid-out copy (a
