@@ -171,6 +171,13 @@ static void gp_k_factors(const uint8_t *h, int QT, float dw[16][GP_COLS], float 
     }
 }
 
+/* Half h's factors of a 32-weight type's piece whose 16 float16 d (then m) are at scales */
+static inline __attribute__((always_inline)) void gp_block_factors(const uint8_t *scales, const int QT, int h,
+                                                                   gp_piece *e) {
+    e->dw0[h] = e->dw1[h] = gp_f16(scales + 2 * GP_LANES * h);
+    e->ow[h] = gp_has_min(QT) ? gp_f16(scales + 32 + 2 * GP_LANES * h) : gp_fzero();
+}
+
 /* Piece p of the group at g (K-quants: dws, ows hold its super-block's factors, gp_k_factors) */
 static inline __attribute__((always_inline)) void gp_piece_at(const uint8_t *g, const int QT, int p,
                                                               const float dws[16][GP_COLS],
@@ -180,8 +187,7 @@ static inline __attribute__((always_inline)) void gp_piece_at(const uint8_t *g, 
         if (GG_QK(QT) == 32) {
             const uint8_t *u = g + p * unit, *scales = u + gp_piece_bytes(QT);
             gp_unpack(u, QT, h, e);
-            e->dw0[h] = e->dw1[h] = gp_f16(scales + 2 * GP_LANES * h);
-            e->ow[h] = gp_has_min(QT) ? gp_f16(scales + 32 + 2 * GP_LANES * h) : gp_fzero();
+            gp_block_factors(scales, QT, h, e);
             continue;
         }
         const int j = p % 8;
@@ -409,10 +415,7 @@ static inline __attribute__((always_inline)) void gp_tile_q8_signed(const gp_job
     for (int p = 0; p < job->depth / 32; ++p) {
         const uint8_t *u = g + p * unit;
         gp_piece e;   /* (its factors only) */
-        for (int h = 0; h < GP_HALVES; ++h) {
-            e.dw0[h] = e.dw1[h] = gp_f16(u + gp_piece_bytes(GG_Q8_0) + 2 * GP_LANES * h);
-            e.ow[h] = gp_fzero();
-        }
+        for (int h = 0; h < GP_HALVES; ++h) gp_block_factors(u + gp_piece_bytes(GG_Q8_0), GG_Q8_0, h, &e);
         const uint8_t *rec = records + (int64_t)p * in->height * GP_REC;
         gp_vi sums[GP_MR][2][GP_HALVES];   /* each row's runs' integer sums (from 0: no offset) */
         for (int j = 0; j < 2; ++j) {
