@@ -114,17 +114,18 @@ def test_the_same_bits_whatever_the_batch_the_route_or_the_threads(qtype):
 @pytest.mark.parametrize("qtype", ["Q5_0", "Q6_K", "Q8_0"])
 def test_rows_past_a_block_give_the_bits_of_smaller_calls(qtype):
     """1,500 rows at K = 1,536: 4.4 MiB of quantized inputs, past the 2 MiB a work item's rows keep
-    (gp_block_rows: three blocks, each group decoded again for each), give each row the bits it has
-    in calls of 300 rows (one block), on two threads and on one."""
+    (gp_block_rows: three blocks, each group decoded, or packed per call from the file's rows, again
+    for each), give each row the bits it has in calls of 300 rows (one block), on two threads and on
+    one."""
     k = depth(qtype, 6 if qtype.endswith("_K") else 48)
     w = paddle.to_tensor(_random_gguf_blocks(qtype, 48, k, np.random.default_rng(35)))
     packed = native_gguf_packed.prepare(w, qtype)
     x = paddle.to_tensor(np.random.default_rng(36).standard_normal((1500, k)).astype(np.float32))
     parts = np.concatenate([native_gguf_packed.gguf_linear(x[i:i + 300], packed, qtype, k, threads=2).numpy()
                             for i in range(0, 1500, 300)])
-    for threads in (2, 1):
-        np.testing.assert_array_equal(native_gguf_packed.gguf_linear(x, packed, qtype, k, threads=threads).numpy(),
-                                      parts, err_msg=f"{threads} threads")
+    for weight, threads in ((packed, 2), (packed, 1), (w, 2)):
+        np.testing.assert_array_equal(native_gguf_packed.gguf_linear(x, weight, qtype, k, threads=threads).numpy(),
+                                      parts, err_msg=f"{type(weight).__name__}, {threads} threads")
 
 
 @needs_tiles

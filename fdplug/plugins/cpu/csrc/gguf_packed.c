@@ -444,9 +444,9 @@ static int gp_linear(const float *x, const uint8_t *w, float *out, int64_t ld, i
      * threads end together: SmolLM2's 36 and 60 groups made 9 items of 4 and 7 on 2 threads, one
      * thread doing 5, and this VM's two vCPUs drift apart besides. Up to GP_MR rows one group each
      * lost 10-16% at one row (a thread's weights no longer read in order): there about 4 items a
-     * thread, as many for each. Against 4 items a
-     * thread throughout: 16-256 rows 0.97-1.13x (most 1.0-1.1x), one row 0.99-1.18x (Q4_1, Q8_0,
-     * SmolLM2's shapes, 2 threads, interleaved; AMD EPYC, avx2-or-less). */
+     * thread, as many for each. Against 4 items a thread throughout: 16-256 rows 0.97-1.13x (most
+     * 1.0-1.1x), one row 0.99-1.18x (Q4_1, Q8_0, SmolLM2's shapes, 2 threads, interleaved; AMD EPYC,
+     * avx2-or-less). */
     int per_item = rows > GP_MR ? 1 : groups / (4 * threads);
     while (per_item > 1 && (groups + per_item - 1) / per_item % threads != 0) --per_item;
     per_item = per_item > 0 ? per_item : 1;
