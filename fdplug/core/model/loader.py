@@ -46,6 +46,16 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _IGNORED_SUBSTRING = "mtp"
 
 
+def _tied_table_note(model: Any, head_copy: int) -> str:
+    """The load log's words on a tied GGUF table laid out for the lm_head (``head_copy`` bytes; 0: none)."""
+    if not head_copy:
+        return ""
+    if model.embed_tokens is None:   # `prepare_tied_head` dropped the file's table: one copy
+        return (f", the tied embedding table ({head_copy / 1e6:.1f} MB) once, laid out for the lm_head's kernel, "
+                "the embedding reading its rows there")
+    return f", {head_copy / 1e6:.1f} MB of it the tied lm_head laid out for its kernel beside the embedding table"
+
+
 def load_model(model_dir: str | Path, attn_backend: Any, dtype: str = "float32", *,
                max_positions: int | None = None, show_progress: bool = True,
                kernels: Kernels = PORTABLE, moe_backend: Any | None = None,
@@ -100,13 +110,8 @@ def load_model(model_dir: str | Path, attn_backend: Any, dtype: str = "float32",
         held = sum(int(p.numel()) * p.element_size() for p in model.parameters())
         held += sum(getattr(layer, "expert_bytes", 0) for layer in model.sublayers())   # the MoE backend's
         head_copy = model.head_copy_bytes()
-        shared = head_copy and model.embed_tokens is None   # (`prepare_tied_head`: one copy of the table)
         logger.info("%s; %.1f MB of weights held (the file: %.1f MB)%s", cfg.quant.describe(), (held + head_copy) / 1e6,
-                    gguf.stat().st_size / 1e6,
-                    f", the tied embedding table ({head_copy / 1e6:.1f} MB) once, laid out for the lm_head's kernel, "
-                    "the embedding reading its rows there" if shared else
-                    f", {head_copy / 1e6:.1f} MB of it the tied lm_head laid out for its kernel beside the embedding "
-                    "table" if head_copy else "")
+                    gguf.stat().st_size / 1e6, _tied_table_note(model, head_copy))
     return model, cfg
 
 
