@@ -133,7 +133,14 @@ static int attention_chunks(int keys, int block_size, int *chunk_keys) {
  * avx512, 2 threads, --layers 30 --scatter, 2-3 interleaved rounds): 64 sequences of 200 and 1,000
  * keys 0.88-0.91 -> 0.56-0.58 and 4.4-4.8 -> 3.0-3.2 ms a layer (10-11 -> 16-17.5 GB/s), one of
  * 3,000 keys 0.21 -> 0.15-0.18 ms; capped to AVX2 0.98-1.04 -> 0.62-0.67 and 4.8-5.7 -> 3.3-3.6;
- * float32 1.1-1.5x at both levels. Four blocks ahead instead of two: the same within noise. */
+ * float32 1.1-1.5x at both levels. Four blocks ahead instead of two: the same within noise.
+ * A block's prefetches are spread over its heads' score passes (each head issues its share of the
+ * key block ahead and of the value block): all 64 lines of a block pair at once stalled the pass
+ * that issued them (the prefetch loops held 13% of the kernel's samples at 64 streams). Spread, 64
+ * sequences of <= 256-1,024 keys took 0.80-0.96x the time (float16; float32 0.82x), 8 of 2,048
+ * 0.88x, one of 1,000-3,000 keys the same (scattered blocks, 2 threads, interleaved in one
+ * process; AMD EPYC, avx2-or-less). Six blocks ahead, or the next unit's first block fetched
+ * during the weighing: within noise. */
 #ifndef KV_AHEAD
 #define KV_AHEAD 2
 #endif
@@ -158,14 +165,23 @@ static void attend_range(const attention_job *job, int token, int kvh, int first
 #define KV_BLOCK(base, b) ((const char *)(base) + (int64_t)table[b] * block_bytes)
     const int blocks = (keys + bs - 1) / bs;
     for (int b = 0; b < blocks && b < KV_AHEAD; ++b) prefetch_bytes(KV_BLOCK(kbase, b), block_bytes);
+    const int64_t part = (block_bytes / group + 63) / 64 * 64;   /* a head's share of a block's prefetches */
     for (int j0 = 0; j0 < keys; j0 += bs) {
         const int b = j0 / bs;
-        if (b + KV_AHEAD < blocks) prefetch_bytes(KV_BLOCK(kbase, b + KV_AHEAD), block_bytes);
-        prefetch_bytes(KV_BLOCK(vbase, b), block_bytes); /* read after the softmax: in L2 by then */
+        const char *kahead = b + KV_AHEAD < blocks ? KV_BLOCK(kbase, b + KV_AHEAD) : NULL;
+        const char *vnow = KV_BLOCK(vbase, b);   /* (read after the softmax: in L2 by then) */
         const void *kblock = KV_BLOCK(kbase, b);
         const int n = keys - j0 < bs ? keys - j0 : bs;
         float *at = scores + j0;
-#define SCORE(KT) for (int g = 0; g < group; ++g) score_keys(queries + g * dim, kblock, n, dim, at + (int64_t)g * job->max_keys, KT)
+#define SCORE(KT)                                                                                    \
+    for (int g = 0; g < group; ++g) {                                                                \
+        const int64_t from = g * part, bytes = from + part < block_bytes ? part : block_bytes - from; \
+        if (bytes > 0) {                                                                             \
+            if (kahead != NULL) prefetch_bytes(kahead + from, bytes);                                \
+            prefetch_bytes(vnow + from, bytes);                                                      \
+        }                                                                                            \
+        score_keys(queries + g * dim, kblock, n, dim, at + (int64_t)g * job->max_keys, KT);         \
+    }
         KV_SWITCH(kt, SCORE)
 #undef SCORE
     }
