@@ -21,7 +21,7 @@ import ctypes
 import itertools
 
 import numpy as np
-from gemm import median_seconds  # the calls alternated (ABBA...), median seconds of each
+from gemm import add_build_ab_arguments, median_seconds, start_build_ab  # (ABBA..., medians)
 
 DTYPES = {"float32": (np.float32, 0), "float16": (np.float16, 1)}   # numpy type, kernels.KV_TYPES index
 
@@ -80,8 +80,7 @@ def line(args, keys: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--a", required=True, help="the baseline library (.so)")
-    parser.add_argument("--b", required=True, help="the library under test (.so)")
+    add_build_ab_arguments(parser)   # --a, --b, --rounds, --budget, --threads
     parser.add_argument("--keys", default="256,512,1024", help="comma-separated most keys a sequence")
     parser.add_argument("--seqs", type=int, default=64)
     parser.add_argument("--heads", type=int, default=9)
@@ -90,16 +89,8 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-cache-dtype", choices=sorted(DTYPES), default="float16")
     parser.add_argument("--layers", type=int, default=8, help="caches read in turn, one a call (a step's layers)")
-    parser.add_argument("--rounds", type=int, default=16, help="timings of each library (alternated)")
-    parser.add_argument("--budget", type=float, default=0.05, help="seconds a timing (its calls repeated)")
-    parser.add_argument("--threads", type=int, default=None, help="the kernel's threads (default: the device's)")
     args = parser.parse_args()
-    from fdplug.plugins.cpu import device, isa
-
-    device.setup()
-    args.threads = args.threads or device.cpu_threads()
-    print(f"CPU: {isa.model_name()}, {isa.describe()}; {args.threads} threads; medians of {args.rounds} "
-          f"alternated timings; A = {args.a}, B = {args.b}", flush=True)
+    start_build_ab(args)
     for keys in (int(k) for k in args.keys.split(",")):
         print(line(args, keys), flush=True)
 

@@ -88,6 +88,25 @@ def median_seconds(calls: dict, rounds: int, budget: float) -> dict[str, float]:
     return {name: statistics.median(v) for name, v in got.items()}
 
 
+def add_build_ab_arguments(parser) -> None:
+    """Two builds of the kernel library against each other (kernel_ab.py, attention_ab.py): which, and the timings."""
+    parser.add_argument("--a", required=True, help="the baseline library (.so)")
+    parser.add_argument("--b", required=True, help="the library under test (.so)")
+    parser.add_argument("--rounds", type=int, default=16, help="timings of each library (alternated)")
+    parser.add_argument("--budget", type=float, default=0.05, help="seconds a timing (its calls repeated)")
+    parser.add_argument("--threads", type=int, default=None, help="the kernels' threads (default: the device's)")
+
+
+def start_build_ab(args) -> None:
+    """The cpu device set up, ``args.threads`` resolved, and the first line: the CPU, its level, the builds."""
+    from fdplug.plugins.cpu import device, isa
+
+    device.setup()
+    args.threads = args.threads or device.cpu_threads()
+    print(f"CPU: {isa.model_name()}, {isa.describe()}; {args.threads} threads; medians of {args.rounds} "
+          f"alternated timings; A = {args.a}, B = {args.b}", flush=True)
+
+
 def compare(calls: dict, flops: float, rounds: int, budget: float) -> dict[str, float]:
     """GFLOP/s of each call (`median_seconds`)."""
     return {name: flops / t / 1e9 for name, t in median_seconds(calls, rounds, budget).items()}

@@ -23,7 +23,7 @@ import itertools
 import sys
 
 import numpy as np
-from gemm import median_seconds  # the calls alternated (ABBA...), median seconds of each
+from gemm import add_build_ab_arguments, median_seconds, start_build_ab  # (ABBA..., medians)
 from gguf_linear import blocks  # the GGML blocks of a type (gguf's quantizer, or random bytes)
 
 SHAPES = {"Q4_K": "576x1536,1536x512", "Q5_K": "576x1536", "Q6_K": "576x1536,1536x512"}
@@ -87,22 +87,13 @@ def line(args, qtype: str, n: int, k: int, rows: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--a", required=True, help="the baseline library (.so)")
-    parser.add_argument("--b", required=True, help="the library under test (.so)")
+    add_build_ab_arguments(parser)   # --a, --b, --rounds, --budget, --threads
     parser.add_argument("--types", default="Q4_1,Q5_0,Q8_0,Q4_K,Q6_K", help="comma-separated GGML types")
     parser.add_argument("--rows", default="1,64,1024", help="comma-separated row counts")
     parser.add_argument("--shapes", help=f"comma-separated NxK (default: {DEFAULT_SHAPES}; K-quants {SHAPES})")
-    parser.add_argument("--rounds", type=int, default=16, help="timings of each library (alternated)")
-    parser.add_argument("--budget", type=float, default=0.05, help="seconds a timing (its calls repeated)")
     parser.add_argument("--weights", type=int, default=32, help="copies of each layer, cycled (from memory)")
-    parser.add_argument("--threads", type=int, default=None, help="the kernels' threads (default: the device's)")
     args = parser.parse_args()
-    from fdplug.plugins.cpu import device, isa
-
-    device.setup()
-    args.threads = args.threads or device.cpu_threads()
-    print(f"CPU: {isa.model_name()}, {isa.describe()}; {args.threads} threads; medians of {args.rounds} "
-          f"alternated timings; A = {args.a}, B = {args.b}")
+    start_build_ab(args)
     for qtype in args.types.upper().split(","):
         for shape in (args.shapes or SHAPES.get(qtype, DEFAULT_SHAPES)).split(","):
             n, k = (int(v) for v in shape.lower().split("x"))
