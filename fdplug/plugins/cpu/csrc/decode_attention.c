@@ -137,10 +137,10 @@ static int attention_chunks(int keys, int block_size, int *chunk_keys) {
  * A block's prefetches are spread over its heads' score passes (each head issues its share of the
  * key block ahead and of the value block): all 64 lines of a block pair at once stalled the pass
  * that issued them (the prefetch loops held 13% of the kernel's samples at 64 streams). Spread, 64
- * sequences of <= 256-1,024 keys took 0.80-0.96x the time (float16; float32 0.82x), 8 of 2,048
- * 0.88x, one of 1,000-3,000 keys the same (scattered blocks, 2 threads, interleaved in one
- * process; AMD EPYC, avx2-or-less). Six blocks ahead, or the next unit's first block fetched
- * during the weighing: within noise. */
+ * sequences of <= 256-1,024 keys took 0.85-0.91x the time (float16 and float32 caches; 8 layers'
+ * caches read in turn, blocks scattered: bench/attention_ab.py against the build before; AMD EPYC,
+ * avx2-or-less, 2 threads), one sequence of 1,024 and 3,000 keys 0.98x and 0.87x. Six blocks
+ * ahead, or the next work unit's first block fetched during the weighing: within noise. */
 #ifndef KV_AHEAD
 #define KV_AHEAD 2
 #endif
