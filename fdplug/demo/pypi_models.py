@@ -53,10 +53,21 @@ MODELS = {
 }
 
 
+DEMO_NAME = "demo"
+"""The embedded demo's name: what ``fdplug serve`` serves it as, so ``--model demo`` (or
+``LLM("demo")``) asks for it by the name a client sees."""
+
+
 def resolve_model(model: str) -> str:
-    """``model`` itself, or for a name of `MODELS` that is not a local path, its cached file
-    (downloaded on first use)."""
-    if model in MODELS and not Path(model).exists():
+    """``model`` itself, or for a name (`DEMO_NAME`, or one of `MODELS`) that is not a local path,
+    the embedded demo's directory or the named model's cached file (downloaded on first use)."""
+    if Path(model).exists():
+        return model
+    if model == DEMO_NAME:
+        from fdplug.demo import demo_model_dir
+
+        return str(demo_model_dir())
+    if model in MODELS:
         return str(fetch(MODELS[model]))
     return model
 

