@@ -15,6 +15,15 @@ then: the first ``fdplug serve`` there lost its kernels, and on 2 cores concurre
 every one past it. GCC 10+ now builds with ``-flto=auto``, which splits that code generation into
 partitions compiled on every core (60-74 s on 2 cores, the same arithmetic); a failing parallel
 build is followed by one plain build.
+
+Why GCC builds without its RTL GCSE passes (`gcc_flags`): the packed GGUF tiles' worker (``gp_worker``,
+~430 KB of code, 8 row counts x 8 weight types inlined) is one function, which no LTO partition can
+split; its code generation ran on one core for most of the build (101-119 s on 2 cores, 2026-12-01,
+AMD EPYC, avx2-or-less), and ``-ftime-report`` put a quarter of the whole compile in RTL ``PRE``
+(-fgcse) and a tenth in ``load CSE after reload`` (-fgcse-after-reload). Without them: 51 s, the same
+bits, and the kernels' speed unchanged within the machine's noise (the packed tiles of every type at
+1-1,024 rows, decode attention, the float32 packed linear, each A/B in one process both ways round).
+Splitting the worker instead made its tiles 8-25% slower (docs/cpu-kernels.md).
 """
 
 from __future__ import annotations
@@ -70,6 +79,19 @@ def _flags() -> tuple[str, ...]:
 
 
 @functools.lru_cache(maxsize=8)
+def _gcc_major(cc: tuple[str, ...]) -> int | None:
+    """GCC's major version where ``cc`` is GCC (its ``--version`` names the Free Software Foundation),
+    else None (clang, another compiler, one that does not answer)."""
+    try:
+        about = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30, check=False).stdout
+        version = subprocess.run([*cc, "-dumpfullversion"], capture_output=True, text=True, timeout=30,
+                                 check=False).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    major = version.split(".")[0]
+    return int(major) if "Free Software Foundation" in about and major.isdigit() else None
+
+
 def parallel_flags(cc: tuple[str, ...]) -> tuple[str, ...]:
     """``("-flto=auto",)`` where ``cc`` is GCC 10 or later and ``make`` is there (GCC's LTO runs its
     partitions through ``make -jN``), else nothing. With it GCC splits the one translation unit's code
@@ -77,20 +99,23 @@ def parallel_flags(cc: tuple[str, ...]) -> tuple[str, ...]:
     arithmetic (the tiles are inlined within each partition)."""
     if shutil.which(os.environ.get("MAKE") or "make") is None:
         return ()
-    try:
-        about = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30, check=False).stdout
-        version = subprocess.run([*cc, "-dumpfullversion"], capture_output=True, text=True, timeout=30,
-                                 check=False).stdout.strip()
-    except (OSError, subprocess.TimeoutExpired):
-        return ()
-    major = version.split(".")[0]
-    return ("-flto=auto",) if "Free Software Foundation" in about and major.isdigit() and int(major) >= 10 else ()
+    major = _gcc_major(cc)
+    return ("-flto=auto",) if major is not None and major >= 10 else ()
+
+
+GCC_FLAGS = ("-fno-gcse", "-fno-gcse-after-reload")
+
+
+def gcc_flags(cc: tuple[str, ...]) -> tuple[str, ...]:
+    """`GCC_FLAGS` where ``cc`` is GCC (the module's docstring says why), in every try of a build; other
+    compilers get none (clang would only warn of flags it ignores)."""
+    return GCC_FLAGS if _gcc_major(cc) is not None else ()
 
 
 def library_path(cc: list[str]) -> Path:
     key = hashlib.sha256()
     included = (f.read_bytes() for f in sorted(CSRC.glob("*.c")) if f != SOURCE)
-    flags = " ".join((*_flags(), *parallel_flags(tuple(cc))))
+    flags = " ".join((*_flags(), *gcc_flags(tuple(cc)), *parallel_flags(tuple(cc))))
     for part in (SOURCE.read_bytes(), *included, flags.encode(), " ".join(cc).encode(), _cpu_fingerprint().encode()):
         key.update(part)
         key.update(b"\0")
@@ -100,7 +125,7 @@ def library_path(cc: list[str]) -> Path:
 def _compile(cc: list[str], extra: tuple[str, ...], tmp: str, deadline: float) -> tuple[int, str]:
     """(exit status, output) of one compile, ended with all its processes (the driver's cc1, lto1 and
     make children too: a session of their own) if it is still running at ``deadline``."""
-    command = [*cc, *_flags(), *extra, "-I", str(CSRC), "-o", tmp, str(SOURCE), "-lm"]
+    command = [*cc, *_flags(), *gcc_flags(tuple(cc)), *extra, "-I", str(CSRC), "-o", tmp, str(SOURCE), "-lm"]
     try:
         proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
