@@ -73,9 +73,10 @@ def _cpu_fingerprint() -> str:
     return "\n".join(lines) or platform.processor() or platform.machine()
 
 
-def _flags() -> tuple[str, ...]:
-    """The compiler's flags: the target first, so that a flag added to FLAGS (a test's -march) overrides it."""
-    return (*isa.march(), *FLAGS)
+def _flags(cc: list[str]) -> tuple[str, ...]:
+    """The compiler's flags in every try of a build: the target first, so that a flag added to FLAGS (a
+    test's -march) overrides it, then GCC's own (`gcc_flags`)."""
+    return (*isa.march(), *FLAGS, *gcc_flags(tuple(cc)))
 
 
 @functools.lru_cache(maxsize=8)
@@ -115,7 +116,7 @@ def gcc_flags(cc: tuple[str, ...]) -> tuple[str, ...]:
 def library_path(cc: list[str]) -> Path:
     key = hashlib.sha256()
     included = (f.read_bytes() for f in sorted(CSRC.glob("*.c")) if f != SOURCE)
-    flags = " ".join((*_flags(), *gcc_flags(tuple(cc)), *parallel_flags(tuple(cc))))
+    flags = " ".join((*_flags(cc), *parallel_flags(tuple(cc))))
     for part in (SOURCE.read_bytes(), *included, flags.encode(), " ".join(cc).encode(), _cpu_fingerprint().encode()):
         key.update(part)
         key.update(b"\0")
@@ -125,7 +126,7 @@ def library_path(cc: list[str]) -> Path:
 def _compile(cc: list[str], extra: tuple[str, ...], tmp: str, deadline: float) -> tuple[int, str]:
     """(exit status, output) of one compile, ended with all its processes (the driver's cc1, lto1 and
     make children too: a session of their own) if it is still running at ``deadline``."""
-    command = [*cc, *_flags(), *gcc_flags(tuple(cc)), *extra, "-I", str(CSRC), "-o", tmp, str(SOURCE), "-lm"]
+    command = [*cc, *_flags(cc), *extra, "-I", str(CSRC), "-o", tmp, str(SOURCE), "-lm"]
     try:
         proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
