@@ -111,6 +111,15 @@ def exchange_main(out_dir: str, kind: str) -> None:
                else paddle.zeros([0, HIDDEN]))
         results["steps"].append({"out": exchange.combine(out, batch).numpy().tolist(), "rows": rows})
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    leave(rank)
+
+
+def leave(rank: int) -> None:
+    """A rank's end, as an engine process's: with the group, then at once (`group_exit`: a plain exit
+    could abort in paddle's store after the rank's work was written); status 1 if a rank did not come."""
+    from fdplug.core.parallel.group_exit import exit_process, leave_group
+
+    exit_process(0 if leave_group(rank, 2, timeout=60) else 1)
 
 
 @pytest.mark.parametrize("kind", ["all_gather", "all_gather_counted", "all_to_all"])
@@ -199,6 +208,7 @@ def lockstep_main(out_dir: str) -> None:
             rounds += 1
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(
         {"log": log, "errors": errors, "passes": group.passes, "dummy": group.dummy_passes, "leaving": group.leaving}))
+    leave(rank)
 
 
 def test_lockstep_an_idle_rank_a_failed_pass_and_leaving(tmp_path):
@@ -290,6 +300,7 @@ def engine_main(out_dir: str, model: str, fault: str) -> None:
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps({
         "tokens": [o.outputs[0].token_ids for o in outs], "failed_steps": llm.engine.num_failed_steps,
         "passes": group.passes, "dummy": group.dummy_passes}))
+    leave(rank)
 
 
 @pytest.mark.parametrize("fault", ["none", "experts", "attention"])

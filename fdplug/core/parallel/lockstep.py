@@ -21,7 +21,8 @@ set (the API process asked a rank to stop) ends every rank's loop after that rou
 that fails (a peer died, or gloo's fixed 30 s wait ran out: no rank may spend longer than that
 between two collectives while another waits) raises `ParallelGroupError`: the group cannot step
 without that rank. ``barrier`` holds the ranks at startup until all have loaded their model, with
-the startup timeout, through the group's store.
+the startup timeout, through the group's store; a rank's process ends with every rank
+(`fdplug.core.parallel.group_exit`: paddle's store can abort a process that exits alone).
 
 ``init_group`` starts paddle.distributed in an engine process from the rank, size and rendezvous
 endpoint the API process chose (gloo on the cpu device, the device's own backend elsewhere).
@@ -37,6 +38,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from fdplug.core.parallel.exchange import Collectives
+from fdplug.core.parallel.group_exit import arrivals_within
 from fdplug.errors import ConfigError, ParallelGroupError
 
 logger = logging.getLogger("fdplug.engine")
@@ -182,13 +184,10 @@ class LockstepGroup(Collectives):
 
         store, key = core.create_or_get_global_tcp_store(), f"fdplug/{name}"
         store.add(key, 1)
-        deadline = time.monotonic() + timeout
-        while (arrived := store.add(key, 0)) < self.size:
-            if time.monotonic() > deadline:
-                raise ParallelGroupError(f"{self.describe()}: only {arrived} of {self.size} ranks were ready within "
-                                         f"{timeout:.0f} s.", fix="see the other engines' messages for why; set "
-                                         "FDPLUG_ENGINE_STARTUP_TIMEOUT higher for a large model.")
-            time.sleep(0.05)
+        if (arrived := arrivals_within(store, key, self.size, timeout)) < self.size:
+            raise ParallelGroupError(f"{self.describe()}: only {arrived} of {self.size} ranks were ready within "
+                                     f"{timeout:.0f} s.", fix="see the other engines' messages for why; set "
+                                     "FDPLUG_ENGINE_STARTUP_TIMEOUT higher for a large model.")
 
     def describe(self) -> str:
         return f"expert parallel rank {self.rank} of {self.size}"

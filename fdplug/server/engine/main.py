@@ -153,7 +153,15 @@ def main(argv: list[str] | None = None) -> int:
     if spec.cpus:   # before paddle or any thread starts: every thread inherits it, the cpu device counts it
         os.sched_setaffinity(0, spec.cpus)
     logging.basicConfig(level=spec.log_level, format="%(levelname)s %(name)s[engine]: %(message)s")
-    return run_engine(spec)
+    code = run_engine(spec)
+    if spec.expert_parallel:     # a rank leaves with its group, then exits at once (group_exit)
+        from fdplug.core.parallel.group_exit import exit_process, leave_group
+        from fdplug.core.parallel.lockstep import current_group
+
+        if (group := current_group()) is not None:
+            leave_group(group.rank, group.size)
+            exit_process(code)
+    return code
 
 
 if __name__ == "__main__":
