@@ -63,8 +63,11 @@ def test_the_compiler_targets_the_capped_level(monkeypatch):
 
 
 def _capped_levels() -> list[str]:
+    """The caps below this CPU's level, and ``no-amx`` where it has AMX (the native build without it:
+    the packed bf16 math's AVX512-BF16 tiles, which AMX replaces in the native build)."""
     detected = isa.detected_level() if isa.is_x86() else 0
-    return [name for name, level in isa.CAPS.items() if 2 <= level < detected]
+    amx = ["no-amx"] if "AMX-BF16" in isa.extensions() else []
+    return [name for name, level in isa.CAPS.items() if 2 <= level < detected] + amx
 
 
 def test_the_linear_kernels_need_x86_64_v3_and_say_so_below():
@@ -97,12 +100,12 @@ def test_the_linear_kernels_need_x86_64_v3_and_say_so_below():
 @pytest.mark.parametrize("level", _capped_levels() or ["none below this CPU's"])
 def test_the_kernel_tests_pass_at_every_level_this_machine_has(level):
     """The cpu kernel test files (numerics against numpy and paddle, and the engine's tokens) at each
-    level below the CPU's own: each is a build of its own (``-march=x86-64-vN``). Tests marked
-    ``own_build`` (the build cache's bookkeeping, builds with flags of their own: the same at every
-    cap) run once, in the main run."""
-    if level not in isa.CAPS:
+    level below the CPU's own, and without AMX where it has it: each is a build of its own
+    (``-march=x86-64-vN``, ``-mno-amx-*``). Tests marked ``own_build`` (the build cache's bookkeeping,
+    builds with flags of their own: the same at every cap) run once, in the main run."""
+    if level not in (*isa.CAPS, "no-amx"):
         pytest.skip("this CPU has no x86-64 level above v2 to cap")
-    env = subprocess_env(FDPLUG_CPU_ISA=level)
+    env = subprocess_env(FDPLUG_CPU_AMX="0") if level == "no-amx" else subprocess_env(FDPLUG_CPU_ISA=level)
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not own_build",
                              *KERNEL_TESTS],
                             capture_output=True, text=True, env=env, cwd=REPO, timeout=900)

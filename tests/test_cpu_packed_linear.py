@@ -214,3 +214,14 @@ def test_the_bias_a_prepared_weight_carries_is_added_in_the_store_with_the_same_
     with pytest.raises(TypeError, match="float32 bias of \\[80\\]"):
         run(rng.standard_normal((1, 1100)).astype(np.float32),
             PreparedWeight(packed.data, packed.shape, packed.layout, bias[:3]))
+
+
+def test_bf16_math_runs_on_amx_tiles_where_the_build_and_the_cpu_have_them(monkeypatch):
+    """The native build on an AMX CPU runs the packed bf16 math on AMX tiles (csrc/linear_amx.c: the
+    tests above check its sums, tails and batch invariance); FDPLUG_CPU_AMX=0 builds without them."""
+    amx = "AMX-BF16" in isa.extensions()
+    assert bool(kernels.load().fdplug_linear_amx_bf16()) == (amx and BF16_MATH)
+    monkeypatch.setenv("FDPLUG_CPU_AMX", "0")
+    assert not any(name.startswith("AMX") for name in isa.extensions())
+    if isa.is_x86() and isa.cap() is None:
+        assert isa.march() == ["-march=native", "-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]

@@ -11,9 +11,10 @@ selection refuses for the linears. The level comes from the flags the kernel rep
 - ``x86-64-v4``: AVX-512 F, BW, VL, DQ, CD (``avx512``)
 
 plus the extensions the kernels use or could (AVX512-BF16, AVX512-VNNI, AVX-VNNI, AMX).
-``FDPLUG_CPU_ISA`` caps the level: the kernels are then compiled for it (``-march=x86-64-v3``
-instead of ``-march=native``) and claim only what it has, so an AVX-512 machine runs and tests the
-AVX2 code, and a fleet of mixed CPUs can be given the same bits.
+``FDPLUG_CPU_AMX=0`` builds the native kernels without AMX (the packed bf16 linears then run
+AVX512-BF16's tiles and bits). ``FDPLUG_CPU_ISA`` caps the level: the kernels are then compiled for it
+(``-march=x86-64-v3`` instead of ``-march=native``) and claim only what it has, so an AVX-512 machine
+runs and tests the AVX2 code, and a fleet of mixed CPUs can be given the same bits.
 """
 
 from __future__ import annotations
@@ -90,14 +91,16 @@ def extensions(flags: frozenset[str] | None = None, x86: bool | None = None) -> 
     allowed = level(flags, x86)
     if allowed != detected_level(flags, x86):
         return []
-    return [name for flag, (name, needs) in EXTENSIONS.items() if flag in flags and allowed >= needs]
+    return [name for flag, (name, needs) in EXTENSIONS.items()
+            if flag in flags and allowed >= needs and (settings.CPU_AMX.value() or not flag.startswith("amx"))]
 
 
 def march() -> list[str]:
     """The compiler's target flags: the CPU itself, or the capped level (tuned for this CPU)."""
     detected, allowed = detected_level(), level()
-    if allowed == detected:
-        return ["-march=native"]
+    if allowed == detected:   # FDPLUG_CPU_AMX=0: the CPU's own code without the tile instructions
+        no_amx = is_x86() and not settings.CPU_AMX.value()
+        return ["-march=native", *(["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"] if no_amx else [])]
     return [f"-march=x86-64-v{allowed}", "-mtune=native"]
 
 

@@ -31,6 +31,10 @@ CPU_ISA = Setting("FDPLUG_CPU_ISA", "auto", parse_choice("auto", "avx512", "avx2
                   "Caps the x86 instruction-set level the cpu kernels are compiled for and claim: auto (default) "
                   "what the CPU has; avx512 (x86-64-v4), avx2 (x86-64-v3), sse4 (x86-64-v2). To test a lower "
                   "level's code on a higher CPU, or give a fleet of mixed CPUs the same bits.")
+CPU_AMX = Setting("FDPLUG_CPU_AMX", True, parse_bool,
+                  "1 (default): where the CPU has AMX and the kernels are built for it (-march=native), bf16 math "
+                  "runs the packed linears on AMX tiles (other bits than AVX512-BF16's, ~2-4x from 32 rows); 0: the "
+                  "kernels are built without AMX (AVX512-BF16's bits, or a fleet's without AMX).")
 CC = Setting("CC", None, str, "C compiler for the cpu device's kernels (default: cc, then gcc, then clang on PATH).")
 MKL_DEBUG_CPU_TYPE = Setting("MKL_DEBUG_CPU_TYPE", None, str,
                              "Honoured if set; otherwise the cpu device sets 5 on AMD CPUs (MKL's fast AVX2 path).",
@@ -40,4 +44,5 @@ KMP_BLOCKTIME = Setting("KMP_BLOCKTIME", None, str,
                         "spinning for 200 ms (they took the cores from the compiled attention kernel's threads).",
                         as_set_by_user=True)
 
-SETTINGS = (CPU_THREADS, CPU_MALLOC_TUNING, CPU_KERNELS, PACK_WEIGHTS, CPU_ISA, CC, MKL_DEBUG_CPU_TYPE, KMP_BLOCKTIME)
+SETTINGS = (CPU_THREADS, CPU_MALLOC_TUNING, CPU_KERNELS, PACK_WEIGHTS, CPU_ISA, CPU_AMX, CC, MKL_DEBUG_CPU_TYPE,
+            KMP_BLOCKTIME)

@@ -258,6 +258,8 @@ static void packed_run(packed_job *job, int x_bytes, int num_threads) {
     free(x_tiles);
 }
 
+#include "linear_amx.c" /* LP_BF16_MATH on AMX tiles, where the build and the OS have them */
+
 /* x [rows, depth] float32 times weights packed as above (kind: LP_F32, LP_BF16 in float32 math,
  * LP_BF16_MATH: x rounded to bf16, vdpbf16ps), plus bias [cols] unless NULL -> out [rows, cols], on up
  * to num_threads threads.
@@ -274,11 +276,19 @@ int fdplug_linear_packed(const float *x, const void *w, int kind, const float *b
     if (kind == LP_BF16_MATH) {
 #ifdef HAVE_BF16_DOT
         const int padded = (depth + 31) / 32 * 32;
-        if (posix_memalign(&buffer, 64, sizeof(uint16_t) * (size_t)rows * (size_t)padded) != 0) return -1;
+        const size_t tile_rows = (size_t)(rows + 15) / 16 * 16; /* AMX reads whole 16-row tiles: zeros past rows */
+        if (posix_memalign(&buffer, 64, sizeof(uint16_t) * tile_rows * (size_t)padded) != 0) return -1;
+        memset((uint16_t *)buffer + (size_t)rows * padded, 0, sizeof(uint16_t) * (tile_rows - rows) * padded);
         bf16dot_job convert = {{x, NULL, NULL, rows, cols, depth, 0, 0, 0, 0, 0}, buffer, padded, 0};
         run_workers(bf16dot_convert_worker, &convert, num_threads < rows ? num_threads : rows);
         job.x_pairs = buffer;
         job.x_pairs_ld = padded / 2;
+#ifdef HAVE_AMX_BF16
+        if (amx_run(&job, num_threads) == 0) {
+            free(buffer);
+            return 0;
+        }
+#endif
 #else
         return -1;
 #endif
