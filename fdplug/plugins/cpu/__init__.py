@@ -156,6 +156,15 @@ def _q8_math_supports(config) -> str | None:
     return reason
 
 
+def _bf16_math_units() -> str:
+    """What runs the packed bf16 math, from the CPU's flags and the settings (registration builds nothing)."""
+    from fdplug.plugins.cpu import isa
+
+    if "AMX-BF16" in isa.extensions():
+        return "AMX tiles, every row count; FDPLUG_CPU_AMX=0: AVX512-BF16 dot products"
+    return "AVX512-BF16 dot products"
+
+
 def _q8_math_priority() -> int:
     """Second at x86-64-v3, where there is no bf16 math (after the packed q8 math, `_packed_priority`:
     first there when its tiles are missing): q8 math ran 1.4-1.6x the float32 tiles at one row and
@@ -262,7 +271,7 @@ def fdplug_register_ops(register):
            prepare=_linear_prepare_factory, supports=_tiles_supports("cpu_native_linear"),
            measure_key=_linear_measure_key)
     native("cpu_native_bf16_linear", "linear", ("native_linear", "linear_or_portable"),
-           "bf16 weights in bf16 math (AVX512-BF16 dot products: inputs rounded to bf16, float32 sums; ~2x "
+           f"bf16 weights in bf16 math ({_bf16_math_units()}: inputs rounded to bf16, float32 sums; ~2x "
            "cpu_native_linear where compute-bound); float32 weights as cpu_native_linear. --op-kernel "
            "linear=cpu_native_linear keeps float32 math",
            bound={"bf16_math": True}, priority=20, bf16_inputs=True, prepare=_linear_prepare_factory,
