@@ -82,7 +82,7 @@ static void amx_item(const amx_job *amx, int tile, int panel, uint16_t *tail) {
         }
 #define AMX_COLUMNS(V)                                                                               \
     if (nv > V) {                                                                                    \
-        _tile_loadd(AMX_B, b + 32 * V, stride);                                                          \
+        _tile_loadd(AMX_B, b + 32 * V, stride);                                                      \
         _tile_dpbf16ps(V, AMX_A, AMX_B);                                                             \
     }
         AMX_COLUMNS(0)
