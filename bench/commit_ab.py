@@ -27,7 +27,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
+# The environment as the user gave it, before anything imports paddle (which sets OMP_NUM_THREADS=1
+# when it is unset: a worker would inherit that, and the cpu device honours it, as one thread).
+WORKER_ENV = dict(os.environ)
+
+import numpy as np  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 FIGURES = {"ttft": "TTFT 1,024 tokens (s)", "decode": "single-stream decode (tok/s)",
@@ -60,6 +64,7 @@ def worker(model_dir: str) -> None:
     matmul = sum(getattr(layer, "prepared", False) is None for layer in linears)   # older trees: no timed choice
     selected = (f"{llm.engine.selection.summary()}; linear {llm.engine.selection.ops['linear'].name} "
                 f"({matmul} of {len(linears)} layers on paddle's matmul)")
+    selected += f"; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')} (the cpu device's threads)"
     print(json.dumps({"ready": fdplug.__file__, "selected": selected}), flush=True)
     seeds: dict[str, int] = {}
     for line in sys.stdin:
@@ -71,7 +76,7 @@ def worker(model_dir: str) -> None:
 def start_worker(tree: Path, model_dir: Path, cache: Path) -> tuple[subprocess.Popen, dict]:
     """A worker of ``tree`` with its own kernel cache (also its working directory), once its engine is loaded."""
     cache.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PYTHONPATH=str(tree),
+    env = dict(WORKER_ENV, PYTHONPATH=str(tree),
                FDPLUG_CACHE_DIR=str(cache))
     proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker", str(model_dir)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=cache)
