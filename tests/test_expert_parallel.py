@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -112,6 +113,30 @@ def exchange_main(out_dir: str, kind: str) -> None:
         results["steps"].append({"out": exchange.combine(out, batch).numpy().tolist(), "rows": rows})
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
     leave(rank)
+
+
+def test_a_store_wait_returns_what_it_saw_when_time_runs_out():
+    """`arrivals_within` polls a store's counter (``add(key, 0)``) until the count or the timeout: the
+    count as soon as it is reached, else the last value seen (how `leave_group` and the startup
+    barrier tell who did not come)."""
+    from fdplug.core.parallel.group_exit import arrivals_within
+
+    class Store:                        # a counter that one more rank reaches on each poll, up to ``top``
+        def __init__(self, top: int) -> None:
+            self.value, self.top, self.polls = 0, top, 0
+
+        def add(self, key: str, amount: int) -> int:
+            assert key == "fdplug/done" and amount == 0
+            self.polls += 1
+            self.value = min(self.value + 1, self.top)
+            return self.value
+
+    store = Store(top=3)
+    assert arrivals_within(store, "fdplug/done", 3, timeout=30) == 3 and store.polls == 3
+    store = Store(top=1)
+    started = time.monotonic()
+    assert arrivals_within(store, "fdplug/done", 2, timeout=0.2) == 1
+    assert 0.2 <= time.monotonic() - started < 5
 
 
 def leave(rank: int) -> None:

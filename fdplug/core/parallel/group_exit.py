@@ -4,9 +4,9 @@ paddle's TCP store (the group's rendezvous, which `LockstepGroup.barrier` also u
 rank 0 on a daemon thread that serves every rank's connection. A normal interpreter exit runs the
 C++ exit handlers while that thread still runs, and a connection closing meanwhile (the other
 ranks leaving, or rank 0's own) can abort the process: SIGABRT or SIGSEGV after the rank's work
-was done and written (seen on 2026-12-01 in about 1 of 25 runs of the two-rank engine test under
-load, and once in CI: the main thread in ``mkl_serv_finalize`` under ``exit``, the daemon thread in
-``LibUVClient::readCallback`` calling ``abort``). So a rank leaves in two steps:
+was done and written (seen on 2026-12-01 in 4 of 144 runs of the two-rank engine tests, six at once
+on two cores, and once in CI: the main thread in ``mkl_serv_finalize`` under ``exit``, the daemon
+thread in ``LibUVClient::readCallback`` calling ``abort``; none in 144 since). So a rank leaves in two steps:
 
 - ``leave_group``: every rank waits until all are past their last collective (``done``), then
   rank 0 waits until the others have made their last call to its store (``gone``), so no rank's
