@@ -39,9 +39,9 @@ multiply-adds an instruction, 1.9-2.2x ``cpu_native_linear``'s widened bf16 weig
 rows on this machine. Float32 weights it runs exactly as ``cpu_native_linear``. Where the build
 has AMX-BF16 (``-march=native`` on such a CPU; ``FDPLUG_CPU_AMX=0`` builds without), the packed bf16
 math runs on AMX tiles instead, every call of the process (csrc/linear_amx.c: other bits than
-vdpbf16ps's, batch-invariant as they are): on two cores of an Intel Xeon with AMX (2026-12-01), 860-1,250
-GFLOP/s at 256 rows against ~205-220, so the startup timing keeps the kernel where paddle's matmul
-had won every shape from 256 rows.
+vdpbf16ps's, batch-invariant as they are): on two cores of an Intel(R) Xeon(R) Processor, avx512
+with AMX (2026-12-01), 860-1,250 GFLOP/s at 256 rows against ~205-220, so the startup timing keeps
+the kernel where paddle's matmul had won every shape from 256 rows.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
  * The packed linear in bf16 math on AMX tiles: fdplug_linear_packed's LP_BF16_MATH where the build
  * has AMX-BF16 (-march=native on such a CPU) and Linux lets the process use the tile registers.
  *
- * Why: vdpbf16ps tiles run ~190-220 GFLOP/s from 32 rows on two cores of an Intel Xeon with AMX,
+ * Why: vdpbf16ps tiles run ~190-220 GFLOP/s from 32 rows on two cores of an Intel(R) Xeon(R) Processor, avx512 with AMX,
  * 0.8x of paddle's float32 matmul (MKL) at 256 rows, so the startup timing put every bf16 layer on
  * the portable op, whose one-row call widens the layer (decode 12.5 tok/s against 29 before the
  * timing, SmolLM2's sizes; 2026-12-01). One TDPBF16PS multiplies a 16 x 32 tile of bf16 inputs into
