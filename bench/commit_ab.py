@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -94,6 +93,8 @@ def ask(proc: subprocess.Popen, name: str) -> float:
 
 
 def compare(trees: dict[str, Path], model_dir: Path, tmp: Path, pairs: int) -> None:
+    from linear import abba  # bench/linear.py's ABBA medians (the driver's process: this checkout's fdplug)
+
     workers = {label: start_worker(tree, model_dir, tmp / f"cache-{label}") for label, tree in trees.items()}
     try:
         for label, (_, ready) in workers.items():
@@ -101,10 +102,12 @@ def compare(trees: dict[str, Path], model_dir: Path, tmp: Path, pairs: int) -> N
         labels = list(workers)
         for name, title in FIGURES.items():
             got: dict[str, list[float]] = {label: [] for label in labels}
-            for i in range(pairs):
-                for label in (labels if i % 2 == 0 else labels[::-1]):
-                    got[label].append(ask(workers[label][0], name))
-            med = {label: statistics.median(v) for label, v in got.items()}
+
+            def measure(label: str, _rng, name=name, got=got) -> float:   # each figure kept for the runs' line
+                got[label].append(ask(workers[label][0], name))
+                return got[label][-1]
+
+            med = abba({label: label for label in labels}, pairs, measure)
             ratio = med["base"] / med["head"] if name == "ttft" else med["head"] / med["base"]
             runs = "; ".join(f"{label} " + ", ".join(f"{v:.3g}" for v in got[label]) for label in labels)
             print(f"  {title}: head {med['head']:.3g}, base {med['base']:.3g} -> head {ratio:.2f}x ({runs})",

@@ -56,7 +56,7 @@ static int amx_ready(void) {
 typedef struct {
     const packed_job *job;
     int row_tile_rows; /* rows of the A and C tiles: 16, or the call's rows below that */
-    int row_tiles, pieces;
+    int row_tiles, pieces, panels_per_piece;
     int64_t next_item;
 } amx_job;
 
@@ -117,8 +117,8 @@ static void *amx_worker(void *arg) {
     for (;;) { /* an item: a piece of panels for every row tile, row tiles inside (the panel stays in L2) */
         const int64_t item = __atomic_fetch_add(&amx->next_item, 1, __ATOMIC_RELAXED);
         if (item >= amx->pieces) break;
-        const int per_piece = (panels + amx->pieces - 1) / amx->pieces;
-        for (int panel = (int)item * per_piece; panel < panels && panel < (int)(item + 1) * per_piece; ++panel)
+        const int first = (int)item * amx->panels_per_piece, end = first + amx->panels_per_piece;
+        for (int panel = first; panel < panels && panel < end; ++panel)
             for (int tile = 0; tile < amx->row_tiles; ++tile) amx_item(amx, tile, panel, tail);
     }
     _tile_release();
@@ -131,8 +131,10 @@ static int amx_run(const packed_job *job, int num_threads) {
     if (!amx_ready()) return -1;
     const int panels = (job->cols + LP_PANEL - 1) / LP_PANEL;
     const int threads = num_threads > 1 ? num_threads : 1;
-    amx_job amx = {job, job->rows < 16 ? job->rows : 16, (job->rows + 15) / 16, 0, 0};
-    amx.pieces = panels < 4 * threads ? panels : 4 * threads; /* each thread a few sequential streams */
+    const int pieces = panels < 4 * threads ? panels : 4 * threads; /* each thread a few sequential streams */
+    const int panels_per_piece = (panels + pieces - 1) / pieces;
+    amx_job amx = {job, job->rows < 16 ? job->rows : 16, (job->rows + 15) / 16,
+                   (panels + panels_per_piece - 1) / panels_per_piece, panels_per_piece, 0};
     run_workers(amx_worker, &amx, threads < amx.pieces ? threads : amx.pieces);
     return 0;
 }
