@@ -286,12 +286,37 @@ typedef struct {
     int64_t next_tile;
 } x_tiles_job;
 
+/* A whole tile's 6 rows (row r at x + r * depth) into ``to`` k-major, four k at a time: rows 0-3
+ * transposed in registers (4 x 4), rows 4-5 interleaved, each k's 6 values stored as 4 + 2. The copy
+ * element by element had been ~8% of a [1,024, 1,536] x [576, 1,536] call (perf, Intel(R) Xeon(R)
+ * Processor, avx512, capped to AVX2, 2 threads). */
+static void x_tile_transposed(const float *x, int64_t depth, float *to) {
+    int64_t k = 0;
+    for (; k + 4 <= depth; k += 4, to += 4 * LP_MR) {
+        __m128 r0 = _mm_loadu_ps(x + k), r1 = _mm_loadu_ps(x + depth + k);
+        __m128 r2 = _mm_loadu_ps(x + 2 * depth + k), r3 = _mm_loadu_ps(x + 3 * depth + k);
+        const __m128 r4 = _mm_loadu_ps(x + 4 * depth + k), r5 = _mm_loadu_ps(x + 5 * depth + k);
+        _MM_TRANSPOSE4_PS(r0, r1, r2, r3);   /* r_j: rows 0-3 at k + j */
+        const __m128 low = _mm_unpacklo_ps(r4, r5), high = _mm_unpackhi_ps(r4, r5);   /* rows 4-5 at k, k + 1; k + 2, k + 3 */
+        _mm_storeu_ps(to, r0), _mm_storel_pi((__m64 *)(to + 4), low);
+        _mm_storeu_ps(to + 6, r1), _mm_storeh_pi((__m64 *)(to + 10), low);
+        _mm_storeu_ps(to + 12, r2), _mm_storel_pi((__m64 *)(to + 16), high);
+        _mm_storeu_ps(to + 18, r3), _mm_storeh_pi((__m64 *)(to + 22), high);
+    }
+    for (; k < depth; ++k, to += LP_MR)
+        for (int r = 0; r < LP_MR; ++r) to[r] = x[r * depth + k];
+}
+
 static void *x_tiles_worker(void *arg) {
     x_tiles_job *t = arg;
     const int depth = t->job->depth, rows = t->job->rows, tiles = (rows + LP_MR - 1) / LP_MR;
     for (int tile; (tile = (int)__atomic_fetch_add(&t->next_tile, 1, __ATOMIC_RELAXED)) < tiles;) {
         const int m0 = tile * LP_MR, mr = rows - m0 < LP_MR ? rows - m0 : LP_MR;
         float *to = t->tiles + (int64_t)m0 * depth;
+        if (mr == LP_MR) {
+            x_tile_transposed(t->job->x + (int64_t)m0 * depth, depth, to);
+            continue;
+        }
         for (int r = 0; r < mr; ++r) {
             const float *from = t->job->x + (int64_t)(m0 + r) * depth;
             for (int k = 0; k < depth; ++k) to[(int64_t)k * LP_MR + r] = from[k];
