@@ -37,8 +37,18 @@ typedef struct {
     uint8_t rows[16];
 } __attribute__((aligned(64))) amx_config;
 
-#define AMX_A 4 /* tile numbers are literals in GCC's intrinsics; tiles 0-3: a panel's four 16-column C tiles */
-#define AMX_B 5
+/* Tile numbers are literals in GCC's intrinsics. Tiles 0-3 hold C: a row tile's four 16-column
+ * tiles of a panel (amx_item), or two row tiles times two 16-column tiles (amx_pair) */
+#define AMX_A 4  /* a row tile of x (amx_pair: the first) */
+#define AMX_A1 5 /* amx_pair's second row tile */
+#define AMX_B 6  /* a 16-column tile of weights */
+#define AMX_B1 7 /* amx_pair's second */
+
+/* Row tiles a block: an item's panels each pass over the block's x while it stays in L2 (256 rows
+ * of K 576 in bf16: 288 KB). Each panel had passed over every row, x streamed from L3 once a panel:
+ * from 1,024 rows the tiles fell to 0.54-0.81x of oneDNN's AMX GEMM (Intel(R) Xeon(R) Processor,
+ * avx512, 2 threads, bench/gemm.py). */
+#define AMX_ROW_BLOCK 16
 
 static int amx_state; /* 0: not asked yet; 1: the process may use the tiles; -1: it may not */
 
@@ -59,6 +69,20 @@ typedef struct {
     int row_tiles, pieces, panels_per_piece;
     int64_t next_item;
 } amx_job;
+
+/* The C sums of row tile ``tile`` (16 rows of ``ld`` floats from ``sums``; rows past the call's
+ * not written) into out's columns [col, col + width), plus the bias: 16 columns a vector (width is
+ * a multiple of 16). Element by element this copy had been ~15% of a 2,048-row call. */
+static void amx_out(const packed_job *job, int tile, int col, int width, const float *sums, int ld) {
+    const int first = tile * 16, rows = job->rows - first < 16 ? job->rows - first : 16;
+    for (int r = 0; r < rows; ++r) {
+        float *out = job->out + (int64_t)(first + r) * job->cols + col;
+        for (int c = 0; c < width; c += 16) {
+            const __m512 v = _mm512_load_ps(sums + r * ld + c);
+            _mm512_storeu_ps(out + c, job->bias == NULL ? v : _mm512_add_ps(v, _mm512_loadu_ps(job->bias + col + c)));
+        }
+    }
+}
 
 /* Panel ``panel``'s columns for rows [16 t, 16 t + rows) of x: C tiles over every k block in order. */
 static void amx_item(const amx_job *amx, int tile, int panel, uint16_t *tail) {
@@ -96,11 +120,51 @@ static void amx_item(const amx_job *amx, int tile, int panel, uint16_t *tail) {
     if (nv > 1) _tile_stored(1, sums + 16, 256);
     if (nv > 2) _tile_stored(2, sums + 32, 256);
     if (nv > 3) _tile_stored(3, sums + 48, 256);
-    const int first = tile * 16, rows = job->rows - first < 16 ? job->rows - first : 16;
-    const float *bias = job->bias == NULL ? NULL : job->bias + (int64_t)panel * LP_PANEL;
-    for (int r = 0; r < rows; ++r) {
-        float *out = job->out + (int64_t)(first + r) * job->cols + (int64_t)panel * LP_PANEL;
-        for (int c = 0; c < width; ++c) out[c] = bias == NULL ? sums[r * 64 + c] : sums[r * 64 + c] + bias[c];
+    amx_out(job, tile, panel * LP_PANEL, width, sums, 64);
+}
+
+/* Row tiles ``tile`` and ``tile + 1`` times panel ``panel``'s columns, 32 at a time: per k block
+ * both row tiles' A and two column tiles' B loaded once each for four multiplies (amx_item loads a
+ * B tile for one). The same C tiles over the same k blocks in the same order: amx_item's bits. */
+static void amx_pair(const amx_job *amx, int tile, int panel, uint16_t *tail) {
+    const packed_job *job = amx->job;
+    const int depth = job->depth, width = job->cols - panel * LP_PANEL < LP_PANEL ? job->cols - panel * LP_PANEL
+                                                                                  : LP_PANEL;
+    const int nv = width / 16, pairs = depth / 2, stride = 4 * width, ld = job->x_pairs_ld * 4;
+    const uint16_t *w = (const uint16_t *)job->w + (int64_t)panel * LP_PANEL * depth;
+    const uint32_t *x = job->x_pairs + (int64_t)tile * 16 * job->x_pairs_ld;
+    for (int v = 0; v < nv; v += 2) {   /* columns 16 v .. 16 v + 31 of the panel (16 where v + 1 == nv) */
+        const int two = v + 1 < nv;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int p = 0; p < pairs; p += 16) {
+            _tile_loadd(AMX_A, x + p, ld);
+            _tile_loadd(AMX_A1, x + 16 * job->x_pairs_ld + p, ld);
+            const uint16_t *b = w + (int64_t)p * 2 * width;
+            if (pairs - p < 16) { /* the k tail: its rows, then zeros (x is zero there too) */
+                memset(tail, 0, 16 * (size_t)stride);
+                memcpy(tail, b, (size_t)(pairs - p) * (size_t)stride);
+                b = tail;
+            }
+            _tile_loadd(AMX_B, b + 32 * v, stride);
+            _tile_dpbf16ps(0, AMX_A, AMX_B);
+            _tile_dpbf16ps(2, AMX_A1, AMX_B);
+            if (two) {
+                _tile_loadd(AMX_B1, b + 32 * (v + 1), stride);
+                _tile_dpbf16ps(1, AMX_A, AMX_B1);
+                _tile_dpbf16ps(3, AMX_A1, AMX_B1);
+            }
+        }
+        float sums[32 * 32] __attribute__((aligned(64)));   /* [row of the pair][its 32 columns] */
+        _tile_stored(0, sums, 128);
+        _tile_stored(2, sums + 16 * 32, 128);
+        if (two) {
+            _tile_stored(1, sums + 16, 128);
+            _tile_stored(3, sums + 16 * 32 + 16, 128);
+        }
+        for (int t = 0; t < 2; ++t) amx_out(job, tile + t, panel * LP_PANEL + 16 * v, two ? 32 : 16, sums + t * 16 * 32, 32);
     }
 }
 
@@ -109,17 +173,25 @@ static void *amx_worker(void *arg) {
     amx_config config = {0};
     config.palette = 1;
     for (int t = 0; t < 4; ++t) config.rows[t] = (uint8_t)amx->row_tile_rows, config.colsb[t] = 64;
-    config.rows[AMX_A] = (uint8_t)amx->row_tile_rows, config.colsb[AMX_A] = 64;
-    config.rows[AMX_B] = 16, config.colsb[AMX_B] = 64;
+    config.rows[AMX_A] = config.rows[AMX_A1] = (uint8_t)amx->row_tile_rows;
+    config.colsb[AMX_A] = config.colsb[AMX_A1] = 64;
+    config.rows[AMX_B] = config.rows[AMX_B1] = 16;
+    config.colsb[AMX_B] = config.colsb[AMX_B1] = 64;
     _tile_loadconfig(&config);
     uint16_t tail[16 * 2 * LP_PANEL] __attribute__((aligned(64))); /* 16 k-pair rows of a panel */
     const int panels = (amx->job->cols + LP_PANEL - 1) / LP_PANEL;
-    for (;;) { /* an item: a piece of panels for every row tile, row tiles inside (the panel stays in L2) */
+    for (;;) { /* an item: a piece of panels, block of rows by block; in a block each panel over its row tiles */
         const int64_t item = __atomic_fetch_add(&amx->next_item, 1, __ATOMIC_RELAXED);
         if (item >= amx->pieces) break;
         const int first = (int)item * amx->panels_per_piece, end = first + amx->panels_per_piece;
-        for (int panel = first; panel < panels && panel < end; ++panel)
-            for (int tile = 0; tile < amx->row_tiles; ++tile) amx_item(amx, tile, panel, tail);
+        for (int block = 0; block < amx->row_tiles; block += AMX_ROW_BLOCK) {
+            const int block_end = block + AMX_ROW_BLOCK < amx->row_tiles ? block + AMX_ROW_BLOCK : amx->row_tiles;
+            for (int panel = first; panel < panels && panel < end; ++panel) {
+                int tile = block;
+                for (; tile + 2 <= block_end; tile += 2) amx_pair(amx, tile, panel, tail);
+                if (tile < block_end) amx_item(amx, tile, panel, tail);
+            }
+        }
     }
     _tile_release();
     return NULL;
