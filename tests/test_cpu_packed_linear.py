@@ -52,13 +52,15 @@ def kinds() -> list[tuple[str, bool]]:
 @pytest.mark.parametrize("n", [16, 48, 64, 80, 208])
 def test_every_panel_width_row_tile_and_k_block(n, k):
     """Panels of 16-64 columns (the last one narrower), row tiles of 1-6 and their tails, depths
-    below, at and across the 1,024-deep k blocks; rows alone give the batch's bits."""
+    below, at and across the 1,024-deep k blocks; rows alone give the batch's bits. (AMX: 27 rows
+    are a pair of row tiles, the second partial; 300 two blocks of row tiles, the last a pair and a
+    partial one.)"""
     rng = np.random.default_rng(n * 10_000 + k)
     for dtype, bf16_math in kinds():
         tensor, exact = weight(n, k, seed=n + k, dtype=dtype)
         prepared = native_linear.prepare(tensor)
         assert prepared is not None and prepared.layout == native_linear.layout() and prepared.shape == (n, k)
-        for rows in (1, 4, 6, 7, 13, 40):
+        for rows in (1, 4, 6, 7, 13, 27, 40, 300):
             x = rng.standard_normal((rows, k)).astype(np.float32)
             got = check(x, prepared, exact, bf16_math)
             for i in {0, rows // 2, rows - 1}:      # alone, on one thread: one row tile, no k blocks
