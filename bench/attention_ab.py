@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import itertools
 
 import numpy as np
-from gemm import add_build_ab_arguments, median_seconds, start_build_ab  # (ABBA..., medians)
+from gemm import add_build_ab_arguments, compare_builds, cycled, start_build_ab  # (ABBA..., medians)
 
 DTYPES = {"float32": (np.float32, 0), "float16": (np.float16, 1)}   # numpy type, kernels.KV_TYPES index
 
@@ -53,10 +52,10 @@ def line(args, keys: int) -> str:
     def caller(path: str):
         attend = ctypes.CDLL(path).fdplug_paged_attention
         attend.restype, attend.argtypes = kernels.SIGNATURES["fdplug_paged_attention"]
-        turn = itertools.count()   # each call the next layer's caches
+        layer = cycled(layers)   # each call the next layer's caches
 
         def call() -> None:
-            k, v = layers[next(turn) % len(layers)]
+            k, v = layer()
             if attend(ptr(q), ptr(k), ptr(v), ptr(rows), ptr(tables), ptr(rows), ptr(key_end), ptr(out), args.seqs,
                       args.heads, args.kv_heads, args.dim, blocks, args.block_size, width, keys,
                       args.dim ** -0.5, args.threads, kv_type) != 0:
@@ -64,15 +63,8 @@ def line(args, keys: int) -> str:
         return call
 
     calls = {"A": caller(args.a), "B": caller(args.b)}
-    results = {}
-    for name, call in calls.items():
-        for _ in range(len(layers)):   # (ends on layer 0 again: both outputs from the same caches)
-            call()
-        results[name] = out.copy()
-    if not np.array_equal(results["A"], results["B"]):
-        raise SystemExit(f"{keys} keys: A and B give different bits")
-    t = median_seconds(calls, args.rounds, args.budget)
-    a, b = t["A"], t["B"]
+    # (each build's calls end on layer 0 again: both outputs from the same caches)
+    a, b = compare_builds(calls, out.copy, f"{keys} keys", args, warm=len(layers))
     read = 2 * args.kv_heads * int(key_end.sum()) * args.dim * np.dtype(DTYPES[args.kv_cache_dtype][0]).itemsize
     return (f"{args.seqs} seqs x <= {keys:5d} keys, {args.kv_cache_dtype} | A {a * 1e6:8.1f} us "
             f"{read / a / 1e9:5.1f} GB/s | B {b * 1e6:8.1f} us {read / b / 1e9:5.1f} GB/s | B/A time {b / a:.3f}")

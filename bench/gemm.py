@@ -24,6 +24,7 @@ and oneDNN pick their own code paths whatever the cap).
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import time
@@ -105,6 +106,50 @@ def start_build_ab(args) -> None:
     args.threads = args.threads or device.cpu_threads()
     print(f"CPU: {isa.model_name()}, {isa.describe()}; {args.threads} threads; medians of {args.rounds} "
           f"alternated timings; A = {args.a}, B = {args.b}", flush=True)
+
+
+def cycled(copies: list):
+    """A function giving the next of ``copies`` at each call, round and round: a model's layers, whose
+    weights come from memory, not from the cache the last call left them in."""
+    turn = itertools.count()
+    return lambda: copies[next(turn) % len(copies)]
+
+
+def ab_line(label: str, a: float, b: float, flops: float) -> str:
+    """A build A/B's line: each build's median time and GFLOP/s, and B's time over A's."""
+    return (f"{label} | A {a * 1e6:9.1f} us {flops / a / 1e9:7.1f} GFLOP/s | B {b * 1e6:9.1f} us "
+            f"{flops / b / 1e9:7.1f} GFLOP/s | B/A time {b / a:.3f}")
+
+
+def linear_builds_line(status_call, out, label: str, flops: float, args) -> str:
+    """kernel_ab.py's and linear_ab.py's line: ``status_call(name)`` gives build ``name``'s call (A, B),
+    which returns the library's status and writes ``out`` (a paddle tensor); a refusal ends the run."""
+    def checked(name: str):
+        call = status_call(name)
+
+        def run() -> None:
+            if call() != 0:
+                raise SystemExit(f"build {name} refused {label.strip()}")
+        return run
+
+    calls = {name: checked(name) for name in ("A", "B")}
+    a, b = compare_builds(calls, lambda: out.numpy().copy(), label.strip(), args)
+    return ab_line(label, a, b, flops)
+
+
+def compare_builds(calls: dict, output, what: str, args, warm: int = 1) -> tuple[float, float]:
+    """The A/B of two builds (kernel_ab.py, linear_ab.py, attention_ab.py): each build's call run
+    ``warm`` times and its output kept (``output()``, a copy), the two compared (different bits are
+    refused, naming ``what``), then the calls alternated (`median_seconds`): A's and B's seconds."""
+    results = {}
+    for name, call in calls.items():
+        for _ in range(warm):
+            call()
+        results[name] = output()
+    if not np.array_equal(results["A"], results["B"]):
+        raise SystemExit(f"{what}: A and B give different bits")
+    t = median_seconds(calls, args.rounds, args.budget)
+    return t["A"], t["B"]
 
 
 def compare(calls: dict, flops: float, rounds: int, budget: float) -> dict[str, float]:

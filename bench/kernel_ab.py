@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import itertools
 import sys
 
 import numpy as np
-from gemm import add_build_ab_arguments, median_seconds, start_build_ab  # (ABBA..., medians)
+from gemm import add_build_ab_arguments, cycled, linear_builds_line, start_build_ab  # (ABBA..., medians)
 from gguf_linear import blocks  # the GGML blocks of a type (gguf's quantizer, or random bytes)
 
 SHAPES = {"Q4_K": "576x1536,1536x512", "Q5_K": "576x1536", "Q6_K": "576x1536,1536x512"}
@@ -61,28 +60,11 @@ def line(args, qtype: str, n: int, k: int, rows: int) -> str:
     qid = native_gguf._type_id(qtype)
     libs = {"A": library(args.a, qid, raw, n, k), "B": library(args.b, qid, raw, n, k)}
 
-    def caller(name: str):
-        linear, packed = libs[name]
-        turn = itertools.count()   # each call the next copy of the layer
+    def status_call(name: str):
+        linear, packed = libs[name][0], cycled(libs[name][1])   # each call the next copy of the layer
+        return lambda: linear(x.data_ptr(), packed().data_ptr(), out.data_ptr(), rows, n, k, qid, 1, args.threads)
 
-        def call() -> None:
-            if linear(x.data_ptr(), packed[next(turn) % len(packed)].data_ptr(), out.data_ptr(), rows, n, k, qid,
-                      1, args.threads) != 0:
-                raise SystemExit(f"{name} refused {qtype} {n}x{k} at {rows} rows")
-        return call
-
-    calls = {name: caller(name) for name in libs}
-    results = {}
-    for name, call in calls.items():
-        call()
-        results[name] = out.numpy().copy()
-    if not np.array_equal(results["A"], results["B"]):
-        raise SystemExit(f"{qtype} {n}x{k} {rows} rows: A and B give different bits")
-    t = median_seconds(calls, args.rounds, args.budget)
-    a, b = t["A"], t["B"]
-    flops = 2.0 * n * k * rows
-    return (f"{qtype:5s} [{n:5d}, {k:4d}] {rows:5d} rows | A {a * 1e6:9.1f} us {flops / a / 1e9:6.1f} GFLOP/s"
-            f" | B {b * 1e6:9.1f} us {flops / b / 1e9:6.1f} GFLOP/s | B/A time {b / a:.3f}")
+    return linear_builds_line(status_call, out, f"{qtype:5s} [{n:5d}, {k:4d}] {rows:5d} rows", 2.0 * n * k * rows, args)
 
 
 def main() -> None:

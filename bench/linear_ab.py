@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import itertools
 import sys
 
 import numpy as np
-from gemm import add_build_ab_arguments, median_seconds, start_build_ab  # (ABBA..., medians)
+from gemm import add_build_ab_arguments, cycled, linear_builds_line, start_build_ab  # (ABBA..., medians)
 
 SMOLLM2_SHAPES = "960x576,576x576,3072x576,576x1536"   # [N, K]: qkv, o, gate+up, down
 KINDS = {"float32": 0, "bf16": 1, "bf16-math": 2}      # fdplug_linear_packed's kind
@@ -56,27 +55,13 @@ def line(args, libs: dict, n: int, k: int, rows: int) -> str:
     out = paddle.empty([rows, n], dtype="float32")
     kind = KINDS[args.kind]
 
-    def caller(name: str):
-        linear, turn = libs[name], itertools.count()   # each call the next copy of the layer
+    def status_call(name: str):
+        linear, weight = libs[name], cycled(weights)   # each call the next copy of the layer
+        return lambda: linear(x.data_ptr(), weight().data.data_ptr(), kind, None, out.data_ptr(), rows, n, k,
+                              args.threads)
 
-        def call() -> None:
-            w = weights[next(turn) % len(weights)]
-            if linear(x.data_ptr(), w.data.data_ptr(), kind, None, out.data_ptr(), rows, n, k, args.threads) != 0:
-                raise SystemExit(f"{name} refused {args.kind} {n}x{k} at {rows} rows")
-        return call
-
-    calls = {name: caller(name) for name in libs}
-    results = {}
-    for name, call in calls.items():
-        call()
-        results[name] = out.numpy().copy()
-    if not np.array_equal(results["A"], results["B"]):
-        raise SystemExit(f"{args.kind} {n}x{k} {rows} rows: A and B give different bits")
-    t = median_seconds(calls, args.rounds, args.budget)
-    a, b = t["A"], t["B"]
-    flops = 2.0 * n * k * rows
-    return (f"{args.kind:9s} [{n:5d}, {k:4d}] {rows:5d} rows | A {a * 1e6:9.1f} us {flops / a / 1e9:7.1f} GFLOP/s"
-            f" | B {b * 1e6:9.1f} us {flops / b / 1e9:7.1f} GFLOP/s | B/A time {b / a:.3f}")
+    label = f"{args.kind:9s} [{n:5d}, {k:4d}] {rows:5d} rows"
+    return linear_builds_line(status_call, out, label, 2.0 * n * k * rows, args)
 
 
 def main() -> None:
