@@ -313,6 +313,35 @@ def test_a_client_that_stops_reading_is_cut_off_and_its_request_aborted(fleet):
     assert "the client stopped reading" in plain.log()
 
 
+def test_unread_streams_are_cut_off_even_after_the_api_process_stalled(fleet):
+    """The API process kept off its core while the engine runs on (stopped here for 4 s; on a busy
+    2-core machine the engine's threads preempt it) finds the engine's outputs queued on its socket.
+    Drained in one go, the unread streams' sequences finished before the backlog bound could act
+    (the CI saw 0-32 of 64 aborted); taken a message at a time, every one is aborted."""
+    servers, _ = fleet
+    plain = servers["plain"]
+    wait_until(lambda: idle(plain), 60, 0.2, what="the plain instance idle before")
+    reasons = {r: metric(plain.url, "fdplug:request_success_total", finished_reason=r) for r in ("abort", "length")}
+    body = {"model": "m", "prompt": "hello", "n": 32, "logprobs": 20, "max_tokens": 400, "ignore_eos": True,
+            "stream": True}
+    socks = [raw_request(plain.port, "/v1/completions", body, rcvbuf=4096) for _ in range(2)]
+    try:
+        wait_until(lambda: metric(plain.url, "fdplug:num_requests_running") >= 2, 30, 0.01, what="both running")
+        os.kill(plain.proc.pid, signal.SIGSTOP)
+        try:
+            time.sleep(4)
+        finally:
+            os.kill(plain.proc.pid, signal.SIGCONT)
+        wait_until(lambda: metric(plain.url, "fdplug:request_success_total", finished_reason="abort")
+                   + metric(plain.url, "fdplug:request_success_total", finished_reason="length")
+                   >= reasons["abort"] + reasons["length"] + 64, 60, 0.2, what="every sequence ended")
+        assert metric(plain.url, "fdplug:request_success_total", finished_reason="abort") == reasons["abort"] + 64
+        wait_until(lambda: idle(plain), 30, 0.2, what="the plain instance idle")
+    finally:
+        for s in socks:
+            s.close()
+
+
 def test_a_client_that_leaves_the_router_aborts_its_request_on_the_decode_instance(fleet):
     servers, router = fleet
     decode = servers["decode"]

@@ -153,6 +153,13 @@ class EngineClient:
     # -- engine messages --------------------------------------------------------------------------
 
     async def _read_loop(self) -> None:
+        """Each engine message, then the event loop's turn. A receive that finds a message waiting
+        completes without yielding, and the engine runs on while this process waits for a core (its
+        outputs queue on the socket): without the turn, such a burst was drained in one go, every
+        handler's writes, the connection guard's backlog bound and ``/metrics`` waiting until it
+        ended, so a client that had stopped reading saw its request finish instead of being cut off
+        and aborted (reproduced by stopping this process for 8 s under two unread streams:
+        `tests/test_hostile_clients.py`)."""
         socket = self.engine.output_socket
         while True:
             data = await socket.recv()
@@ -161,6 +168,7 @@ class EngineClient:
                 self._handle(P.unpack(data))
             except Exception:  # a bug here must not stop the reader: log it and go on
                 logger.exception("failed to handle a message from the engine")
+            await asyncio.sleep(0)
 
     def _handle(self, message: list) -> None:
         tag = message[0]
