@@ -317,7 +317,7 @@ def test_unread_streams_are_cut_off_even_after_the_api_process_stalled(fleet):
     """The API process kept off its core while the engine runs on (stopped here for 4 s; on a busy
     2-core machine the engine's threads preempt it) finds the engine's outputs queued on its socket.
     Drained in one go, the unread streams' sequences finished before the backlog bound could act
-    (the CI saw 0-32 of 64 aborted); taken a message at a time, every one is aborted."""
+    (0-32 of the 64 aborted; a CI run failed the test above on it); taken a message at a time, all are."""
     servers, _ = fleet
     plain = servers["plain"]
     wait_until(lambda: idle(plain), 60, 0.2, what="the plain instance idle before")

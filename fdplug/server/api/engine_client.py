@@ -158,8 +158,8 @@ class EngineClient:
         outputs queue on the socket): without the turn, such a burst was drained in one go, every
         handler's writes, the connection guard's backlog bound and ``/metrics`` waiting until it
         ended, so a client that had stopped reading saw its request finish instead of being cut off
-        and aborted (reproduced by stopping this process for 8 s under two unread streams:
-        `tests/test_hostile_clients.py`)."""
+        and aborted (`tests/test_hostile_clients.py` stops this process for 4 s under two unread
+        streams: 0-32 of their 64 sequences were aborted, now all)."""
         socket = self.engine.output_socket
         while True:
             data = await socket.recv()
