@@ -153,13 +153,8 @@ class EngineClient:
     # -- engine messages --------------------------------------------------------------------------
 
     async def _read_loop(self) -> None:
-        """Each engine message, then the event loop's turn. A receive that finds a message waiting
-        completes without yielding, and the engine runs on while this process waits for a core (its
-        outputs queue on the socket): without the turn, such a burst was drained in one go, every
-        handler's writes, the connection guard's backlog bound and ``/metrics`` waiting until it
-        ended, so a client that had stopped reading saw its request finish instead of being cut off
-        and aborted (`tests/test_hostile_clients.py` stops this process for 4 s under two unread
-        streams: 0-32 of their 64 sequences were aborted, now all)."""
+        """Each engine message, then the event loop's turn: a burst queued while this process was off its
+        core (a waiting message needs no yield) starved the writers and the backlog bound (test_hostile_clients)."""
         socket = self.engine.output_socket
         while True:
             data = await socket.recv()
