@@ -196,6 +196,12 @@ class Server:
                 values[name.split("{")[0] if "_bucket" not in name else name] = float(value)
         return values
 
+    def finished(self, reason: str) -> float:
+        """Requests (and ``n`` children) this server ended with ``reason``, over every label set."""
+        text = httpx.get(self.url + "/metrics", timeout=5.0).text
+        return sum(float(line.rpartition(" ")[2]) for line in text.splitlines()
+                   if line.startswith("fdplug:request_success_total{") and f'finished_reason="{reason}"' in line)
+
     def openai(self, **kwargs):
         import openai
 

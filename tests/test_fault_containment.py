@@ -253,12 +253,6 @@ def test_9_a_cached_uuid_with_another_grid_is_a_400_and_bystanders_finish(server
         first.json()["choices"][0]["message"]["content"]
 
 
-def _finished(server, reason: str) -> float:
-    text = httpx.get(server.url + "/metrics", timeout=5.0).text
-    return sum(float(line.rpartition(" ")[2]) for line in text.splitlines()
-               if line.startswith("fdplug:request_success_total") and f'finished_reason="{reason}"' in line)
-
-
 def test_a_client_gone_before_its_stream_starts_is_not_served(server):
     """Streams whose client hangs up at once (before the first event can be sent) are aborted,
     not generated to their max_tokens for nobody."""
@@ -267,15 +261,15 @@ def test_a_client_gone_before_its_stream_starts_is_not_served(server):
     body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 200, "stream": True, "ignore_eos": True})
     request = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                f"Content-Length: {len(body)}\r\n\r\n{body}").encode()
-    aborted, finished = _finished(server, "abort"), _finished(server, "length")
+    aborted, finished = server.finished("abort"), server.finished("length")
     for _ in range(8):
         with socket.create_connection(("127.0.0.1", server.port)) as sock:
             sock.sendall(request)
     deadline = time.monotonic() + 30
-    while _finished(server, "abort") - aborted < 8 and time.monotonic() < deadline:
+    while server.finished("abort") - aborted < 8 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _finished(server, "abort") - aborted == 8
-    assert _finished(server, "length") == finished
+    assert server.finished("abort") - aborted == 8
+    assert server.finished("length") == finished
 
 
 # -- no leak on any failure path --------------------------------------------------------------------

@@ -321,7 +321,7 @@ def test_unread_streams_are_cut_off_even_after_the_api_process_stalled(fleet):
     servers, _ = fleet
     plain = servers["plain"]
     wait_until(lambda: idle(plain), 60, 0.2, what="the plain instance idle before")
-    reasons = {r: metric(plain.url, "fdplug:request_success_total", finished_reason=r) for r in ("abort", "length")}
+    reasons = {r: plain.finished(r) for r in ("abort", "length")}
     body = {"model": "m", "prompt": "hello", "n": 32, "logprobs": 20, "max_tokens": 400, "ignore_eos": True,
             "stream": True}
     socks = [raw_request(plain.port, "/v1/completions", body, rcvbuf=4096) for _ in range(2)]
@@ -332,10 +332,9 @@ def test_unread_streams_are_cut_off_even_after_the_api_process_stalled(fleet):
             time.sleep(4)
         finally:
             os.kill(plain.proc.pid, signal.SIGCONT)
-        wait_until(lambda: metric(plain.url, "fdplug:request_success_total", finished_reason="abort")
-                   + metric(plain.url, "fdplug:request_success_total", finished_reason="length")
-                   >= reasons["abort"] + reasons["length"] + 64, 60, 0.2, what="every sequence ended")
-        assert metric(plain.url, "fdplug:request_success_total", finished_reason="abort") == reasons["abort"] + 64
+        wait_until(lambda: sum(map(plain.finished, reasons)) >= sum(reasons.values()) + 64, 60, 0.2,
+                   what="every sequence ended")
+        assert plain.finished("abort") == reasons["abort"] + 64
         wait_until(lambda: idle(plain), 30, 0.2, what="the plain instance idle")
     finally:
         for s in socks:
