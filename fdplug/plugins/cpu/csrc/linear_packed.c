@@ -52,7 +52,6 @@ typedef struct {
     int block_k;
     const float *bias;        /* [cols] added to the finished sums, or NULL */
     int64_t call;             /* this call's number (lp_calls): what a thread's widened copy belongs to */
-    const float *x_tiles;     /* x in row tiles, k-major (the AVX2 tiles above LP_MR rows), or NULL */
 } packed_job;
 
 static int64_t lp_calls;
@@ -217,11 +216,6 @@ static void packed_item(const packed_job *job, int first_row, int last_row, int 
 /* The k a block of rows is read for at a time (how many rows keep their inputs in L2). */
 static int packed_k_slice(int depth) { return depth < LP_K_BLOCK ? depth : LP_K_BLOCK; }
 
-/* x as it is: these tiles read its rows in place. */
-static float *packed_x_tiles(packed_job *job, int num_threads) {
-    (void)job, (void)num_threads;
-    return NULL;
-}
 #endif
 
 /* Work items (a block of rows times a piece of panels) from the job's counter until none is left. */
@@ -253,9 +247,7 @@ static void packed_run(packed_job *job, int x_bytes, int num_threads) {
     job->panels_per_piece = job->rows <= LP_MR ? (panels + 4 * threads - 1) / (4 * threads) : 1;
     job->pieces = (panels + job->panels_per_piece - 1) / job->panels_per_piece;
     const int64_t items = (int64_t)job->pieces * ((job->rows + job->rows_per_block - 1) / job->rows_per_block);
-    float *x_tiles = packed_x_tiles(job, num_threads);
     run_workers(packed_worker, job, num_threads < items ? num_threads : (int)items);
-    free(x_tiles);
 }
 
 #include "linear_amx.c" /* LP_BF16_MATH on AMX tiles, where the build and the OS have them */
@@ -271,7 +263,7 @@ int fdplug_linear_packed(const float *x, const void *w, int kind, const float *b
     if (rows <= 0 || cols <= 0) return 0;
     if (cols % 16 != 0 || kind < LP_F32 || kind > LP_BF16_MATH || (kind != LP_F32 && depth % 2 != 0)) return -2;
     if (depth <= 0) return -2;   /* the prepared layouts need a depth */
-    packed_job job = {x, NULL, w, out, rows, cols, depth, kind, 0, 0, 0, 0, 0, NULL, 0, bias, 0, NULL};
+    packed_job job = {x, NULL, w, out, rows, cols, depth, kind, 0, 0, 0, 0, 0, NULL, 0, bias, 0};
     void *buffer = NULL;
     if (kind == LP_BF16_MATH) {
 #ifdef HAVE_BF16_DOT
@@ -311,7 +303,7 @@ int fdplug_linear_packed_fp8(const float *x, const uint8_t *w, const float *scal
     if (scales_t == NULL) return -1;
     for (int n = 0; n < cols; ++n)
         for (int b = 0; b < blocks; ++b) scales_t[(int64_t)b * cols + n] = scales[(int64_t)n * blocks + b] * 256.0f;
-    packed_job job = {x, NULL, w, out, rows, cols, depth, LP_FP8, 0, 0, 0, 0, 0, scales_t, block_k, bias, 0, NULL};
+    packed_job job = {x, NULL, w, out, rows, cols, depth, LP_FP8, 0, 0, 0, 0, 0, scales_t, block_k, bias, 0};
     packed_run(&job, 4, num_threads);
     free(scales_t);
     return 0;

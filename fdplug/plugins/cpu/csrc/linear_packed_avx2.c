@@ -12,8 +12,8 @@
  * weights as one sequential stream and a one-row tile reads four (4 panels, 8 independent chains).
  * Against the 64-column panels (a tile read 64 of each 256-byte k row, prefetched) on AMD EPYC,
  * avx2-or-less (2026-11-29, 2 threads, interleaved, SmolLM2's four shapes, in a C driver): one row
- * 1.10-1.16x, 16-1,024 rows 0.93-1.11x (most 0.99-1.05x). Above one row tile, x is first copied
- * into row tiles (packed_x_tiles), so a tile's six broadcasts read one stream too.
+ * 1.10-1.16x, 16-1,024 rows 0.93-1.11x (most 0.99-1.05x). Every tile reads x in place, its rows'
+ * broadcasts six streams (packed_rows says why no copy).
  *
  * Tiles of rows x 8-column vectors, at most 12 accumulators of the 16 registers (packed_small says
  * which for how many rows).
@@ -23,8 +23,8 @@
 
 /* The k of a pass over a block of rows (above LP_MR rows): at most LP8_K_BLOCK, the depth cut in
  * equal even parts. Every row tile of the block passes over a 16-column panel's slice of it (16 x
- * 576 floats: 36 KB, from L2 with the prefetch below), each tile's x (6 x 576: 14 KB) read in
- * sequence. On AMD EPYC, avx2-or-less (2026-11-29, 2 threads, interleaved): 576 against 288 (the
+ * 576 floats: 36 KB, from L2 with the prefetch below), each tile's x (6 rows of up to 576) read
+ * in place. On AMD EPYC, avx2-or-less (2026-11-29, 2 threads, interleaved): 576 against 288 (the
  * slice in L1, BLIS's Haswell KC is 256) 1.01-1.07x at 256-1,024 rows. */
 #ifndef LP8_K_BLOCK
 #define LP8_K_BLOCK 576
@@ -57,34 +57,33 @@ static inline __attribute__((always_inline)) __m256 packed_weights8(const char *
 
 /* Rows m0 .. m0 + MR - 1 times the NV 8-column vectors from column first_col (NV / 2 panels in a
  * row), k in [k0, k1) (k0, k1 even for bf16); ``w_at``: the first panel's weights at k0. Row r's x
- * at k: ``x[r * row_step + k * k_step]`` (x in place: depth and 1; in row tiles: 1 and LP_MR). MR,
- * NV and KIND are constants at each call site.
+ * at k: ``x[r * row_step + k]``. MR, NV and KIND are constants at each call site.
  * A k step loads every weight vector and every row's activation once; the smaller of the two sets
  * is held in registers across the other (ROWS_FIRST: the rows' broadcasts), so that the MR x NV
  * accumulators, that set and one of the other fit the 16 registers (a 1 x 8 tile holding its 8
  * weight vectors spilled: half the speed of paddle's GEMV on a 960 x 576 layer). */
 static inline __attribute__((always_inline)) void packed_tile8(const packed_job *job, int m0, int64_t first_col,
                                                                const char *w_at, const float *x, int64_t row_step,
-                                                               int64_t k_step, int k0, int k1, const int MR,
-                                                               const int NV, const int KIND) {
+                                                               int k0, int k1, const int MR, const int NV,
+                                                               const int KIND) {
     const int depth = job->depth, cols = job->cols, ROWS_FIRST = MR < NV;
     float *out = job->out + (int64_t)m0 * cols + first_col;
     __m256 acc[LP_MR][8];
     for (int r = 0; r < MR; ++r)
         for (int v = 0; v < NV; ++v)
             acc[r][v] = k0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(out + (int64_t)r * cols + 8 * v);
-    x += k0 * k_step;
+    x += k0;
     if (KIND == LP_BF16) { /* pairs of k: 8 columns x (k, k + 1) a 32-byte load, split by a shift and a mask */
         const int64_t panel_bytes = (int64_t)LP_PANEL * depth * 2;
         const char *w = w_at;
         const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
-        for (int k = k0; k < k1; k += 2, w += 4 * LP_PANEL, x += 2 * k_step) {
+        for (int k = k0; k < k1; k += 2, w += 4 * LP_PANEL, x += 2) {
             for (int p = 0; p < (NV + 1) / 2; ++p) _mm_prefetch(w + p * panel_bytes + LP8_PREFETCH_K * 2 * LP_PANEL, _MM_HINT_T0);
             __m256 even[8], odd[8], x0[LP_MR], x1[LP_MR];
             for (int i = 0; i < (ROWS_FIRST ? MR : NV); ++i) {
                 if (ROWS_FIRST) {
                     x0[i] = _mm256_broadcast_ss(x + i * row_step);
-                    x1[i] = _mm256_broadcast_ss(x + i * row_step + k_step);
+                    x1[i] = _mm256_broadcast_ss(x + i * row_step + 1);
                 } else {
                     const __m256i pairs = _mm256_loadu_si256((const __m256i *)(w + (i >> 1) * panel_bytes + 32 * (i & 1)));
                     even[i] = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
@@ -100,7 +99,7 @@ static inline __attribute__((always_inline)) void packed_tile8(const packed_job 
                         acc[r][j] = _mm256_fmadd_ps(x1[r], o, _mm256_fmadd_ps(x0[r], e, acc[r][j]));
                 } else {
                     const __m256 b0 = _mm256_broadcast_ss(x + j * row_step);
-                    const __m256 b1 = _mm256_broadcast_ss(x + j * row_step + k_step);
+                    const __m256 b1 = _mm256_broadcast_ss(x + j * row_step + 1);
                     for (int v = 0; v < NV; ++v)
                         acc[j][v] = _mm256_fmadd_ps(b1, odd[v], _mm256_fmadd_ps(b0, even[v], acc[j][v]));
                 }
@@ -113,7 +112,7 @@ static inline __attribute__((always_inline)) void packed_tile8(const packed_job 
         const __m128i keep = _mm_set1_epi16((short)0xBF80);
         const float *scale = NULL;   /* LP_FP8: this k block's scales of the tile's columns */
         int block_end = k0;
-        for (int k = k0; k < k1; ++k, w += LP_PANEL * bytes, x += k_step) {
+        for (int k = k0; k < k1; ++k, w += LP_PANEL * bytes, ++x) {
             for (int p = 0; p < (NV + 1) / 2; ++p) _mm_prefetch(w + p * panel_bytes + LP8_PREFETCH_K * LP_PANEL * bytes, _MM_HINT_T0);
             if (KIND == LP_FP8 && k == block_end) {
                 scale = job->scales_t + (int64_t)(k / job->block_k) * cols + first_col;
@@ -151,7 +150,7 @@ static inline __attribute__((always_inline)) const char *packed_at(const packed_
     return (const char *)job->w + ((int64_t)panel * LP_PANEL * job->depth + (int64_t)k * LP_PANEL) * bytes;
 }
 
-#define LP8_TILE(M, N) packed_tile8(job, m0 + row, first_col, w_at, x + row * row_step, row_step, k_step, 0, depth, M, N, KIND)
+#define LP8_TILE(M, N) packed_tile8(job, m0 + row, first_col, w_at, x + row * row_step, row_step, 0, depth, M, N, KIND)
 
 /* One row tile (mr rows, 1..LP_MR, x in place) over panels [panel, panel + n) for the whole depth:
  * one row takes up to 4 panels (8 independent chains, 4 sequential streams, as decode wants);
@@ -161,7 +160,7 @@ static inline __attribute__((always_inline)) const char *packed_at(const packed_
 static inline __attribute__((always_inline)) int packed_small(const packed_job *job, int m0, int mr, int panel,
                                                               int n, const int KIND) {
     const int depth = job->depth;
-    const int64_t first_col = (int64_t)panel * LP_PANEL, row_step = depth, k_step = 1;
+    const int64_t first_col = (int64_t)panel * LP_PANEL, row_step = depth;
     const char *w_at = packed_at(job, panel, 0, KIND);
     const float *x = job->x + (int64_t)m0 * depth;
     if (mr == 1) {
@@ -190,15 +189,19 @@ static inline __attribute__((always_inline)) int packed_small(const packed_job *
 }
 #undef LP8_TILE
 
-/* Rows [first_row, last_row) (more than LP_MR, x in row tiles) times one panel whose weights at k0
- * are at w_at (KIND's layout), k in [k0, k1): each row tile in turn over the panel's slice. */
+/* Rows [first_row, last_row) (more than LP_MR) times one panel whose weights at k0 are at w_at
+ * (KIND's layout), k in [k0, k1): each row tile in turn over the panel's slice, x read in place.
+ * Until 2026-12-01 x was first copied into row tiles, k-major, so that a tile's six broadcasts read
+ * one stream; without the copy (the same FMA chains, the same bits): float32 0.96-1.0x the time at
+ * 16-1,024 rows on SmolLM2's four shapes, 0.90x on [576, 1,536] at 1,024, bf16 weights 0.89-1.0x
+ * (AMD EPYC, avx512 capped to x86-64-v3, 2 threads, `bench/linear_ab.py`, interleaved). */
 static inline __attribute__((always_inline)) void packed_rows(const packed_job *job, int first_row, int last_row,
                                                               int panel, const char *w_at, int k0, int k1,
                                                               const int KIND) {
-    const int64_t first_col = (int64_t)panel * LP_PANEL;
+    const int64_t first_col = (int64_t)panel * LP_PANEL, depth = job->depth;
     for (int m0 = first_row; m0 < last_row; m0 += LP_MR) {
-        const float *x = job->x_tiles + (int64_t)m0 * job->depth;   /* row tile m0 / LP_MR */
-#define LP8_ROWS(M) packed_tile8(job, m0, first_col, w_at, x, 1, LP_MR, k0, k1, M, 2, KIND)
+        const float *x = job->x + (int64_t)m0 * depth;
+#define LP8_ROWS(M) packed_tile8(job, m0, first_col, w_at, x, depth, k0, k1, M, 2, KIND)
         switch (last_row - m0) {
         case 1: LP8_ROWS(1); break;
         case 2: LP8_ROWS(2); break;
@@ -242,13 +245,13 @@ static const float *widened_block(const packed_job *job, int panel, int k0, int 
 }
 
 /* A work item's rows [first_row, last_row) times panels [first_panel, end_panel). One row tile
- * (decode, small batches): tiles over up to 4 panels, the whole depth, x read in place. More rows
- * (x in row tiles, packed_x_tiles): k pass by k pass, panel by panel, every row tile over the
- * panel's slice while it stays in L2 (LP8_K_BLOCK); bf16 weights widened once a slice for all of them.
+ * (decode, small batches): tiles over up to 4 panels, the whole depth. More rows: k pass by k pass,
+ * panel by panel, every row tile over the panel's slice while it stays in L2 (LP8_K_BLOCK); bf16
+ * weights widened once a slice for all of them.
  * The bf16 math kind is never asked for at this level: fdplug_linear_bf16dot_available() is 0. */
 static void packed_item(const packed_job *job, int first_row, int last_row, int first_panel, int end_panel) {
     const int kind = job->kind;
-    if (last_row - first_row <= LP_MR || job->x_tiles == NULL) {
+    if (last_row - first_row <= LP_MR) {
         for (int m0 = first_row; m0 < last_row; m0 += LP_MR) {
             const int mr = last_row - m0 < LP_MR ? last_row - m0 : LP_MR;
             for (int p = first_panel; p < end_panel;)
@@ -275,66 +278,4 @@ static void packed_item(const packed_job *job, int first_row, int last_row, int 
             }
         }
     }
-}
-
-/* x in row tiles of LP_MR rows, k-major: row m's x at k is at ((m / LP_MR) * depth + k) * LP_MR + m %
- * LP_MR, so that a tile's broadcasts read one sequential stream (x in place: LP_MR streams, each a
- * k step apart). */
-typedef struct {
-    const packed_job *job;
-    float *tiles;
-    int64_t next_tile;
-} x_tiles_job;
-
-/* A whole tile's 6 rows (row r at x + r * depth) into ``to`` k-major, four k at a time: rows 0-3
- * transposed in registers (4 x 4), rows 4-5 interleaved, each k's 6 values stored as 4 + 2. The copy
- * element by element had been ~8% of a [1,024, 1,536] x [576, 1,536] call (perf, Intel(R) Xeon(R)
- * Processor, avx512, capped to AVX2, 2 threads). */
-static void x_tile_transposed(const float *x, int64_t depth, float *to) {
-    int64_t k = 0;
-    for (; k + 4 <= depth; k += 4, to += 4 * LP_MR) {
-        __m128 r0 = _mm_loadu_ps(x + k), r1 = _mm_loadu_ps(x + depth + k);
-        __m128 r2 = _mm_loadu_ps(x + 2 * depth + k), r3 = _mm_loadu_ps(x + 3 * depth + k);
-        const __m128 r4 = _mm_loadu_ps(x + 4 * depth + k), r5 = _mm_loadu_ps(x + 5 * depth + k);
-        _MM_TRANSPOSE4_PS(r0, r1, r2, r3);   /* r_j: rows 0-3 at k + j */
-        const __m128 low = _mm_unpacklo_ps(r4, r5), high = _mm_unpackhi_ps(r4, r5);   /* rows 4-5 at k, k + 1; k + 2, k + 3 */
-        _mm_storeu_ps(to, r0), _mm_storel_pi((__m64 *)(to + 4), low);
-        _mm_storeu_ps(to + 6, r1), _mm_storeh_pi((__m64 *)(to + 10), low);
-        _mm_storeu_ps(to + 12, r2), _mm_storel_pi((__m64 *)(to + 16), high);
-        _mm_storeu_ps(to + 18, r3), _mm_storeh_pi((__m64 *)(to + 22), high);
-    }
-    for (; k < depth; ++k, to += LP_MR)
-        for (int r = 0; r < LP_MR; ++r) to[r] = x[r * depth + k];
-}
-
-static void *x_tiles_worker(void *arg) {
-    x_tiles_job *t = arg;
-    const int depth = t->job->depth, rows = t->job->rows, tiles = (rows + LP_MR - 1) / LP_MR;
-    for (int tile; (tile = (int)__atomic_fetch_add(&t->next_tile, 1, __ATOMIC_RELAXED)) < tiles;) {
-        const int m0 = tile * LP_MR, mr = rows - m0 < LP_MR ? rows - m0 : LP_MR;
-        float *to = t->tiles + (int64_t)m0 * depth;
-        if (mr == LP_MR) {
-            x_tile_transposed(t->job->x + (int64_t)m0 * depth, depth, to);
-            continue;
-        }
-        for (int r = 0; r < mr; ++r) {
-            const float *from = t->job->x + (int64_t)(m0 + r) * depth;
-            for (int k = 0; k < depth; ++k) to[(int64_t)k * LP_MR + r] = from[k];
-        }
-    }
-    return NULL;
-}
-
-/* Above one row tile: x copied into row tiles (freed by the caller), or NULL (x read in place, the
- * same bits: only where the copy cannot be allocated). */
-static float *packed_x_tiles(packed_job *job, int num_threads) {
-    if (job->rows <= LP_MR || job->kind == LP_BF16_MATH) return NULL;
-    const int tiles = (job->rows + LP_MR - 1) / LP_MR;
-    float *buffer = NULL;
-    if (posix_memalign((void **)&buffer, 64, sizeof(float) * (size_t)tiles * LP_MR * (size_t)job->depth) != 0)
-        return NULL;
-    x_tiles_job t = {job, buffer, 0};
-    run_workers(x_tiles_worker, &t, num_threads < tiles ? num_threads : tiles);
-    job->x_tiles = buffer;
-    return buffer;
 }
