@@ -191,6 +191,9 @@ static inline __attribute__((always_inline)) int packed_small(const packed_job *
 
 /* Rows [first_row, last_row) (more than LP_MR) times one panel whose weights at k0 are at w_at
  * (KIND's layout), k in [k0, k1): each row tile in turn over the panel's slice, x read in place.
+ * The rows are spread evenly over the fewest tiles (16 rows: 6 + 5 + 5, not 6 + 6 + 4): a tile of 4
+ * rows took about as long as one of 6 (64 rows ran no faster than 66), and 0.91-0.94x the time at
+ * 16 rows, 0.96-1.0x at 64 (AMD EPYC, avx512 capped to x86-64-v3, interleaved; the same bits).
  * Until 2026-12-01 x was first copied into row tiles, k-major, so that a tile's six broadcasts read
  * one stream; without the copy (the same FMA chains, the same bits): float32 0.96-1.0x the time at
  * 16-1,024 rows on SmolLM2's four shapes, 0.90x on [576, 1,536] at 1,024, bf16 weights 0.89-1.0x
@@ -199,10 +202,12 @@ static inline __attribute__((always_inline)) void packed_rows(const packed_job *
                                                               int panel, const char *w_at, int k0, int k1,
                                                               const int KIND) {
     const int64_t first_col = (int64_t)panel * LP_PANEL, depth = job->depth;
-    for (int m0 = first_row; m0 < last_row; m0 += LP_MR) {
+    const int tiles = (last_row - first_row + LP_MR - 1) / LP_MR;
+    for (int m0 = first_row, t = 0, mr; m0 < last_row; m0 += mr, ++t) {
+        mr = (last_row - m0 + tiles - t - 1) / (tiles - t);   /* the rows spread evenly over the tiles */
         const float *x = job->x + (int64_t)m0 * depth;
 #define LP8_ROWS(M) packed_tile8(job, m0, first_col, w_at, x, depth, k0, k1, M, 2, KIND)
-        switch (last_row - m0) {
+        switch (mr) {
         case 1: LP8_ROWS(1); break;
         case 2: LP8_ROWS(2); break;
         case 3: LP8_ROWS(3); break;
