@@ -439,15 +439,17 @@ static int gp_linear(const float *x, const uint8_t *w, float *out, int64_t ld, i
     const int groups = (cols + GP_COLS - 1) / GP_COLS, block_rows = gp_block_rows(rows, depth / 32);
     const int64_t items = (int64_t)groups * ((rows + block_rows - 1) / block_rows);
     const int threads = num_threads < items ? (num_threads > 0 ? num_threads : 1) : (int)items;
-    /* Work items: above GP_MR rows one group each, over a block of rows (gp_block_rows; a group is
-     * then >= 9 x 16 x depth multiply-adds, the queue's atomic nothing beside it), so that the
-     * threads end together: SmolLM2's 36 and 60 groups made 9 items of 4 and 7 on 2 threads, one
-     * thread doing 5, and this VM's two vCPUs drift apart besides. Up to GP_MR rows one group each
-     * lost 10-16% at one row (a thread's weights no longer read in order): there about 4 items a
-     * thread, as many for each. Against 4 items a thread throughout: 16-256 rows 0.97-1.13x (most
-     * 1.0-1.1x), one row 0.99-1.18x (Q4_1, Q8_0, SmolLM2's shapes, 2 threads, interleaved; AMD EPYC,
-     * avx2-or-less). */
-    int per_item = rows > GP_MR ? 1 : groups / (4 * threads);
+    /* Work items: about 4 a thread at every row count, each a run of groups over a block of rows
+     * (gp_block_rows), as many for each thread (SmolLM2's 36 groups: 12 items of 3), so that a thread
+     * reads its weights in order and the threads still end together. Until 2026-12-01 above GP_MR
+     * rows each item was one group (measured on AMD EPYC, avx2-or-less: 16-256 rows 0.97-1.13x of 4
+     * items a thread); on AMD EPYC, avx512 (Zen 5), capped to AVX2, runs of groups took 0.57-0.88x
+     * the time on the Q8_0 lm_head (49152 x 576) at 16-64 rows, 0.67-0.97x on SmolLM2's layers at
+     * 9-32 rows, 0.83-1.0x at 48-512 (Q8_0, Q6_K most), the rest within noise; at AVX-512 0.82-1.0x
+     * (2 threads, `bench/kernel_ab.py`, interleaved; the same bits). Items of 4 groups were 1.05-1.24x
+     * slower than these there, 2 items a thread within noise. A group's work at one row was 10-16%
+     * slower when the items were single groups (the weights not read in order). */
+    int per_item = groups / (4 * threads);
     while (per_item > 1 && (groups + per_item - 1) / per_item % threads != 0) --per_item;
     per_item = per_item > 0 ? per_item : 1;
     gp_job job = {&in, w, out, ld, 0, rows, cols, groups, depth, qtype, per_item, block_rows,
