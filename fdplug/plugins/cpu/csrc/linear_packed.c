@@ -56,6 +56,11 @@ typedef struct {
 
 static int64_t lp_calls;
 
+/* The rows of the next row tile where `left` rows remain for `tiles` tiles (the fewest: rows over
+ * LP_MR, rounded up): spread evenly, 16 rows as 6 + 5 + 5, not 6 + 6 + 4, since a tile of 4 rows
+ * takes about as long as one of 6. Each output's chain is the same in any tile: the same bits. */
+static inline int lp_tile_rows(int left, int tiles) { return (left + tiles - 1) / tiles; }
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 /* Rows m0 .. m0 + MR - 1 times the NV vectors of panel ``panel``, k in [k0, k1) (k0, k1 even for
  * the bf16 kinds); MR, NV and KIND are constants at each call site. */
@@ -199,9 +204,9 @@ static void packed_block(const packed_job *job, int m0, int mr, int panel, int n
 
 #ifndef LP_AVX2_TILES
 /* A work item's rows [first_row, last_row) times panels [first_panel, end_panel): panel by panel and
- * k block by k block, every row tile of the block. The rows spread evenly over the fewest tiles (16
- * rows: 6 + 5 + 5, not 6 + 6 + 4; the same bits): 0.94-0.96x the time at 16 rows, 0.975-1.0x at 64
- * (AMD EPYC, avx512, 2 threads, `bench/linear_ab.py`, interleaved; the AVX2 tiles' packed_rows too). */
+ * k block by k block, every row tile of the block (lp_tile_rows: 0.94-0.96x the time at 16 rows,
+ * 0.975-1.0x at 64 against tiles of 6 and the rest; AMD EPYC, avx512, 2 threads, `bench/linear_ab.py`,
+ * interleaved). */
 static void packed_item(const packed_job *job, int first_row, int last_row, int first_panel, int end_panel) {
     const int k_step = job->rows <= LP_MR ? job->depth : LP_K_BLOCK; /* one row tile: nothing comes back to a k block */
     for (int panel = first_panel; panel < end_panel; ++panel) {
@@ -211,7 +216,7 @@ static void packed_item(const packed_job *job, int first_row, int last_row, int 
             const int k1 = k0 + k_step < job->depth ? k0 + k_step : job->depth;
             const int tiles = (last_row - first_row + LP_MR - 1) / LP_MR;
             for (int m0 = first_row, t = 0, mr; m0 < last_row; m0 += mr, ++t) {
-                mr = (last_row - m0 + tiles - t - 1) / (tiles - t);   /* the rows spread evenly over the tiles */
+                mr = lp_tile_rows(last_row - m0, tiles - t);
                 packed_block(job, m0, mr, panel, nv, k0, k1);
             }
         }

@@ -191,9 +191,8 @@ static inline __attribute__((always_inline)) int packed_small(const packed_job *
 
 /* Rows [first_row, last_row) (more than LP_MR) times one panel whose weights at k0 are at w_at
  * (KIND's layout), k in [k0, k1): each row tile in turn over the panel's slice, x read in place.
- * The rows are spread evenly over the fewest tiles (16 rows: 6 + 5 + 5, not 6 + 6 + 4): a tile of 4
- * rows took about as long as one of 6 (64 rows ran no faster than 66), and 0.91-0.94x the time at
- * 16 rows, 0.96-1.0x at 64 (AMD EPYC, avx512 capped to x86-64-v3, interleaved; the same bits).
+ * The rows spread evenly over the tiles (lp_tile_rows; 64 rows had run no faster than 66): 0.91-0.94x
+ * the time at 16 rows, 0.96-1.0x at 64 (AMD EPYC, avx512 capped to x86-64-v3, interleaved).
  * Until 2026-12-01 x was first copied into row tiles, k-major, so that a tile's six broadcasts read
  * one stream; without the copy (the same FMA chains, the same bits): float32 0.96-1.0x the time at
  * 16-1,024 rows on SmolLM2's four shapes, 0.90x on [576, 1,536] at 1,024, bf16 weights 0.89-1.0x
@@ -204,7 +203,7 @@ static inline __attribute__((always_inline)) void packed_rows(const packed_job *
     const int64_t first_col = (int64_t)panel * LP_PANEL, depth = job->depth;
     const int tiles = (last_row - first_row + LP_MR - 1) / LP_MR;
     for (int m0 = first_row, t = 0, mr; m0 < last_row; m0 += mr, ++t) {
-        mr = (last_row - m0 + tiles - t - 1) / (tiles - t);   /* the rows spread evenly over the tiles */
+        mr = lp_tile_rows(last_row - m0, tiles - t);
         const float *x = job->x + (int64_t)m0 * depth;
 #define LP8_ROWS(M) packed_tile8(job, m0, first_col, w_at, x, depth, k0, k1, M, 2, KIND)
         switch (mr) {
