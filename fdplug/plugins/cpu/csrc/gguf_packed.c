@@ -348,8 +348,8 @@ static float *gg_panel_buffer(int64_t floats);   /* (gguf_linear.c: a thread's b
 
 /* A work item's rows: where a call's records (its quantized x, rows x pieces x GP_REC bytes) pass
  * this, its rows are split evenly, in whole tiles, into the fewest blocks whose records stay within
- * it, and each work item is one group over one block (the blocks in turn, every group of one before
- * the next). A group over all rows streamed all the records through the cache once a group: at
+ * it, and each work item is a run of groups over one block (the blocks in turn, every group of one
+ * before the next; gp_linear says how long a run). A group over all rows streamed all the records through the cache once a group: at
  * 2,048 rows and K = 1,536 (6 MiB of records) SmolLM2's down projection ran at 96-110 GFLOP/s in
  * about half the timings, against 147-200 blocked, and never below 147 blocked; at 1,024 rows
  * (3 MiB, now 2 blocks) and below either way within this machine's noise (Q5_0, Q6_K, 2 threads,
