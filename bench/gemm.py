@@ -16,7 +16,10 @@ faster. Per shape (``[N, K]`` weights of the bench model's layers) and row count
 rounded to bf16, a conversion the others pay inside), for float32 weights, bf16 weights in float32
 math (against ``portable``: the core's op, which widens the layer and calls paddle's matmul), and
 bf16 math (``cpu_native_bf16_linear``; paddle has no CPU bf16 matmul to compare). All in this run, the variants alternated (ABAB...) and the median of
-each taken: this machine drifts, so only the ratios within a line mean anything. The first line
+each taken: this machine drifts, so only the ratios within a line mean anything. Each float32 line also
+times the CPU's float32 FMA peak among its calls (``peak``: csrc/fma_peak.c, independent FMAs of the
+kernels' vector width, on the same threads) and gives packed's and paddle's share of it: where
+paddle's matmul already runs at 85-90% of the peak, no kernel can be 1.2x it. The first line
 names the CPU and the level the kernels were built for (``FDPLUG_CPU_ISA`` caps it; paddle's MKL
 and oneDNN pick their own code paths whatever the cap).
 """  # noqa: E501 (printed verbatim by --help: RawDescriptionHelpFormatter)
@@ -157,6 +160,21 @@ def compare(calls: dict, flops: float, rounds: int, budget: float) -> dict[str, 
     return {name: flops / t / 1e9 for name, t in median_seconds(calls, rounds, budget).items()}
 
 
+PEAK_FLOPS = 1e8   # a timing of the FMA peak: ~0.4 ms on two cores at ~250 GFLOP/s, as a 64-row layer
+
+
+def compare_with_peak(calls: dict, flops: float, threads: int, rounds: int, budget: float):
+    """`compare`'s GFLOP/s of each call, and the CPU's float32 FMA peak on the same threads
+    (csrc/fma_peak.c: independent FMAs of the kernels' vector width), timed among the calls: the
+    ceiling the figures sit under, in this run (the machine drifts)."""
+    from fdplug.plugins.cpu import kernels
+
+    lib = kernels.load()
+    timed = median_seconds({**calls, "peak": lambda: lib.fdplug_fma_peak(PEAK_FLOPS, threads)}, rounds, budget)
+    peak = lib.fdplug_fma_peak(PEAK_FLOPS, threads) / timed.pop("peak") / 1e9
+    return {name: flops / t / 1e9 for name, t in timed.items()}, peak
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer, shorter repetitions")
@@ -199,13 +217,14 @@ def main() -> None:
                      "paddle": lambda: paddle.matmul(x, w, transpose_y=True)}  # noqa: B023
             if dnnl:
                 calls["onednn"] = lambda: dnnl_call(dnnl, "dnnl_sgemm", x, w, out)  # noqa: B023
-            f32 = compare(calls, flops, rounds, budget)
+            f32, peak = compare_with_peak(calls, flops, threads, rounds, budget)
             b16 = compare({"packed": lambda: native_linear.linear(x, packed_b, threads),  # noqa: B023
                            "inplace": lambda: native_linear.linear(x, wb, threads),  # noqa: B023
                            "portable": lambda: portable(x, wb)}, flops, rounds, budget)  # noqa: B023
             others = max(v for name, v in f32.items() if name != "packed")
             line = (f"[{n:4d}, {k:4d}] {rows:4d} rows | float32 " + " ".join(f"{a} {v:6.1f}" for a, v in f32.items())
-                    + f" ({f32['packed'] / others:.2f}x best, {f32['packed'] / f32['paddle']:.2f}x paddle) | bf16 "
+                    + f" ({f32['packed'] / others:.2f}x best, {f32['packed'] / f32['paddle']:.2f}x paddle; peak "
+                    f"{peak:.0f}: packed {f32['packed'] / peak:.0%}, paddle {f32['paddle'] / peak:.0%}) | bf16 "
                     "weights " + " ".join(f"{a} {v:6.1f}" for a, v in b16.items())
                     + f" ({b16['packed'] / b16['portable']:.2f}x portable)")
             if bf16_math:

@@ -507,3 +507,17 @@ def test_a_forked_child_runs_the_kernels_without_the_parents_pool():
         os.kill(pid, 9)
         os.waitpid(pid, 0)
         pytest.fail("the forked child hung in a kernel call")
+
+
+def test_the_fma_peak_counts_the_work_it_was_asked_for():
+    """bench/gemm.py's ceiling (csrc/fma_peak.c) divides the count this returns by the call's time:
+    the count must be what was asked, rounded up by at most one iteration of 12 vectors a chunk
+    (16 chunks a thread), on any threads; a request it cannot size does nothing and says 0."""
+    lib = kernels.load()
+    widest = 2 * 12 * 16                             # flops of an iteration of 16-lane vectors
+    for threads in (1, 2, 3):
+        for flops in (1.0, 1e6, 3.3e7):
+            done = lib.fdplug_fma_peak(flops, threads)
+            assert flops <= done <= flops + widest * 16 * threads, (threads, flops, done)
+    for bad in (0.0, -1.0, float("nan"), float("inf"), 1e300):
+        assert lib.fdplug_fma_peak(bad, 2) == 0.0

@@ -61,6 +61,7 @@ SIGNATURES = {   # (restype, argtypes) of every function the library exports (cs
     "fdplug_gguf_dequant": (_c_int, [_ptr] * 2 + [_c_int] * 4),
     "fdplug_decoder_stack": (_c_int, [_ptr] * 2),
     "fdplug_decoder_stack_scratch": (_i64, [_ptr, _c_int]),
+    "fdplug_fma_peak": (ctypes.c_double, [ctypes.c_double, _c_int]),
 }
 
 

@@ -1069,3 +1069,4 @@ int fdplug_fp8_moe(const float *x, const uint8_t *w13, const float *s13, const u
 #include "rms_norm.c"
 #include "argmax.c" /* greedy sampling's argmax */
 #include "decoder_stack.c" /* a decode step's layers in one call, from the kernels above */
+#include "fma_peak.c" /* the FMA peak every GFLOP/s figure sits under (bench/gemm.py) */
