@@ -91,6 +91,23 @@ def test_thread_counts_and_row_blocks_do_not_change_a_bit():
             np.testing.assert_array_equal(run(x, prepared, threads=threads, bf16_math=bf16_math), one)
 
 
+def test_pieces_cut_into_row_blocks_for_the_threads_keep_every_bit():
+    """Where the panels do not share evenly over the threads (144 columns: 3 panels of the AVX-512
+    tiles, 9 of the AVX2 ones), each panel's row tiles are cut into blocks, items of their own
+    (csrc/linear_packed.c, lp_split): every row must be computed once, with the bits it has alone."""
+    rng = np.random.default_rng(11)
+    for dtype, bf16_math in kinds():
+        tensor, exact = weight(144, 256, seed=11, dtype=dtype)
+        prepared = native_linear.prepare(tensor)
+        for rows in (7, 13, 16, 40, 64, 191):
+            x = rng.standard_normal((rows, 256)).astype(np.float32)
+            got = check(x, prepared, exact, bf16_math)
+            for threads in (1, 3, 4):
+                np.testing.assert_array_equal(run(x, prepared, threads, bf16_math), got, err_msg=f"{rows} {threads}")
+            for i in (0, rows // 3, rows - 1):
+                np.testing.assert_array_equal(run(x[i:i + 1], prepared, 1, bf16_math)[0], got[i])
+
+
 def test_packing_round_trips_and_applies_only_where_its_layout_does():
     rng = np.random.default_rng(7)
     for dtype in ("float32", "bfloat16"):

@@ -47,6 +47,7 @@ typedef struct {
     float *out;               /* [rows, cols] */
     int rows, cols, depth, kind, x_pairs_ld;
     int rows_per_block, panels_per_piece, pieces;
+    int split_blocks, split_tiles; /* > 0: one block's row tiles cut into split_blocks items a piece (lp_split) */
     int64_t next_item;
     const float *scales_t;    /* LP_FP8: [blocks][cols], 256 x each column's block scale */
     int block_k;
@@ -60,6 +61,30 @@ static int64_t lp_calls;
  * LP_MR, rounded up): spread evenly, 16 rows as 6 + 5 + 5, not 6 + 6 + 4, since a tile of 4 rows
  * takes about as long as one of 6. Each output's chain is the same in any tile: the same bits. */
 static inline int lp_tile_rows(int left, int tiles) { return (left + tiles - 1) / tiles; }
+
+/* The first row of tile t of `tiles` over `rows` spread as lp_tile_rows spreads them. */
+static inline int lp_tile_start(int rows, int tiles, int t) {
+    return t * (rows / tiles) + (t < rows % tiles ? t : rows % tiles);
+}
+
+/* How many items each piece's row tiles are cut into, where the pieces alone would leave a thread
+ * idle at the end (9 panels of 64 columns on 2 threads: 5 and 4): the fewest blocks that keep every
+ * thread busy to within 5% (equal items assumed), fewer than the tiles (two tiles of 7 rows apart
+ * read the panel twice for little: 1.02-1.03x the time), 0 where one block does. A block is whole
+ * tiles of the call's own spread, so no tile gets smaller. AMD EPYC, avx512, 2 threads
+ * (`bench/linear_ab.py`, interleaved, the same bits): 0.89-0.98x the time at 16-96 rows on
+ * SmolLM2's 576- and 960-column layers (float32, bf16 widened, bf16 math); the AVX2 tiles' 16-column
+ * panels already share evenly there (36, 60). */
+#ifndef LP_SPLIT_EFFICIENCY
+#define LP_SPLIT_EFFICIENCY 0.95
+#endif
+static int lp_split(int pieces, int tiles, int threads) {
+    for (int blocks = 1; blocks < tiles && blocks <= 64; ++blocks) {
+        const int64_t items = (int64_t)pieces * blocks, rounds = (items + threads - 1) / threads;
+        if ((double)items >= LP_SPLIT_EFFICIENCY * (double)(rounds * threads)) return blocks > 1 ? blocks : 0;
+    }
+    return 0;
+}
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 /* Rows m0 .. m0 + MR - 1 times the NV vectors of panel ``panel``, k in [k0, k1) (k0, k1 even for
@@ -234,13 +259,22 @@ static void *packed_worker(void *arg) {
     const int panels = (job->cols + LP_PANEL - 1) / LP_PANEL;
     for (;;) {
         const int64_t item = __atomic_fetch_add(&job->next_item, 1, __ATOMIC_RELAXED);
-        const int64_t first_row = item / job->pieces * job->rows_per_block;
-        if (first_row >= job->rows) return NULL;
-        const int first_panel = (int)(item % job->pieces) * job->panels_per_piece;
+        int64_t first_row, last_row, piece;
+        if (job->split_blocks > 0) { /* a piece's blocks one after another: both threads on its weights */
+            piece = item / job->split_blocks;
+            if (piece >= job->pieces) return NULL;
+            const int block = (int)(item % job->split_blocks), tiles = job->split_tiles;
+            first_row = lp_tile_start(job->rows, tiles, block * tiles / job->split_blocks);
+            last_row = lp_tile_start(job->rows, tiles, (block + 1) * tiles / job->split_blocks);
+        } else {
+            first_row = item / job->pieces * job->rows_per_block;
+            if (first_row >= job->rows) return NULL;
+            piece = item % job->pieces;
+            last_row = first_row + job->rows_per_block < job->rows ? first_row + job->rows_per_block : job->rows;
+        }
+        const int first_panel = (int)piece * job->panels_per_piece;
         const int end_panel = first_panel + job->panels_per_piece < panels ? first_panel + job->panels_per_piece : panels;
-        const int last_row = (int)(first_row + job->rows_per_block < job->rows ? first_row + job->rows_per_block
-                                                                                : job->rows);
-        packed_item(job, (int)first_row, last_row, first_panel, end_panel);
+        packed_item(job, (int)first_row, (int)last_row, first_panel, end_panel);
     }
 }
 
@@ -253,10 +287,18 @@ static void packed_run(packed_job *job, int x_bytes, int num_threads) {
     const int threads = num_threads > 1 ? num_threads : 1;
     /* One row tile (decode): a thread's share in about four pieces, each read in sequence (one
      * stream a 64-column panel, four for the AVX2 tiles' 16-column ones). More rows: one panel a
-     * piece, so both threads stay busy on small layers. */
+     * piece, so both threads stay busy on small layers, and its row tiles in blocks where the
+     * panels do not share evenly (lp_split). */
     job->panels_per_piece = job->rows <= LP_MR ? (panels + 4 * threads - 1) / (4 * threads) : 1;
     job->pieces = (panels + job->panels_per_piece - 1) / job->panels_per_piece;
-    const int64_t items = (int64_t)job->pieces * ((job->rows + job->rows_per_block - 1) / job->rows_per_block);
+    const int tiles = (job->rows + LP_MR - 1) / LP_MR;
+    if (job->rows > LP_MR && job->rows <= job->rows_per_block) {
+        job->split_blocks = lp_split(job->pieces, tiles, threads);
+        job->split_tiles = tiles;
+    }
+    const int64_t items = job->split_blocks > 0 ? (int64_t)job->pieces * job->split_blocks
+                                                : (int64_t)job->pieces * ((job->rows + job->rows_per_block - 1) /
+                                                                          job->rows_per_block);
     run_workers(packed_worker, job, num_threads < items ? num_threads : (int)items);
 }
 
@@ -273,7 +315,7 @@ int fdplug_linear_packed(const float *x, const void *w, int kind, const float *b
     if (rows <= 0 || cols <= 0) return 0;
     if (cols % 16 != 0 || kind < LP_F32 || kind > LP_BF16_MATH || (kind != LP_F32 && depth % 2 != 0)) return -2;
     if (depth <= 0) return -2;   /* the prepared layouts need a depth */
-    packed_job job = {x, NULL, w, out, rows, cols, depth, kind, 0, 0, 0, 0, 0, NULL, 0, bias, 0};
+    packed_job job = {.x = x, .w = w, .out = out, .rows = rows, .cols = cols, .depth = depth, .kind = kind, .bias = bias};
     void *buffer = NULL;
     if (kind == LP_BF16_MATH) {
 #ifdef HAVE_BF16_DOT
@@ -313,7 +355,8 @@ int fdplug_linear_packed_fp8(const float *x, const uint8_t *w, const float *scal
     if (scales_t == NULL) return -1;
     for (int n = 0; n < cols; ++n)
         for (int b = 0; b < blocks; ++b) scales_t[(int64_t)b * cols + n] = scales[(int64_t)n * blocks + b] * 256.0f;
-    packed_job job = {x, NULL, w, out, rows, cols, depth, LP_FP8, 0, 0, 0, 0, 0, scales_t, block_k, bias, 0};
+    packed_job job = {.x = x, .w = w, .out = out, .rows = rows, .cols = cols, .depth = depth, .kind = LP_FP8,
+                      .scales_t = scales_t, .block_k = block_k, .bias = bias};
     packed_run(&job, 4, num_threads);
     free(scales_t);
     return 0;
