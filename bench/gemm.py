@@ -19,7 +19,7 @@ bf16 math (``cpu_native_bf16_linear``; paddle has no CPU bf16 matmul to compare)
 each taken: this machine drifts, so only the ratios within a line mean anything. Each float32 line also
 times the CPU's float32 FMA peak among its calls (``peak``: csrc/fma_peak.c, independent FMAs of the
 kernels' vector width, on the same threads) and gives packed's and paddle's share of it: where
-paddle's matmul already runs at 85-90% of the peak, no kernel can be 1.2x it. The first line
+paddle's matmul already runs at 84-89% of the peak, no kernel can be 1.2x it. The first line
 names the CPU and the level the kernels were built for (``FDPLUG_CPU_ISA`` caps it; paddle's MKL
 and oneDNN pick their own code paths whatever the cap).
 """  # noqa: E501 (printed verbatim by --help: RawDescriptionHelpFormatter)

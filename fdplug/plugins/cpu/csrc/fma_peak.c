@@ -2,10 +2,10 @@
  * The CPU's float32 FMA peak at this build's level: the ceiling every GFLOP/s figure sits under.
  *
  * Why: issue 33's bars are ratios against paddle's matmul. Where that matmul already runs near the
- * peak (MKL at 85-90% of it at 64 rows on AMD EPYC, avx512 capped to AVX2, and on a Zen 3), no
- * kernel can be 1.2x it; bench/gemm.py times this loop among its calls, in the same run and on the
- * same threads, and prints each figure as a share of it, so that a reader sees where the ceiling is
- * rather than taking a note's word for it.
+ * peak (MKL at 85-87% of it at 64 rows on [3072, 576], AMD EPYC, avx512 capped to AVX2; 84-89% on
+ * three of SmolLM2's four shapes on a Zen 3), no kernel can be 1.2x it; bench/gemm.py times this
+ * loop among its calls, in the same run and on the same threads, and prints each figure as a share
+ * of it, so that a reader sees where the ceiling is rather than taking a note's word for it.
  *
  * Each thread runs 12 independent FMA chains of the build's widest float vectors (two FMA pipes
  * times a latency of 4-6 cycles keeps 8-12 in flight), with nothing but the FMAs in the loop body
