@@ -47,7 +47,7 @@ typedef struct {
     float *out;               /* [rows, cols] */
     int rows, cols, depth, kind, x_pairs_ld;
     int rows_per_block, panels_per_piece, pieces;
-    int split_blocks, split_tiles; /* > 0: one block's row tiles cut into split_blocks items a piece (lp_split) */
+    int split_blocks;         /* > 0: the row tiles cut into split_blocks items a piece (lp_split) */
     int64_t next_item;
     const float *scales_t;    /* LP_FP8: [blocks][cols], 256 x each column's block scale */
     int block_k;
@@ -263,7 +263,7 @@ static void *packed_worker(void *arg) {
         if (job->split_blocks > 0) { /* a piece's blocks one after another: both threads on its weights */
             piece = item / job->split_blocks;
             if (piece >= job->pieces) return NULL;
-            const int block = (int)(item % job->split_blocks), tiles = job->split_tiles;
+            const int block = (int)(item % job->split_blocks), tiles = (job->rows + LP_MR - 1) / LP_MR;
             first_row = lp_tile_start(job->rows, tiles, block * tiles / job->split_blocks);
             last_row = lp_tile_start(job->rows, tiles, (block + 1) * tiles / job->split_blocks);
         } else {
@@ -291,11 +291,8 @@ static void packed_run(packed_job *job, int x_bytes, int num_threads) {
      * panels do not share evenly (lp_split). */
     job->panels_per_piece = job->rows <= LP_MR ? (panels + 4 * threads - 1) / (4 * threads) : 1;
     job->pieces = (panels + job->panels_per_piece - 1) / job->panels_per_piece;
-    const int tiles = (job->rows + LP_MR - 1) / LP_MR;
-    if (job->rows > LP_MR && job->rows <= job->rows_per_block) {
-        job->split_blocks = lp_split(job->pieces, tiles, threads);
-        job->split_tiles = tiles;
-    }
+    if (job->rows > LP_MR && job->rows <= job->rows_per_block)
+        job->split_blocks = lp_split(job->pieces, (job->rows + LP_MR - 1) / LP_MR, threads);
     const int64_t items = job->split_blocks > 0 ? (int64_t)job->pieces * job->split_blocks
                                                 : (int64_t)job->pieces * ((job->rows + job->rows_per_block - 1) /
                                                                           job->rows_per_block);
